@@ -41,7 +41,11 @@ impl Batch {
         let tail_crc = format::encode_enqueue_unsealed(&mut self.records, queue, payload_parts);
         let body_len = self.records.len() - offset - RECORD_HEADER_SIZE;
         self.largest_payload = self.largest_payload.max(body_len - ENQUEUE_FIXED_LEN);
-        self.enqueues.push(Unsealed { offset, tail_crc, tail_len: body_len - 9 });
+        self.enqueues.push(Unsealed {
+            offset,
+            tail_crc,
+            tail_len: body_len - 9,
+        });
         self.enqueues.len() - 1
     }
 

@@ -11,13 +11,21 @@ pub enum StoreError {
     /// An I/O operation on the log directory failed while opening or recovering.
     /// (I/O failures of the writer thread are fatal and abort the process instead.)
     #[error("{op} {path}: {source}")]
-    Io { op: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     /// Another process (or another `Store` in this one) has the log directory open.
     #[error("the log directory {path} is in use by another store")]
     Locked { path: PathBuf },
     /// A segment was written by a newer format version than this build reads.
     #[error("segment {path} has format version {version}, this build reads version {supported}")]
-    UnsupportedVersion { path: PathBuf, version: u16, supported: u16 },
+    UnsupportedVersion {
+        path: PathBuf,
+        version: u16,
+        supported: u16,
+    },
     /// A message payload is larger than one record may be.
     #[error("message of {len} bytes is larger than the {max} byte record limit")]
     RecordTooLarge { len: usize, max: usize },
@@ -27,7 +35,10 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>) -> impl FnOnce(io::Error) -> StoreError {
+    pub(crate) fn io(
+        op: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(io::Error) -> StoreError {
         let path = path.into();
         move |source| StoreError::Io { op, path, source }
     }

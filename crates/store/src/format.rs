@@ -115,7 +115,9 @@ pub fn encode_header(first_id: u64) -> [u8; HEADER_SIZE] {
 
 /// Decodes a segment header from the start of `file`.
 pub fn decode_header(file: &[u8]) -> Result<SegmentHeader, Damage> {
-    let h = file.get(..HEADER_SIZE).ok_or(Damage::HeaderTruncated { have: file.len() })?;
+    let h = file
+        .get(..HEADER_SIZE)
+        .ok_or(Damage::HeaderTruncated { have: file.len() })?;
     let magic = array::<4>(h, 0);
     if magic != MAGIC {
         return Err(Damage::BadMagic { found: magic });
@@ -132,14 +134,22 @@ pub fn decode_header(file: &[u8]) -> Result<SegmentHeader, Damage> {
     if usize::from(size) != HEADER_SIZE {
         return Err(Damage::BadHeaderSize { version, size });
     }
-    Ok(SegmentHeader { first_id: u64::from_le_bytes(array(h, 8)) })
+    Ok(SegmentHeader {
+        first_id: u64::from_le_bytes(array(h, 8)),
+    })
 }
 
 /// One record read back from a segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Record<'a> {
-    Enqueue { id: u64, queue: u64, payload: &'a [u8] },
-    Acks { ids: AckIds<'a> },
+    Enqueue {
+        id: u64,
+        queue: u64,
+        payload: &'a [u8],
+    },
+    Acks {
+        ids: AckIds<'a>,
+    },
 }
 
 /// The ids of an acks record, decoded lazily.
@@ -154,7 +164,9 @@ impl<'a> AckIds<'a> {
         self.0.is_empty()
     }
     pub fn iter(&self) -> impl Iterator<Item = u64> + 'a {
-        self.0.chunks_exact(8).map(|c| u64::from_le_bytes(array(c, 0)))
+        self.0
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(array(c, 0)))
     }
 }
 
@@ -177,7 +189,10 @@ pub fn decode_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
     if computed != stored {
         return Err(Damage::Checksum { stored, computed });
     }
-    let kind = body.first().copied().ok_or(Damage::Malformed { kind: 0, len })?;
+    let kind = body
+        .first()
+        .copied()
+        .ok_or(Damage::Malformed { kind: 0, len })?;
     let record = match kind {
         KIND_ENQUEUE => {
             if len < ENQUEUE_FIXED_LEN {
@@ -190,9 +205,13 @@ pub fn decode_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
             }
         }
         KIND_ACKS => {
-            let count = body.get(1..5).map(|c| u32::from_le_bytes(array(c, 0)) as usize);
+            let count = body
+                .get(1..5)
+                .map(|c| u32::from_le_bytes(array(c, 0)) as usize);
             match count {
-                Some(n) if len == ACKS_FIXED_LEN + n * 8 => Record::Acks { ids: AckIds(&body[ACKS_FIXED_LEN..]) },
+                Some(n) if len == ACKS_FIXED_LEN + n * 8 => Record::Acks {
+                    ids: AckIds(&body[ACKS_FIXED_LEN..]),
+                },
                 _ => return Err(Damage::Malformed { kind, len }),
             }
         }
@@ -274,7 +293,10 @@ mod tests {
     fn header_round_trip_and_damage() {
         let h = encode_header(42);
         assert_eq!(decode_header(&h), Ok(SegmentHeader { first_id: 42 }));
-        assert_eq!(decode_header(&h[..10]), Err(Damage::HeaderTruncated { have: 10 }));
+        assert_eq!(
+            decode_header(&h[..10]),
+            Err(Damage::HeaderTruncated { have: 10 })
+        );
         let mut bad = h;
         bad[9] ^= 1;
         assert_eq!(decode_header(&bad), Err(Damage::HeaderChecksum));
@@ -288,7 +310,14 @@ mod tests {
         let rec = enqueue(7, 3, &[b"head", b"", b"body"]);
         let (r, n) = decode_record(&rec).unwrap();
         assert_eq!(n, rec.len());
-        assert_eq!(r, Record::Enqueue { id: 7, queue: 3, payload: b"headbody" });
+        assert_eq!(
+            r,
+            Record::Enqueue {
+                id: 7,
+                queue: 3,
+                payload: b"headbody"
+            }
+        );
     }
 
     #[test]
@@ -322,6 +351,9 @@ mod tests {
         out.push(9);
         assert_eq!(decode_record(&out), Err(Damage::UnknownKind { kind: 9 }));
         let huge = [0xff; 8];
-        assert!(matches!(decode_record(&huge), Err(Damage::LengthTooLarge { .. })));
+        assert!(matches!(
+            decode_record(&huge),
+            Err(Damage::LengthTooLarge { .. })
+        ));
     }
 }

@@ -88,7 +88,11 @@ pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
         let header = match format::decode_header(&data) {
             Ok(h) => h,
             Err(Damage::UnsupportedVersion { version }) => {
-                return Err(StoreError::UnsupportedVersion { path, version, supported: VERSION });
+                return Err(StoreError::UnsupportedVersion {
+                    path,
+                    version,
+                    supported: VERSION,
+                });
             }
             Err(reason) if newest => {
                 // Created by a roll just before the crash: nothing in it was ever confirmed.
@@ -96,15 +100,31 @@ pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
                     "newest segment has a torn header; removing it");
                 fs::remove_file(&path).map_err(StoreError::io("removing", &path))?;
                 segment::sync_dir(dir)?;
-                out.truncated = Some(TornTail { segment: path, offset: 0, dropped_bytes: disk_len, reason });
+                out.truncated = Some(TornTail {
+                    segment: path,
+                    offset: 0,
+                    dropped_bytes: disk_len,
+                    reason,
+                });
                 continue;
             }
             Err(reason) => {
                 tracing::error!(file = %path.display(), offset = 0, skipped_bytes = disk_len, %reason,
                     "corrupt segment header; skipping the whole segment");
-                out.corrupted.push(CorruptSegment { segment: path, offset: 0, skipped_bytes: disk_len, reason });
+                out.corrupted.push(CorruptSegment {
+                    segment: path,
+                    offset: 0,
+                    skipped_bytes: disk_len,
+                    reason,
+                });
                 table.push(base, next_id);
-                extents.insert(base, Extent { disk_len, valid_len: 0 });
+                extents.insert(
+                    base,
+                    Extent {
+                        disk_len,
+                        valid_len: 0,
+                    },
+                );
                 end_pos = end_pos.max(base + disk_len);
                 continue;
             }
@@ -120,8 +140,12 @@ pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
                     "torn tail in the newest segment; truncating to the last valid record");
                 truncate(&path, valid_len as u64)?;
                 kept_len = valid_len as u64;
-                out.truncated =
-                    Some(TornTail { segment: path, offset: valid_len as u64, dropped_bytes: dropped, reason });
+                out.truncated = Some(TornTail {
+                    segment: path,
+                    offset: valid_len as u64,
+                    dropped_bytes: dropped,
+                    reason,
+                });
             } else {
                 tracing::error!(file = %path.display(), offset = valid_len, skipped_bytes = dropped, %reason,
                     "corrupt record in an older segment; keeping the records before it, skipping the rest");
@@ -133,7 +157,13 @@ pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
                 });
             }
         }
-        extents.insert(base, Extent { disk_len: kept_len, valid_len });
+        extents.insert(
+            base,
+            Extent {
+                disk_len: kept_len,
+                valid_len,
+            },
+        );
         end_pos = end_pos.max(base + kept_len);
         if newest {
             active = Some((base, valid_len));
@@ -145,19 +175,29 @@ pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
     let (file, base, pos) = match active {
         Some((base, valid_len)) => {
             let path = segment::path(dir, base);
-            let file = OpenOptions::new().append(true).open(&path).map_err(StoreError::io("opening", &path))?;
+            let file = OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .map_err(StoreError::io("opening", &path))?;
             (file, base, base + valid_len as u64)
         }
         None => {
             let file = segment::create(dir, end_pos, next_id)?;
             table.push(end_pos, next_id);
-            extents.insert(end_pos, Extent { disk_len: HEADER_SIZE as u64, valid_len: HEADER_SIZE });
+            extents.insert(
+                end_pos,
+                Extent {
+                    disk_len: HEADER_SIZE as u64,
+                    valid_len: HEADER_SIZE,
+                },
+            );
             (file, end_pos, end_pos + HEADER_SIZE as u64)
         }
     };
     // What was read back may only have been in the page cache (a killed process with IntervalMs): make it
     // durable before anything is appended and confirmed on top of it. Older segments were fsynced at roll.
-    file.sync_data().map_err(StoreError::io("fsyncing", segment::path(dir, base)))?;
+    file.sync_data()
+        .map_err(StoreError::io("fsyncing", segment::path(dir, base)))?;
 
     out.segments_deleted = delete_dead(dir, &mut table, &mut extents, base)?;
     collect_live(dir, &table, &extents, &mut out.messages)?;
@@ -174,7 +214,17 @@ pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
         elapsed_ms = started.elapsed().as_millis() as u64,
         "message store recovered"
     );
-    Ok((Start { file, base, pos, next_id, segments: table, bytes_on_disk }, out))
+    Ok((
+        Start {
+            file,
+            base,
+            pos,
+            next_id,
+            segments: table,
+            bytes_on_disk,
+        },
+        out,
+    ))
 }
 
 /// Applies the records of one segment to `table`. Returns the end of the valid prefix and, if the scan
@@ -185,7 +235,13 @@ fn scan(data: &[u8], table: &mut SegmentTable, next_id: &mut MsgId) -> (usize, O
         match format::decode_record(rest) {
             Ok((Record::Enqueue { id, .. }, n)) => {
                 if id < *next_id {
-                    return (off, Some(Damage::IdOutOfOrder { id, previous: next_id.saturating_sub(1) }));
+                    return (
+                        off,
+                        Some(Damage::IdOutOfOrder {
+                            id,
+                            previous: next_id.saturating_sub(1),
+                        }),
+                    );
                 }
                 table.enqueue(id);
                 *next_id = id.saturating_add(1);
@@ -205,7 +261,10 @@ fn scan(data: &[u8], table: &mut SegmentTable, next_id: &mut MsgId) -> (usize, O
 }
 
 fn truncate(path: &Path, len: u64) -> Result<(), StoreError> {
-    let f = OpenOptions::new().write(true).open(path).map_err(StoreError::io("opening", path))?;
+    let f = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(StoreError::io("opening", path))?;
     f.set_len(len).map_err(StoreError::io("truncating", path))?;
     f.sync_all().map_err(StoreError::io("fsyncing", path))
 }
@@ -245,16 +304,24 @@ fn collect_live(
     messages: &mut Vec<RecoveredMessage>,
 ) -> Result<(), StoreError> {
     for seg in table.iter().filter(|s| s.live > 0) {
-        let Some(extent) = extents.get(&seg.base) else { continue };
+        let Some(extent) = extents.get(&seg.base) else {
+            continue;
+        };
         let path = segment::path(dir, seg.base);
         let data = read_prefix(&path, extent.valid_len)?;
         let mut off = HEADER_SIZE;
         while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
             // The first pass validated this prefix; a failure now means the file changed under us.
-            let Ok((record, n)) = format::decode_record(rest) else { break };
+            let Ok((record, n)) = format::decode_record(rest) else {
+                break;
+            };
             if let Record::Enqueue { id, queue, payload } = record {
                 if seg.is_live(id) {
-                    messages.push(RecoveredMessage { id, queue, payload: Bytes::copy_from_slice(payload) });
+                    messages.push(RecoveredMessage {
+                        id,
+                        queue,
+                        payload: Bytes::copy_from_slice(payload),
+                    });
                 }
             }
             off += n;

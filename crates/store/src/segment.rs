@@ -27,7 +27,12 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<u64>, StoreError> {
         let entry = entry.map_err(StoreError::io("listing", dir))?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(stem) = name.strip_suffix(SEGMENT_EXT).and_then(|s| s.strip_suffix('.')) else { continue };
+        let Some(stem) = name
+            .strip_suffix(SEGMENT_EXT)
+            .and_then(|s| s.strip_suffix('.'))
+        else {
+            continue;
+        };
         if stem.len() == 20 && stem.bytes().all(|b| b.is_ascii_digit()) {
             if let Ok(base) = stem.parse() {
                 bases.push(base);
@@ -43,7 +48,8 @@ pub(crate) fn list(dir: &Path) -> Result<Vec<u64>, StoreError> {
 pub(crate) fn create(dir: &Path, base: u64, first_id: MsgId) -> Result<File, StoreError> {
     let p = path(dir, base);
     let mut f = create_empty(dir, base)?;
-    f.write_all(&format::encode_header(first_id)).map_err(StoreError::io("writing", &p))?;
+    f.write_all(&format::encode_header(first_id))
+        .map_err(StoreError::io("writing", &p))?;
     f.sync_data().map_err(StoreError::io("fsyncing", &p))?;
     Ok(f)
 }
@@ -51,14 +57,20 @@ pub(crate) fn create(dir: &Path, base: u64, first_id: MsgId) -> Result<File, Sto
 /// Creates an empty segment file and fsyncs the directory entry.
 pub(crate) fn create_empty(dir: &Path, base: u64) -> Result<File, StoreError> {
     let p = path(dir, base);
-    let f = OpenOptions::new().write(true).create_new(true).open(&p).map_err(StoreError::io("creating", &p))?;
+    let f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&p)
+        .map_err(StoreError::io("creating", &p))?;
     sync_dir(dir)?;
     Ok(f)
 }
 
 /// Fsyncs the directory itself, making file creations and deletions durable.
 pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(StoreError::io("fsyncing directory", dir))
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(StoreError::io("fsyncing directory", dir))
 }
 
 /// What the store knows about one segment on disk.
@@ -84,7 +96,9 @@ impl SegmentInfo {
     }
 
     pub fn is_live(&self, id: MsgId) -> bool {
-        self.bit(id).and_then(|(w, m)| self.live_bits.get(w).map(|word| word & m != 0)).unwrap_or(false)
+        self.bit(id)
+            .and_then(|(w, m)| self.live_bits.get(w).map(|word| word & m != 0))
+            .unwrap_or(false)
     }
 }
 
@@ -97,13 +111,23 @@ pub(crate) struct SegmentTable {
 impl SegmentTable {
     /// Adds a new newest segment whose enqueues get ids from `first_id` on.
     pub fn push(&mut self, base: u64, first_id: MsgId) {
-        self.segments.push_back(SegmentInfo { base, first_id, end_id: first_id, live: 0, live_bits: Vec::new() });
+        self.segments.push_back(SegmentInfo {
+            base,
+            first_id,
+            end_id: first_id,
+            live: 0,
+            live_bits: Vec::new(),
+        });
     }
 
     /// Records a live enqueue of `id` in the newest segment. Ids must be increasing (the caller checks).
     pub fn enqueue(&mut self, id: MsgId) {
-        let Some(seg) = self.segments.back_mut() else { return };
-        let Ok(i) = usize::try_from(id.saturating_sub(seg.first_id)) else { return };
+        let Some(seg) = self.segments.back_mut() else {
+            return;
+        };
+        let Ok(i) = usize::try_from(id.saturating_sub(seg.first_id)) else {
+            return;
+        };
         let words = i / 64 + 1;
         if seg.live_bits.len() < words {
             seg.live_bits.resize(words, 0);
@@ -116,8 +140,12 @@ impl SegmentTable {
     /// Marks `id` acked. Returns false (and changes nothing) for ids that are unknown or already acked.
     pub fn ack(&mut self, id: MsgId) -> bool {
         let idx = self.segments.partition_point(|s| s.first_id <= id);
-        let Some(seg) = idx.checked_sub(1).and_then(|i| self.segments.get_mut(i)) else { return false };
-        let Some((w, m)) = seg.bit(id) else { return false };
+        let Some(seg) = idx.checked_sub(1).and_then(|i| self.segments.get_mut(i)) else {
+            return false;
+        };
+        let Some((w, m)) = seg.bit(id) else {
+            return false;
+        };
         match seg.live_bits.get_mut(w) {
             Some(word) if *word & m != 0 => {
                 *word &= !m;
@@ -134,7 +162,11 @@ impl SegmentTable {
     /// so no remaining segment holds an enqueue whose ack was in a deleted one.
     pub fn take_dead_prefix(&mut self, before_base: u64) -> Vec<SegmentInfo> {
         let mut dead = Vec::new();
-        while self.segments.front().is_some_and(|s| s.live == 0 && s.base < before_base) {
+        while self
+            .segments
+            .front()
+            .is_some_and(|s| s.live == 0 && s.base < before_base)
+        {
             dead.extend(self.segments.pop_front());
         }
         dead
@@ -182,7 +214,10 @@ mod tests {
         assert!(t.take_dead_prefix(u64::MAX).is_empty());
         assert!(t.ack(1));
         let dead = t.take_dead_prefix(200);
-        assert_eq!(dead.iter().map(|s| s.base).collect::<Vec<_>>(), vec![0, 100]);
+        assert_eq!(
+            dead.iter().map(|s| s.base).collect::<Vec<_>>(),
+            vec![0, 100]
+        );
         assert_eq!(t.len(), 1);
     }
 

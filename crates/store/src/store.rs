@@ -40,7 +40,10 @@ pub struct StoreOptions {
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { segment_size: 64 << 20, sync: SyncPolicy::EveryBatch }
+        StoreOptions {
+            segment_size: 64 << 20,
+            sync: SyncPolicy::EveryBatch,
+        }
     }
 }
 
@@ -87,12 +90,26 @@ impl Store {
     /// Opens (creating) the log in `dir`, replays every segment, truncates a torn/garbled tail of the newest
     /// segment to the last valid record (logging what was dropped), and returns the live messages.
     pub fn open(dir: &Path, opts: StoreOptions) -> Result<(Store, Recovery), StoreError> {
-        std::fs::create_dir_all(dir).map_err(StoreError::io("creating", dir))?;
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(StoreError::io("creating", dir))?;
+            // The new directory's own entry must survive a crash too, or the whole log could vanish.
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                crate::segment::sync_dir(parent)?;
+            }
+        }
         let lock = lock_dir(dir)?;
         let (mut start, recovery) = recovery::recover(dir)?;
-        let file = start.file.try_clone().map_err(StoreError::io("opening", dir))?;
+        let file = start
+            .file
+            .try_clone()
+            .map_err(StoreError::io("opening", dir))?;
         let base = start.base;
-        let shared = Arc::new(Shared::new(dir.to_path_buf(), opts.segment_size.max(1), opts.sync, &mut start));
+        let shared = Arc::new(Shared::new(
+            dir.to_path_buf(),
+            opts.segment_size.max(1),
+            opts.sync,
+            &mut start,
+        ));
         drop(start);
         let writer = Writer::new(shared.clone(), file, base);
         let handle = std::thread::Builder::new()
@@ -100,16 +117,36 @@ impl Store {
             .spawn(move || writer.run())
             .map_err(StoreError::io("starting the writer thread for", dir))?;
         if let SyncPolicy::IntervalMs(ms) = opts.sync {
-            tracing::warn!(interval_ms = ms, "message store fsyncs on an interval: confirms wait for it");
+            tracing::warn!(
+                interval_ms = ms,
+                "message store fsyncs on an interval: confirms wait for it"
+            );
         }
-        let inner = Inner { shared, writer: Mutex::new(Some(handle)), lock: Mutex::new(Some(lock)) };
-        Ok((Store { inner: Arc::new(inner) }, recovery))
+        let inner = Inner {
+            shared,
+            writer: Mutex::new(Some(handle)),
+            lock: Mutex::new(Some(lock)),
+        };
+        Ok((
+            Store {
+                inner: Arc::new(inner),
+            },
+            recovery,
+        ))
     }
 
     /// Appends a batch. Enqueues get ids assigned in order. Returns the batch's `SyncTicket`: the batch is
     /// durable once `durable()` has reached it. Cheap: copies the records into the pending write buffer
     /// under a short lock and wakes the writer thread; never waits for I/O, except as flow control when
     /// more than 64 MiB are already waiting to be written.
+    ///
+    /// ### To ensure correctness
+    /// - Confirm a publish (or treat an ack as settled on disk) only once `durable()` is `>= ticket`; the
+    ///   return value of `append` itself promises nothing about the disk.
+    /// - Ids in `batch.ids()` are final as soon as `append` returns, durable or not; a crash before the
+    ///   ticket is durable may lose the batch, and after such a crash ids above the last durable one can be
+    ///   handed out again (no durable record ever referred to them).
+    /// - Ack only ids this store returned; unknown or repeated acks are ignored, never an error.
     pub fn append(&self, batch: &mut Batch) -> Result<SyncTicket, StoreError> {
         self.inner.shared.append(batch)
     }
@@ -160,7 +197,9 @@ impl Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("dir", &self.inner.shared.dir).finish_non_exhaustive()
+        f.debug_struct("Store")
+            .field("dir", &self.inner.shared.dir)
+            .finish_non_exhaustive()
     }
 }
 
@@ -199,9 +238,15 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
     if rc != 0 {
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            return Err(StoreError::Locked { path: dir.to_path_buf() });
+            return Err(StoreError::Locked {
+                path: dir.to_path_buf(),
+            });
         }
-        return Err(StoreError::Io { op: "locking", path, source: err });
+        return Err(StoreError::Io {
+            op: "locking",
+            path,
+            source: err,
+        });
     }
     Ok(file)
 }

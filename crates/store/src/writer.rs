@@ -111,8 +111,12 @@ pub(crate) struct Start {
 impl Shared {
     pub fn new(dir: PathBuf, segment_size: u64, sync: SyncPolicy, start: &mut Start) -> Shared {
         let counters = Counters::default();
-        counters.segments.store(start.segments.len() as u64, Ordering::Relaxed);
-        counters.bytes_on_disk.store(start.bytes_on_disk, Ordering::Relaxed);
+        counters
+            .segments
+            .store(start.segments.len() as u64, Ordering::Relaxed);
+        counters
+            .bytes_on_disk
+            .store(start.bytes_on_disk, Ordering::Relaxed);
         Shared {
             dir,
             segment_size,
@@ -129,7 +133,10 @@ impl Shared {
             }),
             work: Condvar::new(),
             space: Condvar::new(),
-            durable: Mutex::new(Durable { pos: start.pos, writer_stopped: false }),
+            durable: Mutex::new(Durable {
+                pos: start.pos,
+                writer_stopped: false,
+            }),
             durable_cv: Condvar::new(),
             durable_tx: watch::Sender::new(start.pos),
             counters,
@@ -139,7 +146,10 @@ impl Shared {
     /// Copies `batch` into the pending buffer, assigning ids; returns the position its durability waits for.
     pub fn append(&self, batch: &mut Batch) -> Result<SyncTicket, StoreError> {
         if batch.largest_payload > Batch::max_payload() {
-            return Err(StoreError::RecordTooLarge { len: batch.largest_payload, max: Batch::max_payload() });
+            return Err(StoreError::RecordTooLarge {
+                len: batch.largest_payload,
+                max: Batch::max_payload(),
+            });
         }
         batch.ids.clear();
         batch.ack_records.clear();
@@ -157,8 +167,12 @@ impl Shared {
         let st = &mut *guard;
         if st.pos - st.seg_base >= self.segment_size {
             let base = st.pos;
-            st.rolls.push(Roll { at: st.pending.len(), base });
-            st.pending.extend_from_slice(&format::encode_header(st.next_id));
+            st.rolls.push(Roll {
+                at: st.pending.len(),
+                base,
+            });
+            st.pending
+                .extend_from_slice(&format::encode_header(st.next_id));
             st.pos += HEADER_SIZE as u64;
             st.seg_base = base;
             st.segments.push(base, st.next_id);
@@ -168,7 +182,12 @@ impl Shared {
         for e in &batch.enqueues {
             let id = st.next_id;
             st.next_id += 1;
-            format::seal_enqueue(&mut st.pending[start + e.offset..], id, e.tail_crc, e.tail_len);
+            format::seal_enqueue(
+                &mut st.pending[start + e.offset..],
+                id,
+                e.tail_crc,
+                e.tail_len,
+            );
             st.segments.enqueue(id);
             batch.ids.push(id);
         }
@@ -182,7 +201,10 @@ impl Shared {
         st.pos += batch.encoded_len() as u64;
         let ticket = st.pos;
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters.records.fetch_add(batch.enqueues.len() as u64 + u64::from(!batch.acks.is_empty()), Ordering::Relaxed);
+        self.counters.records.fetch_add(
+            batch.enqueues.len() as u64 + u64::from(!batch.acks.is_empty()),
+            Ordering::Relaxed,
+        );
         drop(guard);
         self.work.notify_one();
         Ok(ticket)
@@ -243,7 +265,13 @@ pub(crate) struct Writer {
 
 impl Writer {
     pub fn new(shared: Arc<Shared>, file: File, base: u64) -> Writer {
-        Writer { shared, file, base, buf: Vec::new(), rolls: Vec::new() }
+        Writer {
+            shared,
+            file,
+            base,
+            buf: Vec::new(),
+            rolls: Vec::new(),
+        }
     }
 
     /// The writer thread's loop: take a group, write it, fsync (per policy), publish, delete dead segments.
@@ -317,10 +345,20 @@ impl Writer {
             let file = match segment::create_empty(&self.shared.dir, roll.base) {
                 Ok(f) => f,
                 Err(StoreError::Io { op, path, source }) => fatal(op, &path, &source),
-                Err(e) => fatal("creating a segment", &segment::path(&self.shared.dir, roll.base), &std::io::Error::other(e)),
+                Err(e) => fatal(
+                    "creating a segment",
+                    &segment::path(&self.shared.dir, roll.base),
+                    &std::io::Error::other(e),
+                ),
             };
-            self.shared.counters.dir_fsyncs.fetch_add(1, Ordering::Relaxed);
-            self.shared.counters.segments.fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .dir_fsyncs
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .segments
+                .fetch_add(1, Ordering::Relaxed);
             self.file = file;
             self.base = roll.base;
             from = roll.at;
@@ -341,8 +379,14 @@ impl Writer {
             fatal("writing", &segment::path(&self.shared.dir, self.base), &e);
         }
         let n = bytes.len() as u64;
-        self.shared.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
-        self.shared.counters.bytes_on_disk.fetch_add(n, Ordering::Relaxed);
+        self.shared
+            .counters
+            .bytes_written
+            .fetch_add(n, Ordering::Relaxed);
+        self.shared
+            .counters
+            .bytes_on_disk
+            .fetch_add(n, Ordering::Relaxed);
     }
 
     fn sync_data(&mut self) {
@@ -354,7 +398,12 @@ impl Writer {
 
     /// Deletes the oldest segments once they and all before them hold no live message.
     fn delete_dead_segments(&mut self) {
-        let mut dead = self.shared.state.lock().segments.take_dead_prefix(self.base);
+        let mut dead = self
+            .shared
+            .state
+            .lock()
+            .segments
+            .take_dead_prefix(self.base);
         if dead.is_empty() {
             return;
         }
@@ -369,22 +418,37 @@ impl Writer {
                 break;
             }
             deleted += 1;
-            let _ = self.shared.counters.bytes_on_disk.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
-                Some(b.saturating_sub(len))
-            });
-            self.shared.counters.segments.fetch_sub(1, Ordering::Relaxed);
-            self.shared.counters.segments_deleted.fetch_add(1, Ordering::Relaxed);
+            let _ = self.shared.counters.bytes_on_disk.fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |b| Some(b.saturating_sub(len)),
+            );
+            self.shared
+                .counters
+                .segments
+                .fetch_sub(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .segments_deleted
+                .fetch_add(1, Ordering::Relaxed);
             tracing::debug!(file = %p.display(), bytes = len, "deleted fully acked segment");
         }
         if deleted < dead.len() {
-            self.shared.state.lock().segments.restore_front(dead.split_off(deleted));
+            self.shared
+                .state
+                .lock()
+                .segments
+                .restore_front(dead.split_off(deleted));
         }
         if deleted > 0 {
             // The deletions must be durable in order, for the same reason as above: fatal like any fsync.
             if let Err(StoreError::Io { op, path, source }) = segment::sync_dir(&self.shared.dir) {
                 fatal(op, &path, &source);
             }
-            self.shared.counters.dir_fsyncs.fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .dir_fsyncs
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 }
