@@ -1,1 +1,36 @@
-//! placeholder
+//! Warren's broker model: virtual hosts, exchanges, queues, bindings, routing, consumers,
+//! prefetch, acknowledgements, TTL and dead-lettering. It knows nothing of sockets: the server
+//! crate turns AMQP frames into calls here, and receives deliveries through [`ClientSink`].
+//!
+//! A message's way through: [`VHost::publish`] routes it ([`Exchange::route`]) to queues,
+//! [`Queue::publish`] appends it to the store (durable queue, persistent message) and hands it
+//! to a consumer with credit ([`Channel::try_deliver`]); the client's ack comes back through
+//! [`Channel::settle`] to [`Queue::settle`], which records the ack in the store.
+
+pub mod broker;
+pub mod channel;
+pub mod deadletter;
+pub mod definitions;
+pub mod error;
+pub mod exchange;
+pub mod message;
+pub mod queue;
+pub mod queue_args;
+pub mod routing;
+pub mod vhost;
+
+pub use broker::{Broker, BrokerOptions, User};
+pub use channel::{Channel, ClientSink, Consumer, Delivery, Settle};
+pub use error::{BrokerError, Scope};
+pub use exchange::Exchange;
+pub use message::{Message, MessageRef};
+pub use queue::Queue;
+pub use vhost::{PublishOutcome, VHost};
+
+/// Wall-clock milliseconds since the Unix epoch: TTLs survive restarts, so they are absolute.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

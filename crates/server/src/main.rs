@@ -1,1 +1,57 @@
-fn main() {}
+//! The `warren` binary.
+
+mod config;
+mod connection;
+mod server;
+
+use clap::{Parser, Subcommand};
+use config::{Config, ServerArgs};
+
+#[derive(Parser)]
+#[command(name = "warren", version, about = "Warren: a message broker that speaks AMQP 0-9-1")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a broker node.
+    Server(ServerArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Server(args) => run_server(args),
+    }
+}
+
+fn run_server(args: ServerArgs) -> std::process::ExitCode {
+    let config = match Config::load(&args).and_then(|c| c.validate().map(|_| c)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("warren: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WARREN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
+    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    tracing::info!("starting Warren {} ({})", env!("CARGO_PKG_VERSION"), config.summary());
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("warren").build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("warren: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(server::run(config)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("warren: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

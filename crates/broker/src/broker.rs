@@ -1,0 +1,176 @@
+//! The node's broker: its virtual hosts, users, the shared message store, and recovery.
+
+use crate::definitions::{self, Definitions};
+use crate::message::decode_stored;
+use crate::vhost::VHost;
+use parking_lot::RwLock;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+use warren_store::{Batch, Store, StoreOptions};
+
+#[derive(Debug, Clone)]
+pub struct User {
+    pub name: String,
+    password: String,
+    /// Like RabbitMQ's `loopback_users`: this user may only connect from 127.0.0.0/8 or ::1.
+    pub loopback_only: bool,
+}
+
+pub struct BrokerOptions {
+    pub default_vhost: String,
+    pub default_user: String,
+    pub default_pass: String,
+    pub loopback_users: Vec<String>,
+    pub store: StoreOptions,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot create data directory {path}: {source}")]
+    DataDir { path: String, source: std::io::Error },
+    #[error("cannot open the message store: {0}")]
+    Store(#[from] warren_store::StoreError),
+    #[error("cannot read the definitions: {0}")]
+    Definitions(std::io::Error),
+}
+
+pub struct Broker {
+    vhosts: RwLock<HashMap<String, Arc<VHost>>>,
+    users: RwLock<HashMap<String, User>>,
+    store: Store,
+    definitions: Arc<Definitions>,
+    next_queue_id: Arc<AtomicU64>,
+}
+
+/// What recovery found, for the startup log.
+#[derive(Debug, Default)]
+pub struct RecoveryReport {
+    pub queues: usize,
+    pub messages: usize,
+    pub dropped: usize,
+    pub elapsed_ms: u128,
+}
+
+impl Broker {
+    /// Opens the data directory: the store (replaying the log), then the definitions, then
+    /// puts every recovered message back into its queue.
+    pub fn open(data_dir: &Path, opts: BrokerOptions) -> Result<(Arc<Broker>, RecoveryReport), OpenError> {
+        let started = Instant::now();
+        std::fs::create_dir_all(data_dir)
+            .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
+        let (store, recovery) = Store::open(&data_dir.join("log"), opts.store)?;
+        let next_queue_id = Arc::new(AtomicU64::new(1));
+        let definitions = Arc::new(Definitions::load(data_dir, next_queue_id.clone()).map_err(OpenError::Definitions)?);
+
+        let broker = Arc::new(Broker {
+            vhosts: RwLock::new(HashMap::new()),
+            users: RwLock::new(HashMap::new()),
+            store: store.clone(),
+            definitions: definitions.clone(),
+            next_queue_id: next_queue_id.clone(),
+        });
+        broker.add_user(&opts.default_user, &opts.default_pass, opts.loopback_users.contains(&opts.default_user));
+        for name in opts.loopback_users.iter().filter(|u| **u != opts.default_user) {
+            if let Some(u) = broker.users.write().get_mut(name) {
+                u.loopback_only = true;
+            }
+        }
+
+        let mut names = definitions.vhost_names();
+        if !names.contains(&opts.default_vhost) {
+            names.push(opts.default_vhost.clone());
+        }
+        let mut report = RecoveryReport::default();
+        let mut by_id = HashMap::new();
+        for name in names {
+            let vhost = broker.add_vhost(&name);
+            for q in definitions::restore(&vhost, &definitions.vhost(&name)) {
+                by_id.insert(q.id, q);
+            }
+        }
+        report.queues = by_id.len();
+        let mut orphans = Batch::new();
+        for rec in recovery.messages {
+            let queue = by_id.get(&rec.queue);
+            match (queue, decode_stored(&rec.payload)) {
+                (Some(q), Some(stored)) => {
+                    let expires = stored.expires_at_ms.and_then(|enqueued| {
+                        let ttl = match (q.args.message_ttl_ms, stored.message.expiration_ms) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                        ttl.map(|t| enqueued.saturating_add(t))
+                    });
+                    q.recover(Arc::new(stored.message), rec.id, expires);
+                    report.messages += 1;
+                }
+                _ => {
+                    orphans.ack(rec.id);
+                    report.dropped += 1;
+                }
+            }
+        }
+        if !orphans.is_empty() {
+            store.append(&mut orphans)?;
+        }
+        report.elapsed_ms = started.elapsed().as_millis();
+        Ok((broker, report))
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn add_vhost(&self, name: &str) -> Arc<VHost> {
+        let mut vhosts = self.vhosts.write();
+        vhosts
+            .entry(name.to_string())
+            .or_insert_with(|| VHost::new(name.to_string(), self.store.clone(), self.definitions.clone(), self.next_queue_id.clone()))
+            .clone()
+    }
+
+    pub fn vhost(&self, name: &str) -> Option<Arc<VHost>> {
+        self.vhosts.read().get(name).cloned()
+    }
+
+    pub fn vhosts(&self) -> Vec<Arc<VHost>> {
+        self.vhosts.read().values().cloned().collect()
+    }
+
+    pub fn add_user(&self, name: &str, password: &str, loopback_only: bool) {
+        self.users
+            .write()
+            .insert(name.to_string(), User { name: name.to_string(), password: password.to_string(), loopback_only });
+    }
+
+    /// Checks a username and password. Constant-time comparison is not needed for a local
+    /// plain-text password, but the answer does not say which of the two was wrong.
+    pub fn authenticate(&self, name: &str, password: &str) -> Option<User> {
+        let users = self.users.read();
+        let user = users.get(name)?;
+        (user.password == password).then(|| user.clone())
+    }
+
+    /// Whether a user may use a vhost. Every user has full permissions on every vhost for now.
+    pub fn can_access(&self, _user: &User, vhost: &str) -> bool {
+        self.vhost(vhost).is_some()
+    }
+
+    /// Housekeeping for every vhost (TTL, x-expires); call periodically.
+    pub fn tick(&self) {
+        let now = crate::now_ms();
+        for v in self.vhosts() {
+            v.tick(now);
+        }
+    }
+
+    /// Flushes the store; after this, everything accepted is on disk.
+    pub fn close(&self) {
+        if let Err(e) = self.store.close() {
+            tracing::error!(error = %e, "closing the message store failed");
+        }
+    }
+}

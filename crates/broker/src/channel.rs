@@ -1,0 +1,325 @@
+//! The delivery side of an AMQP channel: consumers, delivery tags, unacknowledged messages,
+//! prefetch (per consumer and per channel) and settlement (ack, nack, reject, recover).
+//!
+//! Lock order: a queue's lock may be held while a channel's lock is taken (delivery), never the
+//! other way round. Settlement therefore takes what it needs out of the channel first, releases
+//! the channel lock, and only then calls into the queues.
+
+use crate::error::{BrokerError, Result};
+use crate::message::MessageRef;
+use crate::queue::{Entry, Queue};
+use parking_lot::Mutex;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use warren_store::Batch;
+
+/// What a channel hands to its connection to be written to the socket.
+#[derive(Debug)]
+pub enum Delivery {
+    Deliver { channel: u16, consumer_tag: Arc<str>, delivery_tag: u64, redelivered: bool, message: MessageRef },
+    GetOk { channel: u16, delivery_tag: u64, redelivered: bool, message_count: u32, message: MessageRef },
+    /// A server-sent basic.cancel (the queue was deleted under the consumer).
+    Cancel { channel: u16, consumer_tag: Arc<str> },
+}
+
+/// Implemented by the connection that owns a channel: queues push deliveries through it.
+/// Must not block: it only appends to the connection's outgoing buffer.
+pub trait ClientSink: Send + Sync {
+    fn send(&self, delivery: Delivery);
+}
+
+/// A consumer registered on a queue by basic.consume.
+pub struct Consumer {
+    pub tag: Arc<str>,
+    pub channel: Arc<Channel>,
+    pub queue: Arc<Queue>,
+    pub no_ack: bool,
+    pub exclusive: bool,
+    /// Per-consumer prefetch (basic.qos global=false at the time of consume); 0 = unlimited.
+    pub prefetch: u32,
+    unacked: AtomicU32,
+}
+
+impl Consumer {
+    pub fn has_credit(&self) -> bool {
+        self.no_ack || self.prefetch == 0 || self.unacked.load(Ordering::Relaxed) < self.prefetch
+    }
+}
+
+struct Unacked {
+    tag: u64,
+    queue: Arc<Queue>,
+    entry: Entry,
+    consumer: Option<Arc<Consumer>>,
+}
+
+struct ChannelState {
+    next_tag: u64,
+    /// Ordered by delivery tag.
+    unacked: VecDeque<Unacked>,
+    consumers: HashMap<Arc<str>, Arc<Consumer>>,
+    /// basic.qos global=true: limit for the whole channel; 0 = unlimited.
+    global_prefetch: u32,
+    /// basic.qos global=false: limit given to consumers created from now on.
+    consumer_prefetch: u32,
+    /// channel.flow: false stops deliveries.
+    flow_active: bool,
+    closed: bool,
+}
+
+/// Which settlement a client asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    Ack,
+    /// Reject or nack: back to the queue (redelivered) or, without requeue, dead-lettered/dropped.
+    Reject { requeue: bool },
+}
+
+pub struct Channel {
+    pub number: u16,
+    /// Connection identity, for exclusive queues.
+    pub connection_id: u64,
+    sink: Arc<dyn ClientSink>,
+    state: Mutex<ChannelState>,
+}
+
+impl Channel {
+    pub fn new(number: u16, connection_id: u64, sink: Arc<dyn ClientSink>) -> Arc<Channel> {
+        Arc::new(Channel {
+            number,
+            connection_id,
+            sink,
+            state: Mutex::new(ChannelState {
+                next_tag: 1,
+                unacked: VecDeque::new(),
+                consumers: HashMap::new(),
+                global_prefetch: 0,
+                consumer_prefetch: 0,
+                flow_active: true,
+                closed: false,
+            }),
+        })
+    }
+
+    /// Whether a delivery could be made now, as far as the channel is concerned.
+    pub fn has_credit(&self) -> bool {
+        let st = self.state.lock();
+        !st.closed && st.flow_active && (st.global_prefetch == 0 || (st.unacked.len() as u32) < st.global_prefetch)
+    }
+
+    /// Called by a queue, under its lock, to hand a message to one of this channel's consumers.
+    /// Gives the entry back if the channel cannot take it (closed, flow off, no credit).
+    pub fn try_deliver(&self, consumer: &Arc<Consumer>, entry: Entry) -> std::result::Result<Option<Entry>, Entry> {
+        let mut st = self.state.lock();
+        if st.closed || !st.flow_active {
+            return Err(entry);
+        }
+        if !consumer.no_ack && st.global_prefetch != 0 && st.unacked.len() as u32 >= st.global_prefetch {
+            return Err(entry);
+        }
+        let tag = st.next_tag;
+        st.next_tag += 1;
+        self.sink.send(Delivery::Deliver {
+            channel: self.number,
+            consumer_tag: consumer.tag.clone(),
+            delivery_tag: tag,
+            redelivered: entry.redelivered,
+            message: entry.message.clone(),
+        });
+        if consumer.no_ack {
+            // Settled on delivery: the queue acks it in the store.
+            return Ok(Some(entry));
+        }
+        consumer.unacked.fetch_add(1, Ordering::Relaxed);
+        st.unacked.push_back(Unacked { tag, queue: consumer.queue.clone(), entry, consumer: Some(consumer.clone()) });
+        Ok(None)
+    }
+
+    /// basic.get-ok. Returns the entry when no_ack (already settled, the queue acks it in the store).
+    pub fn deliver_get(&self, queue: &Arc<Queue>, entry: Entry, no_ack: bool, message_count: u32) -> Option<Entry> {
+        let mut st = self.state.lock();
+        let tag = st.next_tag;
+        st.next_tag += 1;
+        self.sink.send(Delivery::GetOk {
+            channel: self.number,
+            delivery_tag: tag,
+            redelivered: entry.redelivered,
+            message_count,
+            message: entry.message.clone(),
+        });
+        if no_ack {
+            return Some(entry);
+        }
+        st.unacked.push_back(Unacked { tag, queue: queue.clone(), entry, consumer: None });
+        None
+    }
+
+    /// basic.qos.
+    pub fn qos(&self, prefetch_count: u16, global: bool) {
+        let mut st = self.state.lock();
+        if global {
+            st.global_prefetch = prefetch_count as u32;
+        } else {
+            st.consumer_prefetch = prefetch_count as u32;
+        }
+        drop(st);
+        self.kick_consumers();
+    }
+
+    /// channel.flow from the client: pause or resume deliveries.
+    pub fn flow(&self, active: bool) {
+        self.state.lock().flow_active = active;
+        if active {
+            self.kick_consumers();
+        }
+    }
+
+    pub fn consumer_prefetch(&self) -> u32 {
+        self.state.lock().consumer_prefetch
+    }
+
+    pub fn has_consumer(&self, tag: &str) -> bool {
+        self.state.lock().consumers.contains_key(tag)
+    }
+
+    /// Registers a consumer (already accepted by its queue).
+    pub fn add_consumer(&self, consumer: Arc<Consumer>) {
+        self.state.lock().consumers.insert(consumer.tag.clone(), consumer);
+    }
+
+    pub fn new_consumer(
+        self: &Arc<Self>,
+        tag: Arc<str>,
+        queue: Arc<Queue>,
+        no_ack: bool,
+        exclusive: bool,
+    ) -> Arc<Consumer> {
+        let prefetch = self.consumer_prefetch();
+        Arc::new(Consumer { tag, channel: self.clone(), queue, no_ack, exclusive, prefetch, unacked: AtomicU32::new(0) })
+    }
+
+    /// basic.cancel from the client. Returns false when no such consumer exists.
+    pub fn cancel(&self, tag: &str) -> bool {
+        let consumer = self.state.lock().consumers.remove(tag);
+        match consumer {
+            Some(c) => {
+                c.queue.remove_consumer(&c);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The queue was deleted under this consumer: forget it and tell the client.
+    pub fn consumer_cancelled_by_server(&self, tag: &Arc<str>) {
+        let removed = self.state.lock().consumers.remove(tag).is_some();
+        if removed {
+            self.sink.send(Delivery::Cancel { channel: self.number, consumer_tag: tag.clone() });
+        }
+    }
+
+    /// basic.ack / basic.nack / basic.reject. `delivery_tag` 0 with `multiple` means everything.
+    pub fn settle(&self, delivery_tag: u64, multiple: bool, how: Settle) -> Result<()> {
+        let taken = {
+            let mut st = self.state.lock();
+            take_unacked(&mut st.unacked, delivery_tag, multiple)?
+        };
+        self.finish_settle(taken, how);
+        Ok(())
+    }
+
+    /// basic.recover: every unacknowledged message goes back to its queue, redelivered.
+    pub fn recover(&self) {
+        let taken: Vec<Unacked> = self.state.lock().unacked.drain(..).collect();
+        self.finish_settle(taken, Settle::Reject { requeue: true });
+    }
+
+    /// Channel or connection closed: cancel consumers, requeue everything unacknowledged.
+    pub fn close(&self) {
+        let (taken, consumers) = {
+            let mut st = self.state.lock();
+            st.closed = true;
+            let consumers: Vec<_> = st.consumers.drain().map(|(_, c)| c).collect();
+            (st.unacked.drain(..).collect::<Vec<_>>(), consumers)
+        };
+        for c in &consumers {
+            c.queue.remove_consumer(c);
+        }
+        self.finish_settle(taken, Settle::Reject { requeue: true });
+    }
+
+    pub fn unacked_count(&self) -> usize {
+        self.state.lock().unacked.len()
+    }
+
+    fn finish_settle(&self, taken: Vec<Unacked>, how: Settle) {
+        if taken.is_empty() {
+            return;
+        }
+        for u in &taken {
+            if let Some(c) = &u.consumer {
+                c.unacked.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        // Group by queue, keeping tag order, so each queue is locked once.
+        let mut by_queue: Vec<(Arc<Queue>, Vec<Entry>)> = Vec::new();
+        for u in taken {
+            match by_queue.iter_mut().find(|(q, _)| Arc::ptr_eq(q, &u.queue)) {
+                Some((_, entries)) => entries.push(u.entry),
+                None => by_queue.push((u.queue, vec![u.entry])),
+            }
+        }
+        let mut batch = Batch::new();
+        for (queue, entries) in &mut by_queue {
+            queue.settle(std::mem::take(entries), how, &mut batch);
+        }
+        if let Some((queue, _)) = by_queue.first() {
+            queue.append_acks(&mut batch);
+        }
+        // Credit came back: let every queue this channel consumes from deliver again.
+        self.kick_consumers();
+        for (queue, _) in &by_queue {
+            queue.dispatch();
+        }
+    }
+
+    /// Ask every queue this channel consumes from to deliver (credit or flow changed).
+    fn kick_consumers(&self) {
+        let queues: Vec<Arc<Queue>> = {
+            let st = self.state.lock();
+            let mut qs: Vec<Arc<Queue>> = Vec::new();
+            for c in st.consumers.values() {
+                if !qs.iter().any(|q| Arc::ptr_eq(q, &c.queue)) {
+                    qs.push(c.queue.clone());
+                }
+            }
+            qs
+        };
+        for q in queues {
+            q.dispatch();
+        }
+    }
+}
+
+/// Removes the entries a settlement names from the ordered unacked list.
+fn take_unacked(unacked: &mut VecDeque<Unacked>, tag: u64, multiple: bool) -> Result<Vec<Unacked>> {
+    if multiple {
+        if tag == 0 {
+            return Ok(unacked.drain(..).collect());
+        }
+        // As RabbitMQ: the named tag itself must be outstanding, even with `multiple`.
+        return match unacked.binary_search_by_key(&tag, |u| u.tag) {
+            Ok(i) => Ok(unacked.drain(..=i).collect()),
+            Err(_) => Err(unknown_tag(tag)),
+        };
+    }
+    match unacked.binary_search_by_key(&tag, |u| u.tag) {
+        Ok(i) => Ok(unacked.remove(i).into_iter().collect()),
+        Err(_) => Err(unknown_tag(tag)),
+    }
+}
+
+fn unknown_tag(tag: u64) -> BrokerError {
+    BrokerError::precondition_failed(format!("unknown delivery tag {tag}"))
+}

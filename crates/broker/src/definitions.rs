@@ -1,0 +1,279 @@
+//! The durable topology (exchanges, queues, bindings) in `definitions.json`.
+//!
+//! Written whole on every change to something durable: write a temporary file, fsync it,
+//! rename it over the old one, fsync the directory. Declarations are rare next to messages,
+//! so simplicity wins over an append-only format here. A crash leaves either the old or the
+//! new file, never a mix.
+
+use crate::exchange::{Destination, Exchange, ExchangeKind};
+use crate::vhost::VHost;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use warren_protocol::field::{Decimal, FieldTable, FieldValue};
+
+pub const FILE_NAME: &str = "definitions.json";
+const VERSION: u32 = 1;
+
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+pub struct VHostDefs {
+    pub exchanges: Vec<ExchangeDef>,
+    pub queues: Vec<QueueDef>,
+    pub bindings: Vec<BindingDef>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExchangeDef {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub auto_delete: bool,
+    pub internal: bool,
+    pub arguments: Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QueueDef {
+    pub name: String,
+    /// The id the store tags this queue's messages with.
+    pub id: u64,
+    pub auto_delete: bool,
+    pub arguments: Value,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BindingDef {
+    pub source: String,
+    pub destination: String,
+    /// "queue" or "exchange".
+    pub destination_type: String,
+    pub routing_key: String,
+    pub arguments: Value,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct FileContents {
+    version: u32,
+    next_queue_id: u64,
+    vhosts: BTreeMap<String, VHostDefs>,
+}
+
+pub struct Definitions {
+    path: PathBuf,
+    contents: Mutex<FileContents>,
+    next_queue_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Definitions {
+    /// Loads the file (an absent file is an empty topology).
+    pub fn load(dir: &Path, next_queue_id: std::sync::Arc<std::sync::atomic::AtomicU64>) -> std::io::Result<Definitions> {
+        let path = dir.join(FILE_NAME);
+        let contents = match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice::<FileContents>(&bytes).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{} is not a valid definitions file: {e}", path.display()),
+                )
+            })?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => FileContents { version: VERSION, next_queue_id: 1, vhosts: BTreeMap::new() },
+            Err(e) => return Err(e),
+        };
+        next_queue_id.fetch_max(contents.next_queue_id.max(1), std::sync::atomic::Ordering::Relaxed);
+        Ok(Definitions { path, contents: Mutex::new(contents), next_queue_id })
+    }
+
+    pub fn vhost_names(&self) -> Vec<String> {
+        self.contents.lock().vhosts.keys().cloned().collect()
+    }
+
+    pub fn vhost(&self, name: &str) -> VHostDefs {
+        self.contents.lock().vhosts.get(name).cloned().unwrap_or_default()
+    }
+
+    /// Snapshots the durable part of a vhost and rewrites the file.
+    pub fn save_vhost(&self, vhost: &VHost) -> std::io::Result<()> {
+        let defs = snapshot(vhost);
+        let mut contents = self.contents.lock();
+        contents.version = VERSION;
+        contents.next_queue_id = self.next_queue_id.load(std::sync::atomic::Ordering::Relaxed);
+        contents.vhosts.insert(vhost.name.clone(), defs);
+        let json = serde_json::to_vec_pretty(&*contents).map_err(std::io::Error::other)?;
+        write_atomically(&self.path, &json)
+    }
+}
+
+fn snapshot(vhost: &VHost) -> VHostDefs {
+    let mut defs = VHostDefs::default();
+    let mut exchanges = vhost.exchanges();
+    exchanges.sort_by(|a, b| a.name.cmp(&b.name));
+    for ex in &exchanges {
+        let builtin = ex.name.is_empty() || ex.name.starts_with("amq.");
+        if ex.durable && !builtin {
+            defs.exchanges.push(ExchangeDef {
+                name: ex.name.clone(),
+                kind: ex.kind.as_str().to_string(),
+                auto_delete: ex.auto_delete,
+                internal: ex.internal,
+                arguments: table_to_json(&ex.arguments),
+            });
+        }
+        if !ex.durable {
+            continue;
+        }
+        for b in ex.bindings() {
+            if !b.destination.durable() {
+                continue;
+            }
+            defs.bindings.push(BindingDef {
+                source: ex.name.clone(),
+                destination: b.destination.name().to_string(),
+                destination_type: if b.destination.is_queue() { "queue" } else { "exchange" }.to_string(),
+                routing_key: b.routing_key.clone(),
+                arguments: table_to_json(&b.arguments),
+            });
+        }
+    }
+    let mut queues = vhost.queues();
+    queues.sort_by(|a, b| a.name.cmp(&b.name));
+    for q in queues.iter().filter(|q| q.durable) {
+        defs.queues.push(QueueDef { name: q.name.clone(), id: q.id, auto_delete: q.auto_delete, arguments: table_to_json(&q.arguments) });
+    }
+    defs
+}
+
+/// Rebuilds a vhost's durable topology. Returns the queues by store id.
+pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::queue::Queue>> {
+    for e in &defs.exchanges {
+        let Ok(kind) = ExchangeKind::parse(&e.kind) else {
+            tracing::warn!(exchange = %e.name, kind = %e.kind, "skipping exchange of unknown type in definitions");
+            continue;
+        };
+        vhost.restore_exchange(Exchange::new(e.name.clone(), kind, true, e.auto_delete, e.internal, table_from_json(&e.arguments)));
+    }
+    let mut queues = Vec::new();
+    for q in &defs.queues {
+        queues.push(vhost.restore_queue(q.name.clone(), q.id, q.auto_delete, table_from_json(&q.arguments)));
+    }
+    for b in &defs.bindings {
+        let Ok(source) = vhost.exchange(&b.source) else { continue };
+        let destination = if b.destination_type == "queue" {
+            match vhost.queue(&b.destination, 0) {
+                Ok(q) => Destination::Queue(q),
+                Err(_) => continue,
+            }
+        } else {
+            match vhost.exchange(&b.destination) {
+                Ok(e) => Destination::Exchange(e),
+                Err(_) => continue,
+            }
+        };
+        source.bind(crate::exchange::Binding { destination, routing_key: b.routing_key.clone(), arguments: table_from_json(&b.arguments) });
+    }
+    queues
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+// Field tables are stored with their AMQP types, so a restored argument is exactly what was declared.
+
+pub fn table_to_json(t: &FieldTable) -> Value {
+    Value::Array(t.iter().map(|(k, v)| json!([k, value_to_json(v)])).collect())
+}
+
+fn value_to_json(v: &FieldValue) -> Value {
+    match v {
+        FieldValue::Bool(b) => json!({"t": "bool", "v": b}),
+        FieldValue::I8(n) => json!({"t": "i8", "v": n}),
+        FieldValue::U8(n) => json!({"t": "u8", "v": n}),
+        FieldValue::I16(n) => json!({"t": "i16", "v": n}),
+        FieldValue::U16(n) => json!({"t": "u16", "v": n}),
+        FieldValue::I32(n) => json!({"t": "i32", "v": n}),
+        FieldValue::U32(n) => json!({"t": "u32", "v": n}),
+        FieldValue::I64(n) => json!({"t": "i64", "v": n}),
+        FieldValue::U64(n) => json!({"t": "u64", "v": n}),
+        FieldValue::F32(n) => json!({"t": "f32", "v": n}),
+        FieldValue::F64(n) => json!({"t": "f64", "v": n}),
+        FieldValue::Decimal(d) => json!({"t": "decimal", "scale": d.scale, "v": d.value}),
+        FieldValue::LongString(b) => json!({"t": "str", "v": bytes_to_json(b)}),
+        FieldValue::ByteArray(b) => json!({"t": "bytes", "v": bytes_to_json(b)}),
+        FieldValue::Array(items) => json!({"t": "array", "v": items.iter().map(value_to_json).collect::<Vec<_>>()}),
+        FieldValue::Timestamp(n) => json!({"t": "timestamp", "v": n}),
+        FieldValue::Table(t) => json!({"t": "table", "v": table_to_json(t)}),
+        FieldValue::Void => json!({"t": "void"}),
+    }
+}
+
+/// UTF-8 text stays readable; anything else is kept as a list of byte values.
+fn bytes_to_json(b: &Bytes) -> Value {
+    match std::str::from_utf8(b) {
+        Ok(s) => Value::String(s.to_string()),
+        Err(_) => Value::Array(b.iter().map(|x| json!(x)).collect()),
+    }
+}
+
+fn bytes_from_json(v: &Value) -> Bytes {
+    match v {
+        Value::String(s) => Bytes::copy_from_slice(s.as_bytes()),
+        Value::Array(items) => items.iter().filter_map(|x| x.as_u64().map(|n| n as u8)).collect::<Vec<u8>>().into(),
+        _ => Bytes::new(),
+    }
+}
+
+pub fn table_from_json(v: &Value) -> FieldTable {
+    let mut t = FieldTable::new();
+    if let Value::Array(pairs) = v {
+        for pair in pairs {
+            if let (Some(k), Some(val)) = (pair.get(0).and_then(Value::as_str), pair.get(1)) {
+                if let Some(fv) = value_from_json(val) {
+                    t.0.push((k.to_string(), fv));
+                }
+            }
+        }
+    }
+    t
+}
+
+fn value_from_json(v: &Value) -> Option<FieldValue> {
+    let t = v.get("t")?.as_str()?;
+    let val = v.get("v");
+    let int = || val.and_then(Value::as_i64);
+    let uint = || val.and_then(Value::as_u64);
+    Some(match t {
+        "bool" => FieldValue::Bool(val?.as_bool()?),
+        "i8" => FieldValue::I8(int()? as i8),
+        "u8" => FieldValue::U8(uint()? as u8),
+        "i16" => FieldValue::I16(int()? as i16),
+        "u16" => FieldValue::U16(uint()? as u16),
+        "i32" => FieldValue::I32(int()? as i32),
+        "u32" => FieldValue::U32(uint()? as u32),
+        "i64" => FieldValue::I64(int()?),
+        "u64" => FieldValue::U64(uint()?),
+        "f32" => FieldValue::F32(val?.as_f64()? as f32),
+        "f64" => FieldValue::F64(val?.as_f64()?),
+        "decimal" => FieldValue::Decimal(Decimal { scale: v.get("scale")?.as_u64()? as u8, value: uint()? as u32 }),
+        "str" => FieldValue::LongString(bytes_from_json(val?)),
+        "bytes" => FieldValue::ByteArray(bytes_from_json(val?)),
+        "array" => FieldValue::Array(val?.as_array()?.iter().filter_map(value_from_json).collect()),
+        "timestamp" => FieldValue::Timestamp(uint()?),
+        "table" => FieldValue::Table(table_from_json(val?)),
+        "void" => FieldValue::Void,
+        _ => return None,
+    })
+}

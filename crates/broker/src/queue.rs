@@ -1,0 +1,520 @@
+//! A queue: ready messages in order, its consumers, and the rules applied on the way in
+//! (max-length, overflow) and on the way out (TTL, dead-lettering, round-robin delivery).
+//!
+//! Each queue has its own lock; nothing on the publish path takes a global lock. Work that
+//! reaches other queues (dead-lettering, auto-delete) is collected under the lock and carried
+//! out after it is released, so queues never lock each other.
+
+use crate::channel::{Channel, Consumer, Settle};
+use crate::deadletter::{DeadLetter, DeathReason};
+use crate::error::{BrokerError, Result};
+use crate::message::MessageRef;
+use crate::queue_args::{Overflow, QueueArgs};
+use crate::vhost::VHost;
+use parking_lot::Mutex;
+use std::collections::VecDeque;
+use std::sync::{Arc, Weak};
+use warren_protocol::field::FieldTable;
+use warren_store::{Batch, MsgId, Store, SyncTicket};
+
+/// A message in a queue (ready or delivered and not yet settled).
+#[derive(Debug)]
+pub struct Entry {
+    pub message: MessageRef,
+    /// Position in this queue: requeued messages go back to where they were.
+    pub seq: u64,
+    /// Where the message is in the store (persistent messages in durable queues only).
+    pub store_id: Option<MsgId>,
+    pub expires_at_ms: Option<u64>,
+    pub redelivered: bool,
+}
+
+/// The result of offering a message to a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// Taken; durable once the store reaches the ticket (if any).
+    Accepted(Option<SyncTicket>),
+    /// Refused by `x-overflow: reject-publish(-dlx)`: the publisher gets a basic.nack.
+    Rejected,
+}
+
+struct QueueState {
+    ready: VecDeque<Entry>,
+    ready_bytes: u64,
+    next_seq: u64,
+    consumers: Vec<Arc<Consumer>>,
+    /// Round-robin position among consumers.
+    next_consumer: usize,
+    unacked: u64,
+    had_consumers: bool,
+    /// For `x-expires`: the last time the queue was used (consume, get, declare).
+    last_used_ms: u64,
+    deleted: bool,
+}
+
+pub struct Queue {
+    pub name: String,
+    /// Stable id: the store tags this queue's messages with it.
+    pub id: u64,
+    pub durable: bool,
+    /// Connection id of the owner of an exclusive queue.
+    pub exclusive_owner: Option<u64>,
+    pub auto_delete: bool,
+    /// Arguments as declared (for redeclare equivalence and listing).
+    pub arguments: FieldTable,
+    pub args: QueueArgs,
+    vhost: Weak<VHost>,
+    /// The node's shared message log; only durable queues write messages to it.
+    store: Store,
+    state: Mutex<QueueState>,
+}
+
+/// Work found under the queue lock, done after it is released.
+#[derive(Default)]
+struct AfterUnlock {
+    dead: Vec<DeadLetter>,
+    acks: Batch,
+    cancelled: Vec<Arc<Consumer>>,
+    auto_delete: bool,
+}
+
+impl Queue {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        name: String,
+        id: u64,
+        durable: bool,
+        exclusive_owner: Option<u64>,
+        auto_delete: bool,
+        arguments: FieldTable,
+        args: QueueArgs,
+        vhost: Weak<VHost>,
+        store: Store,
+        now_ms: u64,
+    ) -> Arc<Queue> {
+        Arc::new(Queue {
+            name,
+            id,
+            durable,
+            exclusive_owner,
+            auto_delete,
+            arguments,
+            args,
+            vhost,
+            store,
+            state: Mutex::new(QueueState {
+                ready: VecDeque::new(),
+                ready_bytes: 0,
+                next_seq: 0,
+                consumers: Vec::new(),
+                next_consumer: 0,
+                unacked: 0,
+                had_consumers: false,
+                last_used_ms: now_ms,
+                deleted: false,
+            }),
+        })
+    }
+
+    pub fn message_count(&self) -> u32 {
+        self.state.lock().ready.len() as u32
+    }
+
+    pub fn consumer_count(&self) -> u32 {
+        self.state.lock().consumers.len() as u32
+    }
+
+    pub fn unacked_count(&self) -> u64 {
+        self.state.lock().unacked
+    }
+
+    pub fn is_deleted(&self) -> bool {
+        self.state.lock().deleted
+    }
+
+    pub fn touch(&self, now_ms: u64) {
+        self.state.lock().last_used_ms = now_ms;
+    }
+
+    fn expiry_for(&self, message: &MessageRef, now_ms: u64) -> Option<u64> {
+        let ttl = match (self.args.message_ttl_ms, message.expiration_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        ttl.map(|t| now_ms.saturating_add(t))
+    }
+
+    /// Offers a routed message. `stored_header` is the message's store encoding minus the body
+    /// (built once per publish and shared by every queue it goes to).
+    pub fn publish(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64) -> Result<Enqueued> {
+        let mut after = AfterUnlock::default();
+        let outcome = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Ok(Enqueued::Accepted(None));
+            }
+            if self.args.overflow != Overflow::DropHead && self.is_full(&st, message.body_len() as u64) {
+                if self.args.overflow == Overflow::RejectPublishDlx {
+                    let entry = Entry { message: message.clone(), seq: 0, store_id: None, expires_at_ms: None, redelivered: false };
+                    self.dead_letter_into(&mut after, entry, DeathReason::MaxLen);
+                }
+                drop(st);
+                self.finish(after);
+                return Ok(Enqueued::Rejected);
+            }
+            let (store_id, ticket) = if self.durable && message.persistent {
+                let mut batch = Batch::new();
+                batch.enqueue(self.id, &[stored_header, &message.body]);
+                let ticket = self.store.append(&mut batch).map_err(store_error)?;
+                (batch.ids().first().copied(), Some(ticket))
+            } else {
+                (None, None)
+            };
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            let expires_at_ms = self.expiry_for(message, now_ms);
+            st.ready_bytes += message.body_len() as u64;
+            st.ready.push_back(Entry { message: message.clone(), seq, store_id, expires_at_ms, redelivered: false });
+            self.drop_head_over_limit(&mut st, &mut after);
+            self.dispatch_locked(&mut st, now_ms, &mut after);
+            // TTL 0 (or an already past expiry): what no consumer took right now expires now.
+            self.expire_locked(&mut st, now_ms, true, &mut after);
+            Enqueued::Accepted(ticket)
+        };
+        self.finish(after);
+        Ok(outcome)
+    }
+
+    /// Puts a message recovered from the store back (at startup), marked redelivered: it may
+    /// have been delivered before the restart.
+    pub fn recover(&self, message: MessageRef, store_id: MsgId, expires_at_ms: Option<u64>) {
+        let mut st = self.state.lock();
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        st.ready_bytes += message.body_len() as u64;
+        st.ready.push_back(Entry { message, seq, store_id: Some(store_id), expires_at_ms, redelivered: true });
+    }
+
+    fn is_full(&self, st: &QueueState, incoming_bytes: u64) -> bool {
+        self.args.max_length.is_some_and(|max| st.ready.len() as u64 >= max)
+            || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes + incoming_bytes > max)
+    }
+
+    fn drop_head_over_limit(&self, st: &mut QueueState, after: &mut AfterUnlock) {
+        if self.args.overflow != Overflow::DropHead {
+            return;
+        }
+        loop {
+            let over = self.args.max_length.is_some_and(|max| st.ready.len() as u64 > max)
+                || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes > max);
+            if !over {
+                break;
+            }
+            let Some(entry) = pop_ready(st) else { break };
+            self.dead_letter_into(after, entry, DeathReason::MaxLen);
+        }
+    }
+
+    /// Drops expired messages from the head. `inclusive` also drops those expiring exactly now
+    /// (after a delivery attempt, so that TTL 0 means "deliver now or never").
+    fn expire_locked(&self, st: &mut QueueState, now_ms: u64, inclusive: bool, after: &mut AfterUnlock) {
+        while let Some(head) = st.ready.front() {
+            let expired = match head.expires_at_ms {
+                Some(at) => at < now_ms || (inclusive && at == now_ms),
+                None => false,
+            };
+            if !expired {
+                break;
+            }
+            if let Some(entry) = pop_ready(st) {
+                self.dead_letter_into(after, entry, DeathReason::Expired);
+            }
+        }
+    }
+
+    /// Either dead-letters an entry (if the queue has a DLX) or just drops it; both settle it in the store.
+    fn dead_letter_into(&self, after: &mut AfterUnlock, entry: Entry, reason: DeathReason) {
+        if let Some(id) = entry.store_id {
+            after.acks.ack(id);
+        }
+        if let Some(exchange) = &self.args.dead_letter_exchange {
+            after.dead.push(DeadLetter {
+                message: entry.message,
+                reason,
+                queue: self.name.clone(),
+                exchange: exchange.clone(),
+                routing_key: self.args.dead_letter_routing_key.clone(),
+            });
+        }
+    }
+
+    /// Delivers ready messages to consumers with credit, round-robin.
+    fn dispatch_locked(&self, st: &mut QueueState, now_ms: u64, after: &mut AfterUnlock) {
+        loop {
+            self.expire_locked(st, now_ms, false, after);
+            if st.ready.is_empty() || st.consumers.is_empty() {
+                return;
+            }
+            let n = st.consumers.len();
+            let mut delivered = false;
+            for i in 0..n {
+                let idx = (st.next_consumer + i) % n;
+                let consumer = st.consumers[idx].clone();
+                if !consumer.has_credit() {
+                    continue;
+                }
+                let Some(entry) = pop_ready(st) else { return };
+                match consumer.channel.try_deliver(&consumer, entry) {
+                    Ok(Some(settled)) => {
+                        if let Some(id) = settled.store_id {
+                            after.acks.ack(id);
+                        }
+                    }
+                    Ok(None) => st.unacked += 1,
+                    Err(entry) => {
+                        push_ready_front(st, entry);
+                        continue;
+                    }
+                }
+                st.next_consumer = (idx + 1) % n;
+                delivered = true;
+                break;
+            }
+            if !delivered {
+                return;
+            }
+        }
+    }
+
+    /// Delivers what can be delivered now (credit came back, a consumer arrived, flow resumed).
+    pub fn dispatch(self: &Arc<Self>) {
+        let mut after = AfterUnlock::default();
+        {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return;
+            }
+            self.dispatch_locked(&mut st, crate::now_ms(), &mut after);
+        }
+        self.finish(after);
+    }
+
+    /// Periodic housekeeping: expire messages whose TTL passed, and report whether the queue
+    /// has been unused for longer than `x-expires` (the caller then deletes it).
+    pub fn tick(self: &Arc<Self>, now_ms: u64) -> bool {
+        let mut after = AfterUnlock::default();
+        let expired_unused = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return false;
+            }
+            self.expire_locked(&mut st, now_ms, true, &mut after);
+            self.dispatch_locked(&mut st, now_ms, &mut after);
+            self.args.expires_ms.is_some_and(|ttl| {
+                st.consumers.is_empty() && now_ms.saturating_sub(st.last_used_ms) >= ttl
+            })
+        };
+        self.finish(after);
+        expired_unused
+    }
+
+    /// basic.consume: registers a consumer, enforcing exclusivity, then delivers.
+    /// `on_registered` runs under the queue lock once the consumer is accepted and before anything
+    /// is delivered to it (the server sends basic.consume-ok from there).
+    pub fn add_consumer(self: &Arc<Self>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+        {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Err(BrokerError::not_found(format!("no queue '{}'", self.name)));
+            }
+            if st.consumers.iter().any(|c| c.exclusive) || (consumer.exclusive && !st.consumers.is_empty()) {
+                return Err(BrokerError::access_refused(format!(
+                    "queue '{}' in vhost '{}' in exclusive use",
+                    self.name,
+                    self.vhost_name()
+                )));
+            }
+            st.consumers.push(consumer);
+            on_registered();
+            st.had_consumers = true;
+            st.last_used_ms = crate::now_ms();
+        }
+        self.dispatch();
+        Ok(())
+    }
+
+    /// The consumer is gone (cancel, channel closed). An auto-delete queue goes with its last consumer.
+    pub fn remove_consumer(self: &Arc<Self>, consumer: &Arc<Consumer>) {
+        let mut after = AfterUnlock::default();
+        {
+            let mut st = self.state.lock();
+            st.consumers.retain(|c| !Arc::ptr_eq(c, consumer));
+            st.last_used_ms = crate::now_ms();
+            if self.auto_delete && st.had_consumers && st.consumers.is_empty() && !st.deleted {
+                after.auto_delete = true;
+            }
+        }
+        self.finish(after);
+    }
+
+    /// basic.get: takes the head (if any) for `channel`.
+    pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> bool {
+        let mut after = AfterUnlock::default();
+        let got = {
+            let mut st = self.state.lock();
+            let now = crate::now_ms();
+            st.last_used_ms = now;
+            self.expire_locked(&mut st, now, true, &mut after);
+            match pop_ready(&mut st) {
+                None => false,
+                Some(entry) => {
+                    let remaining = st.ready.len() as u32;
+                    match channel.deliver_get(self, entry, no_ack, remaining) {
+                        Some(settled) => {
+                            if let Some(id) = settled.store_id {
+                                after.acks.ack(id);
+                            }
+                        }
+                        None => st.unacked += 1,
+                    }
+                    true
+                }
+            }
+        };
+        self.finish(after);
+        got
+    }
+
+    /// Settles delivered entries (ack, or reject with/without requeue). Store acks go into `acks`
+    /// for the caller to append once for all queues it settled.
+    pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch) {
+        let mut after = AfterUnlock::default();
+        {
+            let mut st = self.state.lock();
+            st.unacked = st.unacked.saturating_sub(entries.len() as u64);
+            for entry in entries {
+                match how {
+                    _ if st.deleted => {
+                        if let Some(id) = entry.store_id {
+                            acks.ack(id);
+                        }
+                    }
+                    Settle::Ack => {
+                        if let Some(id) = entry.store_id {
+                            acks.ack(id);
+                        }
+                    }
+                    Settle::Reject { requeue: true } => {
+                        let mut entry = entry;
+                        entry.redelivered = true;
+                        push_ready_sorted(&mut st, entry);
+                    }
+                    Settle::Reject { requeue: false } => self.dead_letter_into(&mut after, entry, DeathReason::Rejected),
+                }
+            }
+            if matches!(how, Settle::Reject { requeue: true }) && !st.deleted {
+                self.drop_head_over_limit(&mut st, &mut after);
+            }
+        }
+        self.finish(after);
+    }
+
+    /// Appends store acks collected by `settle` (for any queue: the store is shared).
+    pub fn append_acks(&self, acks: &mut Batch) {
+        self.finish_acks(acks);
+    }
+
+    /// queue.purge: drops every ready message; returns how many.
+    pub fn purge(&self) -> u32 {
+        let mut after = AfterUnlock::default();
+        let n = {
+            let mut st = self.state.lock();
+            let n = st.ready.len() as u32;
+            for entry in st.ready.drain(..) {
+                if let Some(id) = entry.store_id {
+                    after.acks.ack(id);
+                }
+            }
+            st.ready_bytes = 0;
+            n
+        };
+        self.finish_acks(&mut after.acks);
+        n
+    }
+
+    /// Marks the queue deleted, settles its ready messages in the store and cancels its consumers
+    /// (the clients get basic.cancel). Returns the number of ready messages it held.
+    pub fn mark_deleted(&self) -> u32 {
+        let (n, consumers, mut acks) = {
+            let mut st = self.state.lock();
+            st.deleted = true;
+            let mut acks = Batch::new();
+            let n = st.ready.len() as u32;
+            for entry in st.ready.drain(..) {
+                if let Some(id) = entry.store_id {
+                    acks.ack(id);
+                }
+            }
+            st.ready_bytes = 0;
+            (n, std::mem::take(&mut st.consumers), acks)
+        };
+        self.finish_acks(&mut acks);
+        for c in consumers {
+            c.channel.consumer_cancelled_by_server(&c.tag);
+        }
+        n
+    }
+
+    fn finish_acks(&self, acks: &mut Batch) {
+        if acks.is_empty() {
+            return;
+        }
+        if let Err(e) = self.store.append(acks) {
+            tracing::error!(queue = %self.name, error = %e, "could not record acks in the store");
+        }
+        acks.clear();
+    }
+
+    fn finish(self: &Arc<Self>, mut after: AfterUnlock) {
+        self.finish_acks(&mut after.acks);
+        let vhost = match self.vhost.upgrade() {
+            Some(v) => v,
+            None => return,
+        };
+        for c in after.cancelled {
+            c.channel.consumer_cancelled_by_server(&c.tag);
+        }
+        if !after.dead.is_empty() {
+            vhost.dead_letter(after.dead);
+        }
+        if after.auto_delete {
+            vhost.delete_queue_unchecked(&self.name);
+        }
+    }
+
+    fn vhost_name(&self) -> String {
+        self.vhost.upgrade().map(|v| v.name.clone()).unwrap_or_default()
+    }
+}
+
+fn store_error(e: warren_store::StoreError) -> BrokerError {
+    BrokerError::internal(format!("the message store refused the write: {e}"))
+}
+
+fn pop_ready(st: &mut QueueState) -> Option<Entry> {
+    let entry = st.ready.pop_front()?;
+    st.ready_bytes = st.ready_bytes.saturating_sub(entry.message.body_len() as u64);
+    Some(entry)
+}
+
+fn push_ready_front(st: &mut QueueState, entry: Entry) {
+    st.ready_bytes += entry.message.body_len() as u64;
+    st.ready.push_front(entry);
+}
+
+/// Requeued messages go back to their original position (RabbitMQ's behaviour for classic queues).
+fn push_ready_sorted(st: &mut QueueState, entry: Entry) {
+    st.ready_bytes += entry.message.body_len() as u64;
+    let pos = st.ready.partition_point(|e| e.seq < entry.seq);
+    st.ready.insert(pos, entry);
+}

@@ -1,0 +1,590 @@
+//! A virtual host: its exchanges, queues and bindings, declaration rules, and routing of
+//! published messages to queues.
+
+use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter};
+use crate::definitions::Definitions;
+use crate::error::{BrokerError, Result};
+use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
+use crate::message::{encode_header, Message, MessageRef};
+use crate::queue::{Enqueued, Queue};
+use crate::queue_args::{first_difference, QueueArgs, EQUIVALENCE_KEYS};
+use bytes::BytesMut;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use warren_protocol::field::FieldTable;
+use warren_protocol::properties::PropertiesView;
+use warren_store::{Store, SyncTicket};
+
+/// What happened to a published message.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PublishOutcome {
+    /// Some queue took it (false: unroutable; a mandatory publish gets basic.return).
+    pub routed: bool,
+    /// A queue refused it (x-overflow reject-publish): the publisher gets basic.nack.
+    pub rejected: bool,
+    /// The message is durable once the store reaches this ticket.
+    pub ticket: Option<SyncTicket>,
+}
+
+pub struct QueueDeclare<'a> {
+    pub name: &'a str,
+    pub passive: bool,
+    pub durable: bool,
+    pub exclusive: bool,
+    pub auto_delete: bool,
+    pub arguments: &'a FieldTable,
+    pub connection_id: u64,
+}
+
+pub struct ExchangeDeclare<'a> {
+    pub name: &'a str,
+    pub kind: &'a str,
+    pub passive: bool,
+    pub durable: bool,
+    pub auto_delete: bool,
+    pub internal: bool,
+    pub arguments: &'a FieldTable,
+}
+
+pub struct VHost {
+    pub name: String,
+    exchanges: RwLock<HashMap<String, Arc<Exchange>>>,
+    queues: RwLock<HashMap<String, Arc<Queue>>>,
+    /// Serialises changes to the topology and the writes of the definitions file.
+    topology: Mutex<()>,
+    store: Store,
+    definitions: Arc<Definitions>,
+    next_queue_id: Arc<AtomicU64>,
+    me: Weak<VHost>,
+}
+
+const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
+    ("", ExchangeKind::Direct),
+    ("amq.direct", ExchangeKind::Direct),
+    ("amq.fanout", ExchangeKind::Fanout),
+    ("amq.topic", ExchangeKind::Topic),
+    ("amq.headers", ExchangeKind::Headers),
+    ("amq.match", ExchangeKind::Headers),
+];
+
+impl VHost {
+    pub fn new(name: String, store: Store, definitions: Arc<Definitions>, next_queue_id: Arc<AtomicU64>) -> Arc<VHost> {
+        let vhost = Arc::new_cyclic(|me| VHost {
+            name,
+            exchanges: RwLock::new(HashMap::new()),
+            queues: RwLock::new(HashMap::new()),
+            topology: Mutex::new(()),
+            store,
+            definitions,
+            next_queue_id,
+            me: me.clone(),
+        });
+        {
+            let mut exchanges = vhost.exchanges.write();
+            for (name, kind) in DEFAULT_EXCHANGES {
+                exchanges.insert(
+                    name.to_string(),
+                    Exchange::new(name.to_string(), *kind, true, false, false, FieldTable::new()),
+                );
+            }
+        }
+        vhost
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    fn no_exchange(&self, name: &str) -> BrokerError {
+        BrokerError::not_found(format!("no exchange '{name}' in vhost '{}'", self.name))
+    }
+
+    fn no_queue(&self, name: &str) -> BrokerError {
+        BrokerError::not_found(format!("no queue '{name}' in vhost '{}'", self.name))
+    }
+
+    pub fn exchange(&self, name: &str) -> Result<Arc<Exchange>> {
+        self.exchanges.read().get(name).cloned().ok_or_else(|| self.no_exchange(name))
+    }
+
+    pub fn exchanges(&self) -> Vec<Arc<Exchange>> {
+        self.exchanges.read().values().cloned().collect()
+    }
+
+    pub fn queues(&self) -> Vec<Arc<Queue>> {
+        self.queues.read().values().cloned().collect()
+    }
+
+    /// Looks a queue up for `connection_id`, refusing another connection's exclusive queue (405).
+    pub fn queue(&self, name: &str, connection_id: u64) -> Result<Arc<Queue>> {
+        let queue = self.queues.read().get(name).cloned().ok_or_else(|| self.no_queue(name))?;
+        self.check_exclusive(&queue, connection_id)?;
+        Ok(queue)
+    }
+
+    fn check_exclusive(&self, queue: &Queue, connection_id: u64) -> Result<()> {
+        match queue.exclusive_owner {
+            Some(owner) if owner != connection_id => Err(BrokerError::resource_locked(format!(
+                "cannot obtain exclusive access to locked queue '{}' in vhost '{}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration.",
+                queue.name, self.name
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    // ---- exchanges ----------------------------------------------------------------------
+
+    pub fn exchange_declare(&self, d: &ExchangeDeclare) -> Result<()> {
+        let _topology = self.topology.lock();
+        if let Some(existing) = self.exchanges.read().get(d.name).cloned() {
+            if d.passive {
+                return Ok(());
+            }
+            let received = ExchangeKind::parse(d.kind)?;
+            let inequivalent = |arg: &str, got: String, cur: String| {
+                BrokerError::precondition_failed(format!(
+                    "inequivalent arg '{arg}' for exchange '{}' in vhost '{}': received '{got}' but current is '{cur}'",
+                    d.name, self.name
+                ))
+            };
+            if received != existing.kind {
+                return Err(inequivalent("type", d.kind.to_string(), existing.kind.as_str().to_string()));
+            }
+            if d.durable != existing.durable {
+                return Err(inequivalent("durable", d.durable.to_string(), existing.durable.to_string()));
+            }
+            if d.auto_delete != existing.auto_delete {
+                return Err(inequivalent("auto_delete", d.auto_delete.to_string(), existing.auto_delete.to_string()));
+            }
+            if d.internal != existing.internal {
+                return Err(inequivalent("internal", d.internal.to_string(), existing.internal.to_string()));
+            }
+            if let Some(arg) = first_difference(d.arguments, &existing.arguments, &["alternate-exchange"]) {
+                return Err(BrokerError::precondition_failed(format!(
+                    "inequivalent arg '{arg}' for exchange '{}' in vhost '{}'",
+                    d.name, self.name
+                )));
+            }
+            return Ok(());
+        }
+        if d.passive {
+            return Err(self.no_exchange(d.name));
+        }
+        if d.name.starts_with("amq.") {
+            return Err(BrokerError::access_refused(format!(
+                "exchange name '{}' contains reserved prefix 'amq.*'",
+                d.name
+            )));
+        }
+        let kind = ExchangeKind::parse(d.kind)?;
+        let exchange = Exchange::new(d.name.to_string(), kind, d.durable, d.auto_delete, d.internal, d.arguments.clone());
+        self.exchanges.write().insert(d.name.to_string(), exchange);
+        if d.durable {
+            self.save_definitions();
+        }
+        Ok(())
+    }
+
+    pub fn exchange_delete(&self, name: &str, if_unused: bool) -> Result<()> {
+        let _topology = self.topology.lock();
+        if name.is_empty() || name.starts_with("amq.") {
+            return Err(BrokerError::access_refused(format!(
+                "operation not permitted on the default exchange '{name}' in vhost '{}'",
+                self.name
+            )));
+        }
+        let exchange = self.exchanges.read().get(name).cloned().ok_or_else(|| self.no_exchange(name))?;
+        if if_unused && exchange.has_bindings() {
+            return Err(BrokerError::precondition_failed(format!(
+                "exchange '{name}' in vhost '{}' in use",
+                self.name
+            )));
+        }
+        self.remove_exchange_locked(&exchange);
+        self.save_definitions();
+        Ok(())
+    }
+
+    fn remove_exchange_locked(&self, exchange: &Arc<Exchange>) {
+        self.exchanges.write().remove(&exchange.name);
+        let dest = Destination::Exchange(exchange.clone());
+        for other in self.exchanges() {
+            other.unbind_destination(&dest);
+        }
+    }
+
+    pub fn exchange_bind(&self, destination: &str, source: &str, routing_key: &str, arguments: &FieldTable) -> Result<()> {
+        let _topology = self.topology.lock();
+        self.check_bindable_source(source)?;
+        let src = self.exchange(source)?;
+        let dst = self.exchange(destination)?;
+        let binding = Binding { destination: Destination::Exchange(dst), routing_key: routing_key.to_string(), arguments: arguments.clone() };
+        let durable = src.durable && binding.destination.durable();
+        if src.bind(binding) && durable {
+            self.save_definitions();
+        }
+        Ok(())
+    }
+
+    pub fn exchange_unbind(&self, destination: &str, source: &str, routing_key: &str, arguments: &FieldTable) -> Result<()> {
+        let _topology = self.topology.lock();
+        self.check_bindable_source(source)?;
+        let src = self.exchange(source)?;
+        let dst = self.exchange(destination)?;
+        let binding = Binding { destination: Destination::Exchange(dst), routing_key: routing_key.to_string(), arguments: arguments.clone() };
+        if src.unbind(&binding) {
+            self.after_unbind_locked(&src);
+            self.save_definitions();
+        }
+        Ok(())
+    }
+
+    fn check_bindable_source(&self, source: &str) -> Result<()> {
+        if source.is_empty() {
+            return Err(BrokerError::access_refused(format!(
+                "operation not permitted on the default exchange in vhost '{}'",
+                self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// An auto-delete exchange goes when its last binding does.
+    fn after_unbind_locked(&self, source: &Arc<Exchange>) {
+        if source.auto_delete && !source.has_bindings() {
+            self.remove_exchange_locked(source);
+        }
+    }
+
+    // ---- queues -------------------------------------------------------------------------
+
+    /// queue.declare: returns (name, message count, consumer count).
+    pub fn queue_declare(&self, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+        let _topology = self.topology.lock();
+        if !d.name.is_empty() {
+            if let Some(existing) = self.queues.read().get(d.name).cloned() {
+                self.check_exclusive(&existing, d.connection_id)?;
+                if !d.passive {
+                    self.check_queue_equivalence(&existing, d)?;
+                }
+                existing.touch(crate::now_ms());
+                return Ok((existing.name.clone(), existing.message_count(), existing.consumer_count()));
+            }
+            if d.passive {
+                return Err(self.no_queue(d.name));
+            }
+            if d.name.starts_with("amq.") {
+                return Err(BrokerError::access_refused(format!(
+                    "queue name '{}' contains reserved prefix 'amq.*'",
+                    d.name
+                )));
+            }
+        } else if d.passive {
+            return Err(self.no_queue(d.name));
+        }
+        let name = if d.name.is_empty() { generated_name("amq.gen-") } else { d.name.to_string() };
+        let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
+        if let Some(dlx) = &args.dead_letter_exchange {
+            let _ = dlx; // RabbitMQ accepts a DLX that does not exist yet.
+        }
+        // Exclusive queues live and die with their connection, so they are never durable.
+        let durable = d.durable && !d.exclusive;
+        let id = self.next_queue_id.fetch_add(1, Ordering::Relaxed);
+        let queue = Queue::new(
+            name.clone(),
+            id,
+            durable,
+            d.exclusive.then_some(d.connection_id),
+            d.auto_delete,
+            d.arguments.clone(),
+            args,
+            self.me.clone(),
+            self.store.clone(),
+            crate::now_ms(),
+        );
+        self.queues.write().insert(name.clone(), queue.clone());
+        // Every queue is bound to the default exchange by its name (routing does that directly).
+        if durable {
+            self.save_definitions();
+        }
+        Ok((name, 0, 0))
+    }
+
+    fn check_queue_equivalence(&self, existing: &Queue, d: &QueueDeclare) -> Result<()> {
+        let inequivalent = |arg: &str, got: bool, cur: bool| {
+            BrokerError::precondition_failed(format!(
+                "inequivalent arg '{arg}' for queue '{}' in vhost '{}': received '{got}' but current is '{cur}'",
+                existing.name, self.name
+            ))
+        };
+        let existing_durable = existing.durable || existing.exclusive_owner.is_some() && d.durable;
+        if d.durable != existing_durable {
+            return Err(inequivalent("durable", d.durable, existing.durable));
+        }
+        if d.exclusive != existing.exclusive_owner.is_some() {
+            return Err(inequivalent("exclusive", d.exclusive, existing.exclusive_owner.is_some()));
+        }
+        if d.auto_delete != existing.auto_delete {
+            return Err(inequivalent("auto_delete", d.auto_delete, existing.auto_delete));
+        }
+        if let Some(arg) = first_difference(d.arguments, &existing.arguments, EQUIVALENCE_KEYS) {
+            return Err(BrokerError::precondition_failed(format!(
+                "inequivalent arg '{arg}' for queue '{}' in vhost '{}': received {} but current is {}",
+                existing.name,
+                self.name,
+                describe(d.arguments.get(arg)),
+                describe(existing.arguments.get(arg)),
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn queue_bind(&self, queue: &str, exchange: &str, routing_key: &str, arguments: &FieldTable, connection_id: u64) -> Result<()> {
+        let _topology = self.topology.lock();
+        self.check_bindable_source(exchange)?;
+        let q = self.queue(queue, connection_id)?;
+        let src = self.exchange(exchange)?;
+        let binding = Binding { destination: Destination::Queue(q.clone()), routing_key: routing_key.to_string(), arguments: arguments.clone() };
+        if src.bind(binding) && src.durable && q.durable {
+            self.save_definitions();
+        }
+        Ok(())
+    }
+
+    pub fn queue_unbind(&self, queue: &str, exchange: &str, routing_key: &str, arguments: &FieldTable, connection_id: u64) -> Result<()> {
+        let _topology = self.topology.lock();
+        self.check_bindable_source(exchange)?;
+        let q = self.queue(queue, connection_id)?;
+        let src = self.exchange(exchange)?;
+        let binding = Binding { destination: Destination::Queue(q), routing_key: routing_key.to_string(), arguments: arguments.clone() };
+        if src.unbind(&binding) {
+            self.after_unbind_locked(&src);
+            self.save_definitions();
+        }
+        Ok(())
+    }
+
+    pub fn queue_purge(&self, queue: &str, connection_id: u64) -> Result<u32> {
+        Ok(self.queue(queue, connection_id)?.purge())
+    }
+
+    /// queue.delete: returns the number of messages deleted.
+    pub fn queue_delete(&self, name: &str, if_unused: bool, if_empty: bool, connection_id: u64) -> Result<u32> {
+        let _topology = self.topology.lock();
+        let queue = match self.queues.read().get(name).cloned() {
+            Some(q) => q,
+            // RabbitMQ answers delete-ok for a queue that does not exist.
+            None => return Ok(0),
+        };
+        self.check_exclusive(&queue, connection_id)?;
+        if if_unused && queue.consumer_count() > 0 {
+            return Err(BrokerError::precondition_failed(format!("queue '{name}' in vhost '{}' in use", self.name)));
+        }
+        if if_empty && queue.message_count() > 0 {
+            return Err(BrokerError::precondition_failed(format!("queue '{name}' in vhost '{}' is not empty", self.name)));
+        }
+        Ok(self.remove_queue_locked(&queue))
+    }
+
+    /// Deletes a queue without the client-facing checks (auto-delete, x-expires, exclusive owner gone).
+    pub fn delete_queue_unchecked(&self, name: &str) {
+        let _topology = self.topology.lock();
+        if let Some(queue) = self.queues.read().get(name).cloned() {
+            self.remove_queue_locked(&queue);
+        }
+    }
+
+    fn remove_queue_locked(&self, queue: &Arc<Queue>) -> u32 {
+        self.queues.write().remove(&queue.name);
+        let dest = Destination::Queue(queue.clone());
+        let mut auto_deleted = Vec::new();
+        for ex in self.exchanges() {
+            if ex.unbind_destination(&dest) && ex.auto_delete && !ex.has_bindings() {
+                auto_deleted.push(ex);
+            }
+        }
+        for ex in auto_deleted {
+            self.remove_exchange_locked(&ex);
+        }
+        let count = queue.mark_deleted();
+        if queue.durable {
+            self.save_definitions();
+        }
+        count
+    }
+
+    /// A connection closed: its exclusive queues go with it.
+    pub fn connection_closed(&self, connection_id: u64) {
+        let owned: Vec<String> = self
+            .queues
+            .read()
+            .values()
+            .filter(|q| q.exclusive_owner == Some(connection_id))
+            .map(|q| q.name.clone())
+            .collect();
+        for name in owned {
+            self.delete_queue_unchecked(&name);
+        }
+    }
+
+    /// Housekeeping: message TTL and queue expiry (`x-expires`).
+    pub fn tick(&self, now_ms: u64) {
+        let queues = self.queues();
+        for q in queues {
+            if q.tick(now_ms) {
+                tracing::info!(queue = %q.name, vhost = %self.name, "deleting queue unused for longer than its x-expires");
+                self.delete_queue_unchecked(&q.name);
+            }
+        }
+    }
+
+    // ---- publishing ---------------------------------------------------------------------
+
+    /// Routes a message and offers it to every queue it reaches.
+    pub fn publish(&self, exchange: &str, message: Message) -> Result<PublishOutcome> {
+        let ex = self.exchange(exchange)?;
+        if ex.internal {
+            return Err(BrokerError::access_refused(format!(
+                "cannot publish to internal exchange '{exchange}' in vhost '{}'",
+                self.name
+            )));
+        }
+        let mut queues = Vec::new();
+        self.route(&ex, &message, &mut queues);
+        self.deliver_to_queues(Arc::new(message), &queues)
+    }
+
+    fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>]) -> Result<PublishOutcome> {
+        let mut outcome = PublishOutcome { routed: !queues.is_empty(), ..Default::default() };
+        if queues.is_empty() {
+            return Ok(outcome);
+        }
+        let now = crate::now_ms();
+        let mut header = BytesMut::new();
+        if message.persistent && queues.iter().any(|q| q.durable) {
+            encode_header(&message, Some(now), &mut header);
+        }
+        for q in queues {
+            match q.publish(&message, &header, now)? {
+                Enqueued::Accepted(Some(t)) => outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t))),
+                Enqueued::Accepted(None) => {}
+                Enqueued::Rejected => outcome.rejected = true,
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Collects the queues a message reaches from `exchange`: bindings, exchange-to-exchange
+    /// bindings (each exchange visited once), and the alternate exchange when nothing matched.
+    fn route(&self, exchange: &Arc<Exchange>, message: &Message, out: &mut Vec<Arc<Queue>>) {
+        if exchange.name.is_empty() {
+            if let Some(q) = self.queues.read().get(&message.routing_key) {
+                out.push(q.clone());
+            }
+            return;
+        }
+        let headers = if exchange.kind == ExchangeKind::Headers || self.has_headers_exchange_bound(exchange) {
+            PropertiesView::new(&message.properties).ok().and_then(|v| v.headers()).and_then(|r| r.ok())
+        } else {
+            None
+        };
+        let mut visited: Vec<Arc<Exchange>> = vec![exchange.clone()];
+        let mut pending: Vec<Arc<Exchange>> = vec![exchange.clone()];
+        while let Some(ex) = pending.pop() {
+            let mut dests = Vec::new();
+            ex.route(&message.routing_key, headers.as_ref(), &mut dests);
+            let mut matched = false;
+            for d in dests {
+                match d {
+                    Destination::Queue(q) => {
+                        matched = true;
+                        if !out.iter().any(|o| Arc::ptr_eq(o, &q)) {
+                            out.push(q);
+                        }
+                    }
+                    Destination::Exchange(e) => {
+                        matched = true;
+                        if !visited.iter().any(|v| Arc::ptr_eq(v, &e)) {
+                            visited.push(e.clone());
+                            pending.push(e);
+                        }
+                    }
+                }
+            }
+            if !matched {
+                if let Some(alt) = ex.alternate.as_ref().and_then(|n| self.exchanges.read().get(n).cloned()) {
+                    if !visited.iter().any(|v| Arc::ptr_eq(v, &alt)) {
+                        visited.push(alt.clone());
+                        pending.push(alt);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Exchange-to-exchange chains can reach a headers exchange; decode headers if any exists.
+    fn has_headers_exchange_bound(&self, exchange: &Exchange) -> bool {
+        exchange.bindings().iter().any(|b| matches!(&b.destination, Destination::Exchange(_)))
+    }
+
+    /// Re-publishes dead letters to their dead-letter exchanges.
+    pub fn dead_letter(&self, letters: Vec<DeadLetter>) {
+        let now_secs = crate::now_ms() / 1000;
+        for letter in letters {
+            let Some(message) = dead_lettered_message(&letter, now_secs) else { continue };
+            let Ok(ex) = self.exchange(&letter.exchange) else {
+                tracing::debug!(exchange = %letter.exchange, "dead-letter exchange does not exist; message dropped");
+                continue;
+            };
+            let mut queues = Vec::new();
+            self.route(&ex, &message, &mut queues);
+            queues.retain(|q| !is_cycle(&message, &q.name));
+            if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues) {
+                tracing::warn!(error = %e, "could not dead-letter a message");
+            }
+        }
+    }
+
+    // ---- recovery and definitions -------------------------------------------------------
+
+    /// Recreates a durable exchange from the definitions file.
+    pub fn restore_exchange(&self, exchange: Arc<Exchange>) {
+        self.exchanges.write().insert(exchange.name.clone(), exchange);
+    }
+
+    /// Recreates a durable queue from the definitions file.
+    pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable) -> Arc<Queue> {
+        let args = QueueArgs::parse(&name, &self.name, &arguments).unwrap_or_default();
+        let queue = Queue::new(name.clone(), id, true, None, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
+        self.queues.write().insert(name, queue.clone());
+        queue
+    }
+
+    fn save_definitions(&self) {
+        if let Err(e) = self.definitions.save_vhost(self) {
+            tracing::error!(vhost = %self.name, error = %e, "could not write the definitions file");
+        }
+    }
+}
+
+fn describe(v: Option<&warren_protocol::field::FieldValue>) -> String {
+    match v {
+        None => "none".to_string(),
+        Some(v) => format!("'{v:?}'"),
+    }
+}
+
+/// `amq.gen-` followed by 22 random URL-safe base64 characters, as RabbitMQ names server-named queues.
+pub fn generated_name(prefix: &str) -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let mut rng = rand::thread_rng();
+    let mut s = String::with_capacity(prefix.len() + 22);
+    s.push_str(prefix);
+    for _ in 0..22 {
+        s.push(ALPHABET[rng.gen_range(0..ALPHABET.len())] as char);
+    }
+    s
+}

@@ -1,0 +1,844 @@
+//! Configuration of `warren server`.
+//!
+//! Four sources, each overriding the one before it, key by key:
+//!
+//! 1. built-in defaults ([`Config::default`], written out in `config/warren.toml`);
+//! 2. a TOML file, named by `--config FILE` or else `WARREN_CONFIG`;
+//! 3. environment variables: every key `some-key` can be set by `WARREN_SOME_KEY`;
+//! 4. command-line flags (`--amqp-port`, `--http-port`, `--bind`, `--data-dir`).
+//!
+//! How it works: the defaults are serialized into a TOML table; the file's keys and the environment's
+//! values (converted using the type of the key's default) are checked one key at a time and laid over
+//! it; the merged table is deserialized once; flags are applied to the result; then [`Config::validate`]
+//! checks the values together. Every error names the key, where the value came from (file path,
+//! variable name or flag) and what would be accepted.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// The flags of `warren server`. Each has an environment variable of the same name (`WARREN_*`),
+/// which it overrides; both override the configuration file.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ServerArgs {
+    /// Port for AMQP 0-9-1 connections; 0 picks a free one [env: WARREN_AMQP_PORT] [default: 5672]
+    #[arg(long, value_name = "N")]
+    pub amqp_port: Option<u16>,
+
+    /// Port reserved for the HTTP management API (not served yet) [env: WARREN_HTTP_PORT] [default: 15672]
+    #[arg(long, value_name = "N")]
+    pub http_port: Option<u16>,
+
+    /// IP address to listen on; 0.0.0.0 or :: for all interfaces [env: WARREN_BIND] [default: 127.0.0.1]
+    #[arg(long, value_name = "ADDR")]
+    pub bind: Option<IpAddr>,
+
+    /// Directory holding the message store and definitions [env: WARREN_DATA_DIR] [default: ./warren-data]
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+
+    /// TOML configuration file; every key is listed in config/warren.toml [env: WARREN_CONFIG]
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// When the store fsyncs, and so how long a publisher confirm can take.
+///
+/// In TOML and in `WARREN_SYNC` it is a string: `"every-batch"` or `"every-<N>ms"`, e.g. `"every-100ms"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SyncMode {
+    /// `fdatasync` after every group of appended batches (group commit). Confirms are sent as soon as
+    /// the messages are on disk.
+    #[default]
+    EveryBatch,
+    /// `fdatasync` at most every N milliseconds. Confirms still wait for the fsync, so they are up to
+    /// N ms later; fewer fsyncs are done under load.
+    IntervalMs(u64),
+}
+
+impl SyncMode {
+    /// The fsync interval in milliseconds, 0 for [`SyncMode::EveryBatch`].
+    pub fn interval_ms(self) -> u64 {
+        match self {
+            SyncMode::EveryBatch => 0,
+            SyncMode::IntervalMs(ms) => ms,
+        }
+    }
+}
+
+impl fmt::Display for SyncMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SyncMode::EveryBatch => f.write_str("every-batch"),
+            SyncMode::IntervalMs(ms) => write!(f, "every-{ms}ms"),
+        }
+    }
+}
+
+impl FromStr for SyncMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s == "every-batch" {
+            return Ok(SyncMode::EveryBatch);
+        }
+        s.strip_prefix("every-")
+            .and_then(|rest| rest.strip_suffix("ms"))
+            .filter(|digits| !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|digits| digits.parse::<u64>().ok())
+            .map(SyncMode::IntervalMs)
+            .ok_or_else(|| format!("expected {SYNC_EXPECTED}, found {s:?}"))
+    }
+}
+
+impl Serialize for SyncMode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for SyncMode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(deserializer)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The configuration of a broker node. Keys are the field names in kebab-case (`amqp-port`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, rename_all = "kebab-case", deny_unknown_fields)]
+pub struct Config {
+    /// Address the listeners bind to.
+    pub bind: IpAddr,
+    /// AMQP 0-9-1 port; 0 lets the OS pick one.
+    pub amqp_port: u16,
+    /// HTTP management port (reserved, not served yet).
+    pub http_port: u16,
+    /// Directory for the message store and the durable definitions.
+    pub data_dir: PathBuf,
+    /// The user that may log in (applied at every start).
+    pub default_user: String,
+    /// Its password.
+    pub default_pass: String,
+    /// Users who may connect only from a loopback address, as in RabbitMQ.
+    pub loopback_users: Vec<String>,
+    /// The virtual host that always exists (created at start if missing).
+    pub default_vhost: String,
+    /// Heartbeat interval (seconds) proposed in connection.tune; 0 disables heartbeats.
+    pub heartbeat: u16,
+    /// Largest frame (bytes) proposed in connection.tune.
+    pub frame_max: u32,
+    /// Highest channel number proposed in connection.tune.
+    pub channel_max: u16,
+    /// Largest message body (bytes) accepted from a publisher.
+    pub max_message_size: u32,
+    /// When the store fsyncs.
+    pub sync: SyncMode,
+    /// Size (bytes) at which the store starts a new segment file.
+    pub segment_size: u64,
+    /// Log filter (tracing `EnvFilter` directives), e.g. `info` or `warn,warren_broker=debug`.
+    pub log: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            amqp_port: 5672,
+            http_port: 15672,
+            data_dir: PathBuf::from("./warren-data"),
+            default_user: "guest".to_owned(),
+            default_pass: "guest".to_owned(),
+            loopback_users: vec!["guest".to_owned()],
+            default_vhost: "/".to_owned(),
+            heartbeat: 60,
+            frame_max: 131_072,
+            channel_max: 2047,
+            max_message_size: 128 << 20,
+            sync: SyncMode::EveryBatch,
+            segment_size: 64 << 20,
+            log: "info".to_owned(),
+        }
+    }
+}
+
+/// The AMQP minimum for frame-max (spec section 4.2.3, `frame-min-size`).
+const FRAME_MIN_SIZE: u32 = 4096;
+/// RabbitMQ's upper limit for `max_message_size` (512 MiB).
+const MAX_MESSAGE_SIZE_LIMIT: u32 = 512 << 20;
+/// Smallest accepted segment size.
+const SEGMENT_SIZE_MIN: u64 = 4096;
+/// Longest accepted fsync interval: confirms wait this long at worst.
+const SYNC_INTERVAL_MAX_MS: u64 = 60_000;
+
+const SYNC_EXPECTED: &str = "\"every-batch\" or \"every-<N>ms\" (e.g. \"every-100ms\")";
+
+/// What each key accepts, for error messages. The tests check it lists exactly the keys of [`Config`].
+const KEYS: &[(&str, &str)] = &[
+    ("bind", "an IP address such as 127.0.0.1, 0.0.0.0 or ::"),
+    ("amqp-port", "a port number (0-65535)"),
+    ("http-port", "a port number (0-65535)"),
+    ("data-dir", "a directory path"),
+    ("default-user", "a user name"),
+    ("default-pass", "a password"),
+    ("loopback-users", "a list of user names (in the environment: comma-separated)"),
+    ("default-vhost", "a virtual host name"),
+    ("heartbeat", "a number of seconds (0-65535, 0 disables heartbeats)"),
+    ("frame-max", "a frame size in bytes (4096-4294967295)"),
+    ("channel-max", "a number of channels (1-65535)"),
+    ("max-message-size", "a size in bytes (1-536870912)"),
+    ("sync", SYNC_EXPECTED),
+    ("segment-size", "a size in bytes (at least 4096)"),
+    ("log", "a tracing filter such as \"info\" or \"warn,warren_broker=debug\""),
+];
+
+fn expected(key: &str) -> &'static str {
+    KEYS.iter().find(|(k, _)| *k == key).map_or("a value of the key's type", |(_, e)| e)
+}
+
+/// The environment variable for a key: `amqp-port` -> `WARREN_AMQP_PORT`.
+pub fn env_var_name(key: &str) -> String {
+    format!("WARREN_{}", key.to_ascii_uppercase().replace('-', "_"))
+}
+
+/// A value as shown in an error message; the password never is.
+fn shown(key: &str, value: &str) -> String {
+    if key == "default-pass" {
+        "<redacted>".to_owned()
+    } else {
+        value.to_owned()
+    }
+}
+
+/// Why the configuration could not be loaded. Each message says which key, where its value came from
+/// and what would be accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {} (from {from}): {source}", path.display())]
+    ReadFile {
+        path: PathBuf,
+        /// `--config` or `WARREN_CONFIG`.
+        from: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("config file {} is not valid TOML: {message}", path.display())]
+    Syntax { path: PathBuf, message: String },
+
+    #[error("config file {}: unknown key `{key}`{}", path.display(), unknown_key_hint(key))]
+    UnknownKey { path: PathBuf, key: String },
+
+    #[error("config file {}: {key} = {value}: expected {expected}", path.display())]
+    FileValue { path: PathBuf, key: String, value: String, expected: &'static str },
+
+    #[error("{var}={value}: expected {expected}")]
+    EnvValue { var: String, value: String, expected: &'static str },
+
+    #[error("WARREN_CONFIG is set but empty: set it to the path of a TOML file, or unset it")]
+    EmptyConfigVar,
+
+    /// A value of the right type that is out of range or inconsistent with another.
+    #[error("invalid {key}{}: {problem}", origin.as_deref().map(|o| format!(" (from {o})")).unwrap_or_default())]
+    Invalid { key: &'static str, problem: String, origin: Option<String> },
+
+    /// Cannot happen: the defaults failed to round-trip through TOML.
+    #[error("internal error in the configuration defaults: {0}")]
+    Internal(String),
+}
+
+fn unknown_key_hint(key: &str) -> String {
+    let dashed = key.replace('_', "-");
+    if dashed != key && KEYS.iter().any(|(k, _)| *k == dashed) {
+        return format!(" (did you mean `{dashed}`? keys are written with dashes)");
+    }
+    let known: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+    format!("; the keys are: {}", known.join(", "))
+}
+
+/// Where a key's value came from, for error messages.
+#[derive(Debug, Clone)]
+enum Origin {
+    Default,
+    File(PathBuf),
+    Env(String),
+    Flag(&'static str),
+}
+
+impl Origin {
+    fn describe(&self) -> Option<String> {
+        match self {
+            Origin::Default => None,
+            Origin::File(path) => Some(format!("config file {}", path.display())),
+            Origin::Env(var) => Some(var.clone()),
+            Origin::Flag(flag) => Some(flag.to_string()),
+        }
+    }
+}
+
+/// Converts an environment variable's text to a TOML value of the same type as the key's default.
+/// Lists are comma-separated (all list keys hold strings); an empty variable is an empty list.
+fn env_to_value(default: &toml::Value, raw: &str) -> Option<toml::Value> {
+    use toml::Value;
+    match default {
+        Value::String(_) => Some(Value::String(raw.to_owned())),
+        Value::Integer(_) => raw.trim().parse::<i64>().ok().map(Value::Integer),
+        Value::Float(_) => raw.trim().parse::<f64>().ok().map(Value::Float),
+        Value::Boolean(_) => match raw.trim().to_ascii_lowercase().as_str() {
+            "true" | "yes" | "on" | "1" => Some(Value::Boolean(true)),
+            "false" | "no" | "off" | "0" => Some(Value::Boolean(false)),
+            _ => None,
+        },
+        Value::Array(_) => Some(Value::Array(
+            raw.split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| Value::String(s.to_owned()))
+                .collect(),
+        )),
+        Value::Datetime(_) | Value::Table(_) => None,
+    }
+}
+
+/// Whether `value` is acceptable for `key` on its own (type and representable range).
+fn value_fits(key: &str, value: &toml::Value) -> bool {
+    let mut single = toml::Table::new();
+    single.insert(key.to_owned(), value.clone());
+    single.try_into::<Config>().is_ok()
+}
+
+impl Config {
+    /// Loads the configuration: defaults <- file (`args.config` or `WARREN_CONFIG`) <- `WARREN_*`
+    /// environment variables <- flags, then validates it.
+    pub fn load(args: &ServerArgs) -> Result<Config, ConfigError> {
+        Self::load_from(args, &|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+    }
+
+    /// [`Config::load`] with the environment given explicitly (for tests).
+    pub fn load_from(args: &ServerArgs, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        let defaults = toml::Table::try_from(Config::default()).map_err(|e| ConfigError::Internal(e.to_string()))?;
+        let mut merged = defaults.clone();
+        let mut origins: BTreeMap<String, Origin> = defaults.keys().map(|k| (k.clone(), Origin::Default)).collect();
+
+        // The file.
+        let file = match &args.config {
+            Some(path) => Some((path.clone(), "--config")),
+            None => match env("WARREN_CONFIG") {
+                Some(s) if s.is_empty() => return Err(ConfigError::EmptyConfigVar),
+                Some(s) => Some((PathBuf::from(s), "WARREN_CONFIG")),
+                None => None,
+            },
+        };
+        if let Some((path, from)) = file {
+            for (key, value) in read_file(&path, from)? {
+                if !defaults.contains_key(&key) {
+                    return Err(ConfigError::UnknownKey { path, key });
+                }
+                if !value_fits(&key, &value) {
+                    return Err(ConfigError::FileValue {
+                        value: shown(&key, &value.to_string()),
+                        expected: expected(&key),
+                        path,
+                        key,
+                    });
+                }
+                origins.insert(key.clone(), Origin::File(path.clone()));
+                merged.insert(key, value);
+            }
+        }
+
+        // The environment.
+        for (key, default) in &defaults {
+            let var = env_var_name(key);
+            let Some(raw) = env(&var) else { continue };
+            match env_to_value(default, &raw) {
+                Some(value) if value_fits(key, &value) => {
+                    merged.insert(key.clone(), value);
+                    origins.insert(key.clone(), Origin::Env(var));
+                }
+                _ => {
+                    return Err(ConfigError::EnvValue { value: shown(key, &raw), expected: expected(key), var });
+                }
+            }
+        }
+
+        let mut config: Config = merged.try_into().map_err(|e: toml::de::Error| ConfigError::Internal(e.to_string()))?;
+
+        // The flags.
+        let mut flag = |key: &str, name: &'static str| {
+            origins.insert(key.to_owned(), Origin::Flag(name));
+        };
+        if let Some(port) = args.amqp_port {
+            config.amqp_port = port;
+            flag("amqp-port", "--amqp-port");
+        }
+        if let Some(port) = args.http_port {
+            config.http_port = port;
+            flag("http-port", "--http-port");
+        }
+        if let Some(bind) = args.bind {
+            config.bind = bind;
+            flag("bind", "--bind");
+        }
+        if let Some(dir) = &args.data_dir {
+            config.data_dir = dir.clone();
+            flag("data-dir", "--data-dir");
+        }
+
+        config.check().map_err(|(key, problem)| ConfigError::Invalid {
+            key,
+            problem,
+            origin: origins.get(key).and_then(Origin::describe),
+        })?;
+        Ok(config)
+    }
+
+    /// Checks ranges and consistency: frame-max >= 4096, channel-max >= 1, distinct ports, and so on.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check().map_err(|(key, problem)| ConfigError::Invalid { key, problem, origin: None })
+    }
+
+    /// The first problem found, as (key, what is wrong).
+    fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.amqp_port != 0 && self.amqp_port == self.http_port {
+            return Err((
+                "http-port",
+                format!("{} is also the amqp-port; the two listeners need different ports", self.http_port),
+            ));
+        }
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(("data-dir", "must not be empty".to_owned()));
+        }
+        if self.default_user.is_empty() {
+            return Err(("default-user", "must not be empty".to_owned()));
+        }
+        if self.default_pass.is_empty() {
+            return Err(("default-pass", "must not be empty: nobody could log in with it".to_owned()));
+        }
+        if let Some(i) = self.loopback_users.iter().position(|u| u.is_empty()) {
+            return Err(("loopback-users", format!("entry {} is an empty user name", i + 1)));
+        }
+        if self.default_vhost.is_empty() {
+            return Err(("default-vhost", "must not be empty (RabbitMQ's default is \"/\")".to_owned()));
+        }
+        if self.frame_max < FRAME_MIN_SIZE {
+            return Err((
+                "frame-max",
+                format!("{} is below {FRAME_MIN_SIZE}, the smallest frame-max AMQP 0-9-1 allows", self.frame_max),
+            ));
+        }
+        if self.channel_max == 0 {
+            return Err(("channel-max", "0 would allow no channel at all; use 1-65535".to_owned()));
+        }
+        if self.max_message_size == 0 || self.max_message_size > MAX_MESSAGE_SIZE_LIMIT {
+            return Err((
+                "max-message-size",
+                format!("{} is outside 1-{MAX_MESSAGE_SIZE_LIMIT} (512 MiB, RabbitMQ's limit)", self.max_message_size),
+            ));
+        }
+        if let SyncMode::IntervalMs(ms) = self.sync {
+            if ms == 0 || ms > SYNC_INTERVAL_MAX_MS {
+                return Err((
+                    "sync",
+                    format!(
+                        "\"{}\": the interval must be 1-{SYNC_INTERVAL_MAX_MS} ms; use \"every-batch\" to fsync every batch",
+                        self.sync
+                    ),
+                ));
+            }
+        }
+        if self.segment_size < SEGMENT_SIZE_MIN {
+            return Err((
+                "segment-size",
+                format!("{} is below the minimum of {SEGMENT_SIZE_MIN} bytes", self.segment_size),
+            ));
+        }
+        if self.log.trim().is_empty() {
+            return Err(("log", "must not be empty; use e.g. \"info\" or \"warn\"".to_owned()));
+        }
+        Ok(())
+    }
+
+    /// Where to listen for AMQP connections.
+    pub fn amqp_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, self.amqp_port)
+    }
+
+    /// The store's fsync interval in milliseconds, 0 meaning every batch.
+    pub fn sync_interval_ms(&self) -> u64 {
+        self.sync.interval_ms()
+    }
+
+    /// A one-line summary for the startup log; the password is redacted.
+    pub fn summary(&self) -> String {
+        let loopback = if self.loopback_users.is_empty() { "none".to_owned() } else { self.loopback_users.join(",") };
+        format!(
+            "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
+             loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
+             max-message-size={} sync={} segment-size={} log={}",
+            self.amqp_addr(),
+            self.http_port,
+            self.data_dir.display(),
+            self.default_user,
+            loopback,
+            self.default_vhost,
+            self.heartbeat,
+            self.frame_max,
+            self.channel_max,
+            self.max_message_size,
+            self.sync,
+            self.segment_size,
+            self.log,
+        )
+    }
+}
+
+fn read_file(path: &Path, from: &'static str) -> Result<toml::Table, ConfigError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile { path: path.to_owned(), from, source })?;
+    text.parse::<toml::Table>()
+        .map_err(|e| ConfigError::Syntax { path: path.to_owned(), message: e.to_string().trim_end().to_owned() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::io::Write;
+
+    const SHIPPED: &str = include_str!("../../../config/warren.toml");
+    const DOCS: &str = include_str!("../../../docs/configuration.md");
+
+    fn env_of(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |name| map.get(name).cloned()
+    }
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    fn file_with(text: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().expect("temp file");
+        f.write_all(text.as_bytes()).expect("write temp file");
+        f
+    }
+
+    fn args_with_file(f: &tempfile::NamedTempFile) -> ServerArgs {
+        ServerArgs { config: Some(f.path().to_owned()), ..ServerArgs::default() }
+    }
+
+    #[test]
+    fn defaults() {
+        let c = Config::load_from(&ServerArgs::default(), &no_env).expect("defaults load");
+        assert_eq!(c, Config::default());
+        assert_eq!(c.amqp_addr(), "127.0.0.1:5672".parse::<SocketAddr>().expect("addr"));
+        assert_eq!(c.http_port, 15672);
+        assert_eq!(c.data_dir, PathBuf::from("./warren-data"));
+        assert_eq!((c.default_user.as_str(), c.default_pass.as_str()), ("guest", "guest"));
+        assert_eq!(c.loopback_users, vec!["guest".to_owned()]);
+        assert_eq!(c.default_vhost, "/");
+        assert_eq!((c.heartbeat, c.frame_max, c.channel_max), (60, 131_072, 2047));
+        assert_eq!(c.max_message_size, 134_217_728);
+        assert_eq!(c.sync, SyncMode::EveryBatch);
+        assert_eq!(c.sync_interval_ms(), 0);
+        assert_eq!(c.segment_size, 64 * 1024 * 1024);
+        assert_eq!(c.log, "info");
+        c.validate().expect("defaults are valid");
+    }
+
+    #[test]
+    fn shipped_file_is_exactly_the_defaults() {
+        let parsed: Config = toml::from_str(SHIPPED).expect("config/warren.toml parses");
+        assert_eq!(parsed, Config::default());
+        // And it lists every key, so it documents all of them.
+        let table: toml::Table = SHIPPED.parse().expect("config/warren.toml parses as a table");
+        let defaults = toml::Table::try_from(Config::default()).expect("defaults serialize");
+        let mut in_file: Vec<&String> = table.keys().collect();
+        in_file.sort_unstable();
+        let mut all: Vec<&String> = defaults.keys().collect();
+        all.sort_unstable();
+        assert_eq!(in_file, all, "config/warren.toml must list every key");
+    }
+
+    #[test]
+    fn key_descriptions_and_docs_cover_every_key() {
+        let defaults = toml::Table::try_from(Config::default()).expect("defaults serialize");
+        let mut described: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+        described.sort_unstable();
+        let mut keys: Vec<&str> = defaults.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(described, keys);
+        for key in keys {
+            assert!(DOCS.contains(&format!("`{key}`")), "docs/configuration.md does not describe `{key}`");
+            assert!(DOCS.contains(&env_var_name(key)), "docs/configuration.md does not name {}", env_var_name(key));
+        }
+    }
+
+    #[test]
+    fn file_overrides_defaults() {
+        let f = file_with(
+            "amqp-port = 5673\nbind = \"0.0.0.0\"\nheartbeat = 0\nsync = \"every-50ms\"\n\
+             loopback-users = []\nsegment-size = 1_048_576\ndefault-vhost = \"prod\"\n",
+        );
+        let c = Config::load_from(&args_with_file(&f), &no_env).expect("load");
+        assert_eq!(c.amqp_port, 5673);
+        assert_eq!(c.bind, IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        assert_eq!(c.heartbeat, 0);
+        assert_eq!(c.sync, SyncMode::IntervalMs(50));
+        assert_eq!(c.sync_interval_ms(), 50);
+        assert!(c.loopback_users.is_empty());
+        assert_eq!(c.segment_size, 1 << 20);
+        assert_eq!(c.default_vhost, "prod");
+        // Keys the file leaves out keep their defaults.
+        assert_eq!(c.http_port, 15672);
+        assert_eq!(c.frame_max, 131_072);
+    }
+
+    #[test]
+    fn warren_config_names_the_file_and_the_flag_wins_over_it() {
+        let from_env = file_with("amqp-port = 1111\n");
+        let from_flag = file_with("amqp-port = 2222\n");
+        let path = from_env.path().to_string_lossy().into_owned();
+        let env = env_of(&[("WARREN_CONFIG", &path)]);
+        let c = Config::load_from(&ServerArgs::default(), &env).expect("load");
+        assert_eq!(c.amqp_port, 1111);
+        let c = Config::load_from(&args_with_file(&from_flag), &env).expect("load");
+        assert_eq!(c.amqp_port, 2222);
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let f = file_with("amqp-port = 5673\nheartbeat = 10\nlog = \"debug\"\n");
+        let env = env_of(&[
+            ("WARREN_AMQP_PORT", "5674"),
+            ("WARREN_HEARTBEAT", "30"),
+            ("WARREN_LOOPBACK_USERS", "guest, monitor"),
+            ("WARREN_SYNC", "every-200ms"),
+            ("WARREN_BIND", "::1"),
+            ("WARREN_DATA_DIR", "/var/lib/warren"),
+        ]);
+        let c = Config::load_from(&args_with_file(&f), &env).expect("load");
+        assert_eq!(c.amqp_port, 5674);
+        assert_eq!(c.heartbeat, 30);
+        assert_eq!(c.loopback_users, vec!["guest".to_owned(), "monitor".to_owned()]);
+        assert_eq!(c.sync, SyncMode::IntervalMs(200));
+        assert_eq!(c.bind, "::1".parse::<IpAddr>().expect("ip"));
+        assert_eq!(c.data_dir, PathBuf::from("/var/lib/warren"));
+        assert_eq!(c.log, "debug", "the file's value stays where the environment says nothing");
+        assert_eq!(c.amqp_addr().to_string(), "[::1]:5674");
+    }
+
+    #[test]
+    fn empty_loopback_users_variable_means_no_loopback_restriction() {
+        let c = Config::load_from(&ServerArgs::default(), &env_of(&[("WARREN_LOOPBACK_USERS", "")])).expect("load");
+        assert!(c.loopback_users.is_empty());
+    }
+
+    #[test]
+    fn flags_override_env() {
+        let f = file_with("amqp-port = 5673\nhttp-port = 15673\n");
+        let env = env_of(&[
+            ("WARREN_AMQP_PORT", "5674"),
+            ("WARREN_HTTP_PORT", "15674"),
+            ("WARREN_BIND", "10.0.0.1"),
+            ("WARREN_DATA_DIR", "/from/env"),
+        ]);
+        let args = ServerArgs {
+            amqp_port: Some(5675),
+            http_port: Some(15675),
+            bind: Some(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+            data_dir: Some(PathBuf::from("/from/flag")),
+            config: Some(f.path().to_owned()),
+        };
+        let c = Config::load_from(&args, &env).expect("load");
+        assert_eq!(c.amqp_addr().to_string(), "0.0.0.0:5675");
+        assert_eq!(c.http_port, 15675);
+        assert_eq!(c.data_dir, PathBuf::from("/from/flag"));
+    }
+
+    #[test]
+    fn flags_parse_with_clap() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ServerArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "warren", "--amqp-port", "1", "--http-port", "2", "--bind", "::", "--data-dir", "d", "--config", "c.toml",
+        ])
+        .expect("flags parse");
+        assert_eq!(cli.args.amqp_port, Some(1));
+        assert_eq!(cli.args.http_port, Some(2));
+        assert_eq!(cli.args.bind, Some("::".parse().expect("ip")));
+        assert_eq!(cli.args.data_dir, Some(PathBuf::from("d")));
+        assert_eq!(cli.args.config, Some(PathBuf::from("c.toml")));
+        let none = Cli::try_parse_from(["warren"]).expect("no flags parse");
+        assert!(none.args.amqp_port.is_none() && none.args.config.is_none());
+        assert!(Cli::try_parse_from(["warren", "--amqp-port", "70000"]).is_err());
+    }
+
+    #[test]
+    fn bad_env_values_say_which_variable_and_what_is_expected() {
+        let err = |var: &str, value: &str| {
+            Config::load_from(&ServerArgs::default(), &env_of(&[(var, value)]))
+                .expect_err("should be rejected")
+                .to_string()
+        };
+        assert_eq!(err("WARREN_AMQP_PORT", "abc"), "WARREN_AMQP_PORT=abc: expected a port number (0-65535)");
+        assert_eq!(err("WARREN_AMQP_PORT", "70000"), "WARREN_AMQP_PORT=70000: expected a port number (0-65535)");
+        assert_eq!(err("WARREN_HTTP_PORT", "-1"), "WARREN_HTTP_PORT=-1: expected a port number (0-65535)");
+        assert_eq!(
+            err("WARREN_BIND", "localhost"),
+            "WARREN_BIND=localhost: expected an IP address such as 127.0.0.1, 0.0.0.0 or ::"
+        );
+        assert_eq!(
+            err("WARREN_HEARTBEAT", "30s"),
+            "WARREN_HEARTBEAT=30s: expected a number of seconds (0-65535, 0 disables heartbeats)"
+        );
+        assert_eq!(
+            err("WARREN_SYNC", "sometimes"),
+            "WARREN_SYNC=sometimes: expected \"every-batch\" or \"every-<N>ms\" (e.g. \"every-100ms\")"
+        );
+        assert_eq!(
+            err("WARREN_CONFIG", ""),
+            "WARREN_CONFIG is set but empty: set it to the path of a TOML file, or unset it"
+        );
+    }
+
+    #[test]
+    fn unknown_file_key_is_named() {
+        let f = file_with("amqp-port = 5673\nheartbeet = 30\n");
+        let msg = Config::load_from(&args_with_file(&f), &no_env).expect_err("unknown key").to_string();
+        assert!(msg.contains(&f.path().display().to_string()), "{msg}");
+        assert!(msg.contains("unknown key `heartbeet`"), "{msg}");
+        assert!(msg.contains("heartbeat"), "lists the known keys: {msg}");
+
+        let f = file_with("amqp_port = 5673\n");
+        let msg = Config::load_from(&args_with_file(&f), &no_env).expect_err("unknown key").to_string();
+        assert!(msg.contains("unknown key `amqp_port` (did you mean `amqp-port`?"), "{msg}");
+
+        let f = file_with("[server]\namqp-port = 5673\n");
+        let msg = Config::load_from(&args_with_file(&f), &no_env).expect_err("unknown key").to_string();
+        assert!(msg.contains("unknown key `server`"), "{msg}");
+    }
+
+    #[test]
+    fn bad_file_values_and_files() {
+        let f = file_with("amqp-port = \"5673\"\n");
+        let msg = Config::load_from(&args_with_file(&f), &no_env).expect_err("wrong type").to_string();
+        assert_eq!(
+            msg,
+            format!("config file {}: amqp-port = \"5673\": expected a port number (0-65535)", f.path().display())
+        );
+
+        let f = file_with("default-pass = 1234\n");
+        let msg = Config::load_from(&args_with_file(&f), &no_env).expect_err("wrong type").to_string();
+        assert!(msg.contains("default-pass = <redacted>: expected a password"), "{msg}");
+        assert!(!msg.contains("1234"), "{msg}");
+
+        let f = file_with("amqp-port = \n");
+        let msg = Config::load_from(&args_with_file(&f), &no_env).expect_err("bad syntax").to_string();
+        assert!(msg.starts_with(&format!("config file {} is not valid TOML:", f.path().display())), "{msg}");
+        assert!(msg.contains("line 1"), "{msg}");
+
+        let args = ServerArgs { config: Some(PathBuf::from("/nonexistent/warren.toml")), ..ServerArgs::default() };
+        let msg = Config::load_from(&args, &no_env).expect_err("missing file").to_string();
+        assert!(msg.starts_with("cannot read config file /nonexistent/warren.toml (from --config): "), "{msg}");
+        let msg = Config::load_from(&ServerArgs::default(), &env_of(&[("WARREN_CONFIG", "/nonexistent/w.toml")]))
+            .expect_err("missing file")
+            .to_string();
+        assert!(msg.starts_with("cannot read config file /nonexistent/w.toml (from WARREN_CONFIG): "), "{msg}");
+    }
+
+    #[test]
+    fn validate_errors() {
+        let invalid = |change: fn(&mut Config)| {
+            let mut c = Config::default();
+            change(&mut c);
+            c.validate().expect_err("should be invalid").to_string()
+        };
+        assert_eq!(
+            invalid(|c| c.frame_max = 1024),
+            "invalid frame-max: 1024 is below 4096, the smallest frame-max AMQP 0-9-1 allows"
+        );
+        assert_eq!(invalid(|c| c.channel_max = 0), "invalid channel-max: 0 would allow no channel at all; use 1-65535");
+        assert_eq!(
+            invalid(|c| c.http_port = 5672),
+            "invalid http-port: 5672 is also the amqp-port; the two listeners need different ports"
+        );
+        assert!(invalid(|c| c.max_message_size = 0).starts_with("invalid max-message-size: 0 is outside"));
+        assert!(invalid(|c| c.max_message_size = 600 << 20).starts_with("invalid max-message-size:"));
+        assert!(invalid(|c| c.sync = SyncMode::IntervalMs(0)).starts_with("invalid sync: \"every-0ms\""));
+        assert!(invalid(|c| c.sync = SyncMode::IntervalMs(600_000)).starts_with("invalid sync:"));
+        assert!(invalid(|c| c.segment_size = 100).starts_with("invalid segment-size:"));
+        assert!(invalid(|c| c.default_user.clear()).starts_with("invalid default-user:"));
+        assert!(invalid(|c| c.default_pass.clear()).starts_with("invalid default-pass:"));
+        assert!(invalid(|c| c.default_vhost.clear()).starts_with("invalid default-vhost:"));
+        assert!(invalid(|c| c.loopback_users.push(String::new())).starts_with("invalid loopback-users:"));
+        assert!(invalid(|c| c.data_dir = PathBuf::new()).starts_with("invalid data-dir:"));
+        assert!(invalid(|c| c.log = " ".to_owned()).starts_with("invalid log:"));
+
+        // Port 0 (pick a free port) twice is not a clash.
+        let c = Config { amqp_port: 0, http_port: 0, ..Config::default() };
+        c.validate().expect("two ephemeral ports are fine");
+    }
+
+    #[test]
+    fn load_validates_and_names_the_source() {
+        let err = |args: &ServerArgs, env: &[(&str, &str)]| {
+            Config::load_from(args, &env_of(env)).expect_err("should be invalid").to_string()
+        };
+        assert_eq!(
+            err(&ServerArgs::default(), &[("WARREN_FRAME_MAX", "1024")]),
+            "invalid frame-max (from WARREN_FRAME_MAX): 1024 is below 4096, the smallest frame-max AMQP 0-9-1 allows"
+        );
+        let f = file_with("channel-max = 0\n");
+        assert_eq!(
+            err(&args_with_file(&f), &[]),
+            format!(
+                "invalid channel-max (from config file {}): 0 would allow no channel at all; use 1-65535",
+                f.path().display()
+            )
+        );
+        let args = ServerArgs { http_port: Some(5672), ..ServerArgs::default() };
+        assert_eq!(
+            err(&args, &[]),
+            "invalid http-port (from --http-port): 5672 is also the amqp-port; the two listeners need different ports"
+        );
+    }
+
+    #[test]
+    fn sync_mode_text_form() {
+        assert_eq!("every-batch".parse::<SyncMode>(), Ok(SyncMode::EveryBatch));
+        assert_eq!("every-100ms".parse::<SyncMode>(), Ok(SyncMode::IntervalMs(100)));
+        for bad in ["", "every", "every-ms", "every-+5ms", "every-5s", "every-5", "100", "Every-Batch", "every--5ms"] {
+            assert!(bad.parse::<SyncMode>().is_err(), "{bad:?} should not parse");
+        }
+        assert_eq!(SyncMode::IntervalMs(25).to_string(), "every-25ms");
+        assert_eq!(SyncMode::EveryBatch.to_string(), "every-batch");
+    }
+
+    #[test]
+    fn summary_redacts_the_password() {
+        let c = Config { default_pass: "s3cret-value".to_owned(), ..Config::default() };
+        let s = c.summary();
+        assert!(!s.contains("s3cret-value"), "{s}");
+        assert!(s.contains("default-pass=<redacted>"), "{s}");
+        assert!(s.contains("amqp=127.0.0.1:5672"), "{s}");
+        assert!(s.contains("sync=every-batch"), "{s}");
+        assert!(!s.contains('\n'), "one line: {s}");
+    }
+
+    #[test]
+    fn env_var_names() {
+        assert_eq!(env_var_name("amqp-port"), "WARREN_AMQP_PORT");
+        assert_eq!(env_var_name("max-message-size"), "WARREN_MAX_MESSAGE_SIZE");
+        assert_eq!(env_var_name("log"), "WARREN_LOG");
+    }
+}

@@ -1,0 +1,548 @@
+//! One channel of a connection: turns AMQP methods into broker calls, assembles published
+//! messages from method + header + body frames, and tracks confirm and transaction modes.
+
+use super::error::ConnError;
+use super::outbox::{DurableAction, Outgoing};
+use super::ConnectionShared;
+use bytes::{Bytes, BytesMut};
+use std::sync::Arc;
+use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
+use warren_broker::{BrokerError, Channel, Message, Scope, Settle};
+use warren_protocol::constants as c;
+use warren_protocol::frame::ContentHeader;
+use warren_protocol::method::*;
+use warren_protocol::properties::PropertiesView;
+
+/// A publish waiting for its content header and body frames.
+struct PendingPublish {
+    publish: BasicPublish,
+    header: Option<ContentHeader>,
+    body_size: u64,
+    body: BytesMut,
+    /// The body when it came in exactly one frame (no copy).
+    single: Option<Bytes>,
+}
+
+/// An operation buffered by a transaction until tx.commit.
+enum TxOp {
+    Publish { exchange: String, mandatory: bool, message: Message },
+    Settle { delivery_tag: u64, multiple: bool, how: Settle },
+}
+
+pub struct ChannelHandler {
+    number: u16,
+    channel: Arc<Channel>,
+    /// We sent channel.close and wait for close-ok; everything else is discarded meanwhile.
+    closing: bool,
+    pending: Option<PendingPublish>,
+    confirm: bool,
+    next_publish_tag: u64,
+    tx: Option<Vec<TxOp>>,
+    /// The last queue declared on this channel: AMQP lets "" mean it.
+    last_queue: Option<String>,
+}
+
+/// A failure while handling a method: a channel or a connection exception.
+enum Failure {
+    Channel(BrokerError),
+    Connection(ConnError),
+}
+
+impl From<BrokerError> for Failure {
+    fn from(e: BrokerError) -> Self {
+        match e.scope() {
+            Scope::Channel => Failure::Channel(e),
+            Scope::Connection => Failure::Connection(ConnError::new(e.code, e.reply_text(), 0, 0)),
+        }
+    }
+}
+
+type Handled = Result<(), Failure>;
+
+impl ChannelHandler {
+    pub fn new(number: u16, conn: &ConnectionShared) -> Self {
+        ChannelHandler {
+            number,
+            channel: Channel::new(number, conn.id, conn.outbox.clone()),
+            closing: false,
+            pending: None,
+            confirm: false,
+            next_publish_tag: 1,
+            tx: None,
+            last_queue: None,
+        }
+    }
+
+    /// Requeues unacknowledged messages and cancels consumers (channel or connection closed).
+    pub fn release(self) {
+        self.channel.close();
+    }
+
+    /// Handles a method. Returns Ok(true) once the channel is fully closed.
+    pub fn handle_method(&mut self, method: Method, conn: &ConnectionShared) -> Result<bool, ConnError> {
+        if self.closing {
+            return Ok(match method {
+                Method::ChannelCloseOk(_) => true,
+                Method::ChannelClose(_) => {
+                    conn.outbox.method(self.number, Method::ChannelCloseOk(ChannelCloseOk {}));
+                    true
+                }
+                _ => false,
+            });
+        }
+        if self.pending.is_some() {
+            return Err(ConnError::new(
+                c::UNEXPECTED_FRAME,
+                format!(
+                    "UNEXPECTED_FRAME - expected content header for class 60, got non content header frame instead ({})",
+                    method.name()
+                ),
+                method.class_id(),
+                method.method_id(),
+            ));
+        }
+        let (class_id, method_id) = (method.class_id(), method.method_id());
+        if let Method::ChannelClose(_) = method {
+            self.channel.close();
+            conn.outbox.method(self.number, Method::ChannelCloseOk(ChannelCloseOk {}));
+            return Ok(true);
+        }
+        match self.dispatch(method, conn) {
+            Ok(()) => Ok(false),
+            Err(Failure::Connection(ConnError::Close { code, text, class_id: 0, method_id: 0 })) => {
+                Err(ConnError::new(code, text, class_id, method_id))
+            }
+            Err(Failure::Connection(e)) => Err(e),
+            Err(Failure::Channel(e)) => {
+                self.fail(e, class_id, method_id, conn);
+                Ok(false)
+            }
+        }
+    }
+
+    /// A channel exception: close the channel and settle what it held, as RabbitMQ does at once.
+    fn fail(&mut self, e: BrokerError, class_id: u16, method_id: u16, conn: &ConnectionShared) {
+        tracing::debug!(channel = self.number, code = e.code, text = %e.text, "channel error");
+        self.closing = true;
+        self.pending = None;
+        self.channel.close();
+        conn.outbox.method(
+            self.number,
+            Method::ChannelClose(ChannelClose { reply_code: e.code, reply_text: e.reply_text(), class_id, method_id }),
+        );
+    }
+
+    fn queue_name(&self, given: &str) -> Result<String, Failure> {
+        if !given.is_empty() {
+            return Ok(given.to_string());
+        }
+        self.last_queue
+            .clone()
+            .ok_or_else(|| Failure::Channel(BrokerError::not_found("no previously declared queue")))
+    }
+
+    fn reply(&self, conn: &ConnectionShared, method: Method) {
+        conn.outbox.method(self.number, method);
+    }
+
+    fn dispatch(&mut self, method: Method, conn: &ConnectionShared) -> Handled {
+        let vhost = &conn.vhost;
+        match method {
+            Method::ChannelFlow(m) => {
+                self.channel.flow(m.active);
+                self.reply(conn, Method::ChannelFlowOk(ChannelFlowOk { active: m.active }));
+            }
+            Method::ChannelFlowOk(_) | Method::ChannelCloseOk(_) => {}
+            Method::AccessRequest(_) => self.reply(conn, Method::AccessRequestOk(AccessRequestOk { reserved_1: 1 })),
+
+            Method::ExchangeDeclare(m) => {
+                vhost.exchange_declare(&ExchangeDeclare {
+                    name: &m.exchange,
+                    kind: &m.kind,
+                    passive: m.passive,
+                    durable: m.durable,
+                    auto_delete: m.auto_delete,
+                    internal: m.internal,
+                    arguments: &m.arguments,
+                })?;
+                if !m.nowait {
+                    self.reply(conn, Method::ExchangeDeclareOk(ExchangeDeclareOk {}));
+                }
+            }
+            Method::ExchangeDelete(m) => {
+                vhost.exchange_delete(&m.exchange, m.if_unused)?;
+                if !m.nowait {
+                    self.reply(conn, Method::ExchangeDeleteOk(ExchangeDeleteOk {}));
+                }
+            }
+            Method::ExchangeBind(m) => {
+                vhost.exchange_bind(&m.destination, &m.source, &m.routing_key, &m.arguments)?;
+                if !m.nowait {
+                    self.reply(conn, Method::ExchangeBindOk(ExchangeBindOk {}));
+                }
+            }
+            Method::ExchangeUnbind(m) => {
+                vhost.exchange_unbind(&m.destination, &m.source, &m.routing_key, &m.arguments)?;
+                if !m.nowait {
+                    self.reply(conn, Method::ExchangeUnbindOk(ExchangeUnbindOk {}));
+                }
+            }
+
+            Method::QueueDeclare(m) => {
+                let (queue, message_count, consumer_count) = vhost.queue_declare(&QueueDeclare {
+                    name: &m.queue,
+                    passive: m.passive,
+                    durable: m.durable,
+                    exclusive: m.exclusive,
+                    auto_delete: m.auto_delete,
+                    arguments: &m.arguments,
+                    connection_id: conn.id,
+                })?;
+                self.last_queue = Some(queue.clone());
+                if !m.nowait {
+                    self.reply(conn, Method::QueueDeclareOk(QueueDeclareOk { queue, message_count, consumer_count }));
+                }
+            }
+            Method::QueueBind(m) => {
+                let queue = self.queue_name(&m.queue)?;
+                let routing_key = if m.queue.is_empty() && m.routing_key.is_empty() { queue.clone() } else { m.routing_key };
+                vhost.queue_bind(&queue, &m.exchange, &routing_key, &m.arguments, conn.id)?;
+                if !m.nowait {
+                    self.reply(conn, Method::QueueBindOk(QueueBindOk {}));
+                }
+            }
+            Method::QueueUnbind(m) => {
+                let queue = self.queue_name(&m.queue)?;
+                vhost.queue_unbind(&queue, &m.exchange, &m.routing_key, &m.arguments, conn.id)?;
+                self.reply(conn, Method::QueueUnbindOk(QueueUnbindOk {}));
+            }
+            Method::QueuePurge(m) => {
+                let queue = self.queue_name(&m.queue)?;
+                let message_count = vhost.queue_purge(&queue, conn.id)?;
+                if !m.nowait {
+                    self.reply(conn, Method::QueuePurgeOk(QueuePurgeOk { message_count }));
+                }
+            }
+            Method::QueueDelete(m) => {
+                let queue = self.queue_name(&m.queue)?;
+                let message_count = vhost.queue_delete(&queue, m.if_unused, m.if_empty, conn.id)?;
+                if !m.nowait {
+                    self.reply(conn, Method::QueueDeleteOk(QueueDeleteOk { message_count }));
+                }
+            }
+
+            Method::BasicQos(m) => {
+                if m.prefetch_size != 0 {
+                    return Err(BrokerError::not_implemented(format!(
+                        "prefetch_size!=0 ({}) is not supported; use prefetch_count",
+                        m.prefetch_size
+                    ))
+                    .into());
+                }
+                self.channel.qos(m.prefetch_count, m.global);
+                self.reply(conn, Method::BasicQosOk(BasicQosOk {}));
+            }
+            Method::BasicConsume(m) => self.basic_consume(m, conn)?,
+            Method::BasicCancel(m) => {
+                self.channel.cancel(&m.consumer_tag);
+                if !m.nowait {
+                    self.reply(conn, Method::BasicCancelOk(BasicCancelOk { consumer_tag: m.consumer_tag }));
+                }
+            }
+            Method::BasicGet(m) => {
+                let queue = vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
+                if !queue.get(&self.channel, m.no_ack) {
+                    self.reply(conn, Method::BasicGetEmpty(BasicGetEmpty { reserved_1: String::new() }));
+                }
+            }
+            Method::BasicPublish(m) => {
+                if m.immediate {
+                    return Err(BrokerError::not_implemented("immediate=true").into());
+                }
+                self.pending = Some(PendingPublish { publish: m, header: None, body_size: 0, body: BytesMut::new(), single: None });
+            }
+            Method::BasicAck(m) => self.settle(m.delivery_tag, m.multiple, Settle::Ack)?,
+            Method::BasicNack(m) => self.settle(m.delivery_tag, m.multiple, Settle::Reject { requeue: m.requeue })?,
+            Method::BasicReject(m) => self.settle(m.delivery_tag, false, Settle::Reject { requeue: m.requeue })?,
+            Method::BasicRecover(_) => {
+                self.channel.recover();
+                self.reply(conn, Method::BasicRecoverOk(BasicRecoverOk {}));
+            }
+            Method::BasicRecoverAsync(_) => self.channel.recover(),
+
+            Method::ConfirmSelect(m) => {
+                if self.tx.is_some() {
+                    return Err(BrokerError::precondition_failed("cannot switch from tx to confirm mode").into());
+                }
+                self.confirm = true;
+                if !m.nowait {
+                    self.reply(conn, Method::ConfirmSelectOk(ConfirmSelectOk {}));
+                }
+            }
+            Method::TxSelect(_) => {
+                if self.confirm {
+                    return Err(BrokerError::precondition_failed("cannot switch from confirm to tx mode").into());
+                }
+                if self.tx.is_none() {
+                    self.tx = Some(Vec::new());
+                }
+                self.reply(conn, Method::TxSelectOk(TxSelectOk {}));
+            }
+            Method::TxCommit(_) => self.tx_commit(conn)?,
+            Method::TxRollback(_) => {
+                let Some(tx) = self.tx.as_mut() else {
+                    return Err(BrokerError::precondition_failed("channel is not transactional").into());
+                };
+                tx.clear();
+                self.reply(conn, Method::TxRollbackOk(TxRollbackOk {}));
+            }
+
+            other => {
+                return Err(Failure::Connection(ConnError::new(
+                    c::COMMAND_INVALID,
+                    format!("COMMAND_INVALID - {} is not a method a client may send", other.name()),
+                    other.class_id(),
+                    other.method_id(),
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    fn basic_consume(&mut self, m: BasicConsume, conn: &ConnectionShared) -> Handled {
+        let queue = conn.vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
+        let tag = if m.consumer_tag.is_empty() {
+            warren_broker::vhost::generated_name("amq.ctag-")
+        } else {
+            m.consumer_tag.clone()
+        };
+        if self.channel.has_consumer(&tag) {
+            return Err(Failure::Connection(ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"),
+                c::CLASS_BASIC,
+                20,
+            )));
+        }
+        let consumer = self.channel.new_consumer(tag.clone().into(), queue.clone(), m.no_ack, m.exclusive);
+        let outbox = conn.outbox.clone();
+        let number = self.number;
+        let nowait = m.nowait;
+        // consume-ok must leave before the first delivery: the queue calls this under its lock,
+        // before it delivers anything to the new consumer.
+        queue.add_consumer(consumer.clone(), move || {
+            if !nowait {
+                outbox.method(number, Method::BasicConsumeOk(BasicConsumeOk { consumer_tag: tag }));
+            }
+        })?;
+        self.channel.add_consumer(consumer);
+        Ok(())
+    }
+
+    fn settle(&mut self, delivery_tag: u64, multiple: bool, how: Settle) -> Handled {
+        if let Some(tx) = self.tx.as_mut() {
+            tx.push(TxOp::Settle { delivery_tag, multiple, how });
+            return Ok(());
+        }
+        self.channel.settle(delivery_tag, multiple, how)?;
+        Ok(())
+    }
+
+    fn tx_commit(&mut self, conn: &ConnectionShared) -> Handled {
+        let Some(ops) = self.tx.as_mut().map(std::mem::take) else {
+            return Err(BrokerError::precondition_failed("channel is not transactional").into());
+        };
+        let mut last_ticket = None;
+        for op in ops {
+            match op {
+                TxOp::Publish { exchange, mandatory, message } => {
+                    if let Some(t) = self.route(conn, &exchange, mandatory, message)? {
+                        last_ticket = Some(last_ticket.map_or(t, |o: u64| o.max(t)));
+                    }
+                }
+                TxOp::Settle { delivery_tag, multiple, how } => self.channel.settle(delivery_tag, multiple, how)?,
+            }
+        }
+        // commit-ok once everything the transaction published is on disk.
+        conn.outbox.push(Outgoing::WhenDurable {
+            channel: self.number,
+            ticket: last_ticket,
+            action: DurableAction::Method(Method::TxCommitOk(TxCommitOk {})),
+        });
+        Ok(())
+    }
+
+    pub fn handle_header(&mut self, header: ContentHeader, conn: &ConnectionShared) -> Result<(), ConnError> {
+        if self.closing {
+            return Ok(());
+        }
+        let Some(pending) = self.pending.as_mut().filter(|p| p.header.is_none()) else {
+            return Err(ConnError::new(
+                c::UNEXPECTED_FRAME,
+                "UNEXPECTED_FRAME - content header frame without a preceding basic.publish".to_string(),
+                0,
+                0,
+            ));
+        };
+        if header.class_id != c::CLASS_BASIC {
+            return Err(ConnError::new(
+                c::FRAME_ERROR,
+                format!("FRAME_ERROR - content header for class {} (only class 60, basic, carries content)", header.class_id),
+                0,
+                0,
+            ));
+        }
+        if header.body_size > conn.max_message_size {
+            let size = header.body_size;
+            self.pending = None;
+            // The body frames still on their way are discarded while the channel closes.
+            self.fail(
+                BrokerError::precondition_failed(format!(
+                    "message size {size} is larger than configured max size {}",
+                    conn.max_message_size
+                )),
+                c::CLASS_BASIC,
+                40,
+                conn,
+            );
+            return Ok(());
+        }
+        pending.body_size = header.body_size;
+        pending.header = Some(header);
+        if pending.body_size == 0 {
+            return self.complete_publish(conn);
+        }
+        Ok(())
+    }
+
+    pub fn handle_body(&mut self, payload: Bytes, conn: &ConnectionShared) -> Result<(), ConnError> {
+        if self.closing {
+            return Ok(());
+        }
+        let Some(pending) = self.pending.as_mut().filter(|p| p.header.is_some()) else {
+            return Err(ConnError::new(
+                c::UNEXPECTED_FRAME,
+                "UNEXPECTED_FRAME - content body frame without a preceding content header".to_string(),
+                0,
+                0,
+            ));
+        };
+        let received = pending.body.len() as u64 + pending.single.as_ref().map_or(0, |b| b.len() as u64);
+        if received + payload.len() as u64 > pending.body_size {
+            return Err(ConnError::new(
+                c::FRAME_ERROR,
+                format!(
+                    "FRAME_ERROR - content body is longer than the {} bytes its header declared",
+                    pending.body_size
+                ),
+                0,
+                0,
+            ));
+        }
+        if received == 0 && payload.len() as u64 == pending.body_size {
+            pending.single = Some(payload);
+        } else {
+            if let Some(first) = pending.single.take() {
+                pending.body.extend_from_slice(&first);
+            }
+            if pending.body.is_empty() {
+                pending.body.reserve(pending.body_size as usize);
+            }
+            pending.body.extend_from_slice(&payload);
+        }
+        let total = pending.body.len() as u64 + pending.single.as_ref().map_or(0, |b| b.len() as u64);
+        if total == pending.body_size {
+            return self.complete_publish(conn);
+        }
+        Ok(())
+    }
+
+    /// Header and body are in: build the message and route it (or buffer it in a transaction).
+    fn complete_publish(&mut self, conn: &ConnectionShared) -> Result<(), ConnError> {
+        let Some(pending) = self.pending.take() else { return Ok(()) };
+        let Some(header) = pending.header else { return Ok(()) };
+        let body = match pending.single {
+            Some(b) => b,
+            None => pending.body.freeze(),
+        };
+        let publish = pending.publish;
+        match self.build_message(&publish, header.properties, body, conn) {
+            Err(e) => {
+                self.fail(e, c::CLASS_BASIC, 40, conn);
+                Ok(())
+            }
+            Ok(message) => {
+                if let Some(tx) = self.tx.as_mut() {
+                    tx.push(TxOp::Publish { exchange: publish.exchange, mandatory: publish.mandatory, message });
+                    return Ok(());
+                }
+                match self.route(conn, &publish.exchange, publish.mandatory, message) {
+                    Ok(_) => Ok(()),
+                    Err(Failure::Channel(e)) => {
+                        self.fail(e, c::CLASS_BASIC, 40, conn);
+                        Ok(())
+                    }
+                    Err(Failure::Connection(ConnError::Close { code, text, .. })) => {
+                        Err(ConnError::new(code, text, c::CLASS_BASIC, 40))
+                    }
+                    Err(Failure::Connection(e)) => Err(e),
+                }
+            }
+        }
+    }
+
+    fn build_message(
+        &self,
+        publish: &BasicPublish,
+        properties: Bytes,
+        body: Bytes,
+        conn: &ConnectionShared,
+    ) -> Result<Message, BrokerError> {
+        let view = PropertiesView::new(&properties)
+            .map_err(|e| BrokerError::new(c::SYNTAX_ERROR, format!("malformed message properties: {e}")))?;
+        if let Some(user_id) = view.user_id() {
+            if user_id != conn.user.name.as_bytes() {
+                return Err(BrokerError::precondition_failed(format!(
+                    "user_id property set to '{}' but authenticated user was '{}'",
+                    String::from_utf8_lossy(user_id),
+                    conn.user.name
+                )));
+            }
+        }
+        let expiration_ms = match view.expiration() {
+            None => None,
+            Some(s) => Some(warren_broker::message::parse_expiration(s).ok_or_else(|| {
+                BrokerError::precondition_failed(format!("invalid expiration '{s}': expected a non-negative integer of milliseconds"))
+            })?),
+        };
+        Ok(Message {
+            exchange: publish.exchange.clone(),
+            routing_key: publish.routing_key.clone(),
+            persistent: view.delivery_mode() == Some(2),
+            expiration_ms,
+            properties,
+            body,
+        })
+    }
+
+    /// Publishes into the vhost; queues basic.return and the confirm as needed. Returns the
+    /// store ticket the message must reach to be durable.
+    fn route(&mut self, conn: &ConnectionShared, exchange: &str, mandatory: bool, message: Message) -> Result<Option<u64>, Failure> {
+        let returned = mandatory.then(|| (message.exchange.clone(), message.routing_key.clone(), message.properties.clone(), message.body.clone()));
+        let outcome = conn.vhost.publish(exchange, message)?;
+        if !outcome.routed {
+            if let Some((exchange, routing_key, properties, body)) = returned {
+                let message = Arc::new(Message { exchange, routing_key, properties, body, persistent: false, expiration_ms: None });
+                conn.outbox.push(Outgoing::Return { channel: self.number, reply_code: c::NO_ROUTE, reply_text: "NO_ROUTE", message });
+            }
+        }
+        if self.confirm {
+            let delivery_tag = self.next_publish_tag;
+            self.next_publish_tag += 1;
+            let action = if outcome.rejected { DurableAction::Nack { delivery_tag } } else { DurableAction::Ack { delivery_tag } };
+            let ticket = if outcome.rejected { None } else { outcome.ticket };
+            conn.outbox.push(Outgoing::WhenDurable { channel: self.number, ticket, action });
+        }
+        Ok(outcome.ticket)
+    }
+}

@@ -1,0 +1,257 @@
+//! The connection handshake: protocol header, start/start-ok (PLAIN, AMQPLAIN), secure,
+//! tune/tune-ok, open/open-ok.
+
+use super::error::ConnError;
+use super::io::FrameReader;
+use crate::config::Config;
+use bytes::{Buf, Bytes, BytesMut};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
+use warren_broker::{Broker, User, VHost};
+use warren_protocol::constants as c;
+use warren_protocol::field::{FieldTable, FieldValue};
+use warren_protocol::frame::{self, Frame};
+use warren_protocol::method::*;
+
+pub struct Negotiated {
+    pub user: User,
+    pub vhost: Arc<VHost>,
+    pub frame_max: u32,
+    pub channel_max: u16,
+    pub heartbeat: u16,
+    pub consumer_cancel_notify: bool,
+    /// The client understands connection.blocked (used by resource alarms).
+    #[allow(dead_code)]
+    pub connection_blocked: bool,
+    pub client_name: String,
+}
+
+fn long_str(s: &str) -> FieldValue {
+    FieldValue::LongString(Bytes::copy_from_slice(s.as_bytes()))
+}
+
+pub fn server_properties() -> FieldTable {
+    let mut caps = FieldTable::new();
+    for cap in [
+        "publisher_confirms",
+        "exchange_exchange_bindings",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "connection.blocked",
+        "consumer_priorities",
+        "authentication_failure_close",
+        "per_consumer_qos",
+        "direct_reply_to",
+    ] {
+        caps.insert(cap.to_string(), FieldValue::Bool(true));
+    }
+    let mut props = FieldTable::new();
+    props.insert("capabilities".to_string(), FieldValue::Table(caps));
+    props.insert("cluster_name".to_string(), long_str("warren"));
+    props.insert("copyright".to_string(), long_str("Copyright (c) the Warren authors"));
+    props.insert("information".to_string(), long_str("Licensed under the Apache License 2.0"));
+    props.insert("platform".to_string(), long_str("Rust"));
+    props.insert("product".to_string(), long_str("Warren"));
+    props.insert("version".to_string(), long_str(env!("CARGO_PKG_VERSION")));
+    props
+}
+
+async fn send(socket: &mut OwnedWriteHalf, channel: u16, method: Method) -> Result<(), ConnError> {
+    let mut buf = BytesMut::new();
+    frame::write_method(&mut buf, channel, &method);
+    socket.write_all(&buf).await.map_err(|_| ConnError::Gone)
+}
+
+/// Reads the next method frame on channel 0, refusing anything else.
+async fn expect_method(reader: &mut FrameReader, frame_max: u32) -> Result<Method, ConnError> {
+    loop {
+        match reader.next(frame_max).await? {
+            Frame::Heartbeat { .. } => continue,
+            Frame::Method { channel: 0, method } => return Ok(method),
+            _ => {
+                return Err(ConnError::new(c::UNEXPECTED_FRAME, "expected a connection method on channel 0 during the handshake", 0, 0))
+            }
+        }
+    }
+}
+
+/// Runs the handshake after the protocol header was accepted.
+pub async fn negotiate(
+    reader: &mut FrameReader,
+    socket: &mut OwnedWriteHalf,
+    broker: &Broker,
+    config: &Config,
+    peer: SocketAddr,
+) -> Result<Negotiated, ConnError> {
+    send(
+        socket,
+        0,
+        Method::ConnectionStart(ConnectionStart {
+            version_major: 0,
+            version_minor: 9,
+            server_properties: server_properties(),
+            mechanisms: Bytes::from_static(b"PLAIN AMQPLAIN"),
+            locales: Bytes::from_static(b"en_US"),
+        }),
+    )
+    .await?;
+    let pre_tune_max = config.frame_max;
+    let start_ok = match expect_method(reader, pre_tune_max).await? {
+        Method::ConnectionStartOk(m) => m,
+        other => return Err(unexpected(&other, "connection.start-ok")),
+    };
+    let (username, password) = match start_ok.mechanism.as_str() {
+        "PLAIN" => parse_plain(&start_ok.response),
+        "AMQPLAIN" => parse_amqplain(&start_ok.response),
+        other => {
+            return Err(ConnError::new(
+                c::ACCESS_REFUSED,
+                format!("ACCESS_REFUSED - unsupported authentication mechanism '{other}' (use PLAIN or AMQPLAIN)"),
+                c::CLASS_CONNECTION,
+                11,
+            ))
+        }
+    }
+    .ok_or_else(|| {
+        ConnError::new(
+            c::ACCESS_REFUSED,
+            format!("ACCESS_REFUSED - malformed {} response", start_ok.mechanism),
+            c::CLASS_CONNECTION,
+            11,
+        )
+    })?;
+    let refused = || {
+        ConnError::new(
+            c::ACCESS_REFUSED,
+            format!(
+                "ACCESS_REFUSED - Login was refused using authentication mechanism {}. For details see the broker logfile.",
+                start_ok.mechanism
+            ),
+            c::CLASS_CONNECTION,
+            11,
+        )
+    };
+    let user = broker.authenticate(&username, &password).ok_or_else(|| {
+        tracing::warn!(%peer, user = %username, "authentication failed: invalid credentials");
+        refused()
+    })?;
+    if user.loopback_only && !peer.ip().is_loopback() {
+        tracing::warn!(%peer, user = %username, "user can only connect via localhost");
+        return Err(ConnError::new(
+            c::ACCESS_REFUSED,
+            format!("ACCESS_REFUSED - user '{username}' can only connect via localhost"),
+            c::CLASS_CONNECTION,
+            11,
+        ));
+    }
+    let capabilities = start_ok.client_properties.get("capabilities").and_then(|v| v.as_table());
+    let has_cap = |name: &str| capabilities.and_then(|t| t.get(name)).and_then(|v| v.as_bool()).unwrap_or(false);
+    let consumer_cancel_notify = has_cap("consumer_cancel_notify");
+    let connection_blocked = has_cap("connection.blocked");
+    let client_name = start_ok
+        .client_properties
+        .get("connection_name")
+        .or_else(|| start_ok.client_properties.get("product"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("")
+        .to_string();
+
+    send(
+        socket,
+        0,
+        Method::ConnectionTune(ConnectionTune {
+            channel_max: config.channel_max,
+            frame_max: config.frame_max,
+            heartbeat: config.heartbeat,
+        }),
+    )
+    .await?;
+    let tune_ok = match expect_method(reader, pre_tune_max).await? {
+        Method::ConnectionTuneOk(m) => m,
+        other => return Err(unexpected(&other, "connection.tune-ok")),
+    };
+    let frame_max = match tune_ok.frame_max {
+        0 => config.frame_max,
+        n if n < c::FRAME_MIN_SIZE => {
+            return Err(ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - frame_max={n} < {} min size", c::FRAME_MIN_SIZE),
+                c::CLASS_CONNECTION,
+                31,
+            ))
+        }
+        n if n > config.frame_max => {
+            return Err(ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - frame_max={n} > {} max size", config.frame_max),
+                c::CLASS_CONNECTION,
+                31,
+            ))
+        }
+        n => n,
+    };
+    let channel_max = match tune_ok.channel_max {
+        0 => config.channel_max,
+        n if n > config.channel_max => {
+            return Err(ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - channel_max={n} > {} max channels", config.channel_max),
+                c::CLASS_CONNECTION,
+                31,
+            ))
+        }
+        n => n,
+    };
+    let heartbeat = tune_ok.heartbeat;
+
+    let open = match expect_method(reader, frame_max).await? {
+        Method::ConnectionOpen(m) => m,
+        other => return Err(unexpected(&other, "connection.open")),
+    };
+    let vhost = broker
+        .vhost(&open.virtual_host)
+        .filter(|_| broker.can_access(&user, &open.virtual_host))
+        .ok_or_else(|| {
+            ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - vhost {} not found", open.virtual_host),
+                c::CLASS_CONNECTION,
+                40,
+            )
+        })?;
+    send(socket, 0, Method::ConnectionOpenOk(ConnectionOpenOk { reserved_1: String::new() })).await?;
+    Ok(Negotiated { user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name })
+}
+
+fn unexpected(got: &Method, wanted: &str) -> ConnError {
+    ConnError::new(
+        c::COMMAND_INVALID,
+        format!("COMMAND_INVALID - expected {wanted}, got {}", got.name()),
+        got.class_id(),
+        got.method_id(),
+    )
+}
+
+/// PLAIN: `authzid \0 authcid \0 password`.
+fn parse_plain(response: &[u8]) -> Option<(String, String)> {
+    let mut parts = response.split(|b| *b == 0);
+    let _authzid = parts.next()?;
+    let user = std::str::from_utf8(parts.next()?).ok()?.to_string();
+    let pass = std::str::from_utf8(parts.next()?).ok()?.to_string();
+    Some((user, pass))
+}
+
+/// AMQPLAIN: a field table without its length prefix, holding LOGIN and PASSWORD.
+fn parse_amqplain(response: &[u8]) -> Option<(String, String)> {
+    let mut framed = BytesMut::with_capacity(response.len() + 4);
+    framed.extend_from_slice(&(response.len() as u32).to_be_bytes());
+    framed.extend_from_slice(response);
+    let table = FieldTable::decode(&mut framed.freeze()).ok()?;
+    let get = |k: &str| table.get(k).and_then(|v| v.as_str()).map(str::to_string);
+    Some((get("LOGIN")?, get("PASSWORD")?))
+}
+
+#[allow(dead_code)]
+fn _assert_buf(_: &dyn Buf) {}

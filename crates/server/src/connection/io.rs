@@ -1,0 +1,44 @@
+//! Reading frames off the socket.
+
+use super::error::ConnError;
+use bytes::BytesMut;
+use tokio::io::AsyncReadExt;
+use tokio::net::tcp::OwnedReadHalf;
+use warren_protocol::frame::{parse_frame, Frame};
+
+pub struct FrameReader {
+    socket: OwnedReadHalf,
+    buf: BytesMut,
+}
+
+impl FrameReader {
+    pub fn new(socket: OwnedReadHalf, leftover: BytesMut) -> Self {
+        FrameReader { socket, buf: leftover }
+    }
+
+    /// Parses a frame already in the buffer, without reading.
+    pub fn try_next(&mut self, frame_max: u32) -> Result<Option<Frame>, ConnError> {
+        Ok(parse_frame(&mut self.buf, frame_max)?)
+    }
+
+    /// Reads more bytes from the socket; `Gone` on EOF or error.
+    pub async fn fill(&mut self) -> Result<(), ConnError> {
+        if self.buf.capacity() - self.buf.len() < 16 * 1024 {
+            self.buf.reserve(64 * 1024);
+        }
+        match self.socket.read_buf(&mut self.buf).await {
+            Ok(0) | Err(_) => Err(ConnError::Gone),
+            Ok(_) => Ok(()),
+        }
+    }
+
+    /// The next frame, reading as needed.
+    pub async fn next(&mut self, frame_max: u32) -> Result<Frame, ConnError> {
+        loop {
+            if let Some(frame) = self.try_next(frame_max)? {
+                return Ok(frame);
+            }
+            self.fill().await?;
+        }
+    }
+}

@@ -1,0 +1,340 @@
+//! One AMQP connection: protocol header, handshake, then the read loop that turns frames into
+//! channel operations. Writes go through the [`outbox::Outbox`] to the writer task.
+//!
+//! Errors follow the spec: a channel exception closes that channel (channel.close), a
+//! connection exception closes the connection (connection.close) after which only
+//! connection.close-ok is read. Nothing a peer sends can panic the server.
+
+mod channel;
+mod error;
+mod handshake;
+mod io;
+pub mod outbox;
+mod writer;
+
+use crate::config::Config;
+use bytes::{Buf, BytesMut};
+use channel::ChannelHandler;
+use error::ConnError;
+use io::FrameReader;
+use outbox::{Outbox, Outgoing};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use warren_broker::{Broker, User, VHost};
+use warren_protocol::constants as c;
+use warren_protocol::frame::{self, Frame};
+use warren_protocol::method::*;
+
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(3);
+
+static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
+
+/// What every connection shares: the broker, the configuration, the shutdown signal.
+pub struct ServerContext {
+    pub broker: Arc<Broker>,
+    pub config: Config,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+/// What a channel handler needs from its connection.
+pub struct ConnectionShared {
+    pub id: u64,
+    pub vhost: Arc<VHost>,
+    pub user: User,
+    pub outbox: Arc<Outbox>,
+    pub max_message_size: u64,
+}
+
+/// Serves one accepted socket until it closes.
+pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>) {
+    let _ = stream.set_nodelay(true);
+    let (read, mut write) = stream.into_split();
+    let mut read = read;
+    let mut buf = BytesMut::with_capacity(64 * 1024);
+    let header_ok = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+        while buf.len() < 8 {
+            match read.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return false,
+                Ok(_) => {}
+            }
+        }
+        true
+    })
+    .await
+    .unwrap_or(false);
+    if !header_ok {
+        return;
+    }
+    if buf.get(..8) != Some(&c::PROTOCOL_HEADER[..]) {
+        // The spec: answer with the protocol header we speak, then close.
+        tracing::debug!(%peer, "refused connection with a bad protocol header");
+        let _ = write.write_all(&c::PROTOCOL_HEADER).await;
+        let _ = write.shutdown().await;
+        return;
+    }
+    buf.advance(8);
+    let mut reader = FrameReader::new(read, buf);
+
+    let negotiated = match tokio::time::timeout(
+        HANDSHAKE_TIMEOUT,
+        handshake::negotiate(&mut reader, &mut write, &ctx.broker, &ctx.config, peer),
+    )
+    .await
+    {
+        Ok(Ok(n)) => n,
+        Ok(Err(ConnError::Close { code, text, class_id, method_id })) => {
+            let mut out = BytesMut::new();
+            frame::write_method(
+                &mut out,
+                0,
+                &Method::ConnectionClose(ConnectionClose { reply_code: code, reply_text: text, class_id, method_id }),
+            );
+            let _ = write.write_all(&out).await;
+            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, reader.next(c::FRAME_MIN_SIZE)).await;
+            let _ = write.shutdown().await;
+            return;
+        }
+        Ok(Err(ConnError::Gone)) | Err(_) => return,
+    };
+
+    let id = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(%peer, connection = id, user = %negotiated.user.name, vhost = %negotiated.vhost.name,
+        client = %negotiated.client_name, "connection opened");
+    let outbox = Arc::new(Outbox::default());
+    let writer_config = Arc::new(parking_lot::Mutex::new(writer::WriterConfig {
+        frame_max: negotiated.frame_max,
+        heartbeat_every: (negotiated.heartbeat > 0).then(|| Duration::from_millis(negotiated.heartbeat as u64 * 500)),
+        consumer_cancel_notify: negotiated.consumer_cancel_notify,
+    }));
+    let writer = tokio::spawn(writer::run(write, outbox.clone(), ctx.broker.store().durable(), writer_config));
+
+    let mut conn = Connection {
+        shared: ConnectionShared {
+            id,
+            vhost: negotiated.vhost.clone(),
+            user: negotiated.user.clone(),
+            outbox: outbox.clone(),
+            max_message_size: ctx.config.max_message_size as u64,
+        },
+        channels: HashMap::new(),
+        frame_max: negotiated.frame_max,
+        channel_max: negotiated.channel_max,
+        heartbeat: negotiated.heartbeat,
+    };
+    let mut shutdown = ctx.shutdown.clone();
+    let ended = conn.run(&mut reader, &mut shutdown).await;
+    match ended {
+        Ended::ClientClosed => {
+            conn.cleanup();
+            outbox.method(0, Method::ConnectionCloseOk(ConnectionCloseOk {}));
+            outbox.push(Outgoing::Close);
+        }
+        Ended::Error(ConnError::Close { code, text, class_id, method_id }) => {
+            if code != c::CONNECTION_FORCED {
+                tracing::warn!(connection = id, %peer, code, %text, "closing connection");
+            }
+            conn.cleanup();
+            outbox.method(0, Method::ConnectionClose(ConnectionClose { reply_code: code, reply_text: text, class_id, method_id }));
+            // After connection.close only close-ok (or a crossing close) matters.
+            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, async {
+                loop {
+                    match reader.next(conn.frame_max).await {
+                        Ok(Frame::Method { method: Method::ConnectionCloseOk(_), .. }) | Err(_) => break,
+                        Ok(Frame::Method { method: Method::ConnectionClose(_), .. }) => {
+                            outbox.method(0, Method::ConnectionCloseOk(ConnectionCloseOk {}));
+                            break;
+                        }
+                        Ok(_) => continue,
+                    }
+                }
+            })
+            .await;
+            outbox.push(Outgoing::Close);
+        }
+        Ended::Error(ConnError::Gone) => {
+            conn.cleanup();
+            outbox.push(Outgoing::Close);
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    tracing::info!(connection = id, %peer, "connection closed");
+}
+
+enum Ended {
+    ClientClosed,
+    Error(ConnError),
+}
+
+struct Connection {
+    shared: ConnectionShared,
+    channels: HashMap<u16, ChannelHandler>,
+    frame_max: u32,
+    channel_max: u16,
+    heartbeat: u16,
+}
+
+impl Connection {
+    async fn run(&mut self, reader: &mut FrameReader, shutdown: &mut watch::Receiver<bool>) -> Ended {
+        // RabbitMQ drops a peer after two missed heartbeats.
+        let read_timeout = (self.heartbeat > 0).then(|| Duration::from_secs(self.heartbeat as u64 * 2));
+        loop {
+            loop {
+                match reader.try_next(self.frame_max) {
+                    Ok(Some(frame)) => match self.handle_frame(frame) {
+                        Ok(true) => {}
+                        Ok(false) => return Ended::ClientClosed,
+                        Err(e) => return Ended::Error(e),
+                    },
+                    Ok(None) => break,
+                    Err(e) => return Ended::Error(e),
+                }
+            }
+            if *shutdown.borrow() {
+                return Ended::Error(forced());
+            }
+            let fill = async {
+                match read_timeout {
+                    Some(t) => match tokio::time::timeout(t, reader.fill()).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            tracing::warn!(connection = self.shared.id, "missed heartbeats from client, timeout: {}s", self.heartbeat);
+                            Err(ConnError::Gone)
+                        }
+                    },
+                    None => reader.fill().await,
+                }
+            };
+            tokio::select! {
+                r = fill => if let Err(e) = r { return Ended::Error(e) },
+                _ = shutdown.changed() => return Ended::Error(forced()),
+            }
+        }
+    }
+
+    /// Handles one frame. Ok(false) when the client closed the connection.
+    fn handle_frame(&mut self, frame: Frame) -> Result<bool, ConnError> {
+        match frame {
+            Frame::Heartbeat { channel: 0 } => Ok(true),
+            Frame::Heartbeat { channel } => Err(ConnError::new(
+                c::FRAME_ERROR,
+                format!("FRAME_ERROR - heartbeat frame on channel {channel} (heartbeats belong on channel 0)"),
+                0,
+                0,
+            )),
+            Frame::Method { channel: 0, method } => self.handle_connection_method(method),
+            Frame::Method { channel, method } => {
+                self.handle_channel_method(channel, method)?;
+                Ok(true)
+            }
+            Frame::Header { channel, header } => {
+                let ch = open_channel(&mut self.channels, channel, "content header")?;
+                ch.handle_header(header, &self.shared)?;
+                Ok(true)
+            }
+            Frame::Body { channel, payload } => {
+                let ch = open_channel(&mut self.channels, channel, "content body")?;
+                ch.handle_body(payload, &self.shared)?;
+                Ok(true)
+            }
+        }
+    }
+
+    fn handle_connection_method(&mut self, method: Method) -> Result<bool, ConnError> {
+        match method {
+            Method::ConnectionClose(_) => Ok(false),
+            Method::ConnectionCloseOk(_) => Ok(true),
+            Method::ConnectionBlocked(_) | Method::ConnectionUnblocked(_) => Ok(true),
+            Method::ConnectionUpdateSecret(_) => {
+                self.shared.outbox.method(0, Method::ConnectionUpdateSecretOk(ConnectionUpdateSecretOk {}));
+                Ok(true)
+            }
+            other => Err(ConnError::new(
+                c::COMMAND_INVALID,
+                format!("COMMAND_INVALID - {} is not allowed on channel 0", other.name()),
+                other.class_id(),
+                other.method_id(),
+            )),
+        }
+    }
+
+    fn handle_channel_method(&mut self, channel: u16, method: Method) -> Result<(), ConnError> {
+        if method.class_id() == c::CLASS_CONNECTION {
+            return Err(ConnError::new(
+                c::COMMAND_INVALID,
+                format!("COMMAND_INVALID - {} must be sent on channel 0, not channel {channel}", method.name()),
+                method.class_id(),
+                method.method_id(),
+            ));
+        }
+        if let Method::ChannelOpen(_) = method {
+            if channel > self.channel_max {
+                return Err(ConnError::new(
+                    c::NOT_ALLOWED,
+                    format!("NOT_ALLOWED - channel id {channel} exceeds the negotiated channel_max {}", self.channel_max),
+                    c::CLASS_CHANNEL,
+                    10,
+                ));
+            }
+            if self.channels.contains_key(&channel) {
+                return Err(ConnError::new(
+                    c::CHANNEL_ERROR,
+                    format!("CHANNEL_ERROR - second 'channel.open' seen on channel {channel}"),
+                    c::CLASS_CHANNEL,
+                    10,
+                ));
+            }
+            self.channels.insert(channel, ChannelHandler::new(channel, &self.shared));
+            self.shared.outbox.method(channel, Method::ChannelOpenOk(ChannelOpenOk { reserved_1: Default::default() }));
+            return Ok(());
+        }
+        let ch = match self.channels.get_mut(&channel) {
+            Some(ch) => ch,
+            None => {
+                return Err(ConnError::new(
+                    c::CHANNEL_ERROR,
+                    format!("CHANNEL_ERROR - expected 'channel.open' on channel {channel}, got {}", method.name()),
+                    method.class_id(),
+                    method.method_id(),
+                ))
+            }
+        };
+        if ch.handle_method(method, &self.shared)? {
+            // The channel finished closing.
+            self.channels.remove(&channel);
+        }
+        Ok(())
+    }
+
+    fn cleanup(&mut self) {
+        for (_, ch) in self.channels.drain() {
+            ch.release();
+        }
+        self.shared.vhost.connection_closed(self.shared.id);
+    }
+}
+
+fn open_channel<'a>(
+    channels: &'a mut HashMap<u16, ChannelHandler>,
+    channel: u16,
+    what: &str,
+) -> Result<&'a mut ChannelHandler, ConnError> {
+    channels.get_mut(&channel).ok_or_else(|| {
+        ConnError::new(
+            c::CHANNEL_ERROR,
+            format!("CHANNEL_ERROR - {what} on channel {channel}, which is not open (expected 'channel.open')"),
+            0,
+            0,
+        )
+    })
+}
+
+fn forced() -> ConnError {
+    ConnError::new(c::CONNECTION_FORCED, "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'", 0, 0)
+}

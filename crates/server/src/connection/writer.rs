@@ -1,0 +1,179 @@
+//! The connection's writer task: drains the outbox into one buffer per wake-up, emits
+//! publisher confirms once the store reports them durable, and sends heartbeats when idle.
+//!
+//! This is the only place confirms are written, so per channel they leave in delivery-tag
+//! order, and a run of acks becomes one `basic.ack` with `multiple`.
+
+use super::outbox::{DurableAction, Outbox, Outgoing};
+use bytes::BytesMut;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::watch;
+use warren_broker::Delivery;
+use warren_protocol::frame;
+use warren_protocol::method::{BasicCancel, BasicNack, Method};
+use warren_store::SyncTicket;
+
+pub struct WriterConfig {
+    pub frame_max: u32,
+    /// Send a heartbeat after this long without writing anything (None: heartbeats off).
+    pub heartbeat_every: Option<Duration>,
+    pub consumer_cancel_notify: bool,
+}
+
+struct PendingDurable {
+    ticket: SyncTicket,
+    action: DurableAction,
+}
+
+pub async fn run(
+    mut socket: OwnedWriteHalf,
+    outbox: Arc<Outbox>,
+    mut durable: watch::Receiver<u64>,
+    config: Arc<parking_lot::Mutex<WriterConfig>>,
+) {
+    let mut items = Vec::new();
+    let mut buf = BytesMut::with_capacity(64 * 1024);
+    let mut pending: HashMap<u16, VecDeque<PendingDurable>> = HashMap::new();
+    let mut closing = false;
+    loop {
+        let (heartbeat_every, frame_max, cancel_notify) = {
+            let c = config.lock();
+            (c.heartbeat_every, c.frame_max, c.consumer_cancel_notify)
+        };
+        let waiting_for_disk = pending.values().any(|q| !q.is_empty());
+        let idle = async {
+            match heartbeat_every {
+                Some(d) => tokio::time::sleep(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        let mut heartbeat_due = false;
+        tokio::select! {
+            _ = outbox.wait() => {}
+            changed = durable.changed(), if waiting_for_disk => {
+                if changed.is_err() {
+                    // The store has shut down; nothing more will become durable.
+                    return;
+                }
+            }
+            _ = idle => heartbeat_due = true,
+        }
+        outbox.take(&mut items);
+        for item in items.drain(..) {
+            match item {
+                Outgoing::Method { channel, method } => frame::write_method(&mut buf, channel, &method),
+                Outgoing::Delivery(d) => write_delivery(&mut buf, d, frame_max, cancel_notify),
+                Outgoing::Return { channel, reply_code, reply_text, message } => frame::write_basic_return(
+                    &mut buf,
+                    channel,
+                    reply_code,
+                    reply_text,
+                    &message.exchange,
+                    &message.routing_key,
+                    &message.properties,
+                    &message.body,
+                    frame_max,
+                ),
+                Outgoing::WhenDurable { channel, ticket, action } => {
+                    pending.entry(channel).or_default().push_back(PendingDurable { ticket: ticket.unwrap_or(0), action });
+                }
+                Outgoing::Close => closing = true,
+            }
+        }
+        let on_disk = *durable.borrow_and_update();
+        for (channel, queue) in pending.iter_mut() {
+            write_ready_confirms(&mut buf, *channel, queue, on_disk);
+        }
+        pending.retain(|_, q| !q.is_empty());
+        if buf.is_empty() && heartbeat_due {
+            frame::write_heartbeat(&mut buf);
+        }
+        if !buf.is_empty() {
+            if socket.write_all(&buf).await.is_err() {
+                return;
+            }
+            buf.clear();
+            if buf.capacity() > 4 * 1024 * 1024 {
+                buf = BytesMut::with_capacity(64 * 1024);
+            }
+        }
+        if closing {
+            let _ = socket.shutdown().await;
+            return;
+        }
+    }
+}
+
+fn write_delivery(buf: &mut BytesMut, d: Delivery, frame_max: u32, cancel_notify: bool) {
+    match d {
+        Delivery::Deliver { channel, consumer_tag, delivery_tag, redelivered, message } => frame::write_basic_deliver(
+            buf,
+            channel,
+            &consumer_tag,
+            delivery_tag,
+            redelivered,
+            &message.exchange,
+            &message.routing_key,
+            &message.properties,
+            &message.body,
+            frame_max,
+        ),
+        Delivery::GetOk { channel, delivery_tag, redelivered, message_count, message } => frame::write_basic_get_ok(
+            buf,
+            channel,
+            delivery_tag,
+            redelivered,
+            &message.exchange,
+            &message.routing_key,
+            message_count,
+            &message.properties,
+            &message.body,
+            frame_max,
+        ),
+        Delivery::Cancel { channel, consumer_tag } => {
+            if cancel_notify {
+                let method = Method::BasicCancel(BasicCancel { consumer_tag: consumer_tag.to_string(), nowait: true });
+                frame::write_method(buf, channel, &method);
+            }
+        }
+    }
+}
+
+/// Emits, in order, every pending confirm whose ticket is on disk; consecutive acks are
+/// coalesced into one `basic.ack multiple=true`.
+fn write_ready_confirms(buf: &mut BytesMut, channel: u16, queue: &mut VecDeque<PendingDurable>, on_disk: u64) {
+    let mut run: Option<(u64, u32)> = None; // (last tag, count) of consecutive acks
+    let flush = |buf: &mut BytesMut, run: &mut Option<(u64, u32)>| {
+        if let Some((tag, count)) = run.take() {
+            frame::write_basic_ack(buf, channel, tag, count > 1);
+        }
+    };
+    while let Some(front) = queue.front() {
+        if front.ticket > on_disk {
+            break;
+        }
+        let Some(p) = queue.pop_front() else { break };
+        match p.action {
+            DurableAction::Ack { delivery_tag } => {
+                run = Some(match run {
+                    Some((_, n)) => (delivery_tag, n + 1),
+                    None => (delivery_tag, 1),
+                });
+            }
+            DurableAction::Nack { delivery_tag } => {
+                flush(buf, &mut run);
+                let m = Method::BasicNack(BasicNack { delivery_tag, multiple: false, requeue: false });
+                frame::write_method(buf, channel, &m);
+            }
+            DurableAction::Method(m) => {
+                flush(buf, &mut run);
+                frame::write_method(buf, channel, &m);
+            }
+        }
+    }
+    flush(buf, &mut run);
+}

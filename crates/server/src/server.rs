@@ -1,0 +1,116 @@
+//! `warren server`: opens the broker, listens for AMQP connections, runs housekeeping, and
+//! shuts down cleanly on SIGTERM/SIGINT.
+
+use crate::config::Config;
+use crate::connection::{self, ServerContext};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use warren_broker::{Broker, BrokerOptions};
+use warren_store::{StoreOptions, SyncPolicy};
+
+/// How often message TTL and queue expiry are checked.
+const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(100);
+
+pub async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+    let store = StoreOptions {
+        segment_size: config.segment_size,
+        sync: match config.sync_interval_ms() {
+            0 => SyncPolicy::EveryBatch,
+            ms => SyncPolicy::IntervalMs(ms),
+        },
+    };
+    if config.sync_interval_ms() > 0 {
+        tracing::warn!(
+            interval_ms = config.sync_interval_ms(),
+            "fsync runs on an interval: a crash can lose messages confirmed in the last interval"
+        );
+    }
+    let (broker, report) = Broker::open(
+        &config.data_dir,
+        BrokerOptions {
+            default_vhost: config.default_vhost.clone(),
+            default_user: config.default_user.clone(),
+            default_pass: config.default_pass.clone(),
+            loopback_users: config.loopback_users.clone(),
+            store,
+        },
+    )?;
+    tracing::info!(
+        queues = report.queues,
+        messages = report.messages,
+        dropped = report.dropped,
+        elapsed_ms = report.elapsed_ms as u64,
+        "recovered state from {}",
+        config.data_dir.display()
+    );
+
+    let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
+        format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())
+    })?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let ctx = Arc::new(ServerContext { broker: broker.clone(), config: config.clone(), shutdown: shutdown_rx.clone() });
+    tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
+
+    let housekeeping = {
+        let broker = broker.clone();
+        let mut shutdown = shutdown_rx.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HOUSEKEEPING_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => broker.tick(),
+                    _ = shutdown.changed() => return,
+                }
+            }
+        })
+    };
+
+    let mut connections = tokio::task::JoinSet::new();
+    let signal = shutdown_signal();
+    tokio::pin!(signal);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    connections.spawn(connection::serve(stream, peer, ctx.clone()));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            _ = &mut signal => break,
+        }
+    }
+
+    tracing::info!("shutting down: closing connections");
+    drop(listener);
+    let _ = shutdown_tx.send(true);
+    let drained = tokio::time::timeout(Duration::from_secs(10), async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("some connections did not close within 10 s");
+    }
+    housekeeping.abort();
+    broker.close();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
