@@ -24,7 +24,7 @@ pub async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
     if config.sync_interval_ms() > 0 {
         tracing::warn!(
             interval_ms = config.sync_interval_ms(),
-            "fsync runs on an interval: a crash can lose messages confirmed in the last interval"
+            "fsync runs on an interval: confirms wait up to one interval longer, and a machine crash can lose messages accepted but not yet confirmed"
         );
     }
     let (broker, report) = Broker::open(

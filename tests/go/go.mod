@@ -1,0 +1,5 @@
+module warren.test/e2e
+
+go 1.22
+
+require github.com/rabbitmq/amqp091-go v1.16.0

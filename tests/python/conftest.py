@@ -1,0 +1,175 @@
+"""Harness: starts the real `warren` binary on free ports with a temporary data dir.
+
+Set WARREN_BIN to test another build. Set WARREN_TEST_EXTERNAL_URL to run the suite against
+an already running broker (e.g. RabbitMQ, to check the tests encode RabbitMQ's behaviour);
+tests marked `needs_process` or `warren_only` are then skipped.
+"""
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.parse
+import uuid
+from pathlib import Path
+
+import pika
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = os.environ.get("WARREN_BIN", str(ROOT / "target" / "release" / "warren"))
+EXTERNAL = os.environ.get("WARREN_TEST_EXTERNAL_URL")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_process: kills or restarts the broker process")
+    config.addinivalue_line("markers", "warren_only: Warren-specific behaviour")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not EXTERNAL:
+        return
+    skip = pytest.mark.skip(reason="running against an external broker")
+    for item in items:
+        if "needs_process" in item.keywords or "warren_only" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def eventually(fn, timeout=10.0, interval=0.05):
+    """Polls fn until it returns a truthy value (returned) or raises after `timeout`."""
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as e:  # noqa: BLE001 - polling
+            last = e
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last error: {last!r})")
+
+
+class Broker:
+    def __init__(self, data_dir, log_path):
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.http_port = free_port()
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.proc = None
+
+    @property
+    def url(self):
+        return f"amqp://guest:guest@{self.host}:{self.port}/%2F"
+
+    def start(self):
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [BIN, "server", "--amqp-port", str(self.port), "--http-port", str(self.http_port),
+             "--data-dir", str(self.data_dir)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+
+        def accepting():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"warren exited with {self.proc.returncode}:\n{self.log_text()}")
+            with socket.create_connection((self.host, self.port), timeout=0.5):
+                return True
+
+        eventually(accepting, timeout=15)
+
+    def log_text(self):
+        try:
+            return Path(self.log_path).read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def terminate(self, timeout=20):
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def restart(self):
+        if self.alive():
+            self.terminate()
+        self.start()
+
+    def connection(self, **kw):
+        params = pika.URLParameters(self.url)
+        for k, v in kw.items():
+            setattr(params, k, v)
+        return pika.BlockingConnection(params)
+
+
+class ExternalBroker(Broker):
+    def __init__(self, url):
+        parsed = urllib.parse.urlparse(url)
+        self.host = parsed.hostname
+        self.port = parsed.port or 5672
+        self._url = url
+        self.proc = None
+
+    @property
+    def url(self):
+        return self._url
+
+    def alive(self):
+        return True
+
+
+@pytest.fixture
+def broker(tmp_path, request):
+    if EXTERNAL:
+        yield ExternalBroker(EXTERNAL)
+        return
+    b = Broker(tmp_path / "data", tmp_path / "warren.log")
+    b.start()
+    yield b
+    failed = getattr(request.node, "rep_call", None)
+    if b.alive():
+        b.proc.kill()
+        b.proc.wait(10)
+    if failed is not None and failed.failed:
+        print("---- warren log ----\n" + b.log_text()[-20000:])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture
+def conn(broker):
+    c = broker.connection()
+    yield c
+    if c.is_open:
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@pytest.fixture
+def ch(conn):
+    return conn.channel()
+
+
+@pytest.fixture
+def name():
+    """A unique name, so tests never collide on a shared broker."""
+    return "t-" + uuid.uuid4().hex[:12]
