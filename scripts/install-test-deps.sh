@@ -2,7 +2,7 @@
 # Installs what the end-to-end tests need on a fresh Debian machine. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pika, pytest" 2>/dev/null || python3 -m pip install -q "pika==1.3.2" pytest
+python3 -c "import pika, pytest" 2>/dev/null || python3 -m pip install -q pika pytest
 (cd tests/go && go mod download)
 if command -v java >/dev/null && command -v mvn >/dev/null; then
   bash scripts/install-perftest.sh
