@@ -9,5 +9,5 @@ deps:
 
 test: deps build
 	cargo test --workspace --release
-	python3 -m pytest -q tests/python
+	python3 -m pytest -q --timeout=120 tests/python
 	cd tests/go && go test ./... -count=1

@@ -215,7 +215,7 @@ def test_headers_routing_all_and_any(ch, name):
 
 
 def test_exchange_to_exchange_binding(ch, name):
-    ch.exchange_declare(name + "src", "direct", auto_delete=True)
+    ch.exchange_declare(name + "src", "direct")
     ch.exchange_declare(name + "dst", "fanout", auto_delete=True)
     ch.exchange_bind(name + "dst", name + "src", routing_key="k")
     q = bound_queue(ch, name + "dst")

@@ -391,7 +391,9 @@ impl VHost {
     /// Deletes a queue without the client-facing checks (auto-delete, x-expires, exclusive owner gone).
     pub fn delete_queue_unchecked(&self, name: &str) {
         let _topology = self.topology.lock();
-        if let Some(queue) = self.queues.read().get(name).cloned() {
+        // Bind first: a read guard held by `if let` would deadlock with the write in remove_queue_locked.
+        let queue = self.queues.read().get(name).cloned();
+        if let Some(queue) = queue {
             self.remove_queue_locked(&queue);
         }
     }
