@@ -97,14 +97,9 @@ impl Broker {
             let queue = by_id.get(&rec.queue);
             match (queue, decode_stored(&rec.payload)) {
                 (Some(q), Some(stored)) => {
-                    let expires = stored.expires_at_ms.and_then(|enqueued| {
-                        let ttl = match (q.args.message_ttl_ms, stored.message.expiration_ms) {
-                            (Some(a), Some(b)) => Some(a.min(b)),
-                            (a, b) => a.or(b),
-                        };
-                        ttl.map(|t| enqueued.saturating_add(t))
-                    });
-                    q.recover(Arc::new(stored.message), rec.id, expires);
+                    let message = Arc::new(stored.message);
+                    let expires = stored.expires_at_ms.and_then(|enqueued| q.expiry_for(&message, enqueued));
+                    q.recover(message, rec.id, expires);
                     report.messages += 1;
                 }
                 _ => {

@@ -133,6 +133,12 @@ impl Exchange {
         !self.bindings.read().is_empty()
     }
 
+    /// Whether a chain of exchange-to-exchange bindings starts here (it may reach a headers
+    /// exchange, so routing decodes headers up front).
+    pub fn has_exchange_bindings(&self) -> bool {
+        self.bindings.read().iter().any(|b| !b.destination.is_queue())
+    }
+
     pub fn bindings(&self) -> Vec<Binding> {
         self.bindings.read().clone()
     }

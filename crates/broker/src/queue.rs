@@ -136,12 +136,14 @@ impl Queue {
         self.state.lock().last_used_ms = now_ms;
     }
 
-    fn expiry_for(&self, message: &MessageRef, now_ms: u64) -> Option<u64> {
+    /// When a message enqueued at `enqueued_at_ms` expires: the smaller of the queue's
+    /// `x-message-ttl` and the message's own `expiration`.
+    pub fn expiry_for(&self, message: &MessageRef, enqueued_at_ms: u64) -> Option<u64> {
         let ttl = match (self.args.message_ttl_ms, message.expiration_ms) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        ttl.map(|t| now_ms.saturating_add(t))
+        ttl.map(|t| enqueued_at_ms.saturating_add(t))
     }
 
     /// Offers a routed message. `stored_header` is the message's store encoding minus the body
@@ -419,26 +421,14 @@ impl Queue {
         self.finish(after);
     }
 
-    /// Appends store acks collected by `settle` (for any queue: the store is shared).
-    pub fn append_acks(&self, acks: &mut Batch) {
-        self.finish_acks(acks);
-    }
-
     /// queue.purge: drops every ready message; returns how many.
     pub fn purge(&self) -> u32 {
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = self.state.lock();
-            let n = st.ready.len() as u32;
-            for entry in st.ready.drain(..) {
-                if let Some(id) = entry.store_id {
-                    after.acks.ack(id);
-                }
-            }
-            st.ready_bytes = 0;
-            n
+            drain_ready(&mut st, &mut after.acks)
         };
-        self.finish_acks(&mut after.acks);
+        self.append_acks(&mut after.acks);
         n
     }
 
@@ -449,23 +439,18 @@ impl Queue {
             let mut st = self.state.lock();
             st.deleted = true;
             let mut acks = Batch::new();
-            let n = st.ready.len() as u32;
-            for entry in st.ready.drain(..) {
-                if let Some(id) = entry.store_id {
-                    acks.ack(id);
-                }
-            }
-            st.ready_bytes = 0;
+            let n = drain_ready(&mut st, &mut acks);
             (n, std::mem::take(&mut st.consumers), acks)
         };
-        self.finish_acks(&mut acks);
+        self.append_acks(&mut acks);
         for c in consumers {
             c.channel.consumer_cancelled_by_server(&c.tag);
         }
         n
     }
 
-    fn finish_acks(&self, acks: &mut Batch) {
+    /// Appends collected store acks (for any queue: the store is shared) and clears the batch.
+    pub fn append_acks(&self, acks: &mut Batch) {
         if acks.is_empty() {
             return;
         }
@@ -476,7 +461,7 @@ impl Queue {
     }
 
     fn finish(self: &Arc<Self>, mut after: AfterUnlock) {
-        self.finish_acks(&mut after.acks);
+        self.append_acks(&mut after.acks);
         let vhost = match self.vhost.upgrade() {
             Some(v) => v,
             None => return,
@@ -499,6 +484,18 @@ impl Queue {
 
 fn store_error(e: warren_store::StoreError) -> BrokerError {
     BrokerError::internal(format!("the message store refused the write: {e}"))
+}
+
+/// Empties the ready list, collecting store acks; returns how many messages it held.
+fn drain_ready(st: &mut QueueState, acks: &mut Batch) -> u32 {
+    let n = st.ready.len() as u32;
+    for entry in st.ready.drain(..) {
+        if let Some(id) = entry.store_id {
+            acks.ack(id);
+        }
+    }
+    st.ready_bytes = 0;
+    n
 }
 
 fn pop_ready(st: &mut QueueState) -> Option<Entry> {

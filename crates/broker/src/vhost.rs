@@ -286,9 +286,6 @@ impl VHost {
         }
         let name = if d.name.is_empty() { generated_name("amq.gen-") } else { d.name.to_string() };
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
-        if let Some(dlx) = &args.dead_letter_exchange {
-            let _ = dlx; // RabbitMQ accepts a DLX that does not exist yet.
-        }
         // Exclusive queues live and die with their connection, so they are never durable.
         let durable = d.durable && !d.exclusive;
         let id = self.next_queue_id.fetch_add(1, Ordering::Relaxed);
@@ -487,7 +484,7 @@ impl VHost {
             }
             return;
         }
-        let headers = if exchange.kind == ExchangeKind::Headers || self.has_headers_exchange_bound(exchange) {
+        let headers = if exchange.kind == ExchangeKind::Headers || exchange.has_exchange_bindings() {
             PropertiesView::new(&message.properties).ok().and_then(|v| v.headers()).and_then(|r| r.ok())
         } else {
             None
@@ -524,11 +521,6 @@ impl VHost {
                 }
             }
         }
-    }
-
-    /// Exchange-to-exchange chains can reach a headers exchange; decode headers if any exists.
-    fn has_headers_exchange_bound(&self, exchange: &Exchange) -> bool {
-        exchange.bindings().iter().any(|b| matches!(&b.destination, Destination::Exchange(_)))
     }
 
     /// Re-publishes dead letters to their dead-letter exchanges.

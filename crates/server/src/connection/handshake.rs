@@ -4,7 +4,7 @@
 use super::error::ConnError;
 use super::io::FrameReader;
 use crate::config::Config;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
@@ -248,10 +248,8 @@ fn parse_amqplain(response: &[u8]) -> Option<(String, String)> {
     let mut framed = BytesMut::with_capacity(response.len() + 4);
     framed.extend_from_slice(&(response.len() as u32).to_be_bytes());
     framed.extend_from_slice(response);
-    let table = FieldTable::decode(&mut framed.freeze()).ok()?;
+    let table = FieldTable::decode(&framed).ok()?;
     let get = |k: &str| table.get(k).and_then(|v| v.as_str()).map(str::to_string);
     Some((get("LOGIN")?, get("PASSWORD")?))
 }
 
-#[allow(dead_code)]
-fn _assert_buf(_: &dyn Buf) {}
