@@ -1,0 +1,108 @@
+"""Publisher confirms and transactions."""
+import struct
+
+import pytest
+from pika.exceptions import ChannelClosedByBroker, NackError
+
+from conftest import eventually
+from rawamqp import FRAME_BODY, FRAME_HEADER, RawConnection, frame, method_frame, shortstr, table
+
+
+def test_confirm_select_then_publishes_are_acked(ch, name):
+    ch.queue_declare(name, durable=True)
+    ch.confirm_delivery()
+    for i in range(20):
+        ch.basic_publish("", name, str(i).encode(), properties=None, mandatory=False)
+    assert ch.queue_declare(name, passive=True).method.message_count == 20
+    ch.queue_delete(name)
+
+
+def test_confirms_cover_every_tag_and_use_multiple(broker, name):
+    """Many publishes in flight: every sequence number is acked exactly once, acks in order,
+    and the broker coalesces them with `multiple` instead of one ack per message."""
+    r = RawConnection(broker.host, broker.port)
+    r.handshake()
+    r.open_channel(1)
+    r.send(method_frame(1, 50, 10, struct.pack(">H", 0) + shortstr(name) + b"\x02" + table()))  # durable
+    r.expect(50, 11)
+    r.send(method_frame(1, 85, 10, b"\x00"))
+    r.expect(85, 11)
+    n = 2000
+    body = b"x" * 100
+    header = frame(FRAME_HEADER, 1, struct.pack(">HHQH", 60, 0, len(body), 0x1000) + b"\x02")  # persistent
+    publish = method_frame(1, 60, 40, struct.pack(">H", 0) + shortstr("") + shortstr(name) + b"\x00")
+    r.send((publish + header + frame(FRAME_BODY, 1, body)) * n)
+    confirmed, acks, multiples = 0, 0, 0
+    while confirmed < n:
+        f = r.read_method()
+        assert f.method == (60, 80), f"expected basic.ack, got {f}"
+        tag, flags = struct.unpack(">QB", f.payload[4:13])
+        multiple = bool(flags & 1)
+        if multiple:
+            multiples += 1
+            assert tag > confirmed
+            confirmed = tag
+        else:
+            assert tag == confirmed + 1, f"single ack {tag} after {confirmed}"
+            confirmed = tag
+        acks += 1
+    assert confirmed == n
+    assert multiples > 0 and acks < n / 2, f"{acks} acks for {n} messages"
+    r.close()
+
+
+def test_reject_publish_overflow_nacks(ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={"x-max-length": 2, "x-overflow": "reject-publish"})
+    ch.confirm_delivery()
+    ch.basic_publish("", name, b"1")
+    ch.basic_publish("", name, b"2")
+    with pytest.raises(NackError):
+        ch.basic_publish("", name, b"3")
+    assert ch.queue_declare(name, passive=True).method.message_count == 2
+
+
+def test_confirm_select_on_transactional_channel_is_406(ch):
+    ch.tx_select()
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.confirm_delivery()
+    assert e.value.reply_code == 406
+
+
+def test_tx_commit_publishes_rollback_discards(conn, ch, name):
+    ch.queue_declare(name, auto_delete=True)
+    ch.tx_select()
+    ch.basic_publish("", name, b"committed")
+    ch.basic_publish("", name, b"rolled-back-1")
+    observer = conn.channel()
+    assert observer.queue_declare(name, passive=True).method.message_count == 0
+    ch.tx_commit()
+    assert observer.queue_declare(name, passive=True).method.message_count == 2
+    m1, _, _ = observer.basic_get(name, auto_ack=True)
+    observer.basic_get(name, auto_ack=True)
+    ch.basic_publish("", name, b"discarded")
+    ch.tx_rollback()
+    ch.tx_commit()  # nothing left to commit
+    assert observer.queue_declare(name, passive=True).method.message_count == 0
+
+
+def test_tx_acks_take_effect_on_commit(conn, ch, name):
+    ch.queue_declare(name, auto_delete=True)
+    for b in (b"a", b"b"):
+        ch.basic_publish("", name, b)
+    ch.tx_select()
+    m1, _, _ = eventually(lambda: ch.basic_get(name))
+    m2, _, _ = ch.basic_get(name)
+    ch.basic_ack(m1.delivery_tag)
+    ch.tx_rollback()  # the ack of m1 is forgotten; m1 stays unacked
+    ch.basic_ack(m2.delivery_tag)
+    ch.tx_commit()
+    ch.basic_recover(requeue=True)
+    again, _, body = eventually(lambda: ch.basic_get(name, auto_ack=True))
+    assert body == b"a" and again.redelivered
+    assert ch.basic_get(name) == (None, None, None)
+
+
+def test_tx_commit_without_select_is_406(ch):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.tx_commit()
+    assert e.value.reply_code == 406
