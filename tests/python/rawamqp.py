@@ -35,6 +35,10 @@ def method_frame(channel, class_id, method_id, args=b""):
     return frame(FRAME_METHOD, channel, struct.pack(">HH", class_id, method_id) + args)
 
 
+# Announces authentication_failure_close, so a refused login gets connection.close 403, not a bare close.
+CLIENT_PROPERTIES = table(shortstr("capabilities") + b"F" + table(shortstr("authentication_failure_close") + b"t\x01"))
+
+
 class Frame:
     def __init__(self, kind, channel, payload):
         self.kind, self.channel, self.payload = kind, channel, payload
@@ -104,12 +108,14 @@ class RawConnection:
             return False
         return False
 
-    def handshake(self, user="guest", password="guest", vhost="/", heartbeat=0, frame_max=131072):
-        """Protocol header, start-ok (PLAIN), tune-ok, open; returns the tune frame's payload."""
+    def handshake(self, user="guest", password="guest", vhost="/", heartbeat=0, frame_max=131072,
+                  mechanism="PLAIN", response=None):
+        """Protocol header, start-ok, tune-ok, open; returns the server's (channel_max, frame_max, heartbeat)."""
         self.send(PROTOCOL_HEADER)
         self.expect(10, 10)
-        response = b"\x00" + user.encode() + b"\x00" + password.encode()
-        self.send(method_frame(0, 10, 11, table() + shortstr("PLAIN") + longstr(response) + shortstr("en_US")))
+        if response is None:
+            response = b"\x00" + user.encode() + b"\x00" + password.encode()
+        self.send(method_frame(0, 10, 11, CLIENT_PROPERTIES + shortstr(mechanism) + longstr(response) + shortstr("en_US")))
         tune = self.expect(10, 30)
         channel_max, server_frame_max, server_heartbeat = struct.unpack(">HIH", tune.payload[4:12])
         self.send(method_frame(0, 10, 31, struct.pack(">HIH", channel_max, frame_max, heartbeat)))

@@ -379,7 +379,7 @@ EVERY_TYPE_ENTRIES = b"".join([
     shortstr("x") + b"x" + struct.pack(">I", 2) + b"\x00\x01",
     shortstr("T") + b"T" + struct.pack(">Q", 1_700_000_000),
     shortstr("V") + b"V",
-    shortstr("A") + b"A" + struct.pack(">I", 7) + b"I" + struct.pack(">i", 1) + b"t\x00" + b"V",
+    shortstr("A") + b"A" + struct.pack(">I", 8) + b"I" + struct.pack(">i", 1) + b"t\x00" + b"V",
     shortstr("F") + b"F" + table(shortstr("n") + b"F" + table(shortstr("z") + b"S" + struct.pack(">I", 0))),
 ])
 

@@ -280,3 +280,67 @@ impl FieldTable {
         patch_len(out, len_at);
     }
 }
+
+/// Checks that `bytes`, a field table in wire form (length prefix included), is well formed:
+/// every length in bounds, every type known, nesting at most `MAX_DEPTH`. Allocates nothing, so
+/// the publish path can refuse a malformed `headers` table without decoding it.
+pub fn validate_table(bytes: &[u8]) -> Result<(), FrameError> {
+    let mut r = Reader::new(bytes);
+    skip_table(&mut r, 0)?;
+    if r.remaining() != 0 {
+        return Err(FrameError::Syntax {
+            what: "field table",
+            offset: r.position(),
+            detail: format!("{} bytes after the end of the table", r.remaining()),
+        });
+    }
+    Ok(())
+}
+
+fn skip_table(r: &mut Reader, depth: usize) -> Result<(), FrameError> {
+    if depth > MAX_DEPTH {
+        return Err(too_deep(r.position()));
+    }
+    let mut inner = Reader::new(r.long_bytes()?);
+    while inner.remaining() > 0 {
+        inner.short_bytes()?;
+        skip_value(&mut inner, depth)?;
+    }
+    Ok(())
+}
+
+fn skip_value(r: &mut Reader, depth: usize) -> Result<(), FrameError> {
+    let offset = r.position();
+    let fixed = match r.u8()? {
+        b'V' => 0,
+        b't' | b'b' | b'B' => 1,
+        b's' | b'u' => 2,
+        b'I' | b'i' | b'f' => 4,
+        b'D' => 5,
+        b'l' | b'L' | b'd' | b'T' => 8,
+        b'S' | b'x' => {
+            r.long_bytes()?;
+            return Ok(());
+        }
+        b'F' => return skip_table(r, depth + 1),
+        b'A' => {
+            if depth >= MAX_DEPTH {
+                return Err(too_deep(offset));
+            }
+            let mut inner = Reader::new(r.long_bytes()?);
+            while inner.remaining() > 0 {
+                skip_value(&mut inner, depth + 1)?;
+            }
+            return Ok(());
+        }
+        other => {
+            return Err(FrameError::Syntax {
+                what: "field value",
+                offset,
+                detail: format!("unknown field type '{}' ({other:#04x})", other.escape_ascii()),
+            })
+        }
+    };
+    r.take(fixed, "field value")?;
+    Ok(())
+}

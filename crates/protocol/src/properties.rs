@@ -188,6 +188,9 @@ impl<'a> PropertiesView<'a> {
             let len = r.u32()? as usize;
             r.take(len, "headers table")?;
             v.headers = raw.get(start..r.position());
+            if let Some(table) = v.headers {
+                crate::field::validate_table(table)?;
+            }
         }
         if has(DELIVERY_MODE) {
             v.delivery_mode = Some(r.u8()?);

@@ -233,6 +233,12 @@ impl Connection {
                 self.handle_channel_method(channel, method)?;
                 Ok(true)
             }
+            Frame::Header { channel: 0, .. } | Frame::Body { channel: 0, .. } => Err(ConnError::new(
+                c::UNEXPECTED_FRAME,
+                "UNEXPECTED_FRAME - content frame on channel 0 (content belongs to a basic.publish on a channel)",
+                0,
+                0,
+            )),
             Frame::Header { channel, header } => {
                 let ch = open_channel(&mut self.channels, channel, "content header")?;
                 ch.handle_header(header, &self.shared)?;
