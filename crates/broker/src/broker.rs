@@ -1,7 +1,6 @@
 //! The node's broker: its virtual hosts, users, the shared message store, and recovery.
 
 use crate::definitions::{self, Definitions};
-use crate::message::decode_stored;
 use crate::vhost::VHost;
 use parking_lot::RwLock;
 use std::collections::HashMap;
@@ -61,7 +60,7 @@ impl Broker {
         let started = Instant::now();
         std::fs::create_dir_all(data_dir)
             .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
-        let (store, recovery) = Store::open(&data_dir.join("log"), opts.store)?;
+        let (store, recovery) = Store::open(&data_dir.join("store"), opts.store)?;
         let next_queue_id = Arc::new(AtomicU64::new(1));
         let definitions = Arc::new(Definitions::load(data_dir, next_queue_id.clone()).map_err(OpenError::Definitions)?);
 
@@ -93,23 +92,26 @@ impl Broker {
         }
         report.queues = by_id.len();
         let mut orphans = Batch::new();
-        for rec in recovery.messages {
-            let queue = by_id.get(&rec.queue);
-            match (queue, decode_stored(&rec.payload)) {
-                (Some(q), Some(stored)) => {
-                    let message = Arc::new(stored.message);
-                    let expires = stored.expires_at_ms.and_then(|enqueued| q.expiry_for(&message, enqueued));
-                    q.recover(message, rec.id, expires);
-                    report.messages += 1;
+        for rec in &recovery.queues {
+            match by_id.get(&rec.queue) {
+                Some(q) => {
+                    q.restore(rec);
+                    report.messages += rec.live_count as usize;
                 }
-                _ => {
-                    orphans.ack(rec.id);
-                    report.dropped += 1;
+                None => {
+                    // Not a durable queue (any more): what the store holds for it goes.
+                    orphans.drop_queue(rec.queue);
+                    report.dropped += rec.live_count as usize;
                 }
             }
+            next_queue_id.fetch_max(rec.queue + 1, std::sync::atomic::Ordering::Relaxed);
+        }
+        for q in by_id.values().filter(|q| q.args.retention_ms > 0) {
+            store.set_retention(q.id, q.args.retention_ms);
         }
         if !orphans.is_empty() {
-            store.append(&mut orphans)?;
+            let ticket = store.append(&mut orphans)?;
+            store.wait_durable(ticket)?;
         }
         report.elapsed_ms = started.elapsed().as_millis();
         Ok((broker, report))

@@ -4,29 +4,48 @@
 //! Each queue has its own lock; nothing on the publish path takes a global lock. Work that
 //! reaches other queues (dead-lettering, auto-delete) is collected under the lock and carried
 //! out after it is released, so queues never lock each other.
+//!
+//! Memory is bounded whatever the backlog: a queue keeps at most a window of ready messages in
+//! memory (`WINDOW_MESSAGES`, `WINDOW_BYTES`). Once the window is full, newer messages go only to
+//! the store (the "span": seqs `[span_from, next_seq)`), and the queue reads them back in order
+//! as the window drains. Ready messages = window, then span; every window seq is below `span_from`.
 
 use crate::channel::{Channel, Consumer, Settle};
 use crate::deadletter::{DeadLetter, DeathReason};
 use crate::error::{BrokerError, Result};
-use crate::message::MessageRef;
+use crate::message::{decode_stored, MessageRef};
 use crate::queue_args::{Overflow, QueueArgs};
 use crate::vhost::VHost;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use warren_protocol::field::FieldTable;
-use warren_store::{Batch, MsgId, Store, SyncTicket};
+use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
+
+/// Most ready messages a queue holds in memory; the rest waits in the store.
+pub const WINDOW_MESSAGES: usize = 2048;
+/// Most body bytes of ready messages a queue holds in memory.
+pub const WINDOW_BYTES: u64 = 8 << 20;
 
 /// A message in a queue (ready or delivered and not yet settled).
 #[derive(Debug)]
 pub struct Entry {
     pub message: MessageRef,
-    /// Position in this queue: requeued messages go back to where they were.
+    /// Position in this queue (and its seq in the store): requeued messages go back to where they were.
     pub seq: u64,
-    /// Where the message is in the store (persistent messages in durable queues only).
-    pub store_id: Option<MsgId>,
+    /// Payload bytes the store holds for it; 0 if it is not in the store.
+    pub stored_bytes: u64,
     pub expires_at_ms: Option<u64>,
     pub redelivered: bool,
+}
+
+impl Entry {
+    /// Records in `acks` that this message is gone from queue `queue`, if the store has it.
+    fn settle_in_store(&self, queue: u64, acks: &mut Batch) {
+        if self.stored_bytes > 0 {
+            acks.ack(queue, self.seq, self.stored_bytes);
+        }
+    }
 }
 
 /// The result of offering a message to a queue.
@@ -39,9 +58,18 @@ pub enum Enqueued {
 }
 
 struct QueueState {
+    /// The in-memory window of ready messages.
     ready: VecDeque<Entry>,
     ready_bytes: u64,
     next_seq: u64,
+    /// Ready messages that are only in the store: `span_count` live ones from `span_from` on.
+    span_from: u64,
+    span_count: u64,
+    /// Their body bytes (for `x-max-length-bytes`; an estimate after a restart) and store bytes.
+    span_bytes: u64,
+    span_store_bytes: u64,
+    /// Seqs below this were in the store when the node started: they may have been delivered before.
+    recovered_until: u64,
     consumers: Vec<Arc<Consumer>>,
     /// Round-robin position among consumers.
     next_consumer: usize,
@@ -106,6 +134,11 @@ impl Queue {
                 ready: VecDeque::new(),
                 ready_bytes: 0,
                 next_seq: 0,
+                span_from: 0,
+                span_count: 0,
+                span_bytes: 0,
+                span_store_bytes: 0,
+                recovered_until: 0,
                 consumers: Vec::new(),
                 next_consumer: 0,
                 unacked: 0,
@@ -117,7 +150,8 @@ impl Queue {
     }
 
     pub fn message_count(&self) -> u32 {
-        self.state.lock().ready.len() as u32
+        let st = self.state.lock();
+        (st.ready.len() as u64 + st.span_count).min(u32::MAX as u64) as u32
     }
 
     pub fn consumer_count(&self) -> u32 {
@@ -157,26 +191,37 @@ impl Queue {
             }
             if self.args.overflow != Overflow::DropHead && self.is_full(&st, message.body_len() as u64) {
                 if self.args.overflow == Overflow::RejectPublishDlx {
-                    let entry = Entry { message: message.clone(), seq: 0, store_id: None, expires_at_ms: None, redelivered: false };
+                    let entry = Entry { message: message.clone(), seq: 0, stored_bytes: 0, expires_at_ms: None, redelivered: false };
                     self.dead_letter_into(&mut after, entry, DeathReason::MaxLen);
                 }
                 drop(st);
                 self.finish(after);
                 return Ok(Enqueued::Rejected);
             }
-            let (store_id, ticket) = if self.durable && message.persistent {
-                let mut batch = Batch::new();
-                batch.enqueue(self.id, &[stored_header, &message.body]);
-                let ticket = self.store.append(&mut batch).map_err(store_error)?;
-                (batch.ids().first().copied(), Some(ticket))
-            } else {
-                (None, None)
-            };
             let seq = st.next_seq;
             st.next_seq += 1;
-            let expires_at_ms = self.expiry_for(message, now_ms);
-            st.ready_bytes += message.body_len() as u64;
-            st.ready.push_back(Entry { message: message.clone(), seq, store_id, expires_at_ms, redelivered: false });
+            let must_be_durable = self.durable && message.persistent;
+            let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_bytes >= WINDOW_BYTES;
+            let (stored_bytes, ticket) = if must_be_durable || paged || self.args.retention_ms > 0 {
+                let mut batch = Batch::new();
+                batch.enqueue(self.id, seq, now_ms, &[stored_header, &message.body]);
+                let ticket = self.store.append(&mut batch).map_err(store_error)?;
+                ((stored_header.len() + message.body.len()) as u64, must_be_durable.then_some(ticket))
+            } else {
+                (0, None)
+            };
+            if paged {
+                if st.span_count == 0 {
+                    st.span_from = seq;
+                }
+                st.span_count += 1;
+                st.span_bytes += message.body_len() as u64;
+                st.span_store_bytes += stored_bytes;
+            } else {
+                let expires_at_ms = self.expiry_for(message, now_ms);
+                st.ready_bytes += message.body_len() as u64;
+                st.ready.push_back(Entry { message: message.clone(), seq, stored_bytes, expires_at_ms, redelivered: false });
+            }
             self.drop_head_over_limit(&mut st, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
             // TTL 0 (or an already past expiry): what no consumer took right now expires now.
@@ -187,19 +232,67 @@ impl Queue {
         Ok(outcome)
     }
 
-    /// Puts a message recovered from the store back (at startup), marked redelivered: it may
-    /// have been delivered before the restart.
-    pub fn recover(&self, message: MessageRef, store_id: MsgId, expires_at_ms: Option<u64>) {
+    /// Takes over what the store held for this queue at startup: every live message is in the span,
+    /// read back as the window needs it, marked redelivered (it may have been delivered before).
+    pub fn restore(&self, recovered: &RecoveredQueue) {
         let mut st = self.state.lock();
-        let seq = st.next_seq;
-        st.next_seq += 1;
-        st.ready_bytes += message.body_len() as u64;
-        st.ready.push_back(Entry { message, seq, store_id: Some(store_id), expires_at_ms, redelivered: true });
+        st.next_seq = recovered.next_seq;
+        st.recovered_until = recovered.next_seq;
+        st.span_from = recovered.first_seq;
+        st.span_count = recovered.live_count;
+        st.span_store_bytes = recovered.live_bytes;
+        // Body bytes are not recorded separately; the stored bytes are a close upper bound.
+        st.span_bytes = recovered.live_bytes;
+    }
+
+    /// Reads the next part of the span into the window when the window runs low.
+    fn refill_locked(&self, st: &mut QueueState, after: &mut AfterUnlock) {
+        while st.span_count > 0 && st.ready.len() < WINDOW_MESSAGES / 2 && st.ready_bytes < WINDOW_BYTES / 2 {
+            let want = WINDOW_MESSAGES - st.ready.len();
+            let budget = (WINDOW_BYTES - st.ready_bytes) as usize;
+            let batch = match self.store.read(self.id, st.span_from, want, budget) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(queue = %self.name, error = %e, "could not read messages back from the store");
+                    return;
+                }
+            };
+            if batch.messages.is_empty() && batch.lost == 0 {
+                // Not copied into the queue's files yet (the writer is a moment behind): later.
+                return;
+            }
+            st.span_from = batch.next_seq;
+            st.span_count = st.span_count.saturating_sub(batch.messages.len() as u64 + batch.lost);
+            for m in batch.messages {
+                st.span_store_bytes = st.span_store_bytes.saturating_sub(m.payload.len() as u64);
+                let stored_bytes = m.payload.len() as u64;
+                let Some(stored) = decode_stored(&m.payload) else {
+                    tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
+                    after.acks.ack(self.id, m.seq, stored_bytes);
+                    continue;
+                };
+                let message = Arc::new(stored.message);
+                st.span_bytes = st.span_bytes.saturating_sub(message.body_len() as u64);
+                let recovered = m.seq < st.recovered_until;
+                if recovered && !(self.durable && message.persistent) {
+                    // A transient message paged out before a restart: it does not survive one.
+                    after.acks.ack(self.id, m.seq, stored_bytes);
+                    continue;
+                }
+                let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
+                st.ready_bytes += message.body_len() as u64;
+                st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered: recovered });
+            }
+            if st.span_count == 0 {
+                st.span_bytes = 0;
+                st.span_store_bytes = 0;
+            }
+        }
     }
 
     fn is_full(&self, st: &QueueState, incoming_bytes: u64) -> bool {
-        self.args.max_length.is_some_and(|max| st.ready.len() as u64 >= max)
-            || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes + incoming_bytes > max)
+        self.args.max_length.is_some_and(|max| ready_count(st) >= max)
+            || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes + st.span_bytes + incoming_bytes > max)
     }
 
     fn drop_head_over_limit(&self, st: &mut QueueState, after: &mut AfterUnlock) {
@@ -207,11 +300,12 @@ impl Queue {
             return;
         }
         loop {
-            let over = self.args.max_length.is_some_and(|max| st.ready.len() as u64 > max)
-                || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes > max);
+            let over = self.args.max_length.is_some_and(|max| ready_count(st) > max)
+                || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes + st.span_bytes > max);
             if !over {
                 break;
             }
+            self.refill_locked(st, after);
             let Some(entry) = pop_ready(st) else { break };
             self.dead_letter_into(after, entry, DeathReason::MaxLen);
         }
@@ -236,9 +330,7 @@ impl Queue {
 
     /// Either dead-letters an entry (if the queue has a DLX) or just drops it; both settle it in the store.
     fn dead_letter_into(&self, after: &mut AfterUnlock, entry: Entry, reason: DeathReason) {
-        if let Some(id) = entry.store_id {
-            after.acks.ack(id);
-        }
+        entry.settle_in_store(self.id, &mut after.acks);
         if let Some(exchange) = &self.args.dead_letter_exchange {
             after.dead.push(DeadLetter {
                 message: entry.message,
@@ -253,8 +345,12 @@ impl Queue {
     /// Delivers ready messages to consumers with credit, round-robin.
     fn dispatch_locked(&self, st: &mut QueueState, now_ms: u64, after: &mut AfterUnlock) {
         loop {
+            if st.consumers.is_empty() {
+                return;
+            }
+            self.refill_locked(st, after);
             self.expire_locked(st, now_ms, false, after);
-            if st.ready.is_empty() || st.consumers.is_empty() {
+            if st.ready.is_empty() {
                 return;
             }
             let n = st.consumers.len();
@@ -267,11 +363,7 @@ impl Queue {
                 }
                 let Some(entry) = pop_ready(st) else { return };
                 match consumer.channel.try_deliver(&consumer, entry) {
-                    Ok(Some(settled)) => {
-                        if let Some(id) = settled.store_id {
-                            after.acks.ack(id);
-                        }
-                    }
+                    Ok(Some(settled)) => settled.settle_in_store(self.id, &mut after.acks),
                     Ok(None) => st.unacked += 1,
                     Err(entry) => {
                         push_ready_front(st, entry);
@@ -310,6 +402,7 @@ impl Queue {
             if st.deleted {
                 return false;
             }
+            self.refill_locked(&mut st, &mut after);
             self.expire_locked(&mut st, now_ms, true, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
             self.args.expires_ms.is_some_and(|ttl| {
@@ -366,17 +459,14 @@ impl Queue {
             let mut st = self.state.lock();
             let now = crate::now_ms();
             st.last_used_ms = now;
+            self.refill_locked(&mut st, &mut after);
             self.expire_locked(&mut st, now, true, &mut after);
             match pop_ready(&mut st) {
                 None => false,
                 Some(entry) => {
-                    let remaining = st.ready.len() as u32;
+                    let remaining = ready_count(&st).min(u32::MAX as u64) as u32;
                     match channel.deliver_get(self, entry, no_ack, remaining) {
-                        Some(settled) => {
-                            if let Some(id) = settled.store_id {
-                                after.acks.ack(id);
-                            }
-                        }
+                        Some(settled) => settled.settle_in_store(self.id, &mut after.acks),
                         None => st.unacked += 1,
                     }
                     true
@@ -396,16 +486,8 @@ impl Queue {
             st.unacked = st.unacked.saturating_sub(entries.len() as u64);
             for entry in entries {
                 match how {
-                    _ if st.deleted => {
-                        if let Some(id) = entry.store_id {
-                            acks.ack(id);
-                        }
-                    }
-                    Settle::Ack => {
-                        if let Some(id) = entry.store_id {
-                            acks.ack(id);
-                        }
-                    }
+                    _ if st.deleted => {} // the queue's files went with it
+                    Settle::Ack => entry.settle_in_store(self.id, acks),
                     Settle::Reject { requeue: true } => {
                         let mut entry = entry;
                         entry.redelivered = true;
@@ -426,7 +508,7 @@ impl Queue {
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = self.state.lock();
-            drain_ready(&mut st, &mut after.acks)
+            drain_ready(&mut st, self.id, &mut after.acks)
         };
         self.append_acks(&mut after.acks);
         n
@@ -439,7 +521,10 @@ impl Queue {
             let mut st = self.state.lock();
             st.deleted = true;
             let mut acks = Batch::new();
-            let n = drain_ready(&mut st, &mut acks);
+            let n = drain_ready(&mut st, self.id, &mut acks);
+            // Everything the store holds for this queue goes at once, acked or not.
+            acks.clear();
+            acks.drop_queue(self.id);
             (n, std::mem::take(&mut st.consumers), acks)
         };
         self.append_acks(&mut acks);
@@ -486,15 +571,24 @@ fn store_error(e: warren_store::StoreError) -> BrokerError {
     BrokerError::internal(format!("the message store refused the write: {e}"))
 }
 
-/// Empties the ready list, collecting store acks; returns how many messages it held.
-fn drain_ready(st: &mut QueueState, acks: &mut Batch) -> u32 {
-    let n = st.ready.len() as u32;
+/// Ready messages: the window and the span.
+fn ready_count(st: &QueueState) -> u64 {
+    st.ready.len() as u64 + st.span_count
+}
+
+/// Empties the window and the span, collecting store acks; returns how many messages they held.
+fn drain_ready(st: &mut QueueState, queue: u64, acks: &mut Batch) -> u32 {
+    let n = ready_count(st).min(u32::MAX as u64) as u32;
     for entry in st.ready.drain(..) {
-        if let Some(id) = entry.store_id {
-            acks.ack(id);
-        }
+        entry.settle_in_store(queue, acks);
     }
     st.ready_bytes = 0;
+    if st.span_count > 0 {
+        acks.ack_range(queue, st.span_from, st.next_seq, st.span_store_bytes);
+    }
+    st.span_count = 0;
+    st.span_bytes = 0;
+    st.span_store_bytes = 0;
     n
 }
 

@@ -21,6 +21,9 @@ pub struct QueueArgs {
     pub overflow: Overflow,
     pub dead_letter_exchange: Option<String>,
     pub dead_letter_routing_key: Option<String>,
+    /// `x-retention-seconds`: keep consumed messages on disk this long after they were enqueued, so the
+    /// queue can later be rewound to a point in time (Warren's own argument; 0 or absent: no retention).
+    pub retention_ms: u64,
 }
 
 impl QueueArgs {
@@ -57,6 +60,7 @@ impl QueueArgs {
             overflow: Overflow::DropHead,
             dead_letter_exchange: string("x-dead-letter-exchange")?,
             dead_letter_routing_key: string("x-dead-letter-routing-key")?,
+            retention_ms: non_negative("x-retention-seconds")?.unwrap_or(0).saturating_mul(1000),
         };
         if parsed.expires_ms == Some(0) {
             return Err(invalid("x-expires", "{value_zero,0}"));
@@ -109,6 +113,7 @@ pub const EQUIVALENCE_KEYS: &[&str] = &[
     "x-overflow",
     "x-queue-type",
     "x-max-priority",
+    "x-retention-seconds",
 ];
 
 /// Finds the first behaviour-changing argument that differs between two declarations.

@@ -301,6 +301,9 @@ impl VHost {
             self.store.clone(),
             crate::now_ms(),
         );
+        if queue.args.retention_ms > 0 {
+            self.store.set_retention(id, queue.args.retention_ms);
+        }
         self.queues.write().insert(name.clone(), queue.clone());
         // Every queue is bound to the default exchange by its name (routing does that directly).
         if durable {
@@ -461,10 +464,10 @@ impl VHost {
             return Ok(outcome);
         }
         let now = crate::now_ms();
+        // The store encoding's header, for queues that write the message to the store (persistent in a
+        // durable queue, or a queue whose window is full). Small next to the body, so always built.
         let mut header = BytesMut::new();
-        if message.persistent && queues.iter().any(|q| q.durable) {
-            encode_header(&message, Some(now), &mut header);
-        }
+        encode_header(&message, Some(now), &mut header);
         for q in queues {
             match q.publish(&message, &header, now)? {
                 Enqueued::Accepted(Some(t)) => outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t))),

@@ -160,7 +160,7 @@ impl Default for Config {
             channel_max: 2047,
             max_message_size: 128 << 20,
             sync: SyncMode::EveryBatch,
-            segment_size: 64 << 20,
+            segment_size: 32 << 20,
             log: "info".to_owned(),
         }
     }
@@ -546,7 +546,7 @@ mod tests {
         assert_eq!(c.max_message_size, 134_217_728);
         assert_eq!(c.sync, SyncMode::EveryBatch);
         assert_eq!(c.sync_interval_ms(), 0);
-        assert_eq!(c.segment_size, 64 * 1024 * 1024);
+        assert_eq!(c.segment_size, 32 * 1024 * 1024);
         assert_eq!(c.log, "info");
         c.validate().expect("defaults are valid");
     }

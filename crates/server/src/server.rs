@@ -20,6 +20,7 @@ pub async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
             0 => SyncPolicy::EveryBatch,
             ms => SyncPolicy::IntervalMs(ms),
         },
+        ..StoreOptions::default()
     };
     if config.sync_interval_ms() > 0 {
         tracing::warn!(

@@ -1,32 +1,21 @@
 //! [`Batch`]: the records one caller appends at once, encoded outside the store's lock.
 
-use crate::format::{self, ENQUEUE_FIXED_LEN, MAX_BODY_LEN, RECORD_HEADER_SIZE};
-use crate::MsgId;
+use crate::format::{self, ENQUEUE_FIXED_LEN, MAX_BODY_LEN};
 
-/// Enqueues and acks to append together (one ticket, one copy into the write buffer).
-///
-/// Enqueue records are encoded when they are added, so the payload is copied once here and once into the
-/// store's buffer; `append` only fills in ids and CRCs. Reuse a batch with [`Batch::clear`] to keep its
-/// allocations.
+/// Enqueues, acks and queue drops to append together (one ticket, one copy into the write buffer).
+/// Reuse a batch with [`Batch::clear`] to keep its allocations.
 #[derive(Debug, Default)]
 pub struct Batch {
-    /// Encoded enqueue records, ids and CRCs still zero until `append` seals them.
+    /// Encoded enqueue records.
     pub(crate) records: Vec<u8>,
-    pub(crate) enqueues: Vec<Unsealed>,
-    pub(crate) acks: Vec<MsgId>,
-    /// Encoded acks records, built by `append` outside the lock.
-    pub(crate) ack_records: Vec<u8>,
-    pub(crate) ids: Vec<MsgId>,
+    pub(crate) enqueues: usize,
+    /// (queue, start, end, bytes): consecutive acks of one queue merge into one range.
+    acks: Vec<(u64, u64, u64, u64)>,
+    drops: Vec<u64>,
+    /// Encoded acks and drops, built by `seal` outside the store's lock.
+    pub(crate) tail: Vec<u8>,
     /// Largest payload added, checked by `append` (enqueue itself cannot fail).
     pub(crate) largest_payload: usize,
-}
-
-/// Where an enqueue record sits in `Batch::records`, and the CRC of its queue + payload.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Unsealed {
-    pub offset: usize,
-    pub tail_crc: u32,
-    pub tail_len: usize,
 }
 
 impl Batch {
@@ -34,47 +23,82 @@ impl Batch {
         Self::default()
     }
 
-    /// Queues an enqueue; the payload is given in parts (e.g. header bytes + body) to avoid a concatenation
-    /// copy. Returns the index of this enqueue within the batch; after `append`, `batch.ids()[i]` is its MsgId.
-    pub fn enqueue(&mut self, queue: u64, payload_parts: &[&[u8]]) -> usize {
-        let offset = self.records.len();
-        let tail_crc = format::encode_enqueue_unsealed(&mut self.records, queue, payload_parts);
-        let body_len = self.records.len() - offset - RECORD_HEADER_SIZE;
-        self.largest_payload = self.largest_payload.max(body_len - ENQUEUE_FIXED_LEN);
-        self.enqueues.push(Unsealed {
-            offset,
-            tail_crc,
-            tail_len: body_len - 9,
-        });
-        self.enqueues.len() - 1
+    /// Adds message `seq` of `queue`. Seqs of a queue must increase from one append to the next (gaps
+    /// are fine: skipped seqs count as gone). The payload is given in parts (e.g. header bytes and body) to
+    /// avoid a concatenation copy.
+    pub fn enqueue(&mut self, queue: u64, seq: u64, timestamp_ms: u64, payload_parts: &[&[u8]]) {
+        let len = format::encode_enqueue(&mut self.records, queue, seq, timestamp_ms, payload_parts);
+        self.largest_payload = self.largest_payload.max(len);
+        self.enqueues += 1;
     }
 
-    /// Records that message `msg` is gone. Acking an id twice, or one the store does not know, is harmless.
-    pub fn ack(&mut self, msg: MsgId) {
-        self.acks.push(msg);
+    /// Records that message `seq` of `queue`, of `bytes` payload bytes, is gone (acked, rejected, expired,
+    /// purged...). Acking twice, or a seq the store never had, is harmless but miscounts bytes.
+    pub fn ack(&mut self, queue: u64, seq: u64, bytes: u64) {
+        self.ack_range(queue, seq, seq + 1, bytes);
     }
 
-    /// The ids assigned to this batch's enqueues by the last `append`, in enqueue order.
-    pub fn ids(&self) -> &[MsgId] {
-        &self.ids
+    /// Records that seqs `[start, end)` of `queue`, `bytes` payload bytes in all, are gone.
+    pub fn ack_range(&mut self, queue: u64, start: u64, end: u64, bytes: u64) {
+        if start >= end {
+            return;
+        }
+        if let Some(last) = self.acks.last_mut() {
+            if last.0 == queue && last.2 == start {
+                last.2 = end;
+                last.3 += bytes;
+                return;
+            }
+        }
+        self.acks.push((queue, start, end, bytes));
+    }
+
+    /// Records that `queue` was deleted: its files go, later acks for it are ignored.
+    pub fn drop_queue(&mut self, queue: u64) {
+        self.drops.push(queue);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.enqueues.is_empty() && self.acks.is_empty()
+        self.enqueues == 0 && self.acks.is_empty() && self.drops.is_empty()
     }
 
     pub fn clear(&mut self) {
         self.records.clear();
-        self.enqueues.clear();
+        self.enqueues = 0;
         self.acks.clear();
-        self.ack_records.clear();
-        self.ids.clear();
+        self.drops.clear();
+        self.tail.clear();
         self.largest_payload = 0;
+    }
+
+    /// Encodes acks and drops into `tail` (acks grouped per queue, in the order given).
+    pub(crate) fn seal(&mut self) {
+        self.tail.clear();
+        let mut i = 0;
+        let mut ranges = Vec::new();
+        while i < self.acks.len() {
+            let queue = self.acks[i].0;
+            let mut bytes = 0;
+            ranges.clear();
+            while i < self.acks.len() && self.acks[i].0 == queue {
+                ranges.push((self.acks[i].1, self.acks[i].2));
+                bytes += self.acks[i].3;
+                i += 1;
+            }
+            format::encode_acks(&mut self.tail, queue, bytes, &ranges);
+        }
+        for &q in &self.drops {
+            format::encode_drop(&mut self.tail, q);
+        }
     }
 
     /// Bytes this batch adds to the log.
     pub(crate) fn encoded_len(&self) -> usize {
-        self.records.len() + self.ack_records.len()
+        self.records.len() + self.tail.len()
+    }
+
+    pub(crate) fn record_count(&self) -> u64 {
+        (self.enqueues + self.acks.len() + self.drops.len()) as u64
     }
 
     pub(crate) fn max_payload() -> usize {

@@ -1,72 +1,72 @@
-//! The on-disk format of the shared message log, and what is trusted after a crash.
+//! On-disk formats: the write-ahead log (WAL), the per-queue segment files, and what is trusted after a
+//! crash. All integers are little endian.
 //!
-//! # Files
-//! The log is a directory of segment files named `NNNNNNNNNNNNNNNNNNNN.wlog`: the 20-digit number is the
-//! segment's *base*, its first byte's position in the endless logical log (the previous segment's base plus
-//! its length). Sorting names sorts segments; a [`SyncTicket`](crate::SyncTicket) is a position in the same
-//! logical log. A `LOCK` file (held with `flock`) keeps a second process out.
-//!
-//! # Segment header ([`HEADER_SIZE`] bytes, little endian)
+//! # Layout of the data directory
 //! ```text
-//! 0  magic "WRNL"   4  version u16   6  header_size u16   8  first_id u64   16  reserved (zero) 12 bytes
-//! 28 crc32c u32 over bytes 0..28
+//! LOCK                                   flock'ed while a store has the directory open
+//! checkpoint                             see `checkpoint.rs`: the WAL position up to which every record
+//!                                        is reflected in the queue files, and each queue's state there
+//! wal/NNNNNNNNNNNNNNNNNNNN.wlog          WAL segments; the number is the segment's base position in the
+//!                                        endless logical log (a `SyncTicket` is a position in it)
+//! queues/<queue id>/NNNNNNNNNNNNNNNNNNNN.qseg
+//!                                        a queue's messages in order; the number is the first seq
 //! ```
-//! `first_id` is the next `MsgId` at the moment the segment was created: every enqueue in the segment has
-//! an id `>= first_id`. It is what keeps ids unique forever when every older segment has been deleted.
 //!
-//! # Records (after the header, back to back)
+//! # WAL segment header ([`HEADER_SIZE`] bytes)
+//! `magic "WRNL" | version u16 | header_size u16 | reserved 20 bytes | crc32c u32 over bytes 0..28`
+//!
+//! # Queue segment header ([`HEADER_SIZE`] bytes)
+//! `magic "WRNQ" | version u16 | header_size u16 | queue u64 | first_seq u64 | reserved 4 | crc32c u32`
+//!
+//! # Records (both file kinds, after the header, back to back)
+//! `len u32 | crc32c u32 (over the body) | body (len bytes)`
 //! ```text
-//! len: u32 | crc32c: u32 (over the body) | body (len bytes)
-//! body = KIND_ENQUEUE u8 | id u64 | queue u64 | payload (len - 17 bytes)
-//!      | KIND_ACKS    u8 | count u32 | count x id u64          (all acks of one appended batch)
+//! WAL:    KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload
+//!         KIND_ACKS    u8 | queue u64 | bytes u64 | count u32 | count x (start u64, end u64)
+//!         KIND_DROP    u8 | queue u64
+//! queue:  KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload   (the WAL record, copied)
 //! ```
-//! Ids of enqueues are strictly increasing through the whole log. An ack always comes after the enqueue it
-//! refers to (the id only exists once the enqueue was appended), so it is in the same or a later segment.
+//! A queue's enqueues carry strictly increasing seqs (the queue assigns them under its lock). An acks
+//! record says that the seqs in `[start, end)` of one queue are gone and that together they held `bytes`
+//! bytes of payload.
 //!
 //! # Crash behaviour: what recovery trusts
-//! Files are only appended to (`write` then `fdatasync`), never preallocated or rewritten in place, so after
-//! a crash a segment holds a prefix of what was written plus, at most, a torn or garbled tail. Nothing but
-//! the segment files is trusted: there is no index or summary file that could be stale.
-//! - A record is accepted only if its header is complete, `len` fits in the file and is at most
-//!   [`MAX_BODY_LEN`], the CRC32C of the body matches, the kind is known, the body is well formed and an
-//!   enqueue's id is above every id before it.
-//! - **Newest segment**: the first record that fails these checks, and everything after it, is a torn tail
-//!   from the crash (a write that was never fsynced, so never confirmed). The file is truncated to the last
-//!   valid record and the loss logged with `tracing::warn!`. A corrupt record in the middle of the newest
-//!   segment cannot be told apart from a torn write, so the valid records after it are dropped too. If even
-//!   the header is incomplete or garbled (a crash right after the roll created the file), the file is removed.
-//! - **Older segments** were fsynced before the next one was created, so a bad record there is real
-//!   corruption: the records before it are kept, the rest of that segment is skipped (`tracing::error!`),
-//!   the node still starts, and the file is left as it is until it is deleted like any other segment.
-//! - A header with a good checksum but an unknown version was written by a newer Warren: opening fails
-//!   rather than treating the data as damage.
+//! Files are only appended to and never preallocated, so after a crash a file holds a prefix of what was
+//! written plus, at most, a torn or garbled tail. A record is accepted only if its header is complete, its
+//! length fits in the file and is at most [`MAX_BODY_LEN`], the CRC32C of the body matches, and the kind is
+//! known and well formed.
+//! - **WAL**: a WAL segment is fsynced before the next one is created, so only the newest one can have a
+//!   torn tail: it is truncated to the last valid record (logged with `tracing::warn!`). A bad record in an
+//!   older segment is real corruption: the records before it are kept, the rest of that segment skipped
+//!   (`tracing::error!`), and the node starts.
+//! - **Queue segments** are not fsynced on the commit path: what the checkpoint lists was made durable
+//!   (with `syncfs`) before the checkpoint was written, and everything after it is rebuilt from the WAL.
+//!   A bad record found later when reading a queue segment is logged and the rest of that segment skipped.
 
 use thiserror::Error;
 
-/// First bytes of every segment file.
-pub const MAGIC: [u8; 4] = *b"WRNL";
+pub const WAL_MAGIC: [u8; 4] = *b"WRNL";
+pub const QSEG_MAGIC: [u8; 4] = *b"WRNQ";
 /// Format version written by this code; the only one it reads.
-pub const VERSION: u16 = 1;
-/// Bytes of the segment header, records start right after it.
+pub const VERSION: u16 = 2;
+/// Bytes of a segment header (both kinds); records start right after it.
 pub const HEADER_SIZE: usize = 32;
 /// `len: u32 | crc32c: u32` in front of every record body.
 pub const RECORD_HEADER_SIZE: usize = 8;
 /// Largest record body accepted; larger lengths on disk are garbage.
 pub const MAX_BODY_LEN: usize = 1 << 30;
-/// Body kind: one message put into a queue.
 pub const KIND_ENQUEUE: u8 = 1;
-/// Body kind: the messages of one batch that are gone.
 pub const KIND_ACKS: u8 = 2;
-/// Enqueue body bytes before the payload: kind, id, queue.
-pub const ENQUEUE_FIXED_LEN: usize = 1 + 8 + 8;
-/// Acks body bytes before the ids: kind, count.
-pub const ACKS_FIXED_LEN: usize = 1 + 4;
-/// Most ids one acks record holds (keeps the body under [`MAX_BODY_LEN`]).
-pub const MAX_ACKS_PER_RECORD: usize = (MAX_BODY_LEN - ACKS_FIXED_LEN) / 8;
-/// File name extension of segments.
-pub const SEGMENT_EXT: &str = "wlog";
+pub const KIND_DROP: u8 = 3;
+/// Enqueue body bytes before the payload: kind, queue, seq, timestamp.
+pub const ENQUEUE_FIXED_LEN: usize = 1 + 8 + 8 + 8;
+/// Acks body bytes before the ranges: kind, queue, bytes, count.
+pub const ACKS_FIXED_LEN: usize = 1 + 8 + 8 + 4;
+pub const DROP_LEN: usize = 1 + 8;
+pub const WAL_EXT: &str = "wlog";
+pub const QSEG_EXT: &str = "qseg";
 
-/// Why bytes read back from a segment were not accepted.
+/// Why bytes read back from a file were not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum Damage {
     #[error("segment header incomplete: {have} of {HEADER_SIZE} bytes")]
@@ -91,36 +91,38 @@ pub enum Damage {
     UnknownKind { kind: u8 },
     #[error("record body of kind {kind} is malformed ({len} bytes)")]
     Malformed { kind: u8, len: usize },
-    #[error("enqueue id {id} is not above the previous id {previous}")]
-    IdOutOfOrder { id: u64, previous: u64 },
 }
 
-/// A decoded segment header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SegmentHeader {
-    pub first_id: u64,
+/// Encodes a WAL segment header.
+pub fn encode_wal_header() -> [u8; HEADER_SIZE] {
+    seal_header(WAL_MAGIC, [0u8; 20])
 }
 
-/// Encodes the header of a new segment whose first enqueue will get `first_id` or a higher id.
-pub fn encode_header(first_id: u64) -> [u8; HEADER_SIZE] {
+/// Encodes the header of queue `queue`'s segment whose first record has seq `first_seq`.
+pub fn encode_qseg_header(queue: u64, first_seq: u64) -> [u8; HEADER_SIZE] {
+    let mut rest = [0u8; 20];
+    rest[0..8].copy_from_slice(&queue.to_le_bytes());
+    rest[8..16].copy_from_slice(&first_seq.to_le_bytes());
+    seal_header(QSEG_MAGIC, rest)
+}
+
+fn seal_header(magic: [u8; 4], rest: [u8; 20]) -> [u8; HEADER_SIZE] {
     let mut h = [0u8; HEADER_SIZE];
-    h[0..4].copy_from_slice(&MAGIC);
+    h[0..4].copy_from_slice(&magic);
     h[4..6].copy_from_slice(&VERSION.to_le_bytes());
     h[6..8].copy_from_slice(&(HEADER_SIZE as u16).to_le_bytes());
-    h[8..16].copy_from_slice(&first_id.to_le_bytes());
+    h[8..28].copy_from_slice(&rest);
     let crc = crc32c::crc32c(&h[..HEADER_SIZE - 4]);
     h[HEADER_SIZE - 4..].copy_from_slice(&crc.to_le_bytes());
     h
 }
 
-/// Decodes a segment header from the start of `file`.
-pub fn decode_header(file: &[u8]) -> Result<SegmentHeader, Damage> {
-    let h = file
-        .get(..HEADER_SIZE)
-        .ok_or(Damage::HeaderTruncated { have: file.len() })?;
-    let magic = array::<4>(h, 0);
-    if magic != MAGIC {
-        return Err(Damage::BadMagic { found: magic });
+/// Checks a header of either kind at the start of `file`; returns its 20 kind-specific bytes.
+pub fn decode_header(file: &[u8], magic: [u8; 4]) -> Result<[u8; 20], Damage> {
+    let h = file.get(..HEADER_SIZE).ok_or(Damage::HeaderTruncated { have: file.len() })?;
+    let found = array::<4>(h, 0);
+    if found != magic {
+        return Err(Damage::BadMagic { found });
     }
     let stored = u32::from_le_bytes(array(h, HEADER_SIZE - 4));
     if crc32c::crc32c(&h[..HEADER_SIZE - 4]) != stored {
@@ -134,44 +136,35 @@ pub fn decode_header(file: &[u8]) -> Result<SegmentHeader, Damage> {
     if usize::from(size) != HEADER_SIZE {
         return Err(Damage::BadHeaderSize { version, size });
     }
-    Ok(SegmentHeader {
-        first_id: u64::from_le_bytes(array(h, 8)),
-    })
+    Ok(array(h, 8))
 }
 
-/// One record read back from a segment.
+/// `(queue, first_seq)` of a queue segment header.
+pub fn decode_qseg_header(file: &[u8]) -> Result<(u64, u64), Damage> {
+    let rest = decode_header(file, QSEG_MAGIC)?;
+    Ok((u64::from_le_bytes(array(&rest, 0)), u64::from_le_bytes(array(&rest, 8))))
+}
+
+/// One record read back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Record<'a> {
-    Enqueue {
-        id: u64,
-        queue: u64,
-        payload: &'a [u8],
-    },
-    Acks {
-        ids: AckIds<'a>,
-    },
+    Enqueue { queue: u64, seq: u64, timestamp_ms: u64, payload: &'a [u8] },
+    Acks { queue: u64, bytes: u64, ranges: AckRanges<'a> },
+    Drop { queue: u64 },
 }
 
-/// The ids of an acks record, decoded lazily.
+/// The `[start, end)` ranges of an acks record, decoded lazily.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AckIds<'a>(&'a [u8]);
+pub struct AckRanges<'a>(&'a [u8]);
 
-impl<'a> AckIds<'a> {
-    pub fn len(&self) -> usize {
-        self.0.len() / 8
-    }
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-    pub fn iter(&self) -> impl Iterator<Item = u64> + 'a {
-        self.0
-            .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(array(c, 0)))
+impl<'a> AckRanges<'a> {
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + 'a {
+        self.0.chunks_exact(16).map(|c| (u64::from_le_bytes(array(c, 0)), u64::from_le_bytes(array(c, 8))))
     }
 }
 
-/// Decodes the record at the start of `buf` (which runs to the end of the file). Returns the record and
-/// the number of bytes it takes. Never panics, whatever the bytes.
+/// Decodes the record at the start of `buf` (which runs to the end of the valid data). Returns the record
+/// and the number of bytes it takes. Never panics, whatever the bytes.
 pub fn decode_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
     if buf.len() < RECORD_HEADER_SIZE {
         return Err(Damage::RecordHeaderTruncated { have: buf.len() });
@@ -182,94 +175,92 @@ pub fn decode_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
         return Err(Damage::LengthTooLarge { len });
     }
     let available = buf.len() - RECORD_HEADER_SIZE;
-    let body = buf
-        .get(RECORD_HEADER_SIZE..RECORD_HEADER_SIZE + len)
-        .ok_or(Damage::LengthPastEof { len, available })?;
+    let body = buf.get(RECORD_HEADER_SIZE..RECORD_HEADER_SIZE + len).ok_or(Damage::LengthPastEof { len, available })?;
     let computed = crc32c::crc32c(body);
     if computed != stored {
         return Err(Damage::Checksum { stored, computed });
     }
-    let kind = body
-        .first()
-        .copied()
-        .ok_or(Damage::Malformed { kind: 0, len })?;
+    let kind = body.first().copied().ok_or(Damage::Malformed { kind: 0, len })?;
+    let u64_at = |at: usize| u64::from_le_bytes(array(body, at));
     let record = match kind {
-        KIND_ENQUEUE => {
-            if len < ENQUEUE_FIXED_LEN {
+        KIND_ENQUEUE if len >= ENQUEUE_FIXED_LEN => Record::Enqueue {
+            queue: u64_at(1),
+            seq: u64_at(9),
+            timestamp_ms: u64_at(17),
+            payload: &body[ENQUEUE_FIXED_LEN..],
+        },
+        KIND_ACKS if len >= ACKS_FIXED_LEN => {
+            let count = u32::from_le_bytes(array(body, 17)) as usize;
+            if len != ACKS_FIXED_LEN + count * 16 {
                 return Err(Damage::Malformed { kind, len });
             }
-            Record::Enqueue {
-                id: u64::from_le_bytes(array(body, 1)),
-                queue: u64::from_le_bytes(array(body, 9)),
-                payload: &body[ENQUEUE_FIXED_LEN..],
-            }
+            Record::Acks { queue: u64_at(1), bytes: u64_at(9), ranges: AckRanges(&body[ACKS_FIXED_LEN..]) }
         }
-        KIND_ACKS => {
-            let count = body
-                .get(1..5)
-                .map(|c| u32::from_le_bytes(array(c, 0)) as usize);
-            match count {
-                Some(n) if len == ACKS_FIXED_LEN + n * 8 => Record::Acks {
-                    ids: AckIds(&body[ACKS_FIXED_LEN..]),
-                },
-                _ => return Err(Damage::Malformed { kind, len }),
-            }
-        }
+        KIND_DROP if len == DROP_LEN => Record::Drop { queue: u64_at(1) },
+        KIND_ENQUEUE | KIND_ACKS | KIND_DROP => return Err(Damage::Malformed { kind, len }),
         kind => return Err(Damage::UnknownKind { kind }),
     };
     Ok((record, RECORD_HEADER_SIZE + len))
 }
 
-/// Appends an enqueue record with a zero id and a zero CRC to `out`; [`seal_enqueue`] fills both in once
-/// the id is known. Returns the CRC32C of the body after the id (queue and payload), which lets the final
-/// CRC be computed without reading the payload again.
-pub fn encode_enqueue_unsealed(out: &mut Vec<u8>, queue: u64, payload_parts: &[&[u8]]) -> u32 {
-    let payload_len: usize = payload_parts.iter().map(|p| p.len()).sum();
+/// Appends a complete enqueue record; the payload is given in parts to avoid a concatenation copy.
+/// Returns the payload length.
+pub fn encode_enqueue(out: &mut Vec<u8>, queue: u64, seq: u64, timestamp_ms: u64, parts: &[&[u8]]) -> usize {
+    let payload_len: usize = parts.iter().map(|p| p.len()).sum();
     let len = ENQUEUE_FIXED_LEN + payload_len;
-    // Lengths above the limit are rejected by `Batch` before sealing; saturate rather than wrap here.
+    let start = out.len();
+    // Lengths above the limit are refused by `append` before anything is written; saturate, never wrap.
     out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
     out.extend_from_slice(&[0u8; 4]);
     out.push(KIND_ENQUEUE);
-    out.extend_from_slice(&[0u8; 8]);
-    let tail_start = out.len();
     out.extend_from_slice(&queue.to_le_bytes());
-    for p in payload_parts {
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&timestamp_ms.to_le_bytes());
+    for p in parts {
         out.extend_from_slice(p);
     }
-    crc32c::crc32c(&out[tail_start..])
+    seal(out, start);
+    payload_len
 }
 
-/// Writes `id` and the final CRC into an enqueue record made by [`encode_enqueue_unsealed`].
-/// `record` starts at the record's length field; `tail_crc`/`tail_len` describe queue + payload.
-pub fn seal_enqueue(record: &mut [u8], id: u64, tail_crc: u32, tail_len: usize) {
-    let id_bytes = id.to_le_bytes();
-    record[RECORD_HEADER_SIZE + 1..RECORD_HEADER_SIZE + 9].copy_from_slice(&id_bytes);
-    let mut head = [0u8; 9];
-    head[0] = KIND_ENQUEUE;
-    head[1..].copy_from_slice(&id_bytes);
-    let crc = crc32c::crc32c_combine(crc32c::crc32c(&head), tail_crc, tail_len);
-    record[4..8].copy_from_slice(&crc.to_le_bytes());
-}
-
-/// Appends complete acks records for `ids` to `out` (one record, or more above [`MAX_ACKS_PER_RECORD`]).
-pub fn encode_acks(out: &mut Vec<u8>, ids: &[u64]) {
-    for chunk in ids.chunks(MAX_ACKS_PER_RECORD) {
-        let len = ACKS_FIXED_LEN + chunk.len() * 8;
+/// Appends acks records for `ranges` of `queue` (split if there are very many).
+pub fn encode_acks(out: &mut Vec<u8>, queue: u64, bytes: u64, ranges: &[(u64, u64)]) {
+    const MAX_RANGES: usize = (MAX_BODY_LEN - ACKS_FIXED_LEN) / 16;
+    let mut bytes_left = bytes;
+    for chunk in ranges.chunks(MAX_RANGES) {
         let start = out.len();
+        let len = ACKS_FIXED_LEN + chunk.len() * 16;
         out.extend_from_slice(&(len as u32).to_le_bytes());
         out.extend_from_slice(&[0u8; 4]);
         out.push(KIND_ACKS);
+        out.extend_from_slice(&queue.to_le_bytes());
+        // All bytes go with the first record; the split is only a size limit.
+        out.extend_from_slice(&std::mem::take(&mut bytes_left).to_le_bytes());
         out.extend_from_slice(&(chunk.len() as u32).to_le_bytes());
-        for id in chunk {
-            out.extend_from_slice(&id.to_le_bytes());
+        for (s, e) in chunk {
+            out.extend_from_slice(&s.to_le_bytes());
+            out.extend_from_slice(&e.to_le_bytes());
         }
-        let crc = crc32c::crc32c(&out[start + RECORD_HEADER_SIZE..]);
-        out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+        seal(out, start);
     }
 }
 
+pub fn encode_drop(out: &mut Vec<u8>, queue: u64) {
+    let start = out.len();
+    out.extend_from_slice(&(DROP_LEN as u32).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    out.push(KIND_DROP);
+    out.extend_from_slice(&queue.to_le_bytes());
+    seal(out, start);
+}
+
+fn seal(out: &mut [u8], start: usize) {
+    let crc = crc32c::crc32c(&out[start + RECORD_HEADER_SIZE..]);
+    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
 /// Copies `N` bytes at `at`; callers have checked the length, and short input yields zeros, not a panic.
-fn array<const N: usize>(buf: &[u8], at: usize) -> [u8; N] {
+pub(crate) fn array<const N: usize>(buf: &[u8], at: usize) -> [u8; N] {
     let mut a = [0u8; N];
     if let Some(s) = buf.get(at..at + N) {
         a.copy_from_slice(s);
@@ -281,60 +272,42 @@ fn array<const N: usize>(buf: &[u8], at: usize) -> [u8; N] {
 mod tests {
     use super::*;
 
-    fn enqueue(id: u64, queue: u64, parts: &[&[u8]]) -> Vec<u8> {
-        let mut out = Vec::new();
-        let crc = encode_enqueue_unsealed(&mut out, queue, parts);
-        let tail_len = out.len() - RECORD_HEADER_SIZE - 9;
-        seal_enqueue(&mut out, id, crc, tail_len);
-        out
-    }
-
     #[test]
-    fn header_round_trip_and_damage() {
-        let h = encode_header(42);
-        assert_eq!(decode_header(&h), Ok(SegmentHeader { first_id: 42 }));
-        assert_eq!(
-            decode_header(&h[..10]),
-            Err(Damage::HeaderTruncated { have: 10 })
-        );
+    fn headers_round_trip_and_damage() {
+        let h = encode_qseg_header(7, 42);
+        assert_eq!(decode_qseg_header(&h), Ok((7, 42)));
+        assert_eq!(decode_qseg_header(&h[..10]), Err(Damage::HeaderTruncated { have: 10 }));
         let mut bad = h;
         bad[9] ^= 1;
-        assert_eq!(decode_header(&bad), Err(Damage::HeaderChecksum));
-        bad = h;
-        bad[0] = b'X';
-        assert!(matches!(decode_header(&bad), Err(Damage::BadMagic { .. })));
+        assert_eq!(decode_qseg_header(&bad), Err(Damage::HeaderChecksum));
+        assert!(matches!(decode_header(&encode_wal_header(), QSEG_MAGIC), Err(Damage::BadMagic { .. })));
+        assert!(decode_header(&encode_wal_header(), WAL_MAGIC).is_ok());
     }
 
     #[test]
-    fn enqueue_round_trip_with_sealed_crc() {
-        let rec = enqueue(7, 3, &[b"head", b"", b"body"]);
-        let (r, n) = decode_record(&rec).unwrap();
-        assert_eq!(n, rec.len());
-        assert_eq!(
-            r,
-            Record::Enqueue {
-                id: 7,
-                queue: 3,
-                payload: b"headbody"
-            }
-        );
-    }
-
-    #[test]
-    fn acks_round_trip() {
+    fn records_round_trip() {
         let mut out = Vec::new();
-        encode_acks(&mut out, &[1, 5, 9]);
+        encode_enqueue(&mut out, 3, 9, 1234, &[b"head", b"", b"body"]);
+        encode_acks(&mut out, 3, 77, &[(1, 4), (9, 10)]);
+        encode_drop(&mut out, 5);
         let (r, n) = decode_record(&out).unwrap();
-        assert_eq!(n, out.len());
-        match r {
-            Record::Acks { ids } => assert_eq!(ids.iter().collect::<Vec<_>>(), vec![1, 5, 9]),
+        assert_eq!(r, Record::Enqueue { queue: 3, seq: 9, timestamp_ms: 1234, payload: b"headbody" });
+        let (r2, n2) = decode_record(&out[n..]).unwrap();
+        match r2 {
+            Record::Acks { queue, bytes, ranges } => {
+                assert_eq!((queue, bytes), (3, 77));
+                assert_eq!(ranges.iter().collect::<Vec<_>>(), vec![(1, 4), (9, 10)]);
+            }
             other => panic!("{other:?}"),
         }
+        let (r3, _) = decode_record(&out[n + n2..]).unwrap();
+        assert_eq!(r3, Record::Drop { queue: 5 });
     }
 
     #[test]
     fn every_single_byte_flip_or_cut_is_detected() {
-        let rec = enqueue(1, 2, &[b"some payload bytes"]);
+        let mut rec = Vec::new();
+        encode_enqueue(&mut rec, 1, 2, 3, &[b"some payload bytes"]);
         for i in 0..rec.len() {
             assert!(decode_record(&rec[..i]).is_err(), "cut at {i}");
             let mut bad = rec.clone();
@@ -350,10 +323,6 @@ mod tests {
         out.extend_from_slice(&crc32c::crc32c(&[9]).to_le_bytes());
         out.push(9);
         assert_eq!(decode_record(&out), Err(Damage::UnknownKind { kind: 9 }));
-        let huge = [0xff; 8];
-        assert!(matches!(
-            decode_record(&huge),
-            Err(Damage::LengthTooLarge { .. })
-        ));
+        assert!(matches!(decode_record(&[0xff; 8]), Err(Damage::LengthTooLarge { .. })));
     }
 }

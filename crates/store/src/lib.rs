@@ -1,19 +1,25 @@
-//! Warren's message store: one shared append-only log for all durable queues.
+//! Warren's message store: a shared write-ahead log (WAL) with group commit, and behind it one log per
+//! queue.
 //!
-//! Records (`Enqueue { queue, payload }` and `Acks`) are appended in batches, written sequentially into
-//! segment files by one writer thread, and made durable with one `fdatasync` per group of batches (group
-//! commit). A batch's [`SyncTicket`] is durable once the watermark from [`Store::durable`] has reached it;
-//! only then may the broker confirm it. On open, [`Store::open`] replays the log, truncates a torn tail,
-//! isolates corruption and returns the live messages. Segments are deleted from the head once every
-//! message in them (and before them) is acked.
+//! Records (`Enqueue { queue, seq, timestamp, payload }`, `Acks`, `Drop`) are appended in batches, written
+//! sequentially into WAL segments by one writer thread, and made durable with one `fdatasync` per group of
+//! batches, whatever the number of queues. A batch's [`SyncTicket`] is durable once the watermark from
+//! [`Store::durable`] has reached it; only then may the broker confirm it. The writer then copies each
+//! enqueue into its queue's own segment files, from which the queue reads its backlog back in order
+//! ([`Store::read`]): memory does not grow with the backlog, and a queue's consumed segments are deleted
+//! without waiting for any other queue. Checkpoints make the queue files durable with one `syncfs` and let
+//! the WAL before them go; recovery replays only the WAL after the last checkpoint.
 //!
-//! Module map: [`format`] (on-disk layout and crash behaviour), `segment` (files and the live-message
-//! table), `writer` (pending buffer and writer thread), `recovery`, `store` (the handle), `batch`, `error`.
-//! The API contract is `docs/internals/store-api.md`.
+//! Module map: [`format`] (on-disk layouts and crash behaviour), `checkpoint`, `segment` (WAL files),
+//! `qlog` (queue logs), `gone` (which seqs of a queue are gone), `writer` (pending buffer, writer thread),
+//! `recovery`, `store` (the handle), `batch`, `error`. The API contract is `docs/internals/store-api.md`.
 
 mod batch;
+mod checkpoint;
 mod error;
 pub mod format;
+mod gone;
+mod qlog;
 mod recovery;
 mod segment;
 mod store;
@@ -22,11 +28,14 @@ mod writer;
 pub use batch::Batch;
 pub use error::StoreError;
 pub use format::Damage;
-pub use recovery::{CorruptSegment, RecoveredMessage, Recovery, TornTail};
+pub use qlog::{ReadBatch, StoredMessage};
+pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, TornTail};
 pub use store::{Store, StoreOptions, StoreStats, SyncPolicy};
 
-/// Store-assigned message id: strictly increasing, unique for the life of the log (also across restarts).
-pub type MsgId = u64;
-
-/// A position in the logical log. A batch is durable once the durable watermark is at or past its ticket.
+/// A position in the logical WAL. A batch is durable once the durable watermark is at or past its ticket.
 pub type SyncTicket = u64;
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}

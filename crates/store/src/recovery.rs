@@ -1,47 +1,49 @@
-//! Recovery: replays the segments at open, repairs a torn tail, isolates corruption, and returns the live
-//! messages. It never refuses to start because of damaged data (see `format` for what is trusted); only
-//! I/O errors, a locked directory or a segment from a newer format version stop it.
+//! Recovery: restores the queue logs from the checkpoint, replays the WAL after it into them, repairs a
+//! torn WAL tail, isolates corruption, writes a fresh checkpoint, and reports each queue's live range.
+//! Work is proportional to the WAL after the last checkpoint (at most `checkpoint_bytes` plus one group),
+//! not to the backlog: a queue's messages stay in its files until it reads them.
 //!
-//! Two passes keep memory bounded by the live messages rather than the log: the first checks every record
-//! and builds the live-message bitmaps (acks can be in later segments than their enqueues), the second
-//! re-reads only the segments that still hold live messages and copies those payloads out.
+//! It never refuses to start because of damaged data (see `format` for what is trusted); only I/O errors,
+//! a locked directory, a file from a newer format version or a damaged checkpoint stop it.
 
-use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
+use std::collections::VecDeque;
+use std::fs::{self, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use bytes::Bytes;
-
+use crate::checkpoint;
 use crate::error::StoreError;
-use crate::format::{self, Damage, Record, HEADER_SIZE, VERSION};
-use crate::segment::{self, SegmentTable};
+use crate::format::{self, Damage, Record, HEADER_SIZE, VERSION, WAL_MAGIC};
+use crate::qlog::{QueueLog, QueueLogs};
+use crate::segment;
 use crate::writer::Start;
-use crate::MsgId;
 
-/// A message that was enqueued and not acked when the store was last running.
+/// A queue with messages in the store when it was last running.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecoveredMessage {
-    pub id: MsgId,
+pub struct RecoveredQueue {
     pub queue: u64,
-    pub payload: Bytes,
+    /// Live messages are in `[first_seq, next_seq)` (some seqs in between may be gone).
+    pub first_seq: u64,
+    pub next_seq: u64,
+    pub live_count: u64,
+    pub live_bytes: u64,
 }
 
 /// What recovery found and did.
 #[derive(Debug, Default)]
 pub struct Recovery {
-    /// The live messages, in id order.
-    pub messages: Vec<RecoveredMessage>,
-    /// The torn tail cut off the newest segment, if there was one (also logged with `tracing::warn!`).
+    /// Every queue the store knows, by id order.
+    pub queues: Vec<RecoveredQueue>,
+    /// The torn tail cut off the newest WAL segment, if there was one (also logged with `tracing::warn!`).
     pub truncated: Option<TornTail>,
-    /// Older segments with a bad record: the records from `offset` on were skipped (logged with
-    /// `tracing::error!`). Messages in the skipped part are lost; everything else was recovered.
+    /// Older WAL segments with a bad record: the records from `offset` on were skipped (logged with
+    /// `tracing::error!`). What they held is lost; everything else was recovered.
     pub corrupted: Vec<CorruptSegment>,
-    /// Segments deleted during recovery because every message in them was acked.
-    pub segments_deleted: usize,
+    /// WAL bytes replayed after the checkpoint.
+    pub replayed_bytes: u64,
 }
 
-/// The damaged end of the newest segment, dropped by recovery.
+/// The damaged end of the newest WAL segment, dropped by recovery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TornTail {
     pub segment: PathBuf,
@@ -51,7 +53,7 @@ pub struct TornTail {
     pub reason: Damage,
 }
 
-/// A bad record found in a segment that is not the newest.
+/// A bad record found in a WAL segment that is not the newest.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CorruptSegment {
     pub segment: PathBuf,
@@ -60,281 +62,214 @@ pub struct CorruptSegment {
     pub reason: Damage,
 }
 
-/// Per segment: bytes on disk and bytes of valid records (the end of the good prefix).
-#[derive(Debug, Clone, Copy)]
-struct Extent {
-    disk_len: u64,
-    valid_len: usize,
-}
-
-/// Replays the log in `dir` and returns where the writer starts, plus what was recovered.
-pub(crate) fn recover(dir: &Path) -> Result<(Start, Recovery), StoreError> {
+/// Restores the store in `dir`; returns where the WAL writer starts, the queue logs, and the report.
+pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, QueueLogs, Recovery), StoreError> {
     let started = Instant::now();
-    let bases = segment::list(dir)?;
-    let mut out = Recovery::default();
-    let mut table = SegmentTable::default();
-    let mut extents = BTreeMap::new();
-    let mut next_id: MsgId = 1;
-    // Where a new segment may start: after every byte that exists or existed.
-    let mut end_pos = 0u64;
-    let mut active: Option<(u64, usize)> = None;
+    let wal = segment::wal_dir(dir);
+    refuse_old_layout(dir)?;
+    fs::create_dir_all(&wal).map_err(StoreError::io("creating", &wal))?;
+    fs::create_dir_all(dir.join("queues")).map_err(StoreError::io("creating", dir.join("queues")))?;
 
+    let cp = match checkpoint::read(dir)? {
+        None => checkpoint::Checkpoint::default(),
+        Some(Ok(cp)) => cp,
+        Some(Err(bad)) => {
+            return Err(StoreError::Io {
+                op: "reading",
+                path: dir.join(checkpoint::FILE),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("the checkpoint is damaged ({}); restore it from a backup or move the data directory aside", bad.0),
+                ),
+            })
+        }
+    };
+    let logs = QueueLogs::default();
+    let known: std::collections::HashSet<u64> = cp.queues.iter().map(|q| q.id).collect();
+    for state in cp.queues {
+        let id = state.id;
+        let log = QueueLog::restore(dir, state).map_err(StoreError::io("restoring", crate::qlog::queue_dir(dir, id)))?;
+        logs.insert(log);
+    }
+    // Queue directories the checkpoint does not know were created after it: the replay recreates them.
+    let queues_dir = dir.join("queues");
+    for entry in fs::read_dir(&queues_dir).map_err(StoreError::io("listing", &queues_dir))? {
+        let entry = entry.map_err(StoreError::io("listing", &queues_dir))?;
+        let Some(id) = entry.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) else { continue };
+        if !known.contains(&id) {
+            fs::remove_dir_all(entry.path()).map_err(StoreError::io("removing", entry.path()))?;
+        }
+    }
+
+    let mut out = Recovery::default();
+    let bases = segment::list(&wal)?;
+    let mut wal_bases: VecDeque<u64> = VecDeque::new();
+    let mut end_pos = cp.wal_pos;
+    let mut active: Option<(u64, usize)> = None;
+    let now = crate::now_ms();
     for (i, &base) in bases.iter().enumerate() {
         let newest = i + 1 == bases.len();
-        let path = segment::path(dir, base);
+        let path = segment::path(&wal, base);
         let data = fs::read(&path).map_err(StoreError::io("reading", &path))?;
         let disk_len = data.len() as u64;
         end_pos = end_pos.max(base);
-        let header = match format::decode_header(&data) {
-            Ok(h) => h,
+        match format::decode_header(&data, WAL_MAGIC) {
+            Ok(_) => {}
             Err(Damage::UnsupportedVersion { version }) => {
-                return Err(StoreError::UnsupportedVersion {
-                    path,
-                    version,
-                    supported: VERSION,
-                });
+                return Err(StoreError::UnsupportedVersion { path, version, supported: VERSION });
             }
             Err(reason) if newest => {
                 // Created by a roll just before the crash: nothing in it was ever confirmed.
                 tracing::warn!(file = %path.display(), offset = 0, dropped_bytes = disk_len, %reason,
-                    "newest segment has a torn header; removing it");
+                    "newest WAL segment has a torn header; removing it");
                 fs::remove_file(&path).map_err(StoreError::io("removing", &path))?;
-                segment::sync_dir(dir)?;
-                out.truncated = Some(TornTail {
-                    segment: path,
-                    offset: 0,
-                    dropped_bytes: disk_len,
-                    reason,
-                });
+                segment::sync_dir(&wal)?;
+                out.truncated = Some(TornTail { segment: path, offset: 0, dropped_bytes: disk_len, reason });
                 continue;
             }
             Err(reason) => {
                 tracing::error!(file = %path.display(), offset = 0, skipped_bytes = disk_len, %reason,
-                    "corrupt segment header; skipping the whole segment");
-                out.corrupted.push(CorruptSegment {
-                    segment: path,
-                    offset: 0,
-                    skipped_bytes: disk_len,
-                    reason,
-                });
-                table.push(base, next_id);
-                extents.insert(
-                    base,
-                    Extent {
-                        disk_len,
-                        valid_len: 0,
-                    },
-                );
+                    "corrupt WAL segment header; skipping the whole segment");
+                out.corrupted.push(CorruptSegment { segment: path, offset: 0, skipped_bytes: disk_len, reason });
+                wal_bases.push_back(base);
                 end_pos = end_pos.max(base + disk_len);
                 continue;
             }
-        };
-        next_id = next_id.max(header.first_id);
-        table.push(base, next_id);
-        let (valid_len, damage) = scan(&data, &mut table, &mut next_id);
+        }
+        wal_bases.push_back(base);
+        let (valid_len, damage) = replay(&data, base, cp.wal_pos, dir, &logs, queue_segment_size, now, &mut out)?;
         let mut kept_len = disk_len;
         if let Some(reason) = damage {
             let dropped = disk_len - valid_len as u64;
             if newest {
                 tracing::warn!(file = %path.display(), offset = valid_len, dropped_bytes = dropped, %reason,
-                    "torn tail in the newest segment; truncating to the last valid record");
+                    "torn tail in the newest WAL segment; truncating to the last valid record");
                 truncate(&path, valid_len as u64)?;
                 kept_len = valid_len as u64;
-                out.truncated = Some(TornTail {
-                    segment: path,
-                    offset: valid_len as u64,
-                    dropped_bytes: dropped,
-                    reason,
-                });
+                out.truncated = Some(TornTail { segment: path, offset: valid_len as u64, dropped_bytes: dropped, reason });
             } else {
                 tracing::error!(file = %path.display(), offset = valid_len, skipped_bytes = dropped, %reason,
-                    "corrupt record in an older segment; keeping the records before it, skipping the rest");
-                out.corrupted.push(CorruptSegment {
-                    segment: path,
-                    offset: valid_len as u64,
-                    skipped_bytes: dropped,
-                    reason,
-                });
+                    "corrupt record in an older WAL segment; keeping the records before it, skipping the rest");
+                out.corrupted.push(CorruptSegment { segment: path, offset: valid_len as u64, skipped_bytes: dropped, reason });
             }
         }
-        extents.insert(
-            base,
-            Extent {
-                disk_len: kept_len,
-                valid_len,
-            },
-        );
         end_pos = end_pos.max(base + kept_len);
         if newest {
             active = Some((base, valid_len));
         }
     }
+    for log in logs.all() {
+        let mut log = log.lock();
+        log.flush().map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, log.id)))?;
+    }
 
-    // Appends continue in the newest segment if it survived intact up to its valid end; otherwise (no
-    // segments, or its header was torn) in a fresh one, never after the garbage of an older segment.
+    // Appends continue in the newest segment if it survived intact up to its valid end; otherwise in a
+    // fresh one, never after the garbage of an older segment.
     let (file, base, pos) = match active {
         Some((base, valid_len)) => {
-            let path = segment::path(dir, base);
-            let file = OpenOptions::new()
-                .append(true)
-                .open(&path)
-                .map_err(StoreError::io("opening", &path))?;
+            let path = segment::path(&wal, base);
+            let file = OpenOptions::new().append(true).open(&path).map_err(StoreError::io("opening", &path))?;
             (file, base, base + valid_len as u64)
         }
         None => {
-            let file = segment::create(dir, end_pos, next_id)?;
-            table.push(end_pos, next_id);
-            extents.insert(
-                end_pos,
-                Extent {
-                    disk_len: HEADER_SIZE as u64,
-                    valid_len: HEADER_SIZE,
-                },
-            );
+            let file = segment::create(&wal, end_pos)?;
+            wal_bases.push_back(end_pos);
             (file, end_pos, end_pos + HEADER_SIZE as u64)
         }
     };
-    // What was read back may only have been in the page cache (a killed process with IntervalMs): make it
-    // durable before anything is appended and confirmed on top of it. Older segments were fsynced at roll.
-    file.sync_data()
-        .map_err(StoreError::io("fsyncing", segment::path(dir, base)))?;
+    // What was replayed may only have been in the page cache (a killed process): make the WAL and the queue
+    // files durable before anything is appended and confirmed on top of them.
+    file.sync_data().map_err(StoreError::io("fsyncing", segment::path(&wal, base)))?;
 
-    out.segments_deleted = delete_dead(dir, &mut table, &mut extents, base)?;
-    collect_live(dir, &table, &extents, &mut out.messages)?;
-
-    let bytes_on_disk = extents.values().map(|e| e.disk_len).sum();
+    for log in logs.all() {
+        let log = log.lock();
+        let floor = log.gone.floor();
+        out.queues.push(RecoveredQueue {
+            queue: log.id,
+            first_seq: floor,
+            next_seq: log.next_seq,
+            live_count: log.live_count(),
+            live_bytes: log.live_bytes,
+        });
+    }
+    out.queues.sort_by_key(|q| q.queue);
+    let live: u64 = out.queues.iter().map(|q| q.live_count).sum();
     tracing::info!(
         dir = %dir.display(),
-        segments = table.len(),
-        live_messages = out.messages.len(),
-        next_id,
-        deleted_segments = out.segments_deleted,
+        queues = out.queues.len(),
+        live_messages = live,
+        replayed_bytes = out.replayed_bytes,
         torn_tail = out.truncated.is_some(),
         corrupt_segments = out.corrupted.len(),
         elapsed_ms = started.elapsed().as_millis() as u64,
         "message store recovered"
     );
-    Ok((
-        Start {
-            file,
-            base,
-            pos,
-            next_id,
-            segments: table,
-            bytes_on_disk,
-        },
-        out,
-    ))
+    Ok((Start { file, base, pos, wal_bases, checkpoint_pos: cp.wal_pos }, logs, out))
 }
 
-/// Applies the records of one segment to `table`. Returns the end of the valid prefix and, if the scan
-/// stopped early, why.
-fn scan(data: &[u8], table: &mut SegmentTable, next_id: &mut MsgId) -> (usize, Option<Damage>) {
+/// Applies the records of one WAL segment at or after `from_pos` to the queue logs. Returns the end of
+/// the valid prefix and, if the scan stopped early, why.
+#[allow(clippy::too_many_arguments)]
+fn replay(
+    data: &[u8],
+    base: u64,
+    from_pos: u64,
+    dir: &Path,
+    logs: &QueueLogs,
+    queue_segment_size: u64,
+    now_ms: u64,
+    out: &mut Recovery,
+) -> Result<(usize, Option<Damage>), StoreError> {
     let mut off = HEADER_SIZE;
     while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
-        match format::decode_record(rest) {
-            Ok((Record::Enqueue { id, .. }, n)) => {
-                if id < *next_id {
-                    return (
-                        off,
-                        Some(Damage::IdOutOfOrder {
-                            id,
-                            previous: next_id.saturating_sub(1),
-                        }),
-                    );
+        let (record, n) = match format::decode_record(rest) {
+            Ok(r) => r,
+            Err(damage) => return Ok((off, Some(damage))),
+        };
+        if base + off as u64 >= from_pos {
+            out.replayed_bytes += n as u64;
+            match record {
+                Record::Enqueue { queue, seq, timestamp_ms, payload } => {
+                    let log = logs.get_or_create(dir, queue);
+                    let mut log = log.lock();
+                    log.append(&rest[..n], seq, timestamp_ms, payload.len(), queue_segment_size)
+                        .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))?;
                 }
-                table.enqueue(id);
-                *next_id = id.saturating_add(1);
-                off += n;
-            }
-            Ok((Record::Acks { ids }, n)) => {
-                // Unknown ids (from deleted or skipped segments) are ignored by the table.
-                for id in ids.iter() {
-                    table.ack(id);
+                Record::Acks { queue, bytes, ranges } => {
+                    if let Some(log) = logs.get(queue) {
+                        let mut log = log.lock();
+                        log.flush().map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))?;
+                        let mut first = true;
+                        for (s, e) in ranges.iter() {
+                            log.ack(s, e, if first { bytes } else { 0 });
+                            first = false;
+                        }
+                        log.collect_garbage(now_ms);
+                    }
                 }
-                off += n;
+                Record::Drop { queue } => {
+                    if let Some(log) = logs.remove(queue) {
+                        log.lock().destroy();
+                    }
+                }
             }
-            Err(damage) => return (off, Some(damage)),
         }
+        off += n;
     }
-    (off, None)
+    Ok((off, None))
 }
 
 fn truncate(path: &Path, len: u64) -> Result<(), StoreError> {
-    let f = OpenOptions::new()
-        .write(true)
-        .open(path)
-        .map_err(StoreError::io("opening", path))?;
+    let f = OpenOptions::new().write(true).open(path).map_err(StoreError::io("opening", path))?;
     f.set_len(len).map_err(StoreError::io("truncating", path))?;
     f.sync_all().map_err(StoreError::io("fsyncing", path))
 }
 
-/// Deletes the oldest segments that hold no live message (never the active one). Returns how many.
-fn delete_dead(
-    dir: &Path,
-    table: &mut SegmentTable,
-    extents: &mut BTreeMap<u64, Extent>,
-    active_base: u64,
-) -> Result<usize, StoreError> {
-    let mut dead = table.take_dead_prefix(active_base);
-    let mut deleted = 0;
-    for seg in &dead {
-        let path = segment::path(dir, seg.base);
-        if let Err(e) = fs::remove_file(&path) {
-            tracing::warn!(error = %e, file = %path.display(), "could not delete a fully acked segment");
-            break;
-        }
-        extents.remove(&seg.base);
-        deleted += 1;
-    }
-    if deleted < dead.len() {
-        table.restore_front(dead.split_off(deleted));
-    }
-    if deleted > 0 {
-        segment::sync_dir(dir)?;
-    }
-    Ok(deleted)
-}
-
-/// Second pass: copies out the payloads of live messages, in id order.
-fn collect_live(
-    dir: &Path,
-    table: &SegmentTable,
-    extents: &BTreeMap<u64, Extent>,
-    messages: &mut Vec<RecoveredMessage>,
-) -> Result<(), StoreError> {
-    for seg in table.iter().filter(|s| s.live > 0) {
-        let Some(extent) = extents.get(&seg.base) else {
-            continue;
-        };
-        let path = segment::path(dir, seg.base);
-        let data = read_prefix(&path, extent.valid_len)?;
-        let mut off = HEADER_SIZE;
-        while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
-            // The first pass validated this prefix; a failure now means the file changed under us.
-            let Ok((record, n)) = format::decode_record(rest) else {
-                break;
-            };
-            if let Record::Enqueue { id, queue, payload } = record {
-                if seg.is_live(id) {
-                    messages.push(RecoveredMessage {
-                        id,
-                        queue,
-                        payload: Bytes::copy_from_slice(payload),
-                    });
-                }
-            }
-            off += n;
-        }
+/// Warren 0.1 kept a single log in the data directory itself; this version cannot read it.
+fn refuse_old_layout(dir: &Path) -> Result<(), StoreError> {
+    let old = segment::list(dir)?;
+    if let Some(&base) = old.first() {
+        return Err(StoreError::UnsupportedVersion { path: segment::path(dir, base), version: 1, supported: VERSION });
     }
     Ok(())
-}
-
-fn read_prefix(path: &Path, len: usize) -> Result<Vec<u8>, StoreError> {
-    use std::io::Read;
-    let mut data = Vec::with_capacity(len);
-    File::open(path)
-        .and_then(|f| f.take(len as u64).read_to_end(&mut data))
-        .map_err(StoreError::io("reading", path))?;
-    Ok(data)
 }

@@ -11,8 +11,9 @@ use parking_lot::Mutex;
 
 use crate::batch::Batch;
 use crate::error::StoreError;
+use crate::qlog::ReadBatch;
 use crate::recovery::{self, Recovery};
-use crate::writer::{Shared, Writer};
+use crate::writer::{Shared, Sizes, Writer};
 use crate::SyncTicket;
 
 /// When the writer thread fsyncs.
@@ -32,16 +33,26 @@ pub enum SyncPolicy {
 /// How to open the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreOptions {
-    /// A segment is closed and a new one started once it has reached this many bytes (the batch that
+    /// A WAL segment is closed and a new one started once it has reached this many bytes (the batch that
     /// crosses it is not split, so a segment can end up somewhat larger).
     pub segment_size: u64,
+    /// The same for each queue's segment files.
+    pub queue_segment_size: u64,
+    /// A checkpoint is taken after this many WAL bytes (and after a quiet second): it bounds both the WAL
+    /// on disk and the work of recovery.
+    pub checkpoint_bytes: u64,
+    /// ... and this long after the last one when anything changed, so disk is reclaimed when quiet.
+    pub checkpoint_idle_ms: u64,
     pub sync: SyncPolicy,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
-            segment_size: 64 << 20,
+            segment_size: 32 << 20,
+            queue_segment_size: 16 << 20,
+            checkpoint_bytes: 32 << 20,
+            checkpoint_idle_ms: 1000,
             sync: SyncPolicy::EveryBatch,
         }
     }
@@ -50,23 +61,24 @@ impl Default for StoreOptions {
 /// Counters since open (plus the current disk footprint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StoreStats {
-    /// Segment files on disk.
-    pub segments: u64,
-    /// Bytes of segment files on disk (written ones; pending bytes are not counted yet).
-    pub bytes_on_disk: u64,
-    /// Enqueued, not yet acked messages.
-    pub live_messages: u64,
+    /// WAL segment files on disk.
+    pub wal_segments: u64,
+    /// Bytes of WAL and of queue segment files on disk (written ones; pending bytes are not counted yet).
+    pub wal_bytes: u64,
+    pub queue_bytes: u64,
     /// Successful `append` calls with at least one record.
     pub batches: u64,
-    /// Records appended (each enqueue, and one acks record per batch with acks).
+    /// Records appended.
     pub records: u64,
-    /// Groups written by the writer thread (one `write` per segment touched).
+    /// Groups written by the writer thread (one WAL `write` per segment touched).
     pub groups: u64,
+    /// Bytes written to the WAL and to queue segments.
     pub bytes_written: u64,
-    /// `fdatasync` calls on segment files: one per group (EveryBatch) plus one per segment roll.
+    /// `fdatasync` calls on WAL segments: one per group (EveryBatch) plus one per segment roll.
     pub fsyncs: u64,
-    /// `fsync` calls on the directory (segment creation and deletion).
-    pub dir_fsyncs: u64,
+    /// Checkpoints written (each one `syncfs`).
+    pub checkpoints: u64,
+    /// WAL and queue segment files deleted.
     pub segments_deleted: u64,
     /// The current durable watermark.
     pub durable: SyncTicket,
@@ -87,52 +99,41 @@ struct Inner {
 }
 
 impl Store {
-    /// Opens (creating) the log in `dir`, replays every segment, truncates a torn/garbled tail of the newest
-    /// segment to the last valid record (logging what was dropped), and returns the live messages.
+    /// Opens (creating) the store in `dir`: restores the queue logs from the last checkpoint, replays the WAL
+    /// after it, truncates a torn tail of the newest WAL segment (logging what was dropped), and reports
+    /// each queue's live range. Messages stay on disk; queues read them with [`Store::read`].
     pub fn open(dir: &Path, opts: StoreOptions) -> Result<(Store, Recovery), StoreError> {
         if !dir.exists() {
             std::fs::create_dir_all(dir).map_err(StoreError::io("creating", dir))?;
-            // The new directory's own entry must survive a crash too, or the whole log could vanish.
+            // The new directory's own entry must survive a crash too, or the whole store could vanish.
             if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
                 crate::segment::sync_dir(parent)?;
             }
         }
         let lock = lock_dir(dir)?;
-        let (mut start, recovery) = recovery::recover(dir)?;
-        let file = start
-            .file
-            .try_clone()
-            .map_err(StoreError::io("opening", dir))?;
-        let base = start.base;
-        let shared = Arc::new(Shared::new(
-            dir.to_path_buf(),
-            opts.segment_size.max(1),
-            opts.sync,
-            &mut start,
-        ));
-        drop(start);
-        let writer = Writer::new(shared.clone(), file, base);
+        let queue_segment_size = opts.queue_segment_size.max(4096);
+        let (start, logs, recovery) = recovery::recover(dir, queue_segment_size)?;
+        let sizes = Sizes {
+            segment_size: opts.segment_size.max(4096),
+            queue_segment_size,
+            checkpoint_bytes: opts.checkpoint_bytes.max(4096),
+            checkpoint_idle: std::time::Duration::from_millis(opts.checkpoint_idle_ms),
+        };
+        let shared = Arc::new(Shared::new(dir.to_path_buf(), sizes, opts.sync, &start, logs));
+        let (wal_bytes, queue_bytes) = disk_usage(&shared);
+        shared.counters.wal_bytes.store(wal_bytes, Ordering::Relaxed);
+        shared.counters.queue_bytes.store(queue_bytes, Ordering::Relaxed);
+        shared.counters.wal_segments.store(start.wal_bases.len() as u64, Ordering::Relaxed);
+        let writer = Writer::new(shared.clone(), start);
         let handle = std::thread::Builder::new()
             .name("warren-store-writer".into())
             .spawn(move || writer.run())
             .map_err(StoreError::io("starting the writer thread for", dir))?;
         if let SyncPolicy::IntervalMs(ms) = opts.sync {
-            tracing::warn!(
-                interval_ms = ms,
-                "message store fsyncs on an interval: confirms wait for it"
-            );
+            tracing::warn!(interval_ms = ms, "message store fsyncs on an interval: confirms wait for it");
         }
-        let inner = Inner {
-            shared,
-            writer: Mutex::new(Some(handle)),
-            lock: Mutex::new(Some(lock)),
-        };
-        Ok((
-            Store {
-                inner: Arc::new(inner),
-            },
-            recovery,
-        ))
+        let inner = Inner { shared, writer: Mutex::new(Some(handle)), lock: Mutex::new(Some(lock)) };
+        Ok((Store { inner: Arc::new(inner) }, recovery))
     }
 
     /// Appends a batch. Enqueues get ids assigned in order. Returns the batch's `SyncTicket`: the batch is
@@ -175,17 +176,53 @@ impl Store {
         let c = &s.counters;
         let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
         StoreStats {
-            segments: get(&c.segments),
-            bytes_on_disk: get(&c.bytes_on_disk),
-            live_messages: s.live_messages(),
+            wal_segments: get(&c.wal_segments),
+            wal_bytes: get(&c.wal_bytes),
+            queue_bytes: get(&c.queue_bytes),
             batches: get(&c.batches),
             records: get(&c.records),
             groups: get(&c.groups),
             bytes_written: get(&c.bytes_written),
             fsyncs: get(&c.fsyncs),
-            dir_fsyncs: get(&c.dir_fsyncs),
+            checkpoints: get(&c.checkpoints),
             segments_deleted: get(&c.segments_deleted),
             durable: s.durable_pos(),
+        }
+    }
+
+    /// Reads queue `queue`'s live messages from `from_seq` on, in order: at most `max_count` and about
+    /// `max_bytes` of payload (at least one message if there is one). Only what the writer has already
+    /// copied into the queue's files is visible: a message appended a moment ago may show up only on a
+    /// later read. Gone seqs are skipped; `next_seq` says where to continue.
+    pub fn read(&self, queue: u64, from_seq: u64, max_count: usize, max_bytes: usize) -> Result<ReadBatch, StoreError> {
+        let Some(log) = self.inner.shared.logs.get(queue) else {
+            return Ok(ReadBatch { next_seq: from_seq, ..Default::default() });
+        };
+        let mut log = log.lock();
+        log.read(from_seq, max_count.max(1), max_bytes.max(1))
+            .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
+    }
+
+    /// The first seq of `queue` enqueued at or after `timestamp_ms` that is still on disk (consumed
+    /// messages stay while the queue's retention keeps them), or the queue's next seq if there is none.
+    pub fn seek_time(&self, queue: u64, timestamp_ms: u64) -> Result<Option<u64>, StoreError> {
+        let Some(log) = self.inner.shared.logs.get(queue) else { return Ok(None) };
+        let mut log = log.lock();
+        log.seek_time(timestamp_ms)
+            .map(Some)
+            .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
+    }
+
+    /// Keeps `queue`'s consumed messages on disk for `retention_ms` after they were enqueued (0: delete
+    /// them as soon as they are consumed). Takes effect for the queue's segments at the next checkpoint.
+    pub fn set_retention(&self, queue: u64, retention_ms: u64) {
+        let shared = &self.inner.shared;
+        let log = shared.logs.get_or_create(&shared.dir, queue);
+        let mut log = log.lock();
+        if log.retention_ms != retention_ms {
+            log.retention_ms = retention_ms;
+            log.dirty = true;
+            shared.logs.set_dirty_hint();
         }
     }
 
@@ -222,6 +259,22 @@ impl Drop for Inner {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// Bytes of WAL and of queue segment files on disk.
+fn disk_usage(shared: &Shared) -> (u64, u64) {
+    fn dir_bytes(p: &Path) -> u64 {
+        let Ok(entries) = std::fs::read_dir(p) else { return 0 };
+        entries
+            .flatten()
+            .map(|e| match e.metadata() {
+                Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+                Ok(m) => m.len(),
+                Err(_) => 0,
+            })
+            .sum()
+    }
+    (dir_bytes(&shared.wal), dir_bytes(&shared.dir.join("queues")))
 }
 
 /// Takes an exclusive `flock` on `dir/LOCK`: two stores appending to one log would interleave records.

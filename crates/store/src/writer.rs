@@ -1,23 +1,27 @@
-//! The pending write buffer and the writer thread: group commit.
+//! The pending write buffer and the writer thread: group commit, then the queue logs, then checkpoints.
 //!
-//! `append` copies a batch's encoded records into `State::pending` under a short lock (assigning ids and
-//! sealing CRCs there, so log order is id order) and wakes the writer. The writer swaps `pending` with its
-//! own empty buffer (double buffering: appenders keep filling one while the other is written), writes it
-//! with one `write_all` per segment touched, `fdatasync`s once, and then publishes the end position as the
-//! durable watermark. Everything appended while that fsync runs forms the next group, so N concurrent
-//! appenders cost about one fsync per fsync-latency, not one per batch.
+//! `append` copies a batch's encoded records into `State::pending` under a short lock and wakes the writer.
+//! The writer swaps `pending` with its own empty buffer (double buffering: appenders keep filling one while
+//! the other is written), writes it to the WAL with one `write_all` per segment touched, `fdatasync`s once,
+//! and publishes the end position as the durable watermark. Everything appended while that fsync runs
+//! forms the next group, so N concurrent appenders cost about one fsync per fsync-latency, not one per
+//! batch, whatever the number of queues. Then it copies the group's enqueues into the queue logs (page
+//! cache only), applies acks and drops, deletes consumed queue segments, and every `checkpoint_bytes` of
+//! WAL (or after a quiet second) writes a checkpoint and deletes the WAL before it.
 //!
 //! ### To ensure correctness
 //! - The watermark is published only after the fsync that covers it returned; a ticket is never reported
 //!   durable otherwise.
 //! - A failed `write` or `fsync` aborts the process: after a failed fsync the kernel may have dropped the
 //!   dirty pages and cleared the error, so a retry can "succeed" without the data ever reaching disk (the
-//!   PostgreSQL fsync-gate). Confirms must not go out on top of that; recovery from the files is the only
-//!   safe continuation, and it starts on the next boot.
-//! - A segment is fsynced before the next one is created, so only the newest segment can have a torn tail.
+//!   PostgreSQL fsync-gate). Recovery from the files is the only safe continuation.
+//! - A WAL segment is fsynced before the next one is created, so only the newest can have a torn tail.
+//! - A checkpoint is written only after `syncfs` made the queue files it describes durable, and the WAL
+//!   before it is deleted only after the checkpoint is durable.
 //!
-//! Lock order: `State` then `Durable`; never the reverse. Neither is held across I/O.
+//! Lock order: `State` then `Durable`; a queue log's lock is never held while taking either.
 
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::Write;
 use std::path::PathBuf;
@@ -29,11 +33,13 @@ use parking_lot::{Condvar, Mutex};
 use tokio::sync::watch;
 
 use crate::batch::Batch;
+use crate::checkpoint::{self, Checkpoint, QueueState};
 use crate::error::StoreError;
-use crate::format::{self, HEADER_SIZE};
-use crate::segment::{self, SegmentTable};
+use crate::format::{self, Record, HEADER_SIZE};
+use crate::qlog::QueueLogs;
+use crate::segment;
 use crate::store::SyncPolicy;
-use crate::{MsgId, SyncTicket};
+use crate::SyncTicket;
 
 /// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
 /// bounded instead of growing with the backlog.
@@ -45,16 +51,12 @@ const MAX_RETAINED_BUFFER: usize = 8 << 20;
 pub(crate) struct State {
     /// Encoded bytes not yet taken by the writer. Logical positions `pos - pending.len() .. pos`.
     pending: Vec<u8>,
-    /// Segment rolls inside `pending`: at byte offset `at` a new segment `base` starts (with its header).
+    /// WAL segment rolls inside `pending`: at byte offset `at` a new segment `base` starts (with its header).
     rolls: Vec<Roll>,
-    /// `pending` holds acks (after writing it, the writer looks for segments to delete).
-    pending_acks: bool,
     /// Logical position of the end of everything appended.
     pos: u64,
-    /// Base of the segment appends currently go to.
+    /// Base of the WAL segment appends currently go to.
     seg_base: u64,
-    next_id: MsgId,
-    segments: SegmentTable,
     closing: bool,
 }
 
@@ -77,15 +79,27 @@ pub(crate) struct Counters {
     pub groups: AtomicU64,
     pub bytes_written: AtomicU64,
     pub fsyncs: AtomicU64,
-    pub dir_fsyncs: AtomicU64,
-    pub segments: AtomicU64,
+    pub checkpoints: AtomicU64,
+    pub wal_segments: AtomicU64,
+    pub wal_bytes: AtomicU64,
+    pub queue_bytes: AtomicU64,
     pub segments_deleted: AtomicU64,
-    pub bytes_on_disk: AtomicU64,
+}
+
+impl Counters {
+    fn note_freed(&self, bytes: u64, files: u64) {
+        let _ = self.queue_bytes.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_sub(bytes)));
+        self.segments_deleted.fetch_add(files, Ordering::Relaxed);
+    }
 }
 
 pub(crate) struct Shared {
     pub dir: PathBuf,
+    pub wal: PathBuf,
     segment_size: u64,
+    pub queue_segment_size: u64,
+    checkpoint_bytes: u64,
+    checkpoint_idle: Duration,
     sync: SyncPolicy,
     state: Mutex<State>,
     /// Wakes the writer (work arrived, or closing).
@@ -95,65 +109,62 @@ pub(crate) struct Shared {
     durable: Mutex<Durable>,
     durable_cv: Condvar,
     durable_tx: watch::Sender<u64>,
+    pub logs: QueueLogs,
     pub counters: Counters,
 }
 
-/// Where recovery left the log: the writer's starting point.
+/// Where recovery left the WAL: the writer's starting point.
 pub(crate) struct Start {
     pub file: File,
     pub base: u64,
     pub pos: u64,
-    pub next_id: MsgId,
-    pub segments: SegmentTable,
-    pub bytes_on_disk: u64,
+    pub wal_bases: VecDeque<u64>,
+    /// WAL position of the checkpoint recovery started from.
+    pub checkpoint_pos: u64,
+}
+
+pub(crate) struct Sizes {
+    pub segment_size: u64,
+    pub queue_segment_size: u64,
+    pub checkpoint_bytes: u64,
+    /// A quiet store still checkpoints this often when something changed, so that consumed queue files
+    /// and the WAL are reclaimed soon after a backlog drains.
+    pub checkpoint_idle: Duration,
 }
 
 impl Shared {
-    pub fn new(dir: PathBuf, segment_size: u64, sync: SyncPolicy, start: &mut Start) -> Shared {
-        let counters = Counters::default();
-        counters
-            .segments
-            .store(start.segments.len() as u64, Ordering::Relaxed);
-        counters
-            .bytes_on_disk
-            .store(start.bytes_on_disk, Ordering::Relaxed);
+    pub fn new(dir: PathBuf, sizes: Sizes, sync: SyncPolicy, start: &Start, logs: QueueLogs) -> Shared {
         Shared {
+            wal: segment::wal_dir(&dir),
             dir,
-            segment_size,
+            segment_size: sizes.segment_size,
+            queue_segment_size: sizes.queue_segment_size,
+            checkpoint_bytes: sizes.checkpoint_bytes,
+            checkpoint_idle: sizes.checkpoint_idle,
             sync,
             state: Mutex::new(State {
                 pending: Vec::new(),
                 rolls: Vec::new(),
-                pending_acks: false,
                 pos: start.pos,
                 seg_base: start.base,
-                next_id: start.next_id,
-                segments: std::mem::take(&mut start.segments),
                 closing: false,
             }),
             work: Condvar::new(),
             space: Condvar::new(),
-            durable: Mutex::new(Durable {
-                pos: start.pos,
-                writer_stopped: false,
-            }),
+            durable: Mutex::new(Durable { pos: start.pos, writer_stopped: false }),
             durable_cv: Condvar::new(),
             durable_tx: watch::Sender::new(start.pos),
-            counters,
+            logs,
+            counters: Counters::default(),
         }
     }
 
-    /// Copies `batch` into the pending buffer, assigning ids; returns the position its durability waits for.
+    /// Copies `batch` into the pending buffer; returns the position its durability waits for.
     pub fn append(&self, batch: &mut Batch) -> Result<SyncTicket, StoreError> {
         if batch.largest_payload > Batch::max_payload() {
-            return Err(StoreError::RecordTooLarge {
-                len: batch.largest_payload,
-                max: Batch::max_payload(),
-            });
+            return Err(StoreError::RecordTooLarge { len: batch.largest_payload, max: Batch::max_payload() });
         }
-        batch.ids.clear();
-        batch.ack_records.clear();
-        format::encode_acks(&mut batch.ack_records, &batch.acks);
+        batch.seal();
         let mut guard = self.state.lock();
         while guard.pending.len() > MAX_PENDING_BYTES && !guard.closing {
             self.space.wait(&mut guard);
@@ -167,45 +178,18 @@ impl Shared {
         let st = &mut *guard;
         if st.pos - st.seg_base >= self.segment_size {
             let base = st.pos;
-            st.rolls.push(Roll {
-                at: st.pending.len(),
-                base,
-            });
-            st.pending
-                .extend_from_slice(&format::encode_header(st.next_id));
+            st.rolls.push(Roll { at: st.pending.len(), base });
+            st.pending.extend_from_slice(&format::encode_wal_header());
             st.pos += HEADER_SIZE as u64;
             st.seg_base = base;
-            st.segments.push(base, st.next_id);
         }
-        let start = st.pending.len();
         st.pending.extend_from_slice(&batch.records);
-        for e in &batch.enqueues {
-            let id = st.next_id;
-            st.next_id += 1;
-            format::seal_enqueue(
-                &mut st.pending[start + e.offset..],
-                id,
-                e.tail_crc,
-                e.tail_len,
-            );
-            st.segments.enqueue(id);
-            batch.ids.push(id);
-        }
-        if !batch.acks.is_empty() {
-            st.pending.extend_from_slice(&batch.ack_records);
-            for &id in &batch.acks {
-                st.segments.ack(id);
-            }
-            st.pending_acks = true;
-        }
+        st.pending.extend_from_slice(&batch.tail);
         st.pos += batch.encoded_len() as u64;
         let ticket = st.pos;
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters.records.fetch_add(
-            batch.enqueues.len() as u64 + u64::from(!batch.acks.is_empty()),
-            Ordering::Relaxed,
-        );
         drop(guard);
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.records.fetch_add(batch.record_count(), Ordering::Relaxed);
         self.work.notify_one();
         Ok(ticket)
     }
@@ -236,10 +220,6 @@ impl Shared {
         self.durable.lock().pos
     }
 
-    pub fn live_messages(&self) -> u64 {
-        self.state.lock().segments.live_messages()
-    }
-
     fn publish(&self, pos: u64) {
         self.durable.lock().pos = pos;
         self.durable_cv.notify_all();
@@ -248,7 +228,7 @@ impl Shared {
 }
 
 /// Logs and aborts: see the module docs for why I/O failures of the writer are never retried.
-fn fatal(what: &str, path: &std::path::Path, e: &std::io::Error) -> ! {
+pub(crate) fn fatal(what: &str, path: &std::path::Path, e: &dyn std::fmt::Display) -> ! {
     tracing::error!(error = %e, file = %path.display(), "{what} failed in the message store; aborting so \
         that nothing is confirmed on top of data that may not be on disk");
     std::process::abort();
@@ -261,29 +241,38 @@ pub(crate) struct Writer {
     base: u64,
     buf: Vec<u8>,
     rolls: Vec<Roll>,
+    wal_bases: VecDeque<u64>,
+    /// Position up to which records were applied to the queue logs.
+    applied: u64,
+    last_checkpoint_pos: u64,
+    last_checkpoint: Instant,
 }
 
 impl Writer {
-    pub fn new(shared: Arc<Shared>, file: File, base: u64) -> Writer {
+    pub fn new(shared: Arc<Shared>, start: Start) -> Writer {
         Writer {
-            shared,
-            file,
-            base,
+            file: start.file,
+            base: start.base,
             buf: Vec::new(),
             rolls: Vec::new(),
+            wal_bases: start.wal_bases,
+            applied: start.pos,
+            last_checkpoint_pos: start.checkpoint_pos,
+            last_checkpoint: Instant::now(),
+            shared,
         }
     }
 
-    /// The writer thread's loop: take a group, write it, fsync (per policy), publish, delete dead segments.
+    /// The writer thread's loop: take a group, write it, fsync (per policy), publish, apply, checkpoint.
     pub fn run(mut self) {
         let interval = match self.shared.sync {
             SyncPolicy::EveryBatch => None,
             SyncPolicy::IntervalMs(ms) => Some(Duration::from_millis(ms)),
         };
         let mut last_sync = Instant::now();
-        // Written but not yet fsynced: the position to publish after the next fsync.
+        // Written but not yet fsynced: (end position, the bytes and rolls to apply after the fsync).
         let mut unsynced: Option<u64> = None;
-        let mut gc_due = false;
+        let mut to_apply: Vec<(Vec<u8>, Vec<Roll>)> = Vec::new();
         loop {
             let (end, closing) = {
                 let mut st = self.shared.state.lock();
@@ -291,26 +280,29 @@ impl Writer {
                     if !st.pending.is_empty() || st.closing {
                         break;
                     }
-                    match (unsynced, interval) {
-                        (Some(_), Some(iv)) => {
-                            let deadline = last_sync + iv;
-                            if Instant::now() >= deadline {
-                                break;
-                            }
-                            self.shared.work.wait_until(&mut st, deadline);
+                    let checkpoint_due = self.applied > self.last_checkpoint_pos
+                        || self.shared.logs.any_dirty_hint();
+                    let deadline = match (unsynced, interval) {
+                        (Some(_), Some(iv)) => Some(last_sync + iv),
+                        _ if checkpoint_due => Some(self.last_checkpoint + self.shared.checkpoint_idle),
+                        _ => None,
+                    };
+                    match deadline {
+                        Some(d) if Instant::now() >= d => break,
+                        Some(d) => {
+                            self.shared.work.wait_until(&mut st, d);
                         }
-                        _ => self.shared.work.wait(&mut st),
+                        None => self.shared.work.wait(&mut st),
                     }
                 }
                 std::mem::swap(&mut st.pending, &mut self.buf);
                 std::mem::swap(&mut st.rolls, &mut self.rolls);
-                gc_due |= std::mem::take(&mut st.pending_acks);
                 (st.pos, st.closing)
             };
             self.shared.space.notify_all();
             if !self.buf.is_empty() {
-                gc_due |= !self.rolls.is_empty();
                 self.write_group();
+                to_apply.push((std::mem::take(&mut self.buf), std::mem::take(&mut self.rolls)));
                 unsynced = Some(end);
             }
             let sync_now = closing || interval.is_none_or(|iv| last_sync.elapsed() >= iv);
@@ -319,10 +311,19 @@ impl Writer {
                     self.sync_data();
                     last_sync = Instant::now();
                     self.shared.publish(pos);
-                    if std::mem::take(&mut gc_due) {
-                        self.delete_dead_segments();
+                    for (buf, rolls) in to_apply.drain(..) {
+                        self.apply(&buf, &rolls);
+                        self.recycle(buf, rolls);
                     }
+                    self.applied = pos;
                 }
+            }
+            let quiet_due = self.last_checkpoint.elapsed() >= self.shared.checkpoint_idle
+                && (self.applied > self.last_checkpoint_pos || self.shared.logs.any_dirty_hint());
+            if unsynced.is_none()
+                && (closing || self.applied - self.last_checkpoint_pos >= self.shared.checkpoint_bytes || quiet_due)
+            {
+                self.checkpoint();
             }
             if closing {
                 break;
@@ -332,123 +333,190 @@ impl Writer {
         self.shared.durable_cv.notify_all();
     }
 
-    /// Writes the taken buffer, rolling to new segments where `append` placed rolls.
+    fn recycle(&mut self, mut buf: Vec<u8>, mut rolls: Vec<Roll>) {
+        buf.clear();
+        if buf.capacity() > MAX_RETAINED_BUFFER {
+            buf.shrink_to(MAX_RETAINED_BUFFER);
+        }
+        rolls.clear();
+        if self.buf.capacity() == 0 {
+            self.buf = buf;
+            self.rolls = rolls;
+        }
+    }
+
+    /// Writes the taken buffer to the WAL, rolling to new segments where `append` placed rolls.
     fn write_group(&mut self) {
-        let buf = std::mem::take(&mut self.buf);
-        let rolls = std::mem::take(&mut self.rolls);
         let mut from = 0;
+        let rolls = std::mem::take(&mut self.rolls);
         for roll in &rolls {
+            let buf = std::mem::take(&mut self.buf);
             self.write(&buf[from..roll.at]);
+            self.buf = buf;
             // The old segment must be complete on disk before a newer one exists: recovery treats only the
             // newest segment's tail as torn.
             self.sync_data();
-            let file = match segment::create_empty(&self.shared.dir, roll.base) {
+            let file = match segment::create_empty(&self.shared.wal, roll.base) {
                 Ok(f) => f,
-                Err(StoreError::Io { op, path, source }) => fatal(op, &path, &source),
-                Err(e) => fatal(
-                    "creating a segment",
-                    &segment::path(&self.shared.dir, roll.base),
-                    &std::io::Error::other(e),
-                ),
+                Err(e) => fatal("creating a WAL segment", &segment::path(&self.shared.wal, roll.base), &e),
             };
-            self.shared
-                .counters
-                .dir_fsyncs
-                .fetch_add(1, Ordering::Relaxed);
-            self.shared
-                .counters
-                .segments
-                .fetch_add(1, Ordering::Relaxed);
+            self.shared.counters.wal_segments.fetch_add(1, Ordering::Relaxed);
+            self.wal_bases.push_back(roll.base);
             self.file = file;
             self.base = roll.base;
             from = roll.at;
         }
+        let buf = std::mem::take(&mut self.buf);
         self.write(&buf[from..]);
-        self.shared.counters.groups.fetch_add(1, Ordering::Relaxed);
         self.buf = buf;
-        self.buf.clear();
-        if self.buf.capacity() > MAX_RETAINED_BUFFER {
-            self.buf.shrink_to(MAX_RETAINED_BUFFER);
-        }
         self.rolls = rolls;
-        self.rolls.clear();
+        self.shared.counters.groups.fetch_add(1, Ordering::Relaxed);
     }
 
     fn write(&mut self, bytes: &[u8]) {
         if let Err(e) = self.file.write_all(bytes) {
-            fatal("writing", &segment::path(&self.shared.dir, self.base), &e);
+            fatal("writing", &segment::path(&self.shared.wal, self.base), &e);
         }
         let n = bytes.len() as u64;
-        self.shared
-            .counters
-            .bytes_written
-            .fetch_add(n, Ordering::Relaxed);
-        self.shared
-            .counters
-            .bytes_on_disk
-            .fetch_add(n, Ordering::Relaxed);
+        self.shared.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
+        self.shared.counters.wal_bytes.fetch_add(n, Ordering::Relaxed);
     }
 
     fn sync_data(&mut self) {
         if let Err(e) = self.file.sync_data() {
-            fatal("fdatasync", &segment::path(&self.shared.dir, self.base), &e);
+            fatal("fdatasync", &segment::path(&self.shared.wal, self.base), &e);
         }
         self.shared.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Deletes the oldest segments once they and all before them hold no live message.
-    fn delete_dead_segments(&mut self) {
-        let mut dead = self
-            .shared
-            .state
-            .lock()
-            .segments
-            .take_dead_prefix(self.base);
-        if dead.is_empty() {
-            return;
+    /// Applies the group to the queue logs, in log order: enqueues are copied into their queue's buffer
+    /// (one write per queue at the end), acks and drops are applied after flushing that queue.
+    fn apply(&mut self, buf: &[u8], rolls: &[Roll]) {
+        let now = crate::now_ms();
+        let shared = self.shared.clone();
+        let mut touched: HashMap<u64, Arc<Mutex<crate::qlog::QueueLog>>> = HashMap::new();
+        let mut written = 0u64;
+        for_each_record(buf, rolls, |start, end, record| match record {
+            Record::Enqueue { queue, seq, timestamp_ms, payload } => {
+                let log = touched.entry(queue).or_insert_with(|| shared.logs.get_or_create(&shared.dir, queue));
+                if let Err(e) = log.lock().append(&buf[start..end], seq, timestamp_ms, payload.len(), shared.queue_segment_size) {
+                    fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, queue), &e);
+                }
+                written += (end - start) as u64;
+            }
+            Record::Acks { queue, .. } | Record::Drop { queue } => {
+                if let Some(log) = touched.remove(&queue) {
+                    flush(&shared, &log, queue);
+                }
+                apply_other(&shared, record, now);
+            }
+        });
+        for (queue, log) in touched {
+            flush(&shared, &log, queue);
         }
-        let mut deleted = 0;
-        for seg in &dead {
-            let p = segment::path(&self.shared.dir, seg.base);
+        shared.counters.bytes_written.fetch_add(written, Ordering::Relaxed);
+        shared.counters.queue_bytes.fetch_add(written, Ordering::Relaxed);
+    }
+
+    /// Makes the queue files durable (one `syncfs`), writes the checkpoint, deletes the WAL before it.
+    fn checkpoint(&mut self) {
+        let shared = self.shared.clone();
+        let now = crate::now_ms();
+        let mut queues = Vec::new();
+        for log in shared.logs.all() {
+            let mut log = log.lock();
+            let (freed, files) = log.collect_garbage(now);
+            shared.counters.note_freed(freed, files);
+            log.dirty = false;
+            queues.push(QueueState::of(&log));
+        }
+        shared.logs.clear_dirty_hint();
+        if let Err(e) = segment::sync_filesystem(&shared.dir) {
+            fatal("syncfs", &shared.dir, &e);
+        }
+        let cp = Checkpoint { wal_pos: self.applied, queues };
+        if let Err(e) = checkpoint::write(&shared.dir, &cp) {
+            fatal("writing the checkpoint", &shared.dir.join(checkpoint::FILE), &e);
+        }
+        shared.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+        self.last_checkpoint_pos = self.applied;
+        self.last_checkpoint = Instant::now();
+        // WAL segments that end at or before the checkpoint are no longer needed.
+        let mut deleted = false;
+        while self.wal_bases.len() > 1 && self.wal_bases.get(1).is_some_and(|&next| next <= self.applied) {
+            let Some(base) = self.wal_bases.pop_front() else { break };
+            let p = segment::path(&shared.wal, base);
             let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
             if let Err(e) = std::fs::remove_file(&p) {
-                // Not fatal, but nothing after it may be deleted either: if a later segment (holding the
-                // acks of this one's messages) went while this one stayed, those messages would come back.
-                tracing::warn!(error = %e, file = %p.display(), "could not delete a fully acked segment; will retry");
+                tracing::warn!(error = %e, file = %p.display(), "could not delete a checkpointed WAL segment");
+                self.wal_bases.push_front(base);
                 break;
             }
-            deleted += 1;
-            let _ = self.shared.counters.bytes_on_disk.fetch_update(
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-                |b| Some(b.saturating_sub(len)),
-            );
-            self.shared
-                .counters
-                .segments
-                .fetch_sub(1, Ordering::Relaxed);
-            self.shared
-                .counters
-                .segments_deleted
-                .fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(file = %p.display(), bytes = len, "deleted fully acked segment");
+            shared.counters.wal_bytes.fetch_sub(len.min(shared.counters.wal_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
+            shared.counters.wal_segments.fetch_sub(1, Ordering::Relaxed);
+            shared.counters.segments_deleted.fetch_add(1, Ordering::Relaxed);
+            deleted = true;
         }
-        if deleted < dead.len() {
-            self.shared
-                .state
-                .lock()
-                .segments
-                .restore_front(dead.split_off(deleted));
-        }
-        if deleted > 0 {
-            // The deletions must be durable in order, for the same reason as above: fatal like any fsync.
-            if let Err(StoreError::Io { op, path, source }) = segment::sync_dir(&self.shared.dir) {
-                fatal(op, &path, &source);
+        if deleted {
+            if let Err(e) = segment::sync_dir(&shared.wal) {
+                fatal("fsyncing the WAL directory", &shared.wal, &e);
             }
-            self.shared
-                .counters
-                .dir_fsyncs
-                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn flush(shared: &Shared, log: &Mutex<crate::qlog::QueueLog>, queue: u64) {
+    if let Err(e) = log.lock().flush() {
+        fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, queue), &e);
+    }
+}
+
+/// Applies an acks or drop record to the queue logs (enqueues go through `QueueLog::append`).
+pub(crate) fn apply_other(shared: &Shared, record: Record<'_>, now_ms: u64) {
+    match record {
+        Record::Acks { queue, bytes, ranges } => {
+            let Some(log) = shared.logs.get(queue) else { return };
+            let mut log = log.lock();
+            let mut first = true;
+            for (start, end) in ranges.iter() {
+                log.ack(start, end, if first { bytes } else { 0 });
+                first = false;
+            }
+            let (freed, files) = log.collect_garbage(now_ms);
+            shared.counters.note_freed(freed, files);
+            shared.logs.set_dirty_hint();
+        }
+        Record::Drop { queue } => {
+            if let Some(log) = shared.logs.remove(queue) {
+                log.lock().destroy();
+            }
+            shared.logs.set_dirty_hint();
+        }
+        Record::Enqueue { .. } => {}
+    }
+}
+
+/// Calls `f(start, end, record)` for each record of a group buffer, skipping the WAL headers at rolls.
+fn for_each_record(buf: &[u8], rolls: &[Roll], mut f: impl FnMut(usize, usize, Record<'_>)) {
+    let mut pos = 0;
+    let mut next_roll = rolls.iter().peekable();
+    while pos < buf.len() {
+        if next_roll.peek().is_some_and(|r| r.at == pos) {
+            next_roll.next();
+            pos += HEADER_SIZE;
+            continue;
+        }
+        let end_of_run = next_roll.peek().map_or(buf.len(), |r| r.at);
+        match format::decode_record(&buf[pos..end_of_run]) {
+            Ok((record, n)) => {
+                f(pos, pos + n, record);
+                pos += n;
+            }
+            Err(e) => {
+                // We encoded these bytes ourselves a moment ago: this is a bug, not disk damage.
+                tracing::error!(error = %e, offset = pos, "undecodable record in the write buffer");
+                return;
+            }
         }
     }
 }

@@ -1,4 +1,5 @@
-//! Behaviour of the store through its public API: durability, recovery, group commit, segment deletion.
+//! Behaviour of the store through its public API: durability, recovery, group commit, reading back,
+//! deletion of consumed data, retention, damage at the WAL tail, kill -9.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -6,142 +7,185 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use warren_store::format::{ENQUEUE_FIXED_LEN, HEADER_SIZE, RECORD_HEADER_SIZE};
-use warren_store::{Batch, MsgId, Store, StoreError, StoreOptions, SyncPolicy};
+use warren_store::{Batch, RecoveredQueue, Store, StoreError, StoreOptions, SyncPolicy};
 
-fn opts(segment_size: u64) -> StoreOptions {
+fn opts() -> StoreOptions {
     StoreOptions {
-        segment_size,
+        segment_size: 64 << 10,
+        queue_segment_size: 16 << 10,
+        checkpoint_bytes: 1 << 40,
+        checkpoint_idle_ms: 3_600_000,
         sync: SyncPolicy::EveryBatch,
     }
 }
 
-fn open(dir: &Path, segment_size: u64) -> (Store, warren_store::Recovery) {
-    Store::open(dir, opts(segment_size)).expect("open")
+fn open(dir: &Path, o: StoreOptions) -> (Store, warren_store::Recovery) {
+    Store::open(dir, o).expect("open")
 }
 
-/// Appends one enqueue per payload (one batch each) and waits until durable. Returns the ids.
-fn put(store: &Store, queue: u64, payloads: &[Vec<u8>]) -> Vec<MsgId> {
-    let mut ids = Vec::new();
+fn payload(queue: u64, seq: u64, len: usize) -> Vec<u8> {
+    let mut p = format!("q{queue}-m{seq:06}-").into_bytes();
+    p.resize(len.max(p.len()), b'x');
+    p
+}
+
+/// Appends messages `seqs` of `queue` (one batch each) and waits until durable.
+fn put(store: &Store, queue: u64, seqs: std::ops::Range<u64>, len: usize) {
+    put_at(store, queue, seqs, len, 1_000)
+}
+
+/// `put`, with message `seq` enqueued at `ts_base + seq` ms.
+fn put_at(store: &Store, queue: u64, seqs: std::ops::Range<u64>, len: usize, ts_base: u64) {
     let mut last = 0;
-    for p in payloads {
+    for seq in seqs {
         let mut b = Batch::new();
-        b.enqueue(queue, &[p]);
+        b.enqueue(queue, seq, ts_base + seq, &[&payload(queue, seq, len)]);
         last = store.append(&mut b).unwrap();
-        ids.extend_from_slice(b.ids());
     }
     store.wait_durable(last).unwrap();
-    ids
 }
 
-fn ack(store: &Store, ids: &[MsgId]) {
+fn ack(store: &Store, queue: u64, seqs: impl IntoIterator<Item = u64>, len: usize) {
     let mut b = Batch::new();
-    for &id in ids {
-        b.ack(id);
+    for seq in seqs {
+        b.ack(queue, seq, payload(queue, seq, len).len() as u64);
     }
     let t = store.append(&mut b).unwrap();
     store.wait_durable(t).unwrap();
 }
 
-fn payload(i: usize, len: usize) -> Vec<u8> {
-    let mut p = format!("msg-{i:06}-").into_bytes();
-    p.resize(len.max(p.len()), b'x');
-    p
-}
-
-fn segment_files(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "wlog"))
-        .collect();
-    v.sort();
-    v
-}
-
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+/// Every live message of `queue`, read back in small steps; waits until `expect` of them are visible.
+fn read_all(store: &Store, queue: u64, from: u64, expect: usize) -> Vec<(u64, Vec<u8>)> {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+    loop {
+        let mut out = Vec::new();
+        let mut seq = from;
+        loop {
+            let batch = store.read(queue, seq, 7, 3000).unwrap();
+            assert_eq!(batch.lost, 0);
+            if batch.messages.is_empty() {
+                break;
+            }
+            for m in batch.messages {
+                out.push((m.seq, m.payload.to_vec()));
+            }
+            seq = batch.next_seq;
+        }
+        if out.len() >= expect || Instant::now() > deadline {
+            return out;
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
 }
 
-#[test]
-fn given_appends_and_acks_when_reopened_should_keep_exactly_the_live_messages_in_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let payloads: Vec<_> = (0..200).map(|i| payload(i, 100)).collect();
-    let ids = {
-        let (store, rec) = open(dir.path(), 4096);
-        assert!(rec.messages.is_empty());
-        let ids = put(&store, 7, &payloads);
-        let acked: Vec<_> = ids.iter().copied().filter(|id| id % 3 == 0).collect();
-        ack(&store, &acked);
-        ack(&store, &acked); // double acks are harmless
-        ack(&store, &[999_999]); // unknown ids are ignored
-        store.close().unwrap();
-        ids
-    };
-    let (_store, rec) = open(dir.path(), 4096);
-    let expected: Vec<_> = ids
-        .iter()
-        .zip(&payloads)
-        .filter(|(id, _)| *id % 3 != 0)
-        .collect();
-    assert_eq!(rec.messages.len(), expected.len());
-    for (m, (id, p)) in rec.messages.iter().zip(expected) {
-        assert_eq!((m.id, m.queue, &m.payload[..]), (*id, 7, &p[..]));
+fn queue(rec: &warren_store::Recovery, id: u64) -> RecoveredQueue {
+    rec.queues.iter().find(|q| q.queue == id).cloned().unwrap_or(RecoveredQueue {
+        queue: id,
+        first_seq: 0,
+        next_seq: 0,
+        live_count: 0,
+        live_bytes: 0,
+    })
+}
+
+fn files_with_ext(dir: &Path, ext: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return out };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(files_with_ext(&p, ext));
+        } else if p.extension().is_some_and(|x| x == ext) {
+            out.push(p);
+        }
     }
-    assert!(rec.truncated.is_none());
-    assert!(rec.corrupted.is_empty());
+    out.sort();
+    out
 }
 
 #[test]
-fn given_payload_in_parts_and_mixed_batch_should_assign_increasing_ids() {
+fn appends_and_acks_survive_reopen_with_exact_live_sets() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(dir.path(), 1 << 20);
+    {
+        let (store, _) = open(dir.path(), opts());
+        put(&store, 1, 0..200, 100);
+        put(&store, 2, 0..50, 3000);
+        ack(&store, 1, (0..200).filter(|s| s % 3 == 0), 100);
+        ack(&store, 2, 0..10, 3000);
+        store.close().unwrap();
+    }
+    for reopen in 0..2 {
+        let (store, rec) = open(dir.path(), opts());
+        let q1 = queue(&rec, 1);
+        assert_eq!((q1.next_seq, q1.live_count), (200, 133), "reopen {reopen}");
+        assert_eq!(q1.live_bytes, (0..200).filter(|s| s % 3 != 0).map(|s| payload(1, s, 100).len() as u64).sum::<u64>());
+        let q2 = queue(&rec, 2);
+        assert_eq!((q2.first_seq, q2.live_count), (10, 40));
+        let got = read_all(&store, 1, q1.first_seq, 133);
+        let want: Vec<(u64, Vec<u8>)> = (0..200).filter(|s| s % 3 != 0).map(|s| (s, payload(1, s, 100))).collect();
+        assert_eq!(got, want);
+        assert_eq!(read_all(&store, 2, 10, 40).len(), 40);
+        store.close().unwrap();
+    }
+}
+
+#[test]
+fn recovery_without_close_replays_the_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = tempfile::tempdir().unwrap();
+    {
+        let (store, _) = open(dir.path(), opts());
+        put(&store, 5, 0..300, 500);
+        ack(&store, 5, 0..100, 500);
+        // A copy of the files as a crash would leave them: no final checkpoint.
+        copy_dir(dir.path(), copy.path());
+        store.close().unwrap();
+    }
+    let (store, rec) = open(copy.path(), opts());
+    let q = queue(&rec, 5);
+    assert_eq!((q.first_seq, q.next_seq, q.live_count), (100, 300, 200));
+    assert!(rec.replayed_bytes > 0);
+    assert_eq!(read_all(&store, 5, 100, 200).len(), 200);
+}
+
+#[test]
+fn gaps_in_seqs_count_as_gone_and_large_payloads_read_back_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), opts());
     let mut b = Batch::new();
-    assert!(b.is_empty());
-    assert_eq!(b.enqueue(1, &[b"head-", b"body"]), 0);
-    assert_eq!(b.enqueue(2, &[]), 1);
-    let t = store.append(&mut b).unwrap();
-    let ids = b.ids().to_vec();
-    assert_eq!(ids.len(), 2);
-    assert!(ids[0] < ids[1]);
-    b.clear();
-    b.ack(ids[1]);
-    b.enqueue(3, &[b"third"]);
-    let t2 = store.append(&mut b).unwrap();
-    assert!(t2 > t);
-    assert!(b.ids()[0] > ids[1]);
+    let big = payload(3, 7, 100_000); // larger than a queue segment and than one read chunk
+    b.enqueue(3, 2, 1, &[b"two"]);
+    b.enqueue(3, 7, 2, &[&big[..10], &big[10..]]);
+    b.enqueue(3, 9, 3, &[b"nine"]);
+    store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    let got = read_all(&store, 3, 0, 3);
+    assert_eq!(got, vec![(2, b"two".to_vec()), (7, big), (9, b"nine".to_vec())]);
+    ack(&store, 3, [2, 7, 9], 0);
     store.close().unwrap();
-    let (_s, rec) = open(dir.path(), 1 << 20);
-    let got: Vec<_> = rec
-        .messages
-        .iter()
-        .map(|m| (m.queue, m.payload.to_vec()))
-        .collect();
-    assert_eq!(
-        got,
-        vec![(1, b"head-body".to_vec()), (3, b"third".to_vec())]
-    );
+    let (_store, rec) = open(dir.path(), opts());
+    let q = queue(&rec, 3);
+    assert_eq!((q.first_seq, q.live_count), (10, 0));
 }
 
 #[test]
-fn given_many_concurrent_appenders_should_group_batches_into_far_fewer_fsyncs() {
+fn many_concurrent_appenders_share_fsyncs_and_queue_count_does_not_add_fsyncs() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(dir.path(), 64 << 20);
+    let (store, _) = open(dir.path(), StoreOptions { segment_size: 8 << 20, ..opts() });
+    let store = Arc::new(store);
+    let before = store.stats();
     let threads = 8;
-    let per_thread: u64 = 300;
+    let per = 300u64;
     let handles: Vec<_> = (0..threads)
         .map(|t| {
             let store = store.clone();
             std::thread::spawn(move || {
-                for i in 0..per_thread {
+                // Each thread writes to 100 queues of its own, waiting for each confirm.
+                for i in 0..per {
+                    let q = t * 100 + i % 100;
                     let mut b = Batch::new();
-                    b.enqueue(t, &[&payload(i as usize, 256)]);
+                    b.enqueue(q, i, 0, &[&[7u8; 1000]]);
                     let ticket = store.append(&mut b).unwrap();
-                    store.wait_durable(ticket).unwrap(); // like a publisher waiting for its confirm
+                    store.wait_durable(ticket).unwrap();
                 }
             })
         })
@@ -149,399 +193,220 @@ fn given_many_concurrent_appenders_should_group_batches_into_far_fewer_fsyncs() 
     for h in handles {
         h.join().unwrap();
     }
-    let s = store.stats();
-    let batches = threads * per_thread;
-    assert_eq!(s.batches, batches);
-    assert!(s.fsyncs >= 1);
-    assert!(
-        s.fsyncs * 2 < batches,
-        "fsyncs {} should be far fewer than batches {}",
-        s.fsyncs,
-        batches
-    );
-    assert!(
-        s.groups <= s.fsyncs,
-        "EveryBatch: one fsync per group ({s:?})"
-    );
-    store.close().unwrap();
-    let (_s, rec) = open(dir.path(), 64 << 20);
-    assert_eq!(rec.messages.len() as u64, batches);
-    assert!(rec.messages.windows(2).all(|w| w[0].id < w[1].id));
+    let after = store.stats();
+    let batches = after.batches - before.batches;
+    let fsyncs = after.fsyncs - before.fsyncs;
+    assert_eq!(batches, threads * per);
+    // Waiting appenders are grouped: fewer fsyncs than batches, not one per queue touched.
+    assert!(fsyncs < batches, "{fsyncs} fsyncs for {batches} batches over 800 queues");
 }
 
-/// Writes `n` messages of varying size into a small-segment log and returns, for the newest segment,
-/// its path and the file offsets at which each of its records ends (with the message index).
-fn build_log(
-    dir: &Path,
-    n: usize,
-    rng: &mut impl Rng,
-) -> (Vec<Vec<u8>>, PathBuf, Vec<(u64, usize)>) {
-    let payloads: Vec<_> = (0..n).map(|i| payload(i, rng.gen_range(10..300))).collect();
-    let (store, _) = open(dir, 2048);
-    put(&store, 1, &payloads);
-    store.close().unwrap();
-    let newest = segment_files(dir).pop().unwrap();
-    let len = std::fs::metadata(&newest).unwrap().len();
-    // Walk back from the end: the last messages are in the newest segment.
-    let mut ends = Vec::new();
-    let mut end = len;
-    for i in (0..n).rev() {
-        if end <= HEADER_SIZE as u64 {
-            break;
-        }
-        ends.push((end, i));
-        end -= (RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN + payloads[i].len()) as u64;
+#[test]
+fn consumed_queue_segments_are_deleted_and_a_slow_queue_keeps_only_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = StoreOptions { checkpoint_bytes: 64 << 10, ..opts() };
+    let (store, _) = open(dir.path(), o.clone());
+    put(&store, 1, 0..400, 1000); // fast queue: fully consumed
+    put(&store, 2, 0..400, 1000); // slow queue: its first message stays unacked
+    ack(&store, 1, 0..400, 1000);
+    ack(&store, 2, 1..400, 1000);
+    // One more append lets the writer apply and checkpoint.
+    put(&store, 3, 0..1, 10);
+    let q1_files = || files_with_ext(&dir.path().join("queues/1"), "qseg").len();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while q1_files() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(end, HEADER_SIZE as u64, "record sizes add up");
-    ends.reverse();
-    (payloads, newest, ends)
+    assert_eq!(q1_files(), 0, "queue 1 was fully consumed");
+    let q2 = files_with_ext(&dir.path().join("queues/2"), "qseg");
+    assert!(!q2.is_empty(), "queue 2 still holds seq 0");
+    store.close().unwrap();
+    let wal_bytes: u64 = files_with_ext(dir.path(), "wlog").iter().map(|p| p.metadata().unwrap().len()).sum();
+    assert!(wal_bytes < 200 << 10, "the WAL before the checkpoint is deleted ({wal_bytes} bytes left)");
+    let (store, rec) = open(dir.path(), o);
+    assert_eq!(queue(&rec, 1).live_count, 0);
+    assert_eq!(queue(&rec, 2).live_count, 1);
+    assert_eq!(read_all(&store, 2, 0, 1), vec![(0, payload(2, 0, 1000))]);
+}
+
+#[test]
+fn retention_keeps_consumed_messages_and_seek_time_finds_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = StoreOptions { checkpoint_bytes: 16 << 10, ..opts() };
+    let (store, _) = open(dir.path(), o);
+    store.set_retention(4, 3_600_000);
+    store.set_retention(5, 3_600_000);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    put_at(&store, 4, 0..100, 1000, now - 10_000); // enqueued 10 s ago: kept for an hour
+    put_at(&store, 5, 0..100, 1000, now - 7_200_000); // two hours ago: past retention
+    ack(&store, 4, 0..100, 1000);
+    ack(&store, 5, 0..100, 1000);
+    put(&store, 9, 0..50, 1000); // moves the writer past a few checkpoints
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !files_with_ext(&dir.path().join("queues/5"), "qseg").is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(files_with_ext(&dir.path().join("queues/5"), "qseg").is_empty(), "past retention: deleted");
+    assert!(!files_with_ext(&dir.path().join("queues/4"), "qseg").is_empty(), "within retention: kept");
+    assert_eq!(store.seek_time(4, now - 10_000 + 50).unwrap(), Some(50));
+    assert_eq!(store.seek_time(4, 0).unwrap(), Some(0));
+    assert_eq!(store.seek_time(4, now + 1).unwrap(), Some(100));
+    assert_eq!(store.seek_time(77, 0).unwrap(), None);
+    // Gone messages are not read back by an ordinary read.
+    assert!(store.read(4, 0, 10, 1 << 20).unwrap().messages.is_empty());
+}
+
+#[test]
+fn dropped_queue_files_go_and_its_acks_are_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), opts());
+    put(&store, 6, 0..50, 1000);
+    let mut b = Batch::new();
+    b.drop_queue(6);
+    store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    ack(&store, 6, 0..10, 1000);
+    put(&store, 7, 0..1, 10);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dir.path().join("queues/6").exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(!dir.path().join("queues/6").exists());
+    store.close().unwrap();
+    let (_store, rec) = open(dir.path(), opts());
+    assert!(rec.queues.iter().all(|q| q.queue != 6));
 }
 
 fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {
-        let p = e.unwrap().path();
-        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
-    }
-}
-
-#[test]
-fn given_torn_or_garbled_tail_at_random_offsets_should_keep_every_earlier_record_and_report_the_drop(
-) {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
-    let golden = tempfile::tempdir().unwrap();
-    let (payloads, newest, ends) = build_log(golden.path(), 60, &mut rng);
-    let newest_name = newest.file_name().unwrap().to_owned();
-    let file_len = std::fs::metadata(&newest).unwrap().len();
-    let first_in_newest = ends[0].1;
-    for round in 0..120 {
-        let dir = tempfile::tempdir().unwrap();
-        copy_dir(golden.path(), dir.path());
-        let target = dir.path().join(&newest_name);
-        let offset = rng.gen_range(0..file_len);
-        let garble = round % 2 == 1;
-        let mut bytes = std::fs::read(&target).unwrap();
-        if garble {
-            bytes[offset as usize] ^= rng.gen_range(1..=255u8);
+        let e = e.unwrap();
+        let name = e.file_name();
+        if name == "LOCK" {
+            continue;
+        }
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &to.join(&name));
         } else {
-            bytes.truncate(offset as usize);
+            std::fs::copy(e.path(), to.join(&name)).unwrap();
         }
-        std::fs::write(&target, &bytes).unwrap();
-
-        // Records wholly before the damage survive; the damaged one and all after it go.
-        let survivors = ends.iter().filter(|(end, _)| *end <= offset).count();
-        let kept_end = ends
-            .iter()
-            .filter(|(end, _)| *end <= offset)
-            .map(|(end, _)| *end)
-            .max();
-        let (store, rec) = open(dir.path(), 2048);
-        let expect_count = first_in_newest + survivors;
-        let what = format!("round {round} garble={garble} offset={offset}");
-        assert_eq!(rec.messages.len(), expect_count, "{what}");
-        for (m, p) in rec.messages.iter().zip(&payloads) {
-            assert_eq!(&m.payload[..], &p[..], "{what}");
-        }
-        let header_hit = offset < HEADER_SIZE as u64;
-        let valid_end = if header_hit {
-            0
-        } else {
-            kept_end.unwrap_or(HEADER_SIZE as u64)
-        };
-        let damaged_len = if garble { file_len } else { offset };
-        match &rec.truncated {
-            None => assert!(!garble && valid_end == offset, "{what}: nothing reported"),
-            Some(t) => {
-                assert_eq!(t.offset, valid_end, "{what}: {t:?}");
-                assert_eq!(t.dropped_bytes, damaged_len - valid_end, "{what}: {t:?}");
-            }
-        }
-        assert!(rec.corrupted.is_empty(), "{what}");
-        // The repaired log accepts appends and reopens cleanly with them.
-        let new_ids = put(&store, 2, &[b"after".to_vec()]);
-        assert!(
-            rec.messages.last().is_none_or(|m| m.id < new_ids[0]),
-            "{what}"
-        );
-        store.close().unwrap();
-        drop(store);
-        let (_s, again) = open(dir.path(), 2048);
-        assert!(again.truncated.is_none(), "{what}");
-        assert_eq!(again.messages.len(), expect_count + 1, "{what}");
     }
 }
 
 #[test]
-fn given_bad_record_in_an_older_segment_should_start_keep_records_before_it_and_skip_the_rest() {
-    let golden = tempfile::tempdir().unwrap();
-    let payloads: Vec<_> = (0..40).map(|i| payload(i, 200)).collect();
+fn torn_or_garbled_wal_tail_at_random_offsets_keeps_every_earlier_record_and_reports_the_drop() {
+    let original = tempfile::tempdir().unwrap();
     {
-        let (store, _) = open(golden.path(), 1024);
-        put(&store, 1, &payloads);
-        store.close().unwrap();
-    }
-    let files = segment_files(golden.path());
-    assert!(files.len() >= 3);
-    let record = (RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN + payloads[0].len()) as u64;
-    let per_segment: Vec<u64> = files
-        .iter()
-        .map(|f| (std::fs::metadata(f).unwrap().len() - HEADER_SIZE as u64) / record)
-        .collect();
-    // Garble the second record of the first segment.
-    let mut bytes = std::fs::read(&files[0]).unwrap();
-    let at = HEADER_SIZE + record as usize + 30;
-    bytes[at] ^= 0xff;
-    std::fs::write(&files[0], &bytes).unwrap();
-
-    let (_s, rec) = open(golden.path(), 1024);
-    assert!(rec.truncated.is_none());
-    assert_eq!(rec.corrupted.len(), 1);
-    let c = &rec.corrupted[0];
-    assert_eq!(c.offset, HEADER_SIZE as u64 + record);
-    assert_eq!(c.skipped_bytes, (per_segment[0] - 1) * record);
-    let expected = payloads.len() as u64 - (per_segment[0] - 1);
-    assert_eq!(rec.messages.len() as u64, expected);
-    assert_eq!(&rec.messages[0].payload[..], &payloads[0][..]);
-    assert_eq!(
-        &rec.messages[1].payload[..],
-        &payloads[per_segment[0] as usize][..]
-    );
-}
-
-#[test]
-fn given_all_messages_acked_should_delete_segments_but_not_while_an_earlier_one_is_live() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(dir.path(), 1024);
-    let ids = put(
-        &store,
-        1,
-        &(0..50).map(|i| payload(i, 200)).collect::<Vec<_>>(),
-    );
-    let before = store.stats();
-    assert!(before.segments >= 5, "{before:?}");
-    let files_before = segment_files(dir.path()).len();
-
-    // Everything but the very first message: the first segment pins every later one.
-    ack(&store, &ids[1..]);
-    std::thread::sleep(Duration::from_millis(50));
-    let pinned = store.stats();
-    assert_eq!(pinned.segments_deleted, 0, "{pinned:?}");
-    assert!(segment_files(dir.path()).len() >= files_before);
-
-    ack(&store, &ids[..1]);
-    eventually("segments deleted", || {
-        store.stats().segments_deleted as usize >= files_before - 1
-    });
-    let after = store.stats();
-    assert!(
-        after.bytes_on_disk < before.bytes_on_disk / 3,
-        "{before:?} -> {after:?}"
-    );
-    assert_eq!(after.live_messages, 0);
-    assert_eq!(segment_files(dir.path()).len() as u64, after.segments);
-    store.close().unwrap();
-    drop(store);
-
-    let (store, rec) = open(dir.path(), 1024);
-    assert!(rec.messages.is_empty());
-    // Ids keep going up even though every segment that held them is gone.
-    let next = put(&store, 1, &[b"later".to_vec()]);
-    assert!(next[0] > *ids.last().unwrap());
-}
-
-#[test]
-fn given_acks_written_but_segments_left_behind_recovery_should_delete_dead_segments() {
-    let dir = tempfile::tempdir().unwrap();
-    let keep;
-    {
-        let (store, _) = open(dir.path(), 1024);
-        let ids = put(
-            &store,
-            1,
-            &(0..30).map(|i| payload(i, 200)).collect::<Vec<_>>(),
-        );
-        // Ack the first 20 while the segments stay pinned by the 20th... then restore a copy of the files
-        // as they were before deletion, which is what a crash before the directory fsync can leave.
-        keep = ids[20..].to_vec();
+        let (store, _) = open(original.path(), StoreOptions { segment_size: 1 << 30, ..opts() });
+        put(&store, 1, 0..60, 700);
+        // Simulate the crash: copy the files before close writes a checkpoint.
         let snapshot = tempfile::tempdir().unwrap();
-        copy_dir(dir.path(), snapshot.path());
-        ack(&store, &ids[..20]);
+        copy_dir(original.path(), snapshot.path());
         store.close().unwrap();
-        drop(store);
-        for f in segment_files(snapshot.path()) {
-            let target = dir.path().join(f.file_name().unwrap());
-            if !target.exists() {
-                std::fs::copy(&f, &target).unwrap();
+        std::fs::remove_dir_all(original.path()).unwrap();
+        copy_dir(snapshot.path(), original.path());
+    }
+    let wal = files_with_ext(original.path(), "wlog");
+    assert_eq!(wal.len(), 1);
+    let wal_len = wal[0].metadata().unwrap().len();
+    let record_len = (8 + 25 + payload(1, 0, 700).len()) as u64;
+    let header = 32u64;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    for trial in 0..20 {
+        let dir = tempfile::tempdir().unwrap();
+        copy_dir(original.path(), dir.path());
+        let wal = files_with_ext(dir.path(), "wlog").remove(0);
+        let cut = rng.gen_range(header + 1..wal_len);
+        let garble = trial % 2 == 1;
+        if garble {
+            let mut data = std::fs::read(&wal).unwrap();
+            for b in &mut data[cut as usize..] {
+                *b = rng.gen();
             }
+            std::fs::write(&wal, data).unwrap();
+        } else {
+            let f = std::fs::OpenOptions::new().write(true).open(&wal).unwrap();
+            f.set_len(cut).unwrap();
         }
-    }
-    let (store, rec) = open(dir.path(), 1024);
-    assert!(rec.segments_deleted > 0);
-    assert_eq!(rec.messages.iter().map(|m| m.id).collect::<Vec<_>>(), keep);
-    assert_eq!(
-        segment_files(dir.path()).len() as u64,
-        store.stats().segments
-    );
-}
-
-#[test]
-fn given_reopens_ids_should_stay_strictly_increasing() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut last = 0;
-    for round in 0..5 {
-        let (store, _) = open(dir.path(), 512);
-        let ids = put(
-            &store,
-            1,
-            &(0..10).map(|i| payload(i, 50)).collect::<Vec<_>>(),
-        );
-        assert!(ids[0] > last, "round {round}");
-        assert!(ids.windows(2).all(|w| w[0] < w[1]));
-        last = *ids.last().unwrap();
-        if round % 2 == 0 {
-            ack(&store, &ids);
+        let (store, rec) = open(dir.path(), opts());
+        let complete = (cut - header) / record_len; // records wholly before the damage
+        let q = queue(&rec, 1);
+        assert_eq!(q.live_count, complete, "trial {trial}: cut at {cut}");
+        let torn = rec.truncated.expect("the damage is reported");
+        assert_eq!(torn.offset, header + complete * record_len);
+        let got = read_all(&store, 1, 0, complete as usize);
+        assert_eq!(got.len() as u64, complete);
+        for (i, (seq, p)) in got.iter().enumerate() {
+            assert_eq!((*seq, p.clone()), (i as u64, payload(1, i as u64, 700)));
         }
+        // The store keeps working on top of the repaired log.
+        put(&store, 1, complete..complete + 3, 700);
+        store.close().unwrap();
+        let (_s, rec) = open(dir.path(), opts());
+        assert_eq!(queue(&rec, 1).live_count, complete + 3);
+        assert!(rec.truncated.is_none());
     }
 }
 
 #[test]
-fn given_interval_policy_should_write_at_once_but_only_report_durable_after_the_interval_fsync() {
+fn close_flushes_and_later_appends_fail_and_second_open_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, _) = Store::open(
-        dir.path(),
-        StoreOptions {
-            segment_size: 1 << 20,
-            sync: SyncPolicy::IntervalMs(400),
-        },
-    )
-    .unwrap();
-    let started = Instant::now();
+    let (store, _) = open(dir.path(), opts());
+    assert!(matches!(Store::open(dir.path(), opts()), Err(StoreError::Locked { .. })));
     let mut b = Batch::new();
-    b.enqueue(1, &[b"first"]);
-    let ticket = store.append(&mut b).unwrap();
-    let rx = store.durable();
-    // Written immediately (bytes reach the file) but not yet durable.
-    eventually("bytes written", || store.stats().bytes_written > 0);
-    if started.elapsed() < Duration::from_millis(300) {
-        assert!(*rx.borrow() < ticket, "durable before the interval fsync");
-        assert_eq!(store.stats().fsyncs, 0);
-    }
-    store.wait_durable(ticket).unwrap();
-    assert!(
-        started.elapsed() >= Duration::from_millis(350),
-        "{:?}",
-        started.elapsed()
-    );
-    assert!(*rx.borrow() >= ticket);
-
-    // A steady stream for ~1 s costs a few fsyncs, not one per batch.
-    let before = store.stats().fsyncs;
-    let until = Instant::now() + Duration::from_millis(1000);
-    let mut n = 0;
-    while Instant::now() < until {
-        let mut b = Batch::new();
-        b.enqueue(1, &[b"more"]);
-        store.append(&mut b).unwrap();
-        n += 1;
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    let fsyncs = store.stats().fsyncs - before;
-    assert!(fsyncs <= 4, "{fsyncs} fsyncs for {n} batches");
+    b.enqueue(1, 0, 0, &[b"x"]);
+    store.append(&mut b).unwrap();
     store.close().unwrap();
-    assert_eq!(
-        store.stats().durable,
-        store.stats().bytes_written + HEADER_SIZE as u64
-    );
-}
-
-#[test]
-fn given_close_should_flush_pending_and_refuse_later_appends() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, _) = Store::open(
-        dir.path(),
-        StoreOptions {
-            segment_size: 1 << 20,
-            sync: SyncPolicy::IntervalMs(60_000),
-        },
-    )
-    .unwrap();
-    let mut last = 0;
-    for i in 0..100 {
-        let mut b = Batch::new();
-        b.enqueue(1, &[&payload(i, 64)]);
-        last = store.append(&mut b).unwrap();
-    }
-    store.close().unwrap();
-    assert!(*store.durable().borrow() >= last);
-    store.wait_durable(last).unwrap();
     let mut b = Batch::new();
-    b.enqueue(1, &[b"late"]);
+    b.enqueue(1, 1, 0, &[b"y"]);
     assert!(matches!(store.append(&mut b), Err(StoreError::Closed)));
-    store.close().unwrap();
-    drop(store);
-    let (_s, rec) = open(dir.path(), 1 << 20);
-    assert_eq!(rec.messages.len(), 100);
+    let (_s, rec) = open(dir.path(), opts());
+    assert_eq!(queue(&rec, 1).live_count, 1);
 }
 
 #[test]
-fn given_open_store_a_second_open_of_the_same_dir_should_fail() {
+fn interval_policy_reports_durable_only_after_its_fsync() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(dir.path(), 1 << 20);
-    assert!(matches!(
-        Store::open(dir.path(), opts(1 << 20)),
-        Err(StoreError::Locked { .. })
-    ));
-    drop(store);
-    assert!(Store::open(dir.path(), opts(1 << 20)).is_ok());
-}
-
-#[test]
-fn given_durable_watch_async_waiters_see_the_watermark_reach_their_ticket() {
-    let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(dir.path(), 1 << 20);
-    let mut rx = store.durable();
+    let (store, _) = open(dir.path(), StoreOptions { sync: SyncPolicy::IntervalMs(300), ..opts() });
+    let durable = store.durable();
+    let start = *durable.borrow();
     let mut b = Batch::new();
-    b.enqueue(1, &[b"x"]);
+    b.enqueue(1, 0, 0, &[b"x"]);
+    let t0 = Instant::now();
     let ticket = store.append(&mut b).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        rx.wait_for(|d| *d >= ticket).await.unwrap();
-    });
-    // An empty batch is a barrier: its ticket is everything appended so far.
-    let mut empty = Batch::new();
-    assert_eq!(store.append(&mut empty).unwrap(), ticket);
+    assert!(ticket > start);
+    store.wait_durable(ticket).unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(150), "durable after {:?}", t0.elapsed());
 }
 
 const CHILD_DIR_ENV: &str = "WARREN_STORE_KILL9_CHILD_DIR";
 
-/// Not a test on its own: the body of the child process killed by the kill -9 test below. It appends from
-/// 3 threads, acks every fourth message, and prints each confirmed id once it is durable.
+/// Not a test on its own: the body of the child process killed by the kill -9 test below. Three threads
+/// append to queues of their own, each acks every fourth message, and prints each confirmed seq once it
+/// is durable.
 #[test]
 fn kill9_child() {
-    let Ok(dir) = std::env::var(CHILD_DIR_ENV) else {
-        return;
-    };
-    let (store, _) = Store::open(Path::new(&dir), opts(8 << 10)).unwrap();
+    let Ok(dir) = std::env::var(CHILD_DIR_ENV) else { return };
+    let o = StoreOptions { checkpoint_bytes: 256 << 10, checkpoint_idle_ms: 50, ..opts() };
+    let (store, rec) = Store::open(Path::new(&dir), o).unwrap();
     let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
-    let handles: Vec<_> = (0..3)
-        .map(|t| {
+    let handles: Vec<_> = (0..3u64)
+        .map(|q| {
             let (store, out) = (store.clone(), out.clone());
+            let mut seq = queue(&rec, q).next_seq;
             std::thread::spawn(move || loop {
                 let mut b = Batch::new();
-                b.enqueue(t, &[&payload(0, 300)]);
+                b.enqueue(q, seq, 0, &[&payload(q, seq, 300)]);
                 let ticket = store.append(&mut b).unwrap();
-                let id = b.ids()[0];
                 store.wait_durable(ticket).unwrap();
-                if id.is_multiple_of(4) {
+                if seq % 4 == 0 {
                     let mut a = Batch::new();
-                    a.ack(id);
-                    let ticket = store.append(&mut a).unwrap();
-                    store.wait_durable(ticket).unwrap();
-                    writeln!(out.lock().unwrap(), "acked {id}").unwrap();
+                    a.ack(q, seq, payload(q, seq, 300).len() as u64);
+                    store.wait_durable(store.append(&mut a).unwrap()).unwrap();
+                    writeln!(out.lock().unwrap(), "acked {q} {seq}").unwrap();
                 } else {
-                    writeln!(out.lock().unwrap(), "confirmed {id}").unwrap();
+                    writeln!(out.lock().unwrap(), "confirmed {q} {seq}").unwrap();
                 }
+                seq += 1;
             })
         })
         .collect();
@@ -551,10 +416,13 @@ fn kill9_child() {
 }
 
 #[test]
-fn given_kill_9_every_confirmed_message_should_survive_and_acked_ones_stay_gone() {
+fn kill_9_keeps_every_confirmed_message_and_acked_ones_stay_gone() {
+    use std::collections::HashSet;
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
-    for round in 0..3 {
+    let mut confirmed: HashSet<(u64, u64)> = HashSet::new();
+    let mut acked: HashSet<(u64, u64)> = HashSet::new();
+    for round in 0..4 {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
             .args(["--exact", "kill9_child", "--nocapture", "--test-threads=1"])
             .env(CHILD_DIR_ENV, dir.path())
@@ -563,44 +431,43 @@ fn given_kill_9_every_confirmed_message_should_survive_and_acked_ones_stay_gone(
             .unwrap();
         let stdout = child.stdout.take().unwrap();
         let reader = std::thread::spawn(move || {
-            let mut confirmed = Vec::new();
-            let mut acked = Vec::new();
+            let mut lines = Vec::new();
             for line in std::io::BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                let mut words = line.split_whitespace();
-                match (
-                    words.next(),
-                    words.next().and_then(|w| w.parse::<MsgId>().ok()),
-                ) {
-                    (Some("confirmed"), Some(id)) => confirmed.push(id),
-                    (Some("acked"), Some(id)) => acked.push(id),
-                    _ => {}
+                let w: Vec<&str> = line.split_whitespace().collect();
+                if let [kind, q, s] = w[..] {
+                    if let (Ok(q), Ok(s)) = (q.parse::<u64>(), s.parse::<u64>()) {
+                        lines.push((kind == "acked", q, s));
+                    }
                 }
             }
-            (confirmed, acked)
+            lines
         });
-        std::thread::sleep(Duration::from_millis(400 + 150 * round));
+        std::thread::sleep(Duration::from_millis(500 + 200 * round));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
-        let (confirmed, acked) = reader.join().unwrap();
-        assert!(
-            !confirmed.is_empty(),
-            "round {round}: child confirmed nothing"
-        );
-        let (_store, rec) = open(dir.path(), 8 << 10);
-        let live: std::collections::HashSet<MsgId> = rec.messages.iter().map(|m| m.id).collect();
-        for id in &confirmed {
-            assert!(
-                live.contains(id),
-                "round {round}: confirmed message {id} lost"
-            );
+        let lines = reader.join().unwrap();
+        assert!(!lines.is_empty(), "round {round}: the child confirmed nothing");
+        for (was_acked, q, s) in lines {
+            if was_acked {
+                acked.insert((q, s));
+            } else {
+                confirmed.insert((q, s));
+            }
         }
-        for id in &acked {
-            assert!(
-                !live.contains(id),
-                "round {round}: acked message {id} came back"
-            );
+        let (store, rec) = open(dir.path(), opts());
+        for q in 0..3u64 {
+            let r = queue(&rec, q);
+            let live: HashSet<u64> = read_all(&store, q, r.first_seq, r.live_count as usize).into_iter().map(|(s, _)| s).collect();
+            assert_eq!(live.len() as u64, r.live_count, "round {round} queue {q}: count and contents agree");
+            for &(cq, s) in confirmed.iter().filter(|(cq, _)| *cq == q) {
+                assert!(live.contains(&s), "round {round}: confirmed message {cq}/{s} lost");
+            }
+            for &(aq, s) in acked.iter().filter(|(aq, _)| *aq == q) {
+                assert!(!live.contains(&s), "round {round}: acked message {aq}/{s} came back");
+            }
         }
+        store.close().unwrap();
     }
 }
 
@@ -611,29 +478,25 @@ fn given_kill_9_every_confirmed_message_should_survive_and_acked_ones_stay_gone(
 #[ignore]
 fn throughput() {
     let dir = tempfile::tempdir().unwrap();
-    let (store, _) = open(dir.path(), 64 << 20);
+    let (store, _) = open(dir.path(), StoreOptions::default());
     let store = Arc::new(store);
-    let scenarios = [
-        ("confirm each", 1usize, true),
-        ("1 per batch, no wait", 1, false),
-        ("batches of 32", 32, false),
-    ];
-    for (label, per_batch, wait_each) in scenarios {
+    for (label, per_batch, wait_each) in [("confirm each", 1usize, true), ("batches of 32", 32, false)] {
         let before = store.stats();
         let started = Instant::now();
-        let total_per_thread = 20_000usize;
-        let body = vec![b'x'; 1024];
-        let handles: Vec<_> = (0..4)
+        let total_per_thread = 50_000usize;
+        let handles: Vec<_> = (0..4u64)
             .map(|t| {
                 let store = store.clone();
-                let body = body.clone();
                 std::thread::spawn(move || {
+                    let body = vec![b'x'; 1024];
                     let mut b = Batch::new();
                     let mut last = 0;
+                    let mut seq = 0;
                     for _ in 0..total_per_thread / per_batch {
                         b.clear();
                         for _ in 0..per_batch {
-                            b.enqueue(t, &[&body]);
+                            b.enqueue(t + 100 * per_batch as u64, seq, 0, &[&body]);
+                            seq += 1;
                         }
                         last = store.append(&mut b).unwrap();
                         if wait_each {

@@ -1,0 +1,443 @@
+//! Queue logs: each queue's messages in its own segment files, in seq order, behind the WAL.
+//!
+//! The writer thread copies every enqueue from the WAL into its queue's log right after the group commit
+//! (page cache only; the checkpoint makes them durable with one `syncfs`), applies acks to the queue's
+//! [`GoneSet`], and deletes a queue's segments once every seq in them is gone and their retention has
+//! passed. Queues read their backlog back from here in order, so a backlog costs disk, not memory, and one
+//! slow queue keeps only its own segments on disk.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+
+use crate::format::{self, Record, HEADER_SIZE, QSEG_EXT, RECORD_HEADER_SIZE};
+use crate::gone::GoneSet;
+
+/// A message read back from a queue log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredMessage {
+    pub seq: u64,
+    pub timestamp_ms: u64,
+    pub payload: Bytes,
+}
+
+/// The result of [`crate::Store::read`].
+#[derive(Debug, Default)]
+pub struct ReadBatch {
+    /// Live messages in seq order.
+    pub messages: Vec<StoredMessage>,
+    /// Where the next read continues: after the last record looked at (gone ones included).
+    pub next_seq: u64,
+    /// Messages that could not be read back because a queue segment was damaged (logged); they are now
+    /// counted as gone.
+    pub lost: u64,
+}
+
+/// One segment file of a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QSeg {
+    pub first_seq: u64,
+    /// Bytes in the file (header included) that the log has written.
+    pub len: u64,
+    /// Seq after the last record in it (`first_seq` while empty).
+    pub end_seq: u64,
+    pub first_ts: u64,
+    pub last_ts: u64,
+}
+
+pub(crate) struct QueueLog {
+    pub id: u64,
+    dir: PathBuf,
+    pub segments: BTreeMap<u64, QSeg>,
+    /// Append handle of the newest segment.
+    active: Option<File>,
+    /// Records copied in but not yet written to `active`.
+    pending: Vec<u8>,
+    /// (seq after, timestamp) of the last record in `pending`.
+    pending_end: Option<(u64, u64)>,
+    /// Seq after the last enqueue applied.
+    pub next_seq: u64,
+    pub gone: GoneSet,
+    /// Payload bytes of the live messages.
+    pub live_bytes: u64,
+    pub retention_ms: u64,
+    /// Written to since the last checkpoint.
+    pub dirty: bool,
+    /// Read handle and where the next in-order read starts: (seq, segment, file offset).
+    reader: Option<(u64, File)>,
+    cursor: Option<(u64, u64, u64)>,
+}
+
+impl QueueLog {
+    pub fn new(root: &Path, id: u64) -> QueueLog {
+        QueueLog {
+            id,
+            dir: queue_dir(root, id),
+            segments: BTreeMap::new(),
+            active: None,
+            pending: Vec::new(),
+            pending_end: None,
+            next_seq: 0,
+            gone: GoneSet::new(0),
+            live_bytes: 0,
+            retention_ms: 0,
+            dirty: false,
+            reader: None,
+            cursor: None,
+        }
+    }
+
+    pub fn live_count(&self) -> u64 {
+        let floor = self.gone.floor();
+        (self.next_seq.saturating_sub(floor)).saturating_sub(self.gone.count_in(floor, self.next_seq))
+    }
+
+    /// Copies one enqueue record (as encoded in the WAL) into the log's write buffer; [`QueueLog::flush`]
+    /// writes it. Seqs the queue skipped (messages it never stored) become gone.
+    pub fn append(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, payload_len: usize, seg_size: u64) -> std::io::Result<()> {
+        if seq < self.next_seq {
+            return Ok(()); // already applied (replay overlap)
+        }
+        if seq > self.next_seq {
+            self.gone.insert(self.next_seq, seq);
+        }
+        let full = self.segments.values().next_back().is_none_or(|last| last.len + self.pending.len() as u64 >= seg_size);
+        if self.active.is_none() || full {
+            self.flush()?;
+            self.create_segment(seq)?;
+        }
+        self.pending.extend_from_slice(record);
+        self.pending_end = Some((seq + 1, timestamp_ms));
+        self.next_seq = seq + 1;
+        self.live_bytes += payload_len as u64;
+        self.dirty = true;
+        Ok(())
+    }
+
+    fn create_segment(&mut self, first_seq: u64) -> std::io::Result<()> {
+        fs::create_dir_all(&self.dir)?;
+        let path = seg_path(&self.dir, first_seq);
+        let mut f = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
+        f.write_all(&format::encode_qseg_header(self.id, first_seq))?;
+        self.segments.insert(
+            first_seq,
+            QSeg { first_seq, len: HEADER_SIZE as u64, end_seq: first_seq, first_ts: 0, last_ts: 0 },
+        );
+        self.active = Some(f);
+        Ok(())
+    }
+
+    /// Writes what `append` buffered; only then do readers see it (`len`, `end_seq`).
+    pub fn flush(&mut self) -> std::io::Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        if let Some(f) = self.active.as_mut() {
+            f.write_all(&self.pending)?;
+        }
+        if let (Some(last), Some((end_seq, ts))) = (self.segments.values_mut().next_back(), self.pending_end.take()) {
+            if last.end_seq == last.first_seq {
+                last.first_ts = first_timestamp(&self.pending).unwrap_or(ts);
+            }
+            last.len += self.pending.len() as u64;
+            last.end_seq = end_seq;
+            last.last_ts = last.last_ts.max(ts);
+        }
+        self.pending.clear();
+        if self.pending.capacity() > 1 << 20 {
+            self.pending.shrink_to(1 << 20);
+        }
+        Ok(())
+    }
+
+    /// Marks `[start, end)` gone, `bytes` being their payload bytes.
+    pub fn ack(&mut self, start: u64, end: u64, bytes: u64) {
+        self.gone.insert(start, end.min(self.next_seq));
+        self.live_bytes = self.live_bytes.saturating_sub(bytes);
+        self.dirty = true;
+    }
+
+    /// Deletes segments whose seqs are all gone and whose retention has passed. Returns (bytes, files) freed.
+    pub fn collect_garbage(&mut self, now_ms: u64) -> (u64, u64) {
+        let floor = self.gone.floor();
+        let mut freed = 0;
+        let mut files = 0;
+        loop {
+            let Some((&first, seg)) = self.segments.iter().next() else { break };
+            let newest = self.segments.len() == 1;
+            let all_gone = if newest { self.next_seq <= floor } else { seg.end_seq <= floor };
+            let retained = seg.last_ts.saturating_add(self.retention_ms) > now_ms && self.retention_ms > 0;
+            if !all_gone || retained {
+                break;
+            }
+            let seg = *seg;
+            if newest {
+                // Pending records would be for seqs >= next_seq, so there are none; close before unlinking.
+                self.active = None;
+            }
+            if let Err(e) = fs::remove_file(seg_path(&self.dir, first)) {
+                tracing::warn!(error = %e, queue = self.id, "could not delete a consumed queue segment; will retry");
+                break;
+            }
+            freed += seg.len;
+            files += 1;
+            self.segments.remove(&first);
+            if self.reader.as_ref().is_some_and(|(f, _)| *f == first) {
+                self.reader = None;
+            }
+            self.dirty = true;
+        }
+        (freed, files)
+    }
+
+    /// Reads live messages from `from_seq` on: at most `max_count` of them and about `max_bytes` of payload.
+    pub fn read(&mut self, from_seq: u64, max_count: usize, max_bytes: usize) -> std::io::Result<ReadBatch> {
+        let mut out = ReadBatch { next_seq: self.gone.next_live(from_seq), ..Default::default() };
+        let mut bytes = 0usize;
+        while out.messages.len() < max_count && bytes < max_bytes && out.next_seq < self.next_seq {
+            let seq = out.next_seq;
+            let Some((&first, &seg)) = self.segments.range(..=seq).next_back() else {
+                // Below the oldest segment: all gone; continue at the oldest one.
+                match self.segments.keys().next() {
+                    Some(&f) if f > seq => {
+                        out.next_seq = self.gone.next_live(f);
+                        continue;
+                    }
+                    _ => break,
+                }
+            };
+            if seq >= seg.end_seq {
+                // Past this segment's records: on to the next one (or nothing more is written yet).
+                match self.segments.range(seq + 1..).next() {
+                    Some((&next_first, _)) => {
+                        out.next_seq = self.gone.next_live(next_first);
+                        continue;
+                    }
+                    None => break,
+                }
+            }
+            let offset = match self.cursor {
+                Some((cseq, cseg, coff)) if cseg == first && cseq <= seq => coff,
+                _ => HEADER_SIZE as u64,
+            };
+            if offset >= seg.len {
+                break; // the rest of this segment is not written yet
+            }
+            // Peek at the first record's length so that a chunk always holds at least one whole record.
+            let head = self.pread(first, offset, RECORD_HEADER_SIZE)?;
+            let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&head, 0)));
+            let want = ((max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64).max(first_len);
+            let chunk = self.pread(first, offset, want.min(seg.len - offset) as usize)?;
+            let mut pos = 0usize;
+            while pos < chunk.len() {
+                match format::decode_record(&chunk[pos..]) {
+                    Ok((Record::Enqueue { seq: rseq, timestamp_ms, payload, .. }, n)) => {
+                        let start = pos + RECORD_HEADER_SIZE + format::ENQUEUE_FIXED_LEN;
+                        pos += n;
+                        self.cursor = Some((rseq + 1, first, offset + pos as u64));
+                        out.next_seq = self.gone.next_live(rseq + 1);
+                        if rseq < seq || self.gone.contains(rseq) {
+                            continue;
+                        }
+                        bytes += payload.len();
+                        out.messages.push(StoredMessage {
+                            seq: rseq,
+                            timestamp_ms,
+                            payload: chunk.slice(start..start + payload.len()),
+                        });
+                        if out.messages.len() >= max_count || bytes >= max_bytes {
+                            break;
+                        }
+                    }
+                    Ok((_, n)) => pos += n, // queue segments hold only enqueues; skip anything else
+                    Err(format::Damage::LengthPastEof { .. } | format::Damage::RecordHeaderTruncated { .. })
+                        if pos > 0 && offset + (pos as u64) < seg.len =>
+                    {
+                        break; // the chunk ended inside a record: the next round reads on from there
+                    }
+                    Err(damage) => {
+                        let lost_from = seq.max(out.next_seq);
+                        let lost = seg.end_seq.saturating_sub(lost_from).saturating_sub(self.gone.count_in(lost_from, seg.end_seq));
+                        tracing::error!(queue = self.id, segment = first, offset = offset + pos as u64, %damage, lost,
+                            "damaged record in a queue segment; the rest of the segment is skipped");
+                        self.gone.insert(lost_from, seg.end_seq);
+                        out.lost += lost;
+                        out.next_seq = self.gone.next_live(seg.end_seq);
+                        self.cursor = None;
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn pread(&mut self, first: u64, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        if self.reader.as_ref().is_none_or(|(f, _)| *f != first) {
+            self.reader = Some((first, File::open(seg_path(&self.dir, first))?));
+        }
+        let mut buf = BytesMut::zeroed(len);
+        let mut done = 0;
+        if let Some((_, file)) = &self.reader {
+            while done < len {
+                let n = file.read_at(&mut buf[done..], offset + done as u64)?;
+                if n == 0 {
+                    break;
+                }
+                done += n;
+            }
+        }
+        buf.truncate(done);
+        Ok(buf.freeze())
+    }
+
+    /// The first seq whose message was enqueued at or after `timestamp_ms` (gone ones included, as long as
+    /// they are still on disk), or `next_seq` if there is none.
+    pub fn seek_time(&mut self, timestamp_ms: u64) -> std::io::Result<u64> {
+        let candidates: Vec<QSeg> = self.segments.values().copied().collect();
+        for seg in candidates {
+            if seg.last_ts < timestamp_ms {
+                continue;
+            }
+            let data = self.pread(seg.first_seq, HEADER_SIZE as u64, (seg.len - HEADER_SIZE as u64) as usize)?;
+            let mut pos = 0;
+            while let Ok((record, n)) = format::decode_record(&data[pos..]) {
+                if let Record::Enqueue { seq, timestamp_ms: ts, .. } = record {
+                    if ts >= timestamp_ms {
+                        return Ok(seq);
+                    }
+                }
+                pos += n;
+            }
+        }
+        Ok(self.next_seq)
+    }
+
+    /// Removes the queue's files (the queue was deleted).
+    pub fn destroy(&mut self) {
+        self.active = None;
+        self.reader = None;
+        self.segments.clear();
+        if let Err(e) = fs::remove_dir_all(&self.dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(error = %e, queue = self.id, "could not remove a deleted queue's files");
+            }
+        }
+    }
+
+    /// Restores a log from its checkpointed state: files are cut back to what the checkpoint made durable,
+    /// files written after it are removed (the WAL replay writes them again).
+    pub fn restore(root: &Path, state: crate::checkpoint::QueueState) -> std::io::Result<QueueLog> {
+        let mut log = QueueLog::new(root, state.id);
+        log.next_seq = state.next_seq;
+        log.gone = GoneSet::from_parts(state.floor, state.ranges);
+        log.live_bytes = state.live_bytes;
+        log.retention_ms = state.retention_ms;
+        let on_disk = list_segments(&log.dir)?;
+        for first in &on_disk {
+            if !state.segments.iter().any(|s| s.first_seq == *first) {
+                fs::remove_file(seg_path(&log.dir, *first))?;
+            }
+        }
+        for seg in state.segments {
+            let path = seg_path(&log.dir, seg.first_seq);
+            let Ok(meta) = fs::metadata(&path) else {
+                continue; // deleted after the checkpoint: every seq in it was gone
+            };
+            if meta.len() < seg.len {
+                tracing::error!(file = %path.display(), expected = seg.len, found = meta.len(),
+                    "queue segment is shorter than the checkpoint recorded; messages in the missing part are lost");
+            }
+            let f = OpenOptions::new().write(true).open(&path)?;
+            f.set_len(seg.len.min(meta.len()))?;
+            log.segments.insert(seg.first_seq, QSeg { len: seg.len.min(meta.len()), ..seg });
+        }
+        if let Some(last) = log.segments.values().next_back() {
+            log.active = Some(OpenOptions::new().append(true).open(seg_path(&log.dir, last.first_seq))?);
+        }
+        Ok(log)
+    }
+}
+
+/// The timestamp of the first enqueue record in `buf`.
+fn first_timestamp(buf: &[u8]) -> Option<u64> {
+    match format::decode_record(buf) {
+        Ok((Record::Enqueue { timestamp_ms, .. }, _)) => Some(timestamp_ms),
+        _ => None,
+    }
+}
+
+pub(crate) fn queue_dir(root: &Path, id: u64) -> PathBuf {
+    root.join("queues").join(id.to_string())
+}
+
+fn seg_path(dir: &Path, first_seq: u64) -> PathBuf {
+    dir.join(format!("{first_seq:020}.{QSEG_EXT}"))
+}
+
+fn list_segments(dir: &Path) -> std::io::Result<Vec<u64>> {
+    let mut out = Vec::new();
+    let entries = match fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let name = entry?.file_name();
+        if let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(QSEG_EXT)).and_then(|s| s.strip_suffix('.')) {
+            if let Ok(n) = stem.parse() {
+                out.push(n);
+            }
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// All queue logs, by queue id.
+#[derive(Default)]
+pub(crate) struct QueueLogs {
+    logs: Mutex<HashMap<u64, Arc<Mutex<QueueLog>>>>,
+    /// Something changed since the last checkpoint (acks, drops, retention), so a quiet store still
+    /// checkpoints and reclaims disk.
+    dirty: AtomicBool,
+}
+
+impl QueueLogs {
+    pub fn any_dirty_hint(&self) -> bool {
+        self.dirty.load(Ordering::Relaxed)
+    }
+    pub fn set_dirty_hint(&self) {
+        self.dirty.store(true, Ordering::Relaxed);
+    }
+    pub fn clear_dirty_hint(&self) {
+        self.dirty.store(false, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, id: u64) -> Option<Arc<Mutex<QueueLog>>> {
+        self.logs.lock().get(&id).cloned()
+    }
+
+    pub fn get_or_create(&self, root: &Path, id: u64) -> Arc<Mutex<QueueLog>> {
+        self.logs.lock().entry(id).or_insert_with(|| Arc::new(Mutex::new(QueueLog::new(root, id)))).clone()
+    }
+
+    pub fn insert(&self, log: QueueLog) {
+        self.logs.lock().insert(log.id, Arc::new(Mutex::new(log)));
+    }
+
+    pub fn remove(&self, id: u64) -> Option<Arc<Mutex<QueueLog>>> {
+        self.logs.lock().remove(&id)
+    }
+
+    pub fn all(&self) -> Vec<Arc<Mutex<QueueLog>>> {
+        self.logs.lock().values().cloned().collect()
+    }
+}
