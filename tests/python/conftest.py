@@ -64,6 +64,7 @@ class Broker:
         self.data_dir = data_dir
         self.log_path = log_path
         self.proc = None
+        self.extra_args = []
 
     @property
     def url(self):
@@ -73,7 +74,7 @@ class Broker:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [BIN, "server", "--amqp-port", str(self.port), "--http-port", str(self.http_port),
-             "--data-dir", str(self.data_dir)],
+             "--data-dir", str(self.data_dir), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT,
         )
 

@@ -140,6 +140,10 @@ pub struct Config {
     pub sync: SyncMode,
     /// Size (bytes) at which the store starts a new segment file.
     pub segment_size: u64,
+    /// Memory alarm threshold: a fraction of the machine's RAM ("0.4") or a size ("2GiB").
+    pub memory_high_watermark: String,
+    /// Disk alarm threshold: free space (a size, "1GiB") below which publishers are blocked.
+    pub disk_free_limit: String,
     /// Log filter (tracing `EnvFilter` directives), e.g. `info` or `warn,warren_broker=debug`.
     pub log: String,
 }
@@ -161,9 +165,50 @@ impl Default for Config {
             max_message_size: 128 << 20,
             sync: SyncMode::EveryBatch,
             segment_size: 32 << 20,
+            memory_high_watermark: "0.4".to_owned(),
+            disk_free_limit: "1GiB".to_owned(),
             log: "info".to_owned(),
         }
     }
+}
+
+/// A memory threshold: relative to RAM, or absolute.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Watermark {
+    Fraction(f64),
+    Bytes(u64),
+}
+
+/// "0.4" (a fraction in (0, 1]) or a size ("2GiB", "512MB", "1000000").
+pub fn parse_watermark(s: &str) -> Option<Watermark> {
+    let t = s.trim();
+    if t.contains('.') || t == "1" || t == "0" {
+        let f: f64 = t.parse().ok()?;
+        return (f > 0.0 && f <= 1.0).then_some(Watermark::Fraction(f));
+    }
+    parse_size(t).filter(|b| *b > 0).map(Watermark::Bytes)
+}
+
+/// A size: a number of bytes with an optional unit (kB, MB, GB, TB: powers of 1000; KiB, MiB, GiB,
+/// TiB: powers of 1024), as RabbitMQ accepts for `disk_free_limit.absolute`.
+pub fn parse_size(s: &str) -> Option<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" => 1_000,
+        "kib" => 1 << 10,
+        "m" | "mb" => 1_000_000,
+        "mib" => 1 << 20,
+        "g" | "gb" => 1_000_000_000,
+        "gib" => 1 << 30,
+        "t" | "tb" => 1_000_000_000_000,
+        "tib" => 1 << 40,
+        _ => return None,
+    };
+    n.checked_mul(mult)
 }
 
 /// The AMQP minimum for frame-max (spec section 4.2.3, `frame-min-size`).
@@ -193,6 +238,8 @@ const KEYS: &[(&str, &str)] = &[
     ("max-message-size", "a size in bytes (1-536870912)"),
     ("sync", SYNC_EXPECTED),
     ("segment-size", "a size in bytes (at least 4096)"),
+    ("memory-high-watermark", "a fraction of RAM such as \"0.4\", or a size such as \"2GiB\""),
+    ("disk-free-limit", "a size such as \"1GiB\", \"500MB\" or a number of bytes"),
     ("log", "a tracing filter such as \"info\" or \"warn,warren_broker=debug\""),
 ];
 
@@ -402,8 +449,34 @@ impl Config {
         self.check().map_err(|(key, problem)| ConfigError::Invalid { key, problem, origin: None })
     }
 
+    /// The memory alarm threshold in bytes, for a machine with `total_ram` bytes.
+    pub fn memory_limit_bytes(&self, total_ram: u64) -> u64 {
+        match parse_watermark(&self.memory_high_watermark) {
+            Some(Watermark::Fraction(f)) => (total_ram as f64 * f) as u64,
+            Some(Watermark::Bytes(b)) => b,
+            None => (total_ram as f64 * 0.4) as u64,
+        }
+    }
+
+    /// The disk alarm threshold in bytes of free space.
+    pub fn disk_free_limit_bytes(&self) -> u64 {
+        parse_size(&self.disk_free_limit).unwrap_or(1 << 30)
+    }
+
     /// The first problem found, as (key, what is wrong).
     fn check(&self) -> Result<(), (&'static str, String)> {
+        if parse_watermark(&self.memory_high_watermark).is_none() {
+            return Err((
+                "memory-high-watermark",
+                format!("\"{}\" is neither a fraction of RAM in (0, 1] nor a size such as \"2GiB\"", self.memory_high_watermark),
+            ));
+        }
+        if parse_size(&self.disk_free_limit).is_none() {
+            return Err((
+                "disk-free-limit",
+                format!("\"{}\" is not a size such as \"1GiB\", \"500MB\" or a number of bytes", self.disk_free_limit),
+            ));
+        }
         if self.amqp_port != 0 && self.amqp_port == self.http_port {
             return Err((
                 "http-port",
@@ -479,7 +552,7 @@ impl Config {
         format!(
             "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
-             max-message-size={} sync={} segment-size={} log={}",
+             max-message-size={} sync={} segment-size={} memory-high-watermark={} disk-free-limit={} log={}",
             self.amqp_addr(),
             self.http_port,
             self.data_dir.display(),
@@ -492,6 +565,8 @@ impl Config {
             self.max_message_size,
             self.sync,
             self.segment_size,
+            self.memory_high_watermark,
+            self.disk_free_limit,
             self.log,
         )
     }
@@ -822,6 +897,25 @@ mod tests {
         }
         assert_eq!(SyncMode::IntervalMs(25).to_string(), "every-25ms");
         assert_eq!(SyncMode::EveryBatch.to_string(), "every-batch");
+    }
+
+    #[test]
+    fn sizes_and_watermarks() {
+        assert_eq!(parse_size("1GiB"), Some(1 << 30));
+        assert_eq!(parse_size("500MB"), Some(500_000_000));
+        assert_eq!(parse_size(" 123 "), Some(123));
+        assert_eq!(parse_size("12 kib"), Some(12 << 10));
+        assert_eq!(parse_size("lots"), None);
+        assert_eq!(parse_size("1XB"), None);
+        assert_eq!(parse_watermark("0.4"), Some(Watermark::Fraction(0.4)));
+        assert_eq!(parse_watermark("2GiB"), Some(Watermark::Bytes(2 << 30)));
+        assert_eq!(parse_watermark("1.5"), None);
+        assert_eq!(parse_watermark("0"), None);
+        let c = Config::default();
+        assert_eq!(c.memory_limit_bytes(1000), 400);
+        assert_eq!(c.disk_free_limit_bytes(), 1 << 30);
+        let bad = Config { memory_high_watermark: "most".into(), ..Config::default() };
+        assert!(bad.validate().expect_err("invalid").to_string().starts_with("invalid memory-high-watermark"));
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The `warren` binary.
 
+mod alarms;
 mod config;
 mod connection;
 mod server;
@@ -46,7 +47,8 @@ fn run_server(args: ServerArgs) -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(server::run(config)) {
+    let reload: server::Reload = Box::new(move || Config::load(&args).and_then(|c| c.validate().map(|_| c)));
+    match runtime.block_on(server::run(config, reload)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

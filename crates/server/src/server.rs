@@ -7,13 +7,17 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use crate::alarms::{self, AlarmState, Limits};
 use warren_broker::{Broker, BrokerOptions};
 use warren_store::{StoreOptions, SyncPolicy};
 
 /// How often message TTL and queue expiry are checked.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(100);
 
-pub async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
+/// Re-reads the configuration (file, environment, flags) on SIGHUP.
+pub type Reload = Box<dyn Fn() -> Result<Config, crate::config::ConfigError> + Send + Sync>;
+
+pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::error::Error>> {
     let store = StoreOptions {
         segment_size: config.segment_size,
         sync: match config.sync_interval_ms() {
@@ -51,7 +55,16 @@ pub async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())
     })?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let ctx = Arc::new(ServerContext { broker: broker.clone(), config: config.clone(), shutdown: shutdown_rx.clone() });
+    let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
+    let (alarm_tx, alarm_rx) = watch::channel(AlarmState::default());
+    let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(reload, limits, shutdown_rx.clone()));
+    let ctx = Arc::new(ServerContext {
+        broker: broker.clone(),
+        config: config.clone(),
+        shutdown: shutdown_rx.clone(),
+        alarms: alarm_rx,
+    });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
 
     let housekeeping = {
@@ -99,9 +112,32 @@ pub async fn run(config: Config) -> Result<(), Box<dyn std::error::Error>> {
         tracing::warn!("some connections did not close within 10 s");
     }
     housekeeping.abort();
+    alarm_monitor.abort();
+    reloader.abort();
     broker.close();
     tracing::info!("stopped");
     Ok(())
+}
+
+/// On SIGHUP, re-reads the configuration and applies what can change while running: the alarm limits.
+async fn reload_on_sighup(reload: Reload, limits: Arc<parking_lot::Mutex<Limits>>, mut shutdown: watch::Receiver<bool>) {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+    loop {
+        tokio::select! {
+            _ = hup.recv() => {}
+            _ = shutdown.changed() => return,
+        }
+        match reload() {
+            Ok(config) => {
+                let new = Limits::from_config(&config);
+                tracing::info!(memory_limit = new.memory_bytes, disk_free_limit = new.disk_free_bytes,
+                    "configuration reloaded (SIGHUP): alarm limits applied; other changes need a restart");
+                *limits.lock() = new;
+            }
+            Err(e) => tracing::error!("configuration reload (SIGHUP) failed, keeping the current one: {e}"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

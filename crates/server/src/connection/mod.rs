@@ -41,6 +41,8 @@ pub struct ServerContext {
     pub broker: Arc<Broker>,
     pub config: Config,
     pub shutdown: watch::Receiver<bool>,
+    /// Resource alarms: while one is raised, connections that publish are not read.
+    pub alarms: watch::Receiver<crate::alarms::AlarmState>,
 }
 
 /// What a channel handler needs from its connection.
@@ -127,6 +129,9 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         frame_max: negotiated.frame_max,
         channel_max: negotiated.channel_max,
         heartbeat: negotiated.heartbeat,
+        connection_blocked: negotiated.connection_blocked,
+        publisher: false,
+        alarms: ctx.alarms.clone(),
     };
     let mut shutdown = ctx.shutdown.clone();
     let ended = conn.run(&mut reader, &mut shutdown).await;
@@ -178,9 +183,42 @@ struct Connection {
     frame_max: u32,
     channel_max: u16,
     heartbeat: u16,
+    /// The client announced the `connection.blocked` capability.
+    connection_blocked: bool,
+    /// This connection has published: alarms block it.
+    publisher: bool,
+    alarms: watch::Receiver<crate::alarms::AlarmState>,
 }
 
 impl Connection {
+    /// While a resource alarm is raised, a connection that publishes is not read (TCP back-pressure
+    /// then stops the client), as RabbitMQ does; it is told with connection.blocked/unblocked.
+    async fn wait_while_blocked(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<(), ConnError> {
+        let state = *self.alarms.borrow();
+        if !self.publisher || !state.blocks_publishers() {
+            return Ok(());
+        }
+        let reason = state.reason();
+        tracing::info!(connection = self.shared.id, reason, "connection blocked by a resource alarm");
+        if self.connection_blocked {
+            self.shared.outbox.method(0, Method::ConnectionBlocked(ConnectionBlocked { reason: reason.to_string() }));
+        }
+        loop {
+            if !self.alarms.borrow_and_update().blocks_publishers() {
+                break;
+            }
+            tokio::select! {
+                changed = self.alarms.changed() => if changed.is_err() { break },
+                _ = shutdown.changed() => return Err(forced()),
+            }
+        }
+        tracing::info!(connection = self.shared.id, "connection unblocked");
+        if self.connection_blocked {
+            self.shared.outbox.method(0, Method::ConnectionUnblocked(ConnectionUnblocked {}));
+        }
+        Ok(())
+    }
+
     async fn run(&mut self, reader: &mut FrameReader, shutdown: &mut watch::Receiver<bool>) -> Ended {
         // RabbitMQ drops a peer after two missed heartbeats.
         let read_timeout = (self.heartbeat > 0).then(|| Duration::from_secs(self.heartbeat as u64 * 2));
@@ -199,6 +237,12 @@ impl Connection {
             if *shutdown.borrow() {
                 return Ended::Error(forced());
             }
+            if let Err(e) = self.wait_while_blocked(shutdown).await {
+                return Ended::Error(e);
+            }
+            // A publisher waiting for input is also woken by an alarm, to be blocked at once.
+            let mut alarms = self.alarms.clone();
+            let publisher = self.publisher;
             let fill = async {
                 match read_timeout {
                     Some(t) => match tokio::time::timeout(t, reader.fill()).await {
@@ -214,6 +258,7 @@ impl Connection {
             tokio::select! {
                 r = fill => if let Err(e) = r { return Ended::Error(e) },
                 _ = shutdown.changed() => return Ended::Error(forced()),
+                _ = alarms.changed(), if publisher => {}
             }
         }
     }
@@ -230,6 +275,9 @@ impl Connection {
             )),
             Frame::Method { channel: 0, method } => self.handle_connection_method(method),
             Frame::Method { channel, method } => {
+                if matches!(method, Method::BasicPublish(_)) {
+                    self.publisher = true;
+                }
                 self.handle_channel_method(channel, method)?;
                 Ok(true)
             }
