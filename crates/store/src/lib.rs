@@ -16,6 +16,7 @@
 
 mod batch;
 mod checkpoint;
+mod direct;
 mod error;
 pub mod format;
 mod gone;

@@ -8,7 +8,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +16,7 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 
+use crate::direct::Appender;
 use crate::format::{self, Record, HEADER_SIZE, QSEG_EXT, RECORD_HEADER_SIZE};
 use crate::gone::GoneSet;
 
@@ -57,7 +57,7 @@ pub(crate) struct QueueLog {
     dir: PathBuf,
     pub segments: BTreeMap<u64, QSeg>,
     /// Append handle of the newest segment.
-    active: Option<File>,
+    active: Option<Appender>,
     /// Records copied in but not yet written to `active`.
     pending: Vec<u8>,
     /// (seq after, timestamp) of the last record in `pending`.
@@ -124,8 +124,8 @@ impl QueueLog {
     fn create_segment(&mut self, first_seq: u64) -> std::io::Result<()> {
         fs::create_dir_all(&self.dir)?;
         let path = seg_path(&self.dir, first_seq);
-        let mut f = OpenOptions::new().create(true).truncate(true).write(true).open(&path)?;
-        f.write_all(&format::encode_qseg_header(self.id, first_seq))?;
+        let mut f = Appender::create(&path)?;
+        f.append(&format::encode_qseg_header(self.id, first_seq))?;
         self.segments.insert(
             first_seq,
             QSeg { first_seq, len: HEADER_SIZE as u64, end_seq: first_seq, first_ts: 0, last_ts: 0 },
@@ -140,7 +140,7 @@ impl QueueLog {
             return Ok(());
         }
         if let Some(f) = self.active.as_mut() {
-            f.write_all(&self.pending)?;
+            f.append(&self.pending)?;
         }
         if let (Some(last), Some((end_seq, ts))) = (self.segments.values_mut().next_back(), self.pending_end.take()) {
             if last.end_seq == last.first_seq {
@@ -360,7 +360,7 @@ impl QueueLog {
             log.segments.insert(seg.first_seq, QSeg { len: seg.len.min(meta.len()), ..seg });
         }
         if let Some(last) = log.segments.values().next_back() {
-            log.active = Some(OpenOptions::new().append(true).open(seg_path(&log.dir, last.first_seq))?);
+            log.active = Some(Appender::open_at(&seg_path(&log.dir, last.first_seq), last.len)?);
         }
         Ok(log)
     }

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::checkpoint;
+use crate::direct::Appender;
 use crate::error::StoreError;
 use crate::format::{self, Damage, Record, HEADER_SIZE, VERSION, WAL_MAGIC};
 use crate::qlog::{QueueLog, QueueLogs};
@@ -168,7 +169,7 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
     let (file, base, pos) = match active {
         Some((base, valid_len)) => {
             let path = segment::path(&wal, base);
-            let file = OpenOptions::new().append(true).open(&path).map_err(StoreError::io("opening", &path))?;
+            let file = Appender::open_at(&path, valid_len as u64).map_err(StoreError::io("opening", &path))?;
             (file, base, base + valid_len as u64)
         }
         None => {
@@ -224,6 +225,7 @@ fn replay(
     while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
         let (record, n) = match format::decode_record(rest) {
             Ok(r) => r,
+            Err(_) if crate::direct::is_padding(rest) => return Ok((off, None)),
             Err(damage) => return Ok((off, Some(damage))),
         };
         if base + off as u64 >= from_pos {

@@ -1,9 +1,9 @@
 //! WAL segment files: naming, listing, creating, directory fsync.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
+use crate::direct::Appender;
 use crate::error::StoreError;
 use crate::format::{self, WAL_EXT};
 
@@ -38,18 +38,25 @@ pub(crate) fn list(wal: &Path) -> Result<Vec<u64>, StoreError> {
 }
 
 /// Creates WAL segment `base` with its header, fsyncs it and the directory (so the new name survives).
-pub(crate) fn create(wal: &Path, base: u64) -> Result<File, StoreError> {
+pub(crate) fn create(wal: &Path, base: u64) -> Result<Appender, StoreError> {
     let p = path(wal, base);
     let mut f = create_empty(wal, base)?;
-    f.write_all(&format::encode_wal_header()).map_err(StoreError::io("writing", &p))?;
+    f.append(&format::encode_wal_header()).map_err(StoreError::io("writing", &p))?;
     f.sync_data().map_err(StoreError::io("fsyncing", &p))?;
     Ok(f)
 }
 
 /// Creates an empty WAL segment file and fsyncs the directory entry.
-pub(crate) fn create_empty(wal: &Path, base: u64) -> Result<File, StoreError> {
+pub(crate) fn create_empty(wal: &Path, base: u64) -> Result<Appender, StoreError> {
     let p = path(wal, base);
-    let f = OpenOptions::new().write(true).create_new(true).open(&p).map_err(StoreError::io("creating", &p))?;
+    if p.exists() {
+        return Err(StoreError::Io {
+            op: "creating",
+            path: p,
+            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+        });
+    }
+    let f = Appender::create(&p).map_err(StoreError::io("creating", &p))?;
     sync_dir(wal)?;
     Ok(f)
 }

@@ -22,8 +22,6 @@
 //! Lock order: `State` then `Durable`; a queue log's lock is never held while taking either.
 
 use std::collections::{HashMap, VecDeque};
-use std::fs::File;
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,6 +32,7 @@ use tokio::sync::watch;
 
 use crate::batch::Batch;
 use crate::checkpoint::{self, Checkpoint, QueueState};
+use crate::direct::Appender;
 use crate::error::StoreError;
 use crate::format::{self, Record, HEADER_SIZE};
 use crate::qlog::QueueLogs;
@@ -44,8 +43,9 @@ use crate::SyncTicket;
 /// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
 /// bounded instead of growing with the backlog.
 pub(crate) const MAX_PENDING_BYTES: usize = 64 << 20;
-/// The writer gives back buffer capacity above this after a burst.
-const MAX_RETAINED_BUFFER: usize = 8 << 20;
+/// The writer gives back buffer capacity above this after a burst. Large enough that a busy store does
+/// not reallocate (and page-fault in) its two group buffers over and over.
+const MAX_RETAINED_BUFFER: usize = 32 << 20;
 
 /// State shared by appenders and the writer, under one mutex.
 pub(crate) struct State {
@@ -115,7 +115,7 @@ pub(crate) struct Shared {
 
 /// Where recovery left the WAL: the writer's starting point.
 pub(crate) struct Start {
-    pub file: File,
+    pub file: Appender,
     pub base: u64,
     pub pos: u64,
     pub wal_bases: VecDeque<u64>,
@@ -237,7 +237,7 @@ pub(crate) fn fatal(what: &str, path: &std::path::Path, e: &dyn std::fmt::Displa
 /// The writer thread's own state.
 pub(crate) struct Writer {
     shared: Arc<Shared>,
-    file: File,
+    file: Appender,
     base: u64,
     buf: Vec<u8>,
     rolls: Vec<Roll>,
@@ -374,7 +374,7 @@ impl Writer {
     }
 
     fn write(&mut self, bytes: &[u8]) {
-        if let Err(e) = self.file.write_all(bytes) {
+        if let Err(e) = self.file.append(bytes) {
             fatal("writing", &segment::path(&self.shared.wal, self.base), &e);
         }
         let n = bytes.len() as u64;

@@ -1,0 +1,113 @@
+//! Store micro-benchmark: appends of 1 KB records with group commit, next to what this machine's disk
+//! does on its own in the same run (sequential writes with one fdatasync per 8 MiB, and the fsync rate).
+//!
+//! `cargo bench -p warren-store --bench append`. Throughput is in bytes of records per second.
+
+use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use warren_store::{Batch, Store, StoreOptions};
+
+const RECORD: usize = 1024;
+/// Bytes written per iteration of each benchmark.
+const PER_ITER: usize = 64 << 20;
+
+/// The disk on its own: 1 MiB writes, one fdatasync per 8 MiB (about what one group commit holds).
+fn raw_sequential(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = c.benchmark_group("disk");
+    g.throughput(Throughput::Bytes(PER_ITER as u64)).sample_size(10);
+    let chunk = vec![7u8; 1 << 20];
+    g.bench_function("sequential_write_fdatasync_8MiB", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for i in 0..iters {
+                let path = dir.path().join(format!("raw-{i}"));
+                let mut f = std::fs::File::create(&path).unwrap();
+                let t = Instant::now();
+                for n in 0..PER_ITER / chunk.len() {
+                    f.write_all(&chunk).unwrap();
+                    if n % 8 == 7 {
+                        f.sync_data().unwrap();
+                    }
+                }
+                f.sync_data().unwrap();
+                total += t.elapsed();
+                drop(f);
+                std::fs::remove_file(&path).unwrap();
+            }
+            total
+        })
+    });
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("fdatasync_4KiB", |b| {
+        let mut f = std::fs::File::create(dir.path().join("fsync")).unwrap();
+        let block = [1u8; 4096];
+        b.iter(|| {
+            f.write_all(&block).unwrap();
+            f.sync_data().unwrap();
+        })
+    });
+    g.finish();
+}
+
+/// The store: `threads` appenders, each appending batches of `per_batch` 1 KB records to its own queue,
+/// group commit, waiting for durability at the end of each iteration.
+fn store_appends(c: &mut Criterion) {
+    let mut g = c.benchmark_group("store");
+    g.throughput(Throughput::Bytes(PER_ITER as u64)).sample_size(10);
+    for (threads, per_batch) in [(1usize, 64usize), (4, 16), (4, 1)] {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let store = Arc::new(store);
+        let seqs: Arc<Vec<std::sync::atomic::AtomicU64>> = Arc::new((0..threads).map(|_| Default::default()).collect());
+        g.bench_function(format!("append_1KiB_{threads}_threads_batches_of_{per_batch}"), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    let handles: Vec<_> = (0..threads)
+                        .map(|th| {
+                            let (store, seqs) = (store.clone(), seqs.clone());
+                            std::thread::spawn(move || {
+                                let body = [b'x'; RECORD];
+                                let mut batch = Batch::new();
+                                let mut last = 0;
+                                let records = PER_ITER / RECORD / threads;
+                                for _ in 0..records / per_batch {
+                                    batch.clear();
+                                    for _ in 0..per_batch {
+                                        let seq = seqs[th].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                        batch.enqueue(th as u64, seq, 0, &[&body]);
+                                    }
+                                    last = store.append(&mut batch).unwrap();
+                                }
+                                store.wait_durable(last).unwrap();
+                            })
+                        })
+                        .collect();
+                    for h in handles {
+                        h.join().unwrap();
+                    }
+                    total += t.elapsed();
+                }
+                total
+            })
+        });
+        let s = store.stats();
+        eprintln!(
+            "  store stats: {} batches, {} fsyncs ({:.0} records per fsync), {} checkpoints",
+            s.batches,
+            s.fsyncs,
+            s.records as f64 / s.fsyncs.max(1) as f64,
+            s.checkpoints
+        );
+        store.close().unwrap();
+    }
+    g.finish();
+}
+
+criterion_group!(benches, raw_sequential, store_appends);
+criterion_main!(benches);

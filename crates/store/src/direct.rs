@@ -1,0 +1,175 @@
+//! [`Appender`]: appends to a file with `O_DIRECT`, bypassing the page cache.
+//!
+//! Why: on this kind of machine a buffered `write` spends most of its time copying into the page cache
+//! (`copy_folio_from_iter_atomic` was 57% of the writer thread in a profile, and `dd` through the page
+//! cache reached 414 MB/s against 1.7 GB/s with `O_DIRECT`). The store writes every byte once or twice and
+//! reads little of it back soon, so the page cache buys nothing on the write path.
+//!
+//! `O_DIRECT` wants offsets, lengths and memory aligned to [`BLOCK`]. The appender keeps the last partial
+//! block in its buffer and writes it again, completed, with the next append; the file therefore ends in
+//! zero padding up to the next block boundary, which readers treat as the end of the data (see
+//! [`is_padding`]). Where `O_DIRECT` is not supported (tmpfs, some file systems), it falls back to
+//! ordinary buffered appends, without padding.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+
+pub(crate) const BLOCK: usize = 4096;
+
+pub(crate) struct Appender {
+    file: File,
+    direct: bool,
+    /// Backing memory; the aligned working area starts at `start`.
+    mem: Vec<u8>,
+    start: usize,
+    /// Bytes of the current partial block, at the start of the working area (direct mode).
+    tail: usize,
+    /// File offset of the current partial block (direct mode), or of the end (buffered mode).
+    block_off: u64,
+}
+
+impl Appender {
+    /// Creates (truncating) `path` for appending.
+    pub fn create(path: &Path) -> std::io::Result<Appender> {
+        let (file, direct) = open(path, true)?;
+        Ok(Appender::new(file, direct, 0, &[]))
+    }
+
+    /// Opens `path` to append after its first `len` bytes (anything after them is cut off).
+    pub fn open_at(path: &Path, len: u64) -> std::io::Result<Appender> {
+        let plain = OpenOptions::new().read(true).write(true).open(path)?;
+        plain.set_len(len)?;
+        let block_off = len / BLOCK as u64 * BLOCK as u64;
+        let mut partial = vec![0u8; (len - block_off) as usize];
+        plain.read_exact_at(&mut partial, block_off)?;
+        drop(plain);
+        let (file, direct) = open(path, false)?;
+        let mut a = Appender::new(file, direct, block_off, &partial);
+        if !direct {
+            a.block_off = len;
+        }
+        Ok(a)
+    }
+
+    fn new(file: File, direct: bool, block_off: u64, partial: &[u8]) -> Appender {
+        let mut a = Appender { file, direct, mem: Vec::new(), start: 0, tail: 0, block_off };
+        if direct {
+            a.reserve(BLOCK);
+            a.area()[..partial.len()].copy_from_slice(partial);
+            a.tail = partial.len();
+        }
+        a
+    }
+
+    /// Makes the aligned working area at least `n` bytes.
+    fn reserve(&mut self, n: usize) {
+        let have = self.mem.len().saturating_sub(self.start);
+        if have >= n {
+            return;
+        }
+        let keep = self.tail;
+        let want = n.next_power_of_two().max(64 << 10);
+        let mut mem = vec![0u8; want + BLOCK];
+        let start = mem.as_ptr().align_offset(BLOCK);
+        mem[start..start + keep].copy_from_slice(&self.mem[self.start..self.start + keep]);
+        self.mem = mem;
+        self.start = start;
+    }
+
+    fn area(&mut self) -> &mut [u8] {
+        &mut self.mem[self.start..]
+    }
+
+    /// Appends `data` (written when this returns; durable after [`Appender::sync_data`]).
+    pub fn append(&mut self, data: &[u8]) -> std::io::Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if !self.direct {
+            self.file.write_all_at(data, self.block_off)?;
+            self.block_off += data.len() as u64;
+            return Ok(());
+        }
+        let total = self.tail + data.len();
+        let padded = total.div_ceil(BLOCK) * BLOCK;
+        self.reserve(padded);
+        let tail = self.tail;
+        let area = self.area();
+        area[tail..total].copy_from_slice(data);
+        area[total..padded].fill(0);
+        let off = self.block_off;
+        if let Err(e) = self.file.write_all_at(&self.mem[self.start..self.start + padded], off) {
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                // The file system refused direct I/O after all: continue buffered from the logical end.
+                return self.fall_back(total);
+            }
+            return Err(e);
+        }
+        let full = total / BLOCK * BLOCK;
+        self.mem.copy_within(self.start + full..self.start + total, self.start);
+        self.tail = total - full;
+        self.block_off += full as u64;
+        Ok(())
+    }
+
+    fn fall_back(&mut self, total: usize) -> std::io::Result<()> {
+        tracing::warn!("O_DIRECT writes refused by the file system; using buffered writes");
+        let bytes = self.mem[self.start..self.start + total].to_vec();
+        self.direct = false;
+        self.file.write_all_at(&bytes, self.block_off)?;
+        self.block_off += total as u64;
+        self.tail = 0;
+        Ok(())
+    }
+
+    pub fn sync_data(&self) -> std::io::Result<()> {
+        self.file.sync_data()
+    }
+}
+
+fn open(path: &Path, create: bool) -> std::io::Result<(File, bool)> {
+    let mut opts = OpenOptions::new();
+    opts.write(true);
+    if create {
+        opts.create(true).truncate(true);
+    }
+    match opts.clone().custom_flags(libc::O_DIRECT).open(path) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((opts.open(path)?, false)),
+        Err(e) => Err(e),
+    }
+}
+
+/// Whether `rest` (what follows the last valid record) is only the zero padding direct writes leave.
+pub(crate) fn is_padding(rest: &[u8]) -> bool {
+    rest.len() < BLOCK && rest.iter().all(|b| *b == 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn appends_of_any_size_read_back_and_reopen_continues() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let mut a = Appender::create(&path).unwrap();
+        let mut expect = Vec::new();
+        for i in 0..300usize {
+            let chunk: Vec<u8> = (0..(i * 37 % 9000)).map(|j| (i + j) as u8).collect();
+            a.append(&chunk).unwrap();
+            expect.extend_from_slice(&chunk);
+        }
+        a.sync_data().unwrap();
+        drop(a);
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(&data[..expect.len()], &expect[..]);
+        assert!(is_padding(&data[expect.len()..]));
+        let mut b = Appender::open_at(&path, expect.len() as u64).unwrap();
+        b.append(b"more").unwrap();
+        expect.extend_from_slice(b"more");
+        let data = std::fs::read(&path).unwrap();
+        assert_eq!(&data[..expect.len()], &expect[..]);
+    }
+}
