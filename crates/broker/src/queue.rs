@@ -6,7 +6,8 @@
 //! out after it is released, so queues never lock each other.
 //!
 //! Memory is bounded whatever the backlog: a queue keeps at most a window of ready messages in
-//! memory (`WINDOW_MESSAGES`, `WINDOW_BYTES`). Once the window is full, newer messages go only to
+//! memory (`WINDOW_MESSAGES`, and a share of `WINDOW_BUDGET_BYTES` that shrinks as queues are added,
+//! see [`window_bytes`]). Once the window is full, newer messages go only to
 //! the store (the "span": seqs `[span_from, next_seq)`), and the queue reads them back in order
 //! as the window drains. Ready messages = window, then span; every window seq is below `span_from`.
 
@@ -24,8 +25,20 @@ use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
 
 /// Most ready messages a queue holds in memory; the rest waits in the store.
 pub const WINDOW_MESSAGES: usize = 2048;
-/// Most body bytes of ready messages a queue holds in memory.
-pub const WINDOW_BYTES: u64 = 8 << 20;
+/// Body bytes of ready messages all queues together may hold in memory...
+pub const WINDOW_BUDGET_BYTES: u64 = 128 << 20;
+/// ... and at most this much per queue, at least `WINDOW_MIN_BYTES`.
+pub const WINDOW_MAX_BYTES: u64 = 8 << 20;
+pub const WINDOW_MIN_BYTES: u64 = 64 << 10;
+
+/// Queues that exist now, to share the window budget.
+static QUEUES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A queue's window in bytes: its share of the budget (one queue: 8 MiB; a thousand: 128 KiB each).
+pub fn window_bytes() -> u64 {
+    let n = QUEUES.load(std::sync::atomic::Ordering::Relaxed).max(1);
+    (WINDOW_BUDGET_BYTES / n).clamp(WINDOW_MIN_BYTES, WINDOW_MAX_BYTES)
+}
 
 /// A message in a queue (ready or delivered and not yet settled).
 #[derive(Debug)]
@@ -120,6 +133,7 @@ impl Queue {
         store: Store,
         now_ms: u64,
     ) -> Arc<Queue> {
+        QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Arc::new(Queue {
             name,
             id,
@@ -201,7 +215,7 @@ impl Queue {
             let seq = st.next_seq;
             st.next_seq += 1;
             let must_be_durable = self.durable && message.persistent;
-            let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_bytes >= WINDOW_BYTES;
+            let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_bytes >= window_bytes();
             let (stored_bytes, ticket) = if must_be_durable || paged || self.args.retention_ms > 0 {
                 let mut batch = Batch::new();
                 batch.enqueue(self.id, seq, now_ms, &[stored_header, &message.body]);
@@ -247,9 +261,10 @@ impl Queue {
 
     /// Reads the next part of the span into the window when the window runs low.
     fn refill_locked(&self, st: &mut QueueState, after: &mut AfterUnlock) {
-        while st.span_count > 0 && st.ready.len() < WINDOW_MESSAGES / 2 && st.ready_bytes < WINDOW_BYTES / 2 {
+        let window = window_bytes();
+        while st.span_count > 0 && st.ready.len() < WINDOW_MESSAGES / 2 && st.ready_bytes < window / 2 {
             let want = WINDOW_MESSAGES - st.ready.len();
-            let budget = (WINDOW_BYTES - st.ready_bytes) as usize;
+            let budget = (window - st.ready_bytes) as usize;
             let batch = match self.store.read(self.id, st.span_from, want, budget) {
                 Ok(b) => b,
                 Err(e) => {
@@ -564,6 +579,12 @@ impl Queue {
 
     fn vhost_name(&self) -> String {
         self.vhost.upgrade().map(|v| v.name.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Queue {
+    fn drop(&mut self) {
+        QUEUES.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

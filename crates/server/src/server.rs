@@ -14,6 +14,43 @@ use warren_store::{StoreOptions, SyncPolicy};
 /// How often message TTL and queue expiry are checked.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(100);
 
+/// How often the store's activity is logged (only when there was some).
+const STORE_STATS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Logs the store's rates (messages, fsyncs, bytes) over the last interval, for operators and benchmarks.
+struct StoreActivity {
+    last: warren_store::StoreStats,
+    at: std::time::Instant,
+}
+
+impl StoreActivity {
+    fn new(stats: warren_store::StoreStats) -> Self {
+        StoreActivity { last: stats, at: std::time::Instant::now() }
+    }
+
+    fn maybe_log(&mut self, now: warren_store::StoreStats) {
+        let secs = self.at.elapsed().as_secs_f64();
+        if secs < STORE_STATS_INTERVAL.as_secs_f64() {
+            return;
+        }
+        let d = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
+        if now.records != self.last.records {
+            tracing::info!(
+                records_per_s = d(now.records, self.last.records) as u64,
+                batches_per_s = d(now.batches, self.last.batches) as u64,
+                fsyncs_per_s = d(now.fsyncs, self.last.fsyncs) as u64,
+                mb_written_per_s = (d(now.bytes_written, self.last.bytes_written) / 1e6) as u64,
+                checkpoints = now.checkpoints - self.last.checkpoints,
+                wal_mb = now.wal_bytes >> 20,
+                queue_files_mb = now.queue_bytes >> 20,
+                "store activity"
+            );
+        }
+        self.last = now;
+        self.at = std::time::Instant::now();
+    }
+}
+
 /// Re-reads the configuration (file, environment, flags) on SIGHUP.
 pub type Reload = Box<dyn Fn() -> Result<Config, crate::config::ConfigError> + Send + Sync>;
 
@@ -73,9 +110,13 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(HOUSEKEEPING_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut stats = StoreActivity::new(broker.store().stats());
             loop {
                 tokio::select! {
-                    _ = tick.tick() => broker.tick(),
+                    _ = tick.tick() => {
+                        broker.tick();
+                        stats.maybe_log(broker.store().stats());
+                    }
                     _ = shutdown.changed() => return,
                 }
             }

@@ -69,8 +69,21 @@ impl Appender {
             return;
         }
         let keep = self.tail;
-        let want = n.next_power_of_two().max(64 << 10);
+        let want = n.next_power_of_two().max(BLOCK);
         let mut mem = vec![0u8; want + BLOCK];
+        let start = mem.as_ptr().align_offset(BLOCK);
+        mem[start..start + keep].copy_from_slice(&self.mem[self.start..self.start + keep]);
+        self.mem = mem;
+        self.start = start;
+    }
+
+    /// Gives back buffer memory above `max` bytes (keeping the partial block).
+    pub fn shrink_to(&mut self, max: usize) {
+        if self.mem.len() <= max + BLOCK || !self.direct {
+            return;
+        }
+        let keep = self.tail;
+        let mut mem = vec![0u8; BLOCK * 2];
         let start = mem.as_ptr().align_offset(BLOCK);
         mem[start..start + keep].copy_from_slice(&self.mem[self.start..self.start + keep]);
         self.mem = mem;

@@ -6,7 +6,7 @@
 //! passed. Queues read their backlog back from here in order, so a backlog costs disk, not memory, and one
 //! slow queue keeps only its own segments on disk.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -19,6 +19,10 @@ use parking_lot::Mutex;
 use crate::direct::Appender;
 use crate::format::{self, Record, HEADER_SIZE, QSEG_EXT, RECORD_HEADER_SIZE};
 use crate::gone::GoneSet;
+
+/// A queue log writes out its buffer once it holds this much (and keeps no more than about twice this
+/// in buffers): large enough for efficient direct writes, small enough times a thousand queues.
+const FLUSH_AT: usize = 128 << 10;
 
 /// A message read back from a queue log.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +42,21 @@ pub struct ReadBatch {
     /// Messages that could not be read back because a queue segment was damaged (logged); they are now
     /// counted as gone.
     pub lost: u64,
+}
+
+/// An enqueue record that is only in the WAL so far.
+#[derive(Debug, Clone)]
+struct TailRecord {
+    seq: u64,
+    timestamp_ms: u64,
+    /// The whole record as in the WAL (a slice of the writer's group buffer).
+    record: Bytes,
+}
+
+impl TailRecord {
+    fn payload(&self) -> &[u8] {
+        self.record.get(RECORD_HEADER_SIZE + format::ENQUEUE_FIXED_LEN..).unwrap_or_default()
+    }
 }
 
 /// One segment file of a queue.
@@ -64,6 +83,12 @@ pub(crate) struct QueueLog {
     pending_end: Option<(u64, u64)>,
     /// Seq after the last enqueue applied.
     pub next_seq: u64,
+    /// Enqueues applied since the last checkpoint, still only in the WAL (and here, in memory): they
+    /// are written to the queue's files at the next checkpoint only if still live then, so a queue whose
+    /// consumers keep up never writes its messages twice.
+    tail: VecDeque<TailRecord>,
+    /// Seq after the last record the files account for: seqs from here on are in `tail` or gone.
+    file_next_seq: u64,
     pub gone: GoneSet,
     /// Payload bytes of the live messages.
     pub live_bytes: u64,
@@ -85,6 +110,8 @@ impl QueueLog {
             pending: Vec::new(),
             pending_end: None,
             next_seq: 0,
+            tail: VecDeque::new(),
+            file_next_seq: 0,
             gone: GoneSet::new(0),
             live_bytes: 0,
             retention_ms: 0,
@@ -99,15 +126,53 @@ impl QueueLog {
         (self.next_seq.saturating_sub(floor)).saturating_sub(self.gone.count_in(floor, self.next_seq))
     }
 
-    /// Copies one enqueue record (as encoded in the WAL) into the log's write buffer; [`QueueLog::flush`]
-    /// writes it. Seqs the queue skipped (messages it never stored) become gone.
-    pub fn append(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, payload_len: usize, seg_size: u64) -> std::io::Result<()> {
+    /// Accounts for enqueue `seq`; false if it was already applied (replay overlap). Seqs the queue
+    /// skipped (messages it never stored) become gone.
+    fn admit(&mut self, seq: u64, payload_len: usize) -> bool {
         if seq < self.next_seq {
-            return Ok(()); // already applied (replay overlap)
+            return false;
         }
         if seq > self.next_seq {
             self.gone.insert(self.next_seq, seq);
         }
+        self.next_seq = seq + 1;
+        self.live_bytes += payload_len as u64;
+        self.dirty = true;
+        true
+    }
+
+    /// Keeps an enqueue record that is durable in the WAL in memory until the next checkpoint (see `tail`).
+    pub fn push_tail(&mut self, record: Bytes, seq: u64, timestamp_ms: u64, payload_len: usize) {
+        if self.admit(seq, payload_len) {
+            self.tail.push_back(TailRecord { seq, timestamp_ms, record });
+        }
+    }
+
+    /// Writes one enqueue record (as encoded in the WAL) straight into the queue's files (recovery).
+    pub fn append(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, payload_len: usize, seg_size: u64) -> std::io::Result<()> {
+        if !self.admit(seq, payload_len) {
+            return Ok(());
+        }
+        self.write_record(record, seq, timestamp_ms, seg_size)?;
+        self.file_next_seq = self.next_seq;
+        Ok(())
+    }
+
+    /// Writes the tail's records that are still live into the files (checkpoint). Returns bytes written.
+    pub fn spill(&mut self, seg_size: u64) -> std::io::Result<u64> {
+        let mut written = 0;
+        while let Some(rec) = self.tail.pop_front() {
+            if !self.gone.contains(rec.seq) {
+                self.write_record(&rec.record, rec.seq, rec.timestamp_ms, seg_size)?;
+                written += rec.record.len() as u64;
+            }
+        }
+        self.flush()?;
+        self.file_next_seq = self.next_seq;
+        Ok(written)
+    }
+
+    fn write_record(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, seg_size: u64) -> std::io::Result<()> {
         let full = self.segments.values().next_back().is_none_or(|last| last.len + self.pending.len() as u64 >= seg_size);
         if self.active.is_none() || full {
             self.flush()?;
@@ -115,9 +180,9 @@ impl QueueLog {
         }
         self.pending.extend_from_slice(record);
         self.pending_end = Some((seq + 1, timestamp_ms));
-        self.next_seq = seq + 1;
-        self.live_bytes += payload_len as u64;
-        self.dirty = true;
+        if self.pending.len() >= FLUSH_AT {
+            self.flush()?;
+        }
         Ok(())
     }
 
@@ -151,8 +216,12 @@ impl QueueLog {
             last.last_ts = last.last_ts.max(ts);
         }
         self.pending.clear();
-        if self.pending.capacity() > 1 << 20 {
-            self.pending.shrink_to(1 << 20);
+        // A thousand queues must not each keep a burst's worth of buffer.
+        if self.pending.capacity() > 2 * FLUSH_AT {
+            self.pending.shrink_to(FLUSH_AT);
+        }
+        if let Some(f) = self.active.as_mut() {
+            f.shrink_to(2 * FLUSH_AT);
         }
         Ok(())
     }
@@ -201,7 +270,7 @@ impl QueueLog {
     pub fn read(&mut self, from_seq: u64, max_count: usize, max_bytes: usize) -> std::io::Result<ReadBatch> {
         let mut out = ReadBatch { next_seq: self.gone.next_live(from_seq), ..Default::default() };
         let mut bytes = 0usize;
-        while out.messages.len() < max_count && bytes < max_bytes && out.next_seq < self.next_seq {
+        while out.messages.len() < max_count && bytes < max_bytes && out.next_seq < self.file_next_seq {
             let seq = out.next_seq;
             let Some((&first, &seg)) = self.segments.range(..=seq).next_back() else {
                 // Below the oldest segment: all gone; continue at the oldest one.
@@ -276,6 +345,25 @@ impl QueueLog {
                 }
             }
         }
+        // Everything live below `file_next_seq` is in the files; the rest is in the tail, in memory.
+        if out.messages.len() < max_count && bytes < max_bytes {
+            let from = out.next_seq.max(self.file_next_seq);
+            let start = self.tail.partition_point(|r| r.seq < from);
+            out.next_seq = self.gone.next_live(from);
+            for rec in self.tail.iter().skip(start) {
+                if out.messages.len() >= max_count || bytes >= max_bytes {
+                    break;
+                }
+                out.next_seq = self.gone.next_live(rec.seq + 1);
+                if self.gone.contains(rec.seq) {
+                    continue;
+                }
+                let payload = rec.payload();
+                bytes += payload.len();
+                // A copy: a slice would pin the writer's whole group buffer for as long as the message lives.
+                out.messages.push(StoredMessage { seq: rec.seq, timestamp_ms: rec.timestamp_ms, payload: Bytes::copy_from_slice(payload) });
+            }
+        }
         Ok(out)
     }
 
@@ -317,11 +405,12 @@ impl QueueLog {
                 pos += n;
             }
         }
-        Ok(self.next_seq)
+        Ok(self.tail.iter().find(|r| r.timestamp_ms >= timestamp_ms).map_or(self.next_seq, |r| r.seq))
     }
 
     /// Removes the queue's files (the queue was deleted).
     pub fn destroy(&mut self) {
+        self.tail.clear();
         self.active = None;
         self.reader = None;
         self.segments.clear();
@@ -337,6 +426,7 @@ impl QueueLog {
     pub fn restore(root: &Path, state: crate::checkpoint::QueueState) -> std::io::Result<QueueLog> {
         let mut log = QueueLog::new(root, state.id);
         log.next_seq = state.next_seq;
+        log.file_next_seq = state.next_seq;
         log.gone = GoneSet::from_parts(state.floor, state.ranges);
         log.live_bytes = state.live_bytes;
         log.retention_ms = state.retention_ms;

@@ -21,12 +21,13 @@
 //!
 //! Lock order: `State` then `Durable`; a queue log's lock is never held while taking either.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::watch;
 
@@ -43,6 +44,8 @@ use crate::SyncTicket;
 /// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
 /// bounded instead of growing with the backlog.
 pub(crate) const MAX_PENDING_BYTES: usize = 64 << 20;
+/// Group buffers kept for reuse after a checkpoint.
+const SPARE_BUFFERS: usize = 3;
 /// The writer gives back buffer capacity above this after a burst. Large enough that a busy store does
 /// not reallocate (and page-fault in) its two group buffers over and over.
 const MAX_RETAINED_BUFFER: usize = 32 << 20;
@@ -244,6 +247,11 @@ pub(crate) struct Writer {
     wal_bases: VecDeque<u64>,
     /// Position up to which records were applied to the queue logs.
     applied: u64,
+    /// Group buffers the queue logs' tails point into, until the next checkpoint; and their size.
+    retained: Vec<Bytes>,
+    tail_bytes: u64,
+    /// Group buffers to reuse (at most `SPARE_BUFFERS`), so a busy store does not page-fault in fresh ones.
+    spare: Vec<Vec<u8>>,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
 }
@@ -257,6 +265,9 @@ impl Writer {
             rolls: Vec::new(),
             wal_bases: start.wal_bases,
             applied: start.pos,
+            retained: Vec::new(),
+            tail_bytes: 0,
+            spare: Vec::new(),
             last_checkpoint_pos: start.checkpoint_pos,
             last_checkpoint: Instant::now(),
             shared,
@@ -295,6 +306,11 @@ impl Writer {
                         None => self.shared.work.wait(&mut st),
                     }
                 }
+                if self.buf.capacity() == 0 {
+                    if let Some(spare) = self.spare.pop() {
+                        self.buf = spare;
+                    }
+                }
                 std::mem::swap(&mut st.pending, &mut self.buf);
                 std::mem::swap(&mut st.rolls, &mut self.rolls);
                 (st.pos, st.closing)
@@ -311,9 +327,8 @@ impl Writer {
                     self.sync_data();
                     last_sync = Instant::now();
                     self.shared.publish(pos);
-                    for (buf, rolls) in to_apply.drain(..) {
-                        self.apply(&buf, &rolls);
-                        self.recycle(buf, rolls);
+                    for (buf, rolls) in std::mem::take(&mut to_apply) {
+                        self.apply(buf, &rolls);
                     }
                     self.applied = pos;
                 }
@@ -321,7 +336,10 @@ impl Writer {
             let quiet_due = self.last_checkpoint.elapsed() >= self.shared.checkpoint_idle
                 && (self.applied > self.last_checkpoint_pos || self.shared.logs.any_dirty_hint());
             if unsynced.is_none()
-                && (closing || self.applied - self.last_checkpoint_pos >= self.shared.checkpoint_bytes || quiet_due)
+                && (closing
+                    || self.applied - self.last_checkpoint_pos >= self.shared.checkpoint_bytes
+                    || self.tail_bytes >= self.shared.checkpoint_bytes
+                    || quiet_due)
             {
                 self.checkpoint();
             }
@@ -331,18 +349,6 @@ impl Writer {
         }
         self.shared.durable.lock().writer_stopped = true;
         self.shared.durable_cv.notify_all();
-    }
-
-    fn recycle(&mut self, mut buf: Vec<u8>, mut rolls: Vec<Roll>) {
-        buf.clear();
-        if buf.capacity() > MAX_RETAINED_BUFFER {
-            buf.shrink_to(MAX_RETAINED_BUFFER);
-        }
-        rolls.clear();
-        if self.buf.capacity() == 0 {
-            self.buf = buf;
-            self.rolls = rolls;
-        }
     }
 
     /// Writes the taken buffer to the WAL, rolling to new segments where `append` placed rolls.
@@ -389,33 +395,33 @@ impl Writer {
         self.shared.counters.fsyncs.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Applies the group to the queue logs, in log order: enqueues are copied into their queue's buffer
-    /// (one write per queue at the end), acks and drops are applied after flushing that queue.
-    fn apply(&mut self, buf: &[u8], rolls: &[Roll]) {
+    /// Applies the group to the queue logs, in log order: enqueues join their queue's in-memory tail
+    /// (they are durable in the WAL; the checkpoint writes the still-live ones to the queue's files), acks
+    /// and drops are applied.
+    fn apply(&mut self, buf: Vec<u8>, rolls: &[Roll]) {
         let now = crate::now_ms();
         let shared = self.shared.clone();
-        let mut touched: HashMap<u64, Arc<Mutex<crate::qlog::QueueLog>>> = HashMap::new();
-        let mut written = 0u64;
-        for_each_record(buf, rolls, |start, end, record| match record {
+        let group = Bytes::from(buf);
+        let mut last: Option<(u64, Arc<Mutex<crate::qlog::QueueLog>>)> = None;
+        for_each_record(&group, rolls, |start, end, record| match record {
             Record::Enqueue { queue, seq, timestamp_ms, payload } => {
-                let log = touched.entry(queue).or_insert_with(|| shared.logs.get_or_create(&shared.dir, queue));
-                if let Err(e) = log.lock().append(&buf[start..end], seq, timestamp_ms, payload.len(), shared.queue_segment_size) {
-                    fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, queue), &e);
-                }
-                written += (end - start) as u64;
+                let log = match &last {
+                    Some((q, log)) if *q == queue => log.clone(),
+                    _ => {
+                        let log = shared.logs.get_or_create(&shared.dir, queue);
+                        last = Some((queue, log.clone()));
+                        log
+                    }
+                };
+                log.lock().push_tail(group.slice(start..end), seq, timestamp_ms, payload.len());
             }
-            Record::Acks { queue, .. } | Record::Drop { queue } => {
-                if let Some(log) = touched.remove(&queue) {
-                    flush(&shared, &log, queue);
-                }
+            Record::Acks { .. } | Record::Drop { .. } => {
+                last = None;
                 apply_other(&shared, record, now);
             }
         });
-        for (queue, log) in touched {
-            flush(&shared, &log, queue);
-        }
-        shared.counters.bytes_written.fetch_add(written, Ordering::Relaxed);
-        shared.counters.queue_bytes.fetch_add(written, Ordering::Relaxed);
+        self.tail_bytes += group.len() as u64;
+        self.retained.push(group);
     }
 
     /// Makes the queue files durable (one `syncfs`), writes the checkpoint, deletes the WAL before it.
@@ -423,14 +429,31 @@ impl Writer {
         let shared = self.shared.clone();
         let now = crate::now_ms();
         let mut queues = Vec::new();
+        let mut spilled = 0;
         for log in shared.logs.all() {
             let mut log = log.lock();
+            match log.spill(shared.queue_segment_size) {
+                Ok(n) => spilled += n,
+                Err(e) => fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, log.id), &e),
+            }
             let (freed, files) = log.collect_garbage(now);
             shared.counters.note_freed(freed, files);
             log.dirty = false;
             queues.push(QueueState::of(&log));
         }
+        shared.counters.bytes_written.fetch_add(spilled, Ordering::Relaxed);
+        shared.counters.queue_bytes.fetch_add(spilled, Ordering::Relaxed);
         shared.logs.clear_dirty_hint();
+        // The group buffers the tails pointed into are free again: keep one for reuse.
+        self.tail_bytes = 0;
+        for group in self.retained.drain(..) {
+            if let Ok(mut b) = group.try_into_mut() {
+                if self.spare.len() < SPARE_BUFFERS && b.capacity() <= MAX_RETAINED_BUFFER {
+                    b.clear();
+                    self.spare.push(Vec::from(b));
+                }
+            }
+        }
         if let Err(e) = segment::sync_filesystem(&shared.dir) {
             fatal("syncfs", &shared.dir, &e);
         }
@@ -462,12 +485,6 @@ impl Writer {
                 fatal("fsyncing the WAL directory", &shared.wal, &e);
             }
         }
-    }
-}
-
-fn flush(shared: &Shared, log: &Mutex<crate::qlog::QueueLog>, queue: u64) {
-    if let Err(e) = log.lock().flush() {
-        fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, queue), &e);
     }
 }
 

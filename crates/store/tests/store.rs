@@ -526,3 +526,24 @@ fn throughput() {
         );
     }
 }
+
+#[test]
+fn messages_consumed_before_the_checkpoint_are_written_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), opts());
+    put(&store, 8, 0..500, 1000);
+    ack(&store, 8, 0..500, 1000);
+    put(&store, 9, 0..100, 1000); // still live at close: these go to queue 9's files
+    let before = store.stats();
+    store.close().unwrap();
+    let after = store.stats();
+    let wal = before.bytes_written; // everything so far went to the WAL only
+    let spilled = after.bytes_written - before.bytes_written;
+    let record = (8 + 25 + 1000) as u64;
+    assert!(wal >= 600 * record, "{wal}");
+    assert_eq!(spilled, 100 * record, "only the live messages are copied into queue files");
+    assert!(files_with_ext(&dir.path().join("queues/8"), "qseg").is_empty());
+    let (store, rec) = open(dir.path(), opts());
+    assert_eq!(queue(&rec, 9).live_count, 100);
+    assert_eq!(read_all(&store, 9, 0, 100).len(), 100);
+}
