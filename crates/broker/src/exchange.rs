@@ -84,7 +84,27 @@ pub struct Exchange {
     pub arguments: FieldTable,
     /// The `alternate-exchange` argument: where messages this exchange cannot route go.
     pub alternate: Option<String>,
-    bindings: RwLock<Vec<Binding>>,
+    bindings: RwLock<Bindings>,
+}
+
+/// An exchange's bindings, and for direct exchanges an index by routing key (a thousand queues bound
+/// to one direct exchange must not cost a thousand string compares per message).
+#[derive(Default)]
+struct Bindings {
+    all: Vec<Binding>,
+    by_key: std::collections::HashMap<String, Vec<usize>>,
+    /// Bindings to other exchanges.
+    to_exchanges: usize,
+}
+
+impl Bindings {
+    fn reindex(&mut self) {
+        self.to_exchanges = self.all.iter().filter(|b| !b.destination.is_queue()).count();
+        self.by_key.clear();
+        for (i, b) in self.all.iter().enumerate() {
+            self.by_key.entry(b.routing_key.clone()).or_default().push(i);
+        }
+    }
 }
 
 impl Exchange {
@@ -100,54 +120,67 @@ impl Exchange {
             .get("alternate-exchange")
             .and_then(|v| v.as_str())
             .map(str::to_string);
-        Arc::new(Exchange { name, kind, durable, auto_delete, internal, arguments, alternate, bindings: RwLock::new(Vec::new()) })
+        Arc::new(Exchange { name, kind, durable, auto_delete, internal, arguments, alternate, bindings: RwLock::new(Bindings::default()) })
     }
 
     /// Adds a binding; returns false if an identical one exists (binding is idempotent).
     pub fn bind(&self, binding: Binding) -> bool {
         let mut bindings = self.bindings.write();
-        if bindings.iter().any(|b| same_binding(b, &binding)) {
+        if bindings.all.iter().any(|b| same_binding(b, &binding)) {
             return false;
         }
-        bindings.push(binding);
+        bindings.all.push(binding);
+        bindings.reindex();
         true
     }
 
     /// Removes a binding; returns false if it did not exist.
     pub fn unbind(&self, binding: &Binding) -> bool {
         let mut bindings = self.bindings.write();
-        let before = bindings.len();
-        bindings.retain(|b| !same_binding(b, binding));
-        bindings.len() != before
+        let before = bindings.all.len();
+        bindings.all.retain(|b| !same_binding(b, binding));
+        bindings.reindex();
+        bindings.all.len() != before
     }
 
     /// Removes every binding to a destination (it is being deleted).
     pub fn unbind_destination(&self, destination: &Destination) -> bool {
         let mut bindings = self.bindings.write();
-        let before = bindings.len();
-        bindings.retain(|b| !b.destination.same(destination));
-        bindings.len() != before
+        let before = bindings.all.len();
+        bindings.all.retain(|b| !b.destination.same(destination));
+        bindings.reindex();
+        bindings.all.len() != before
     }
 
     pub fn has_bindings(&self) -> bool {
-        !self.bindings.read().is_empty()
+        !self.bindings.read().all.is_empty()
     }
 
     /// Whether a chain of exchange-to-exchange bindings starts here (it may reach a headers
     /// exchange, so routing decodes headers up front).
     pub fn has_exchange_bindings(&self) -> bool {
-        self.bindings.read().iter().any(|b| !b.destination.is_queue())
+        self.bindings.read().to_exchanges > 0
     }
 
     pub fn bindings(&self) -> Vec<Binding> {
-        self.bindings.read().clone()
+        self.bindings.read().all.clone()
     }
 
     /// Adds the destinations a message with this routing key (and headers, for a headers
     /// exchange) is bound to.
     pub fn route(&self, routing_key: &str, headers: Option<&FieldTable>, out: &mut Vec<Destination>) {
         let bindings = self.bindings.read();
-        for b in bindings.iter() {
+        if self.kind == ExchangeKind::Direct {
+            for &i in bindings.by_key.get(routing_key).into_iter().flatten() {
+                if let Some(b) = bindings.all.get(i) {
+                    if !out.iter().any(|d| d.same(&b.destination)) {
+                        out.push(b.destination.clone());
+                    }
+                }
+            }
+            return;
+        }
+        for b in bindings.all.iter() {
             let hit = match self.kind {
                 ExchangeKind::Direct => b.routing_key == routing_key,
                 ExchangeKind::Fanout => true,

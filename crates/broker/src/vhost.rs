@@ -487,11 +487,22 @@ impl VHost {
             }
             return;
         }
-        let headers = if exchange.kind == ExchangeKind::Headers || exchange.has_exchange_bindings() {
+        let to_exchanges = exchange.has_exchange_bindings();
+        let headers = if exchange.kind == ExchangeKind::Headers || to_exchanges {
             PropertiesView::new(&message.properties).ok().and_then(|v| v.headers()).and_then(|r| r.ok())
         } else {
             None
         };
+        if !to_exchanges && exchange.alternate.is_none() {
+            // The common case: bindings to queues only, no alternate exchange; no graph walk.
+            let mut dests = Vec::new();
+            exchange.route(&message.routing_key, headers.as_ref(), &mut dests);
+            out.extend(dests.into_iter().filter_map(|d| match d {
+                Destination::Queue(q) => Some(q),
+                Destination::Exchange(_) => None,
+            }));
+            return;
+        }
         let mut visited: Vec<Arc<Exchange>> = vec![exchange.clone()];
         let mut pending: Vec<Arc<Exchange>> = vec![exchange.clone()];
         while let Some(ex) = pending.pop() {

@@ -24,6 +24,10 @@ use crate::gone::GoneSet;
 /// in buffers): large enough for efficient direct writes, small enough times a thousand queues.
 const FLUSH_AT: usize = 128 << 10;
 
+/// A consumed newest segment smaller than this is kept while the queue is being written to (until it
+/// has had no enqueue for `StoreOptions::active_segment_idle_ms`).
+const KEEP_ACTIVE_BELOW: u64 = 1 << 20;
+
 /// A message read back from a queue log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -95,6 +99,10 @@ pub(crate) struct QueueLog {
     pub retention_ms: u64,
     /// Written to since the last checkpoint.
     pub dirty: bool,
+    /// Records were written to the files since the last checkpoint (the newest segment is in use).
+    pub recent_writes: bool,
+    /// When the last enqueue was applied (wall clock, ms).
+    last_enqueue_ms: u64,
     /// Read handle and where the next in-order read starts: (seq, segment, file offset).
     reader: Option<(u64, File)>,
     cursor: Option<(u64, u64, u64)>,
@@ -116,6 +124,8 @@ impl QueueLog {
             live_bytes: 0,
             retention_ms: 0,
             dirty: false,
+            recent_writes: false,
+            last_enqueue_ms: 0,
             reader: None,
             cursor: None,
         }
@@ -138,6 +148,7 @@ impl QueueLog {
         self.next_seq = seq + 1;
         self.live_bytes += payload_len as u64;
         self.dirty = true;
+        self.last_enqueue_ms = crate::now_ms();
         true
     }
 
@@ -173,6 +184,7 @@ impl QueueLog {
     }
 
     fn write_record(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, seg_size: u64) -> std::io::Result<()> {
+        self.recent_writes = true;
         let full = self.segments.values().next_back().is_none_or(|last| last.len + self.pending.len() as u64 >= seg_size);
         if self.active.is_none() || full {
             self.flush()?;
@@ -233,8 +245,9 @@ impl QueueLog {
         self.dirty = true;
     }
 
-    /// Deletes segments whose seqs are all gone and whose retention has passed. Returns (bytes, files) freed.
-    pub fn collect_garbage(&mut self, now_ms: u64) -> (u64, u64) {
+    /// Deletes segments whose seqs are all gone and whose retention has passed; the newest one only if
+    /// `newest_too` (at checkpoints, not on every ack). Returns (bytes, files) freed.
+    pub fn collect_garbage(&mut self, now_ms: u64, newest_too: bool, keep_active_idle_ms: u64) -> (u64, u64) {
         let floor = self.gone.floor();
         let mut freed = 0;
         let mut files = 0;
@@ -242,6 +255,12 @@ impl QueueLog {
             let Some((&first, seg)) = self.segments.iter().next() else { break };
             let newest = self.segments.len() == 1;
             let all_gone = if newest { self.next_seq <= floor } else { seg.end_seq <= floor };
+            // A small newest segment in use stays: deleting and recreating it for every checkpoint of a
+            // busy queue costs file-system metadata work (a thousand queues: thousands of files a second).
+            let busy = now_ms.saturating_sub(self.last_enqueue_ms) < keep_active_idle_ms;
+            if newest && all_gone && (!newest_too || (busy && seg.len < KEEP_ACTIVE_BELOW)) {
+                break;
+            }
             let retained = seg.last_ts.saturating_add(self.retention_ms) > now_ms && self.retention_ms > 0;
             if !all_gone || retained {
                 break;

@@ -246,7 +246,7 @@ fn replay(
                             log.ack(s, e, if first { bytes } else { 0 });
                             first = false;
                         }
-                        log.collect_garbage(now_ms);
+                        log.collect_garbage(now_ms, true, 0);
                     }
                 }
                 Record::Drop { queue } => {

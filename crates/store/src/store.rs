@@ -43,6 +43,9 @@ pub struct StoreOptions {
     pub checkpoint_bytes: u64,
     /// ... and this long after the last one when anything changed, so disk is reclaimed when quiet.
     pub checkpoint_idle_ms: u64,
+    /// A queue's consumed newest segment (under 1 MiB) is kept until the queue has had no enqueue for
+    /// this long: deleting and recreating it at every checkpoint of a busy queue costs file-system work.
+    pub active_segment_idle_ms: u64,
     pub sync: SyncPolicy,
 }
 
@@ -53,6 +56,7 @@ impl Default for StoreOptions {
             queue_segment_size: 16 << 20,
             checkpoint_bytes: 32 << 20,
             checkpoint_idle_ms: 1000,
+            active_segment_idle_ms: 10_000,
             sync: SyncPolicy::EveryBatch,
         }
     }
@@ -118,6 +122,7 @@ impl Store {
             queue_segment_size,
             checkpoint_bytes: opts.checkpoint_bytes.max(4096),
             checkpoint_idle: std::time::Duration::from_millis(opts.checkpoint_idle_ms),
+            active_segment_idle_ms: opts.active_segment_idle_ms,
         };
         let shared = Arc::new(Shared::new(dir.to_path_buf(), sizes, opts.sync, &start, logs));
         let (wal_bytes, queue_bytes) = disk_usage(&shared);

@@ -103,6 +103,7 @@ pub(crate) struct Shared {
     pub queue_segment_size: u64,
     checkpoint_bytes: u64,
     checkpoint_idle: Duration,
+    pub active_segment_idle_ms: u64,
     sync: SyncPolicy,
     state: Mutex<State>,
     /// Wakes the writer (work arrived, or closing).
@@ -133,6 +134,7 @@ pub(crate) struct Sizes {
     /// A quiet store still checkpoints this often when something changed, so that consumed queue files
     /// and the WAL are reclaimed soon after a backlog drains.
     pub checkpoint_idle: Duration,
+    pub active_segment_idle_ms: u64,
 }
 
 impl Shared {
@@ -144,6 +146,7 @@ impl Shared {
             queue_segment_size: sizes.queue_segment_size,
             checkpoint_bytes: sizes.checkpoint_bytes,
             checkpoint_idle: sizes.checkpoint_idle,
+            active_segment_idle_ms: sizes.active_segment_idle_ms,
             sync,
             state: Mutex::new(State {
                 pending: Vec::new(),
@@ -436,9 +439,10 @@ impl Writer {
                 Ok(n) => spilled += n,
                 Err(e) => fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, log.id), &e),
             }
-            let (freed, files) = log.collect_garbage(now);
+            let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
             log.dirty = false;
+            log.recent_writes = false;
             queues.push(QueueState::of(&log));
         }
         shared.counters.bytes_written.fetch_add(spilled, Ordering::Relaxed);
@@ -499,7 +503,7 @@ pub(crate) fn apply_other(shared: &Shared, record: Record<'_>, now_ms: u64) {
                 log.ack(start, end, if first { bytes } else { 0 });
                 first = false;
             }
-            let (freed, files) = log.collect_garbage(now_ms);
+            let (freed, files) = log.collect_garbage(now_ms, false, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
             shared.logs.set_dirty_hint();
         }

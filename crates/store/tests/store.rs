@@ -15,6 +15,7 @@ fn opts() -> StoreOptions {
         queue_segment_size: 16 << 10,
         checkpoint_bytes: 1 << 40,
         checkpoint_idle_ms: 3_600_000,
+        active_segment_idle_ms: 0,
         sync: SyncPolicy::EveryBatch,
     }
 }
@@ -210,8 +211,8 @@ fn consumed_queue_segments_are_deleted_and_a_slow_queue_keeps_only_its_own() {
     put(&store, 2, 0..400, 1000); // slow queue: its first message stays unacked
     ack(&store, 1, 0..400, 1000);
     ack(&store, 2, 1..400, 1000);
-    // One more append lets the writer apply and checkpoint.
-    put(&store, 3, 0..1, 10);
+    // More appends take the writer past the next checkpoint, which deletes consumed newest segments.
+    put(&store, 3, 0..100, 1000);
     let q1_files = || files_with_ext(&dir.path().join("queues/1"), "qseg").len();
     let deadline = Instant::now() + Duration::from_secs(10);
     while q1_files() > 0 && Instant::now() < deadline {
