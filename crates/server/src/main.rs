@@ -19,12 +19,15 @@ struct Cli {
 enum Command {
     /// Run a broker node.
     Server(ServerArgs),
+    /// Load any AMQP 0-9-1 broker (Warren or RabbitMQ) and report rates and latencies.
+    Bench(warren_bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Server(args) => run_server(args),
+        Command::Bench(args) => warren_bench::run(args),
     }
 }
 

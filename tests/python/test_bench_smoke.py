@@ -1,0 +1,33 @@
+"""A short `warren bench` run: every message sent is confirmed and consumed. Not a timed test."""
+import json
+import subprocess
+
+from conftest import BIN
+
+
+def test_warren_bench_confirms_and_consumes_everything(broker, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [BIN, "bench", "--uri", broker.url, "--pmessages", "20000", "--producers", "2", "--consumers", "2",
+         "--confirm", "500", "--prefetch", "500", "--multi-ack-every", "50", "--persistent",
+         "--queue", "bench-smoke", "--progress-every", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["sent"] == s["confirmed"] == s["consumed"] == 40000, s
+    assert s["nacked"] == 0
+    assert s["confirm_p50_us"] > 0 and s["e2e_p50_us"] > 0
+
+
+def test_warren_bench_fanout_and_many_queues(broker, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [BIN, "bench", "--uri", broker.url, "--pmessages", "2000", "--producers", "1", "--consumers", "4",
+         "--queues", "4", "--exchange", "bench-fanout", "--exchange-type", "fanout", "--confirm", "200",
+         "--queue", "bench-fan", "--progress-every", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())
+    assert s["sent"] == s["confirmed"] == 2000 and s["consumed"] == 8000, s
