@@ -216,13 +216,21 @@ impl Queue {
             st.next_seq += 1;
             let must_be_durable = self.durable && message.persistent;
             let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_bytes >= window_bytes();
-            let (stored_bytes, ticket) = if must_be_durable || paged || self.args.retention_ms > 0 {
-                let mut batch = Batch::new();
-                batch.enqueue(self.id, seq, now_ms, &[stored_header, &message.body]);
-                let ticket = self.store.append(&mut batch).map_err(store_error)?;
-                ((stored_header.len() + message.body.len()) as u64, must_be_durable.then_some(ticket))
+            // A message that goes straight to a no-ack consumer is settled the moment it is sent: writing
+            // it to disk first would buy nothing (RabbitMQ skips such writes too). If the delivery does not
+            // happen after all, it is stored below, before the publish is confirmed.
+            let skip_store = must_be_durable
+                && !paged
+                && self.args.retention_ms == 0
+                && st.ready.is_empty()
+                && self.next_consumer_takes_without_ack(&st);
+            let mut ticket = None;
+            let stored_bytes = if (must_be_durable && !skip_store) || paged || self.args.retention_ms > 0 {
+                let t = self.store_message(seq, now_ms, stored_header, message)?;
+                ticket = must_be_durable.then_some(t);
+                (stored_header.len() + message.body.len()) as u64
             } else {
-                (0, None)
+                0
             };
             if paged {
                 if st.span_count == 0 {
@@ -238,12 +246,31 @@ impl Queue {
             }
             self.drop_head_over_limit(&mut st, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
+            if skip_store {
+                if let Some(entry) = st.ready.iter_mut().find(|e| e.seq == seq) {
+                    let t = self.store_message(seq, now_ms, stored_header, message)?;
+                    entry.stored_bytes = (stored_header.len() + message.body.len()) as u64;
+                    ticket = Some(t);
+                }
+            }
             // TTL 0 (or an already past expiry): what no consumer took right now expires now.
             self.expire_locked(&mut st, now_ms, true, &mut after);
             Enqueued::Accepted(ticket)
         };
         self.finish(after);
         Ok(outcome)
+    }
+
+    fn store_message(&self, seq: u64, now_ms: u64, stored_header: &[u8], message: &MessageRef) -> Result<SyncTicket> {
+        let mut batch = Batch::new();
+        batch.enqueue(self.id, seq, now_ms, &[stored_header, &message.body]);
+        self.store.append(&mut batch).map_err(store_error)
+    }
+
+    /// Whether a delivery now would go to a no-ack consumer: every consumer is no-ack (so whichever the
+    /// round robin picks, the message is settled on delivery) and one of them can take it.
+    fn next_consumer_takes_without_ack(&self, st: &QueueState) -> bool {
+        st.consumers.iter().all(|c| c.no_ack) && st.consumers.iter().any(|c| c.channel.has_credit())
     }
 
     /// Takes over what the store held for this queue at startup: every live message is in the span,
