@@ -11,7 +11,7 @@ def test_warren_bench_confirms_and_consumes_everything(broker, tmp_path):
         [BIN, "bench", "--uri", broker.url, "--pmessages", "20000", "--producers", "2", "--consumers", "2",
          "--confirm", "500", "--prefetch", "500", "--multi-ack-every", "50", "--persistent",
          "--queue", "bench-smoke", "--progress-every", "0", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())
@@ -26,7 +26,7 @@ def test_warren_bench_fanout_and_many_queues(broker, tmp_path):
         [BIN, "bench", "--uri", broker.url, "--pmessages", "2000", "--producers", "1", "--consumers", "4",
          "--queues", "4", "--exchange", "bench-fanout", "--exchange-type", "fanout", "--confirm", "200",
          "--queue", "bench-fan", "--progress-every", "0", "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     s = json.loads(out.read_text())

@@ -92,7 +92,7 @@ pub async fn run(mut cfg: ConsumerConfig, stats: Arc<Stats>) -> Result<(), Error
     let mut unacked: u64 = 0;
     let mut last_tag: u64 = 0;
     let mut need = 0;
-    let mut done = *cfg.stop.borrow() || (cfg.messages > 0 && consumed >= cfg.messages);
+    let mut done = *cfg.stop.borrow();
     let frame_max = conn.frame_max;
 
     let result: Result<(), Error> = async {

@@ -294,9 +294,14 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
     let interrupted = Arc::new(AtomicBool::new(false));
     {
         let flag = interrupted.clone();
+        // The first Ctrl-C stops the run (with a summary); a second one exits at once.
         tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                flag.store(true, Ordering::Relaxed);
+            while tokio::signal::ctrl_c().await.is_ok() {
+                if flag.swap(true, Ordering::Relaxed) {
+                    eprintln!("warren bench: interrupted twice: exiting without a summary");
+                    std::process::exit(130);
+                }
+                eprintln!("warren bench: stopping (Ctrl-C again to exit at once)");
             }
         });
     }
@@ -378,7 +383,9 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
     let mut stalled = false;
     let end: Instant;
     loop {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        // The coordinator wakes 20 times a second: the end of a run that completes is taken from
+        // `Stats::last_ns`, not from when this loop notices.
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let now = Instant::now();
         if args.progress_every > 0.0 && now - progress.at >= every {
             progress.print(&stats, started, &args, copies);
@@ -590,8 +597,9 @@ impl Summary {
         self.rate(self.at_end.consumed_bytes) / 1e6
     }
 
-    fn cpu_per_msg_us(&self) -> f64 {
-        self.cpu * 1e6 / (self.total.sent + self.total.consumed).max(1) as f64
+    fn cpu_per_msg_us(&self) -> Option<f64> {
+        let n = self.total.sent + self.total.consumed;
+        (n > 0).then(|| self.cpu * 1e6 / n as f64)
     }
 
     fn print(&self, args: &BenchArgs) {
@@ -636,10 +644,10 @@ impl Summary {
         line("confirm latency", &self.confirm);
         line("end-to-end latency", &self.e2e);
         println!(
-            "  client CPU {:.2} s ({:.0}% of one core): {:.2} µs per message sent or consumed",
+            "  client CPU {:.2} s ({:.0}% of one core): {} µs per message sent or consumed",
             self.cpu,
             100.0 * self.cpu / self.elapsed.max(1e-9),
-            self.cpu_per_msg_us()
+            self.cpu_per_msg_us().map_or_else(|| "-".to_string(), |v| format!("{v:.2}"))
         );
     }
 

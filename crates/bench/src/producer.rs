@@ -154,7 +154,7 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
             if wpos == wbuf.len() && !done_sending {
                 wbuf.clear();
                 wpos = 0;
-                let mut n = batch_cap;
+                let mut n: u64 = batch_cap;
                 if cfg.messages > 0 {
                     n = n.min(cfg.messages - seq);
                 }
@@ -165,6 +165,8 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
                     let due = (start.elapsed().as_secs_f64() * cfg.rate) as u64 + 1;
                     n = n.min(due.saturating_sub(seq));
                 }
+                // One timestamp for the batch: its messages go out in the same socket write.
+                let ts = if n > 0 { now_ns() } else { 0 };
                 for _ in 0..n {
                     let t = &templates[rr];
                     rr += 1;
@@ -173,7 +175,6 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
                     }
                     let at = wbuf.len();
                     wbuf.extend_from_slice(&t.bytes);
-                    let ts = now_ns();
                     let mut head = [0u8; 16];
                     head[..8].copy_from_slice(&ts.to_le_bytes());
                     head[8..].copy_from_slice(&seq.to_le_bytes());
