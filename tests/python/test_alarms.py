@@ -16,6 +16,16 @@ def set_config(path, **keys):
     path.write_text("".join(f'{k.replace("_", "-")} = "{v}"\n' for k, v in keys.items()))
 
 
+def broker_with_config(tmp_path, data_dir, **keys):
+    """A started broker reading `tmp_path/warren.toml` (written from `keys`); returns (broker, config path)."""
+    config = tmp_path / "warren.toml"
+    set_config(config, **keys)
+    b = Broker(data_dir, tmp_path / "warren.log")
+    b.extra_args = ["--config", str(config)]
+    b.start()
+    return b, config
+
+
 def count(broker, queue):
     c = broker.connection()
     try:
@@ -88,11 +98,7 @@ def check_alarm_cycle(broker, raise_alarm, clear_alarm, reason, queue="alarm-q")
 
 
 def test_memory_alarm_blocks_publishers_and_clears(tmp_path):
-    config = tmp_path / "warren.toml"
-    set_config(config, memory_high_watermark="0.4")
-    b = Broker(tmp_path / "data", tmp_path / "warren.log")
-    b.extra_args = ["--config", str(config)]
-    b.start()
+    b, config = broker_with_config(tmp_path, tmp_path / "data", memory_high_watermark="0.4")
     try:
         def raise_alarm():
             set_config(config, memory_high_watermark="1MiB")  # far below what the broker uses
@@ -117,11 +123,7 @@ def test_disk_alarm_on_a_really_full_file_system(tmp_path):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     b = None
     try:
-        config = tmp_path / "warren.toml"
-        set_config(config, disk_free_limit="200MiB")
-        b = Broker(mnt / "data", tmp_path / "warren.log")
-        b.extra_args = ["--config", str(config)]
-        b.start()
+        b, _ = broker_with_config(tmp_path, mnt / "data", disk_free_limit="200MiB")
         filler = mnt / "filler"
 
         def raise_alarm():
@@ -143,11 +145,7 @@ def test_disk_alarm_on_a_really_full_file_system(tmp_path):
 
 
 def test_sighup_with_a_broken_config_keeps_running(tmp_path):
-    config = tmp_path / "warren.toml"
-    set_config(config, memory_high_watermark="0.4")
-    b = Broker(tmp_path / "data", tmp_path / "warren.log")
-    b.extra_args = ["--config", str(config)]
-    b.start()
+    b, config = broker_with_config(tmp_path, tmp_path / "data", memory_high_watermark="0.4")
     try:
         config.write_text('memory-high-watermark = "lots"\n')
         b.proc.send_signal(signal.SIGHUP)

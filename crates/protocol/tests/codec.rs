@@ -1,6 +1,8 @@
 //! The codec through its public API: every method and every field type round-trips exactly, and
 //! truncated, oversized, garbled or random input is refused with the right error, never a panic.
 
+mod common;
+
 use bytes::{Bytes, BytesMut};
 use rand::{Rng, SeedableRng};
 use warren_protocol::error::FrameError;
@@ -24,151 +26,10 @@ fn b(v: &str) -> Bytes {
     Bytes::copy_from_slice(v.as_bytes())
 }
 
-/// One value of every method, every field non-default (bits both ways across the samples).
-fn every_method() -> Vec<Method> {
-    use Method as M;
-    vec![
-        M::ConnectionStart(ConnectionStart { version_major: 0, version_minor: 9, server_properties: table(), mechanisms: b("PLAIN AMQPLAIN"), locales: b("en_US") }),
-        M::ConnectionStartOk(ConnectionStartOk { client_properties: table(), mechanism: s("PLAIN"), response: Bytes::from_static(b"\0guest\0guest"), locale: s("en_US") }),
-        M::ConnectionSecure(ConnectionSecure { challenge: b("challenge") }),
-        M::ConnectionSecureOk(ConnectionSecureOk { response: b("response") }),
-        M::ConnectionTune(ConnectionTune { channel_max: 2047, frame_max: 131_072, heartbeat: 60 }),
-        M::ConnectionTuneOk(ConnectionTuneOk { channel_max: 1, frame_max: 4096, heartbeat: 0 }),
-        M::ConnectionOpen(ConnectionOpen { virtual_host: s("/"), reserved_1: s(""), reserved_2: true }),
-        M::ConnectionOpenOk(ConnectionOpenOk { reserved_1: s("x") }),
-        M::ConnectionClose(ConnectionClose { reply_code: 320, reply_text: s("CONNECTION_FORCED - bye"), class_id: 60, method_id: 40 }),
-        M::ConnectionCloseOk(ConnectionCloseOk {}),
-        M::ConnectionBlocked(ConnectionBlocked { reason: s("low on memory") }),
-        M::ConnectionUnblocked(ConnectionUnblocked {}),
-        M::ConnectionUpdateSecret(ConnectionUpdateSecret { new_secret: b("token"), reason: s("refresh") }),
-        M::ConnectionUpdateSecretOk(ConnectionUpdateSecretOk {}),
-        M::ChannelOpen(ChannelOpen { reserved_1: s("") }),
-        M::ChannelOpenOk(ChannelOpenOk { reserved_1: b("") }),
-        M::ChannelFlow(ChannelFlow { active: true }),
-        M::ChannelFlowOk(ChannelFlowOk { active: false }),
-        M::ChannelClose(ChannelClose { reply_code: 406, reply_text: s("PRECONDITION_FAILED - x"), class_id: 50, method_id: 10 }),
-        M::ChannelCloseOk(ChannelCloseOk {}),
-        M::AccessRequest(AccessRequest { realm: s("/data"), exclusive: true, passive: false, active: true, write: false, read: true }),
-        M::AccessRequestOk(AccessRequestOk { reserved_1: 1 }),
-        M::ExchangeDeclare(ExchangeDeclare { reserved_1: 0, exchange: s("ex"), kind: s("topic"), passive: false, durable: true, auto_delete: false, internal: true, nowait: false, arguments: table() }),
-        M::ExchangeDeclareOk(ExchangeDeclareOk {}),
-        M::ExchangeDelete(ExchangeDelete { reserved_1: 0, exchange: s("ex"), if_unused: true, nowait: false }),
-        M::ExchangeDeleteOk(ExchangeDeleteOk {}),
-        M::ExchangeBind(ExchangeBind { reserved_1: 0, destination: s("d"), source: s("s"), routing_key: s("a.*"), nowait: true, arguments: table() }),
-        M::ExchangeBindOk(ExchangeBindOk {}),
-        M::ExchangeUnbind(ExchangeUnbind { reserved_1: 0, destination: s("d"), source: s("s"), routing_key: s("#"), nowait: false, arguments: FieldTable::new() }),
-        M::ExchangeUnbindOk(ExchangeUnbindOk {}),
-        M::QueueDeclare(QueueDeclare { reserved_1: 0, queue: s("q"), passive: false, durable: true, exclusive: false, auto_delete: true, nowait: false, arguments: table() }),
-        M::QueueDeclareOk(QueueDeclareOk { queue: s("amq.gen-abc"), message_count: 42, consumer_count: 3 }),
-        M::QueueBind(QueueBind { reserved_1: 0, queue: s("q"), exchange: s("ex"), routing_key: s("k"), nowait: true, arguments: table() }),
-        M::QueueBindOk(QueueBindOk {}),
-        M::QueuePurge(QueuePurge { reserved_1: 0, queue: s("q"), nowait: true }),
-        M::QueuePurgeOk(QueuePurgeOk { message_count: 7 }),
-        M::QueueDelete(QueueDelete { reserved_1: 0, queue: s("q"), if_unused: true, if_empty: false, nowait: true }),
-        M::QueueDeleteOk(QueueDeleteOk { message_count: 9 }),
-        M::QueueUnbind(QueueUnbind { reserved_1: 0, queue: s("q"), exchange: s("ex"), routing_key: s("k"), arguments: table() }),
-        M::QueueUnbindOk(QueueUnbindOk {}),
-        M::BasicQos(BasicQos { prefetch_size: 0, prefetch_count: 1000, global: true }),
-        M::BasicQosOk(BasicQosOk {}),
-        M::BasicConsume(BasicConsume { reserved_1: 0, queue: s("q"), consumer_tag: s("ctag"), no_local: false, no_ack: true, exclusive: true, nowait: false, arguments: table() }),
-        M::BasicConsumeOk(BasicConsumeOk { consumer_tag: s("amq.ctag-1") }),
-        M::BasicCancel(BasicCancel { consumer_tag: s("ctag"), nowait: true }),
-        M::BasicCancelOk(BasicCancelOk { consumer_tag: s("ctag") }),
-        M::BasicPublish(BasicPublish { reserved_1: 0, exchange: s("amq.direct"), routing_key: s("rk"), mandatory: true, immediate: false }),
-        M::BasicReturn(BasicReturn { reply_code: 312, reply_text: s("NO_ROUTE"), exchange: s("ex"), routing_key: s("rk") }),
-        M::BasicDeliver(BasicDeliver { consumer_tag: s("ctag"), delivery_tag: u64::MAX, redelivered: true, exchange: s(""), routing_key: s("q") }),
-        M::BasicGet(BasicGet { reserved_1: 0, queue: s("q"), no_ack: true }),
-        M::BasicGetOk(BasicGetOk { delivery_tag: 5, redelivered: false, exchange: s("ex"), routing_key: s("rk"), message_count: 100 }),
-        M::BasicGetEmpty(BasicGetEmpty { reserved_1: s("") }),
-        M::BasicAck(BasicAck { delivery_tag: 1 << 40, multiple: true }),
-        M::BasicReject(BasicReject { delivery_tag: 3, requeue: true }),
-        M::BasicRecoverAsync(BasicRecoverAsync { requeue: true }),
-        M::BasicRecover(BasicRecover { requeue: false }),
-        M::BasicRecoverOk(BasicRecoverOk {}),
-        M::BasicNack(BasicNack { delivery_tag: 8, multiple: false, requeue: true }),
-        M::ConfirmSelect(ConfirmSelect { nowait: false }),
-        M::ConfirmSelectOk(ConfirmSelectOk {}),
-        M::TxSelect(TxSelect {}),
-        M::TxSelectOk(TxSelectOk {}),
-        M::TxCommit(TxCommit {}),
-        M::TxCommitOk(TxCommitOk {}),
-        M::TxRollback(TxRollback {}),
-        M::TxRollbackOk(TxRollbackOk {}),
-    ]
-}
-
-/// The AMQP 0-9-1 ids of each method (RabbitMQ's spec file), by exhaustive match: a method added to the
-/// codec without a test sample here fails to compile.
+/// The spec's (class id, method id) of a method (the shared exhaustive table in `common`).
 fn spec_ids(m: &Method) -> (u16, u16) {
-    use Method as M;
-    match m {
-        M::ConnectionStart(_) => (10, 10),
-        M::ConnectionStartOk(_) => (10, 11),
-        M::ConnectionSecure(_) => (10, 20),
-        M::ConnectionSecureOk(_) => (10, 21),
-        M::ConnectionTune(_) => (10, 30),
-        M::ConnectionTuneOk(_) => (10, 31),
-        M::ConnectionOpen(_) => (10, 40),
-        M::ConnectionOpenOk(_) => (10, 41),
-        M::ConnectionClose(_) => (10, 50),
-        M::ConnectionCloseOk(_) => (10, 51),
-        M::ConnectionBlocked(_) => (10, 60),
-        M::ConnectionUnblocked(_) => (10, 61),
-        M::ConnectionUpdateSecret(_) => (10, 70),
-        M::ConnectionUpdateSecretOk(_) => (10, 71),
-        M::ChannelOpen(_) => (20, 10),
-        M::ChannelOpenOk(_) => (20, 11),
-        M::ChannelFlow(_) => (20, 20),
-        M::ChannelFlowOk(_) => (20, 21),
-        M::ChannelClose(_) => (20, 40),
-        M::ChannelCloseOk(_) => (20, 41),
-        M::AccessRequest(_) => (30, 10),
-        M::AccessRequestOk(_) => (30, 11),
-        M::ExchangeDeclare(_) => (40, 10),
-        M::ExchangeDeclareOk(_) => (40, 11),
-        M::ExchangeDelete(_) => (40, 20),
-        M::ExchangeDeleteOk(_) => (40, 21),
-        M::ExchangeBind(_) => (40, 30),
-        M::ExchangeBindOk(_) => (40, 31),
-        M::ExchangeUnbind(_) => (40, 40),
-        M::ExchangeUnbindOk(_) => (40, 51),
-        M::QueueDeclare(_) => (50, 10),
-        M::QueueDeclareOk(_) => (50, 11),
-        M::QueueBind(_) => (50, 20),
-        M::QueueBindOk(_) => (50, 21),
-        M::QueuePurge(_) => (50, 30),
-        M::QueuePurgeOk(_) => (50, 31),
-        M::QueueDelete(_) => (50, 40),
-        M::QueueDeleteOk(_) => (50, 41),
-        M::QueueUnbind(_) => (50, 50),
-        M::QueueUnbindOk(_) => (50, 51),
-        M::BasicQos(_) => (60, 10),
-        M::BasicQosOk(_) => (60, 11),
-        M::BasicConsume(_) => (60, 20),
-        M::BasicConsumeOk(_) => (60, 21),
-        M::BasicCancel(_) => (60, 30),
-        M::BasicCancelOk(_) => (60, 31),
-        M::BasicPublish(_) => (60, 40),
-        M::BasicReturn(_) => (60, 50),
-        M::BasicDeliver(_) => (60, 60),
-        M::BasicGet(_) => (60, 70),
-        M::BasicGetOk(_) => (60, 71),
-        M::BasicGetEmpty(_) => (60, 72),
-        M::BasicAck(_) => (60, 80),
-        M::BasicReject(_) => (60, 90),
-        M::BasicRecoverAsync(_) => (60, 100),
-        M::BasicRecover(_) => (60, 110),
-        M::BasicRecoverOk(_) => (60, 111),
-        M::BasicNack(_) => (60, 120),
-        M::ConfirmSelect(_) => (85, 10),
-        M::ConfirmSelectOk(_) => (85, 11),
-        M::TxSelect(_) => (90, 10),
-        M::TxSelectOk(_) => (90, 11),
-        M::TxCommit(_) => (90, 20),
-        M::TxCommitOk(_) => (90, 21),
-        M::TxRollback(_) => (90, 30),
-        M::TxRollbackOk(_) => (90, 31),
-    }
+    let spec = common::spec(m);
+    (spec.class_id, spec.method_id)
 }
 
 fn encode(m: &Method) -> BytesMut {
@@ -179,7 +40,7 @@ fn encode(m: &Method) -> BytesMut {
 
 #[test]
 fn every_method_round_trips_with_spec_ids() {
-    let all = every_method();
+    let all = common::every_method();
     assert_eq!(all.len(), 66, "one sample per method");
     let mut seen = std::collections::HashSet::new();
     for m in &all {
@@ -361,7 +222,7 @@ fn properties_all_none_and_each_alone_round_trip_and_view_agrees() {
 
 fn sample_frames() -> Vec<BytesMut> {
     let mut frames = Vec::new();
-    for m in every_method() {
+    for m in common::every_method() {
         let mut f = BytesMut::new();
         frame::write_method(&mut f, 3, &m);
         frames.push(f);
@@ -425,7 +286,7 @@ fn frame_envelope_errors_have_the_right_reply_codes() {
 
 #[test]
 fn truncated_method_arguments_inside_a_whole_frame_are_syntax_errors() {
-    for m in every_method() {
+    for m in common::every_method() {
         let bytes = encode(&m);
         for cut in 4..bytes.len() {
             match Method::decode(&bytes[..cut]) {
@@ -494,42 +355,14 @@ fn random_bytes_and_mutations_never_panic() {
     }
 }
 
-/// A field table holding `depth` nested tables (`F`) or arrays (`A`).
-fn nested(letter: u8, depth: usize) -> Vec<u8> {
-    let with_len = |bytes: Vec<u8>| {
-        let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
-        out.extend_from_slice(&bytes);
-        out
-    };
-    if letter == b'F' {
-        let mut table = with_len(vec![]);
-        for _ in 0..depth {
-            let mut entry = vec![1u8, b'k', b'F'];
-            entry.extend_from_slice(&table);
-            table = with_len(entry);
-        }
-        table
-    } else {
-        let mut array = vec![b'V'];
-        for _ in 0..depth {
-            let mut a = vec![b'A'];
-            a.extend_from_slice(&with_len(array));
-            array = a;
-        }
-        let mut entry = vec![1u8, b'a'];
-        entry.extend_from_slice(&array);
-        with_len(entry)
-    }
-}
-
 #[test]
 fn tables_nested_beyond_the_limit_are_refused_not_a_stack_overflow() {
     for letter in [b'F', b'A'] {
-        let shallow = nested(letter, 10);
+        let shallow = common::nested_wire(letter, 10);
         assert!(FieldTable::decode(&shallow).is_ok(), "{} depth 10 is fine", letter as char);
         assert!(warren_protocol::field::validate_table(&shallow).is_ok());
         // 10,000 levels: a recursive decoder without a limit would overflow the stack.
-        let deep = nested(letter, 10_000);
+        let deep = common::nested_wire(letter, 10_000);
         assert!(FieldTable::decode(&deep).is_err(), "{}", letter as char);
         assert!(warren_protocol::field::validate_table(&deep).is_err(), "{}", letter as char);
     }

@@ -166,6 +166,16 @@ impl<'a> AckRanges<'a> {
 /// Decodes the record at the start of `buf` (which runs to the end of the valid data). Returns the record
 /// and the number of bytes it takes. Never panics, whatever the bytes.
 pub fn decode_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
+    decode(buf, true)
+}
+
+/// [`decode_record`] without the CRC check, for bytes this process encoded a moment ago (the writer's
+/// own group buffer): checking them again would only cost CPU on the message path.
+pub(crate) fn decode_own_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
+    decode(buf, false)
+}
+
+fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
     if buf.len() < RECORD_HEADER_SIZE {
         return Err(Damage::RecordHeaderTruncated { have: buf.len() });
     }
@@ -176,9 +186,11 @@ pub fn decode_record(buf: &[u8]) -> Result<(Record<'_>, usize), Damage> {
     }
     let available = buf.len() - RECORD_HEADER_SIZE;
     let body = buf.get(RECORD_HEADER_SIZE..RECORD_HEADER_SIZE + len).ok_or(Damage::LengthPastEof { len, available })?;
-    let computed = crc32c::crc32c(body);
-    if computed != stored {
-        return Err(Damage::Checksum { stored, computed });
+    if verify {
+        let computed = crc32c::crc32c(body);
+        if computed != stored {
+            return Err(Damage::Checksum { stored, computed });
+        }
     }
     let kind = body.first().copied().ok_or(Damage::Malformed { kind: 0, len })?;
     let u64_at = |at: usize| u64::from_le_bytes(array(body, at));

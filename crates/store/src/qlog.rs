@@ -99,8 +99,6 @@ pub(crate) struct QueueLog {
     pub retention_ms: u64,
     /// Written to since the last checkpoint.
     pub dirty: bool,
-    /// Records were written to the files since the last checkpoint (the newest segment is in use).
-    pub recent_writes: bool,
     /// When the last enqueue was applied (wall clock, ms).
     last_enqueue_ms: u64,
     /// Read handle and where the next in-order read starts: (seq, segment, file offset).
@@ -124,7 +122,6 @@ impl QueueLog {
             live_bytes: 0,
             retention_ms: 0,
             dirty: false,
-            recent_writes: false,
             last_enqueue_ms: 0,
             reader: None,
             cursor: None,
@@ -184,7 +181,6 @@ impl QueueLog {
     }
 
     fn write_record(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, seg_size: u64) -> std::io::Result<()> {
-        self.recent_writes = true;
         let full = self.segments.values().next_back().is_none_or(|last| last.len + self.pending.len() as u64 >= seg_size);
         if self.active.is_none() || full {
             self.flush()?;
@@ -544,6 +540,34 @@ impl QueueLogs {
 
     pub fn remove(&self, id: u64) -> Option<Arc<Mutex<QueueLog>>> {
         self.logs.lock().remove(&id)
+    }
+
+    /// Applies an acks or drop record (enqueues go through `QueueLog::push_tail` or `append`): the WAL
+    /// replay and the writer thread share this. Returns the (bytes, files) of segments deleted.
+    pub fn apply_gone(&self, record: Record<'_>, now_ms: u64, newest_too: bool, keep_active_idle_ms: u64) -> std::io::Result<(u64, u64)> {
+        let freed = match record {
+            Record::Acks { queue, bytes, ranges } => {
+                let Some(log) = self.get(queue) else { return Ok((0, 0)) };
+                let mut log = log.lock();
+                // Buffered records must be in the file before a segment of it may be deleted.
+                log.flush()?;
+                let mut first = true;
+                for (start, end) in ranges.iter() {
+                    log.ack(start, end, if first { bytes } else { 0 });
+                    first = false;
+                }
+                log.collect_garbage(now_ms, newest_too, keep_active_idle_ms)
+            }
+            Record::Drop { queue } => {
+                if let Some(log) = self.remove(queue) {
+                    log.lock().destroy();
+                }
+                (0, 0)
+            }
+            Record::Enqueue { .. } => return Ok((0, 0)),
+        };
+        self.set_dirty_hint();
+        Ok(freed)
     }
 
     pub fn all(&self) -> Vec<Arc<Mutex<QueueLog>>> {

@@ -237,22 +237,8 @@ fn replay(
                     log.append(&rest[..n], seq, timestamp_ms, payload.len(), queue_segment_size)
                         .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))?;
                 }
-                Record::Acks { queue, bytes, ranges } => {
-                    if let Some(log) = logs.get(queue) {
-                        let mut log = log.lock();
-                        log.flush().map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))?;
-                        let mut first = true;
-                        for (s, e) in ranges.iter() {
-                            log.ack(s, e, if first { bytes } else { 0 });
-                            first = false;
-                        }
-                        log.collect_garbage(now_ms, true, 0);
-                    }
-                }
-                Record::Drop { queue } => {
-                    if let Some(log) = logs.remove(queue) {
-                        log.lock().destroy();
-                    }
+                record @ (Record::Acks { .. } | Record::Drop { .. }) => {
+                    logs.apply_gone(record, now_ms, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
                 }
             }
         }

@@ -442,7 +442,6 @@ impl Writer {
             let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
             log.dirty = false;
-            log.recent_writes = false;
             queues.push(QueueState::of(&log));
         }
         shared.counters.bytes_written.fetch_add(spilled, Ordering::Relaxed);
@@ -492,28 +491,11 @@ impl Writer {
     }
 }
 
-/// Applies an acks or drop record to the queue logs (enqueues go through `QueueLog::append`).
-pub(crate) fn apply_other(shared: &Shared, record: Record<'_>, now_ms: u64) {
-    match record {
-        Record::Acks { queue, bytes, ranges } => {
-            let Some(log) = shared.logs.get(queue) else { return };
-            let mut log = log.lock();
-            let mut first = true;
-            for (start, end) in ranges.iter() {
-                log.ack(start, end, if first { bytes } else { 0 });
-                first = false;
-            }
-            let (freed, files) = log.collect_garbage(now_ms, false, shared.active_segment_idle_ms);
-            shared.counters.note_freed(freed, files);
-            shared.logs.set_dirty_hint();
-        }
-        Record::Drop { queue } => {
-            if let Some(log) = shared.logs.remove(queue) {
-                log.lock().destroy();
-            }
-            shared.logs.set_dirty_hint();
-        }
-        Record::Enqueue { .. } => {}
+/// Applies an acks or drop record to the queue logs and counts what it freed.
+fn apply_other(shared: &Shared, record: Record<'_>, now_ms: u64) {
+    match shared.logs.apply_gone(record, now_ms, false, shared.active_segment_idle_ms) {
+        Ok((freed, files)) => shared.counters.note_freed(freed, files),
+        Err(e) => fatal("writing a queue segment", &shared.dir.join("queues"), &e),
     }
 }
 
@@ -528,7 +510,7 @@ fn for_each_record(buf: &[u8], rolls: &[Roll], mut f: impl FnMut(usize, usize, R
             continue;
         }
         let end_of_run = next_roll.peek().map_or(buf.len(), |r| r.at);
-        match format::decode_record(&buf[pos..end_of_run]) {
+        match format::decode_own_record(&buf[pos..end_of_run]) {
             Ok((record, n)) => {
                 f(pos, pos + n, record);
                 pos += n;
