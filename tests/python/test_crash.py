@@ -150,14 +150,18 @@ def test_kill9_at_random_moments_loses_no_confirmed_message(broker):
     assert total_confirmed > rounds * 100
 
 
-def publish_confirmed(broker, n, size=300):
+def publish_confirmed(broker, n, size=300, interleave_with=None):
     c = broker.connection()
     ch = c.channel()
     ch.queue_declare(QUEUE, durable=True)
+    if interleave_with:
+        ch.queue_declare(interleave_with, durable=True)
     ch.confirm_delivery()
     import pika
     for i in range(n):
         ch.basic_publish("", QUEUE, body_for(0, 0, i, size), pika.BasicProperties(delivery_mode=2))
+        if interleave_with:
+            ch.basic_publish("", interleave_with, body_for(1, 0, i, size), pika.BasicProperties(delivery_mode=2))
     c.close()
 
 
@@ -189,13 +193,17 @@ def test_damaged_wal_tail_node_starts_keeps_a_prefix_and_logs_the_drop(broker, d
 
 
 def test_damaged_queue_segment_tail_is_detected_and_skipped(broker):
-    publish_confirmed(broker, 400)
+    # Two queues written in turn: neither has its messages densely in the WAL, so the checkpoint copies
+    # them into each queue's own files (a lone backlog would stay in the WAL, tested in the store crate).
+    publish_confirmed(broker, 400, interleave_with="crash-other")
     assert broker.terminate() == 0  # a checkpoint: the messages are in the queue's own files
-    seg = files(broker.data_dir, "qseg")[-1]
-    data = bytearray(seg.read_bytes())
-    for i in range(len(data) - 5000, len(data)):
-        data[i] ^= 0x5A
-    seg.write_bytes(bytes(data))
+    segs = files(broker.data_dir, "qseg")
+    assert segs, "the checkpoint copied the messages into queue segments"
+    for seg in segs:  # both queues' newest segments
+        data = bytearray(seg.read_bytes())
+        for i in range(max(0, len(data) - 5000), len(data)):
+            data[i] ^= 0x5A
+        seg.write_bytes(bytes(data))
     broker.start()
     bodies = drain(broker)
     seqs = [parse_body(b)[2] for b in bodies]

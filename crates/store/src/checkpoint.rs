@@ -10,18 +10,25 @@
 //! "WRNC" | version u16 | wal_pos u64 | count u32 | count x queue | crc32c u32
 //! queue = id u64 | next_seq u64 | floor u64 | live_bytes u64 | retention_ms u64
 //!       | n u32 | n x (start u64, end u64)                          gone ranges above the floor
-//!       | m u32 | m x (first_seq, len, end_seq, first_ts, last_ts)  segments, 5 x u64
+//!       | m u32 | m x segment
+//! segment = first_seq, len, end_seq, first_ts, last_ts, start, wal   7 x u64; wal = u64::MAX for the
+//!                                                                    queue's own file, else the base of
+//!                                                                    the WAL segment the extent is in
 //! ```
+//! Version 2 (before extents) had only the first five segment fields; it is still read.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 
 use crate::error::StoreError;
-use crate::format::{array, VERSION};
+use crate::format::{array, HEADER_SIZE, VERSION};
 use crate::qlog::{QSeg, QueueLog};
 
 const MAGIC: [u8; 4] = *b"WRNC";
+/// Checkpoint layout version written; 2 is read too.
+const CHECKPOINT_VERSION: u16 = 3;
+const NOT_AN_EXTENT: u64 = u64::MAX;
 pub(crate) const FILE: &str = "checkpoint";
 
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -58,7 +65,7 @@ impl QueueState {
 pub(crate) fn encode(cp: &Checkpoint) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&CHECKPOINT_VERSION.to_le_bytes());
     out.extend_from_slice(&cp.wal_pos.to_le_bytes());
     out.extend_from_slice(&(cp.queues.len() as u32).to_le_bytes());
     for q in &cp.queues {
@@ -72,7 +79,7 @@ pub(crate) fn encode(cp: &Checkpoint) -> Vec<u8> {
         }
         out.extend_from_slice(&(q.segments.len() as u32).to_le_bytes());
         for s in &q.segments {
-            for v in [s.first_seq, s.len, s.end_seq, s.first_ts, s.last_ts] {
+            for v in [s.first_seq, s.len, s.end_seq, s.first_ts, s.last_ts, s.start, s.wal.unwrap_or(NOT_AN_EXTENT)] {
                 out.extend_from_slice(&v.to_le_bytes());
             }
         }
@@ -99,7 +106,7 @@ pub(crate) fn decode(data: &[u8]) -> Result<Checkpoint, BadCheckpoint> {
         return Err(bad("bad magic"));
     }
     let version = u16::from_le_bytes(array(body, 4));
-    if version != VERSION {
+    if version != VERSION && version != CHECKPOINT_VERSION {
         return Err(BadCheckpoint(format!("unsupported version {version}")));
     }
     let mut r = Cursor { buf: body, at: 6 };
@@ -116,7 +123,13 @@ pub(crate) fn decode(data: &[u8]) -> Result<Checkpoint, BadCheckpoint> {
         let m = r.u32()?;
         let mut segments = Vec::new();
         for _ in 0..m {
-            segments.push(QSeg { first_seq: r.u64()?, len: r.u64()?, end_seq: r.u64()?, first_ts: r.u64()?, last_ts: r.u64()? });
+            let (first_seq, len, end_seq, first_ts, last_ts) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+            let (start, wal) = if version == CHECKPOINT_VERSION {
+                (r.u64()?, Some(r.u64()?).filter(|&w| w != NOT_AN_EXTENT))
+            } else {
+                (HEADER_SIZE as u64, None)
+            };
+            segments.push(QSeg { first_seq, start, len, end_seq, first_ts, last_ts, wal });
         }
         queues.push(QueueState { id, next_seq, floor, live_bytes, retention_ms, ranges, segments });
     }
@@ -183,7 +196,10 @@ mod tests {
                 live_bytes: 700,
                 retention_ms: 5,
                 ranges: vec![(5, 7)],
-                segments: vec![QSeg { first_seq: 0, len: 100, end_seq: 10, first_ts: 1, last_ts: 2 }],
+                segments: vec![
+                    QSeg { first_seq: 0, start: 32, len: 100, end_seq: 10, first_ts: 1, last_ts: 2, wal: None },
+                    QSeg { first_seq: 10, start: 4096, len: 9000, end_seq: 12, first_ts: 3, last_ts: 4, wal: Some(77) },
+                ],
             }],
         };
         let bytes = encode(&cp);

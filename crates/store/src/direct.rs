@@ -136,6 +136,15 @@ impl Appender {
         Ok(())
     }
 
+    /// Takes over the working memory of `old` (whose file is done) if this appender has written nothing
+    /// yet: after a WAL roll the new segment does not allocate and page-fault in its own.
+    pub fn reuse_memory_of(&mut self, old: &mut Appender) {
+        if self.direct && self.tail == 0 && self.block_off == 0 && old.mem.len() > self.mem.len() {
+            std::mem::swap(&mut self.mem, &mut old.mem);
+            std::mem::swap(&mut self.start, &mut old.start);
+        }
+    }
+
     pub fn sync_data(&self) -> std::io::Result<()> {
         self.file.sync_data()
     }

@@ -28,6 +28,14 @@ const FLUSH_AT: usize = 128 << 10;
 /// has had no enqueue for `StoreOptions::active_segment_idle_ms`).
 const KEEP_ACTIVE_BELOW: u64 = 1 << 20;
 
+/// A queue's live records in one WAL segment become an extent (instead of being copied) only if they
+/// span at least this many bytes: smaller runs are cheap to copy and would pin a WAL segment for little.
+const MIN_EXTENT: u64 = 64 << 10;
+
+/// ... and if other queues' records make up at most 1/this of the span: those stay on disk as long as
+/// the extent does, so a slow queue keeps at most ~1.5% of its own size of others' consumed messages.
+const MAX_FOREIGN_SHARE: u64 = 64;
+
 /// A message read back from a queue log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -55,6 +63,15 @@ struct TailRecord {
     timestamp_ms: u64,
     /// The whole record as in the WAL (a slice of the writer's group buffer).
     record: Bytes,
+    /// Where it is in the WAL: the segment's base and the file offset of the record.
+    wal: WalPlace,
+}
+
+/// Where a record sits in the WAL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WalPlace {
+    pub base: u64,
+    pub offset: u64,
 }
 
 impl TailRecord {
@@ -63,21 +80,31 @@ impl TailRecord {
     }
 }
 
-/// One segment file of a queue.
+/// One segment of a queue: a file of its own, or an extent of a WAL segment.
+///
+/// An extent is a byte range of a WAL segment in which (nearly) every record is one of this queue's
+/// enqueues: when a queue falls behind, its messages stay where the WAL wrote them instead of being
+/// written a second time (see `QueueLog::spill` for when). Reads skip other records inside the range. The
+/// WAL segment is kept while any extent refers to it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct QSeg {
     pub first_seq: u64,
-    /// Bytes in the file (header included) that the log has written.
+    /// File offset of the first record (after the header for own files).
+    pub start: u64,
+    /// File offset after the last record the segment holds (own files: bytes written, header included).
     pub len: u64,
     /// Seq after the last record in it (`first_seq` while empty).
     pub end_seq: u64,
     pub first_ts: u64,
     pub last_ts: u64,
+    /// The base of the WAL segment this extent is in; `None` for the queue's own files.
+    pub wal: Option<u64>,
 }
 
 pub(crate) struct QueueLog {
     pub id: u64,
     dir: PathBuf,
+    wal_dir: PathBuf,
     pub segments: BTreeMap<u64, QSeg>,
     /// Append handle of the newest segment.
     active: Option<Appender>,
@@ -111,6 +138,7 @@ impl QueueLog {
         QueueLog {
             id,
             dir: queue_dir(root, id),
+            wal_dir: crate::segment::wal_dir(root),
             segments: BTreeMap::new(),
             active: None,
             pending: Vec::new(),
@@ -135,7 +163,7 @@ impl QueueLog {
 
     /// Accounts for enqueue `seq`; false if it was already applied (replay overlap). Seqs the queue
     /// skipped (messages it never stored) become gone.
-    fn admit(&mut self, seq: u64, payload_len: usize) -> bool {
+    fn admit(&mut self, seq: u64, payload_len: usize, now_ms: u64) -> bool {
         if seq < self.next_seq {
             return false;
         }
@@ -145,20 +173,20 @@ impl QueueLog {
         self.next_seq = seq + 1;
         self.live_bytes += payload_len as u64;
         self.dirty = true;
-        self.last_enqueue_ms = crate::now_ms();
+        self.last_enqueue_ms = now_ms;
         true
     }
 
     /// Keeps an enqueue record that is durable in the WAL in memory until the next checkpoint (see `tail`).
-    pub fn push_tail(&mut self, record: Bytes, seq: u64, timestamp_ms: u64, payload_len: usize) {
-        if self.admit(seq, payload_len) {
-            self.tail.push_back(TailRecord { seq, timestamp_ms, record });
+    pub fn push_tail(&mut self, record: Bytes, wal: WalPlace, seq: u64, timestamp_ms: u64, payload_len: usize, now_ms: u64) {
+        if self.admit(seq, payload_len, now_ms) {
+            self.tail.push_back(TailRecord { seq, timestamp_ms, record, wal });
         }
     }
 
     /// Writes one enqueue record (as encoded in the WAL) straight into the queue's files (recovery).
     pub fn append(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, payload_len: usize, seg_size: u64) -> std::io::Result<()> {
-        if !self.admit(seq, payload_len) {
+        if !self.admit(seq, payload_len, crate::now_ms()) {
             return Ok(());
         }
         self.write_record(record, seq, timestamp_ms, seg_size)?;
@@ -166,13 +194,40 @@ impl QueueLog {
         Ok(())
     }
 
-    /// Writes the tail's records that are still live into the files (checkpoint). Returns bytes written.
+    /// Checkpoint: makes the tail's still-live records part of the queue's segments. Where they lie
+    /// densely in one WAL segment (the queue is behind: nothing consumed them, and few other queues' records
+    /// lie in between), the segment becomes an extent of that WAL segment and nothing is written: a backlog
+    /// is written once. Elsewhere the live records are copied into the queue's own files, so that a slow
+    /// queue never keeps other queues' consumed messages on disk. Returns bytes written.
     pub fn spill(&mut self, seg_size: u64) -> std::io::Result<u64> {
         let mut written = 0;
-        while let Some(rec) = self.tail.pop_front() {
-            if !self.gone.contains(rec.seq) {
-                self.write_record(&rec.record, rec.seq, rec.timestamp_ms, seg_size)?;
-                written += rec.record.len() as u64;
+        while let Some(head) = self.tail.front() {
+            let base = head.wal.base;
+            let run = self.tail.iter().take_while(|r| r.wal.base == base).count();
+            let live = |r: &TailRecord| !self.gone.contains(r.seq);
+            let first = self.tail.iter().take(run).position(live);
+            let last = self.tail.iter().take(run).rposition(live);
+            if let (Some(first), Some(last)) = (first, last) {
+                let (a, b) = (&self.tail[first], &self.tail[last]);
+                let (start, end) = (a.wal.offset, b.wal.offset + b.record.len() as u64);
+                let (first_seq, end_seq, first_ts, last_ts) = (a.seq, b.seq + 1, a.timestamp_ms, b.timestamp_ms);
+                let span = end.saturating_sub(start);
+                let own: u64 = self.tail.range(first..=last).map(|r| r.record.len() as u64).sum();
+                if span >= MIN_EXTENT && span.saturating_sub(own) <= span / MAX_FOREIGN_SHARE {
+                    // Later copied records must go to a new file after this extent, in seq order.
+                    self.flush()?;
+                    self.active = None;
+                    let seg = QSeg { first_seq, start, len: end, end_seq, first_ts, last_ts, wal: Some(base) };
+                    self.segments.insert(first_seq, seg);
+                    self.tail.drain(..run);
+                    continue;
+                }
+            }
+            for rec in self.tail.drain(..run).collect::<Vec<_>>() {
+                if !self.gone.contains(rec.seq) {
+                    self.write_record(&rec.record, rec.seq, rec.timestamp_ms, seg_size)?;
+                    written += rec.record.len() as u64;
+                }
             }
         }
         self.flush()?;
@@ -180,8 +235,13 @@ impl QueueLog {
         Ok(written)
     }
 
+    /// The WAL segments this queue's extents are in.
+    pub fn wal_segments_used(&self) -> impl Iterator<Item = u64> + '_ {
+        self.segments.values().filter_map(|s| s.wal)
+    }
+
     fn write_record(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, seg_size: u64) -> std::io::Result<()> {
-        let full = self.segments.values().next_back().is_none_or(|last| last.len + self.pending.len() as u64 >= seg_size);
+        let full = self.segments.values().next_back().is_none_or(|last| last.wal.is_some() || last.len + self.pending.len() as u64 >= seg_size);
         if self.active.is_none() || full {
             self.flush()?;
             self.create_segment(seq)?;
@@ -201,7 +261,7 @@ impl QueueLog {
         f.append(&format::encode_qseg_header(self.id, first_seq))?;
         self.segments.insert(
             first_seq,
-            QSeg { first_seq, len: HEADER_SIZE as u64, end_seq: first_seq, first_ts: 0, last_ts: 0 },
+            QSeg { first_seq, start: HEADER_SIZE as u64, len: HEADER_SIZE as u64, end_seq: first_seq, first_ts: 0, last_ts: 0, wal: None },
         );
         self.active = Some(f);
         Ok(())
@@ -215,7 +275,8 @@ impl QueueLog {
         if let Some(f) = self.active.as_mut() {
             f.append(&self.pending)?;
         }
-        if let (Some(last), Some((end_seq, ts))) = (self.segments.values_mut().next_back(), self.pending_end.take()) {
+        let own_last = self.segments.values_mut().next_back().filter(|s| s.wal.is_none());
+        if let (Some(last), Some((end_seq, ts))) = (own_last, self.pending_end.take()) {
             if last.end_seq == last.first_seq {
                 last.first_ts = first_timestamp(&self.pending).unwrap_or(ts);
             }
@@ -248,13 +309,14 @@ impl QueueLog {
         let mut freed = 0;
         let mut files = 0;
         loop {
-            let Some((&first, seg)) = self.segments.iter().next() else { break };
+            let Some((_, seg)) = self.segments.iter().next() else { break };
             let newest = self.segments.len() == 1;
             let all_gone = if newest { self.next_seq <= floor } else { seg.end_seq <= floor };
             // A small newest segment in use stays: deleting and recreating it for every checkpoint of a
             // busy queue costs file-system metadata work (a thousand queues: thousands of files a second).
             let busy = now_ms.saturating_sub(self.last_enqueue_ms) < keep_active_idle_ms;
-            if newest && all_gone && (!newest_too || (busy && seg.len < KEEP_ACTIVE_BELOW)) {
+            let small_own = seg.wal.is_none() && seg.len < KEEP_ACTIVE_BELOW;
+            if newest && all_gone && (!newest_too || (busy && small_own)) {
                 break;
             }
             let retained = seg.last_ts.saturating_add(self.retention_ms) > now_ms && self.retention_ms > 0;
@@ -262,23 +324,54 @@ impl QueueLog {
                 break;
             }
             let seg = *seg;
+            match self.remove_segment(&seg, newest) {
+                Some(n) => {
+                    freed += n;
+                    files += u64::from(seg.wal.is_none());
+                }
+                None => break,
+            }
+        }
+        if newest_too {
+            // At checkpoints also segments further on whose seqs are all gone (out-of-order acks, or a
+            // slow first message): an extent in the middle must not pin its WAL segment.
+            let middle: Vec<QSeg> = self.segments.values().rev().skip(1).copied().collect();
+            for seg in middle {
+                let all_gone = self.gone.count_in(seg.first_seq, seg.end_seq) == seg.end_seq - seg.first_seq;
+                let retained = seg.last_ts.saturating_add(self.retention_ms) > now_ms && self.retention_ms > 0;
+                if all_gone && !retained {
+                    if let Some(n) = self.remove_segment(&seg, false) {
+                        freed += n;
+                        files += u64::from(seg.wal.is_none());
+                    }
+                }
+            }
+        }
+        (freed, files)
+    }
+
+    /// Deletes a segment's file (or lets go of an extent: the checkpoint deletes WAL segments no extent
+    /// is in). Returns the bytes freed, `None` if the file could not be deleted.
+    fn remove_segment(&mut self, seg: &QSeg, newest: bool) -> Option<u64> {
+        let mut freed = 0;
+        if seg.wal.is_none() {
             if newest {
                 // Pending records would be for seqs >= next_seq, so there are none; close before unlinking.
                 self.active = None;
             }
-            if let Err(e) = fs::remove_file(seg_path(&self.dir, first)) {
+            if let Err(e) = fs::remove_file(seg_path(&self.dir, seg.first_seq)) {
                 tracing::warn!(error = %e, queue = self.id, "could not delete a consumed queue segment; will retry");
-                break;
+                return None;
             }
-            freed += seg.len;
-            files += 1;
-            self.segments.remove(&first);
-            if self.reader.as_ref().is_some_and(|(f, _)| *f == first) {
-                self.reader = None;
-            }
-            self.dirty = true;
+            freed = seg.len;
         }
-        (freed, files)
+        self.segments.remove(&seg.first_seq);
+        if self.reader.as_ref().is_some_and(|(f, _)| *f == seg.first_seq) {
+            self.reader = None;
+        }
+        self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
+        self.dirty = true;
+        Some(freed)
     }
 
     /// Reads live messages from `from_seq` on: at most `max_count` of them and about `max_bytes` of payload.
@@ -307,25 +400,27 @@ impl QueueLog {
                     None => break,
                 }
             }
-            let offset = match self.cursor {
-                Some((cseq, cseg, coff)) if cseg == first && cseq <= seq => coff,
-                _ => HEADER_SIZE as u64,
+            // Every record of ours before `offset` has a seq below `own_next`.
+            let (offset, mut own_next) = match self.cursor {
+                Some((cseq, cseg, coff)) if cseg == first && cseq <= seq => (coff, cseq),
+                _ => (seg.start, seg.first_seq),
             };
             if offset >= seg.len {
                 break; // the rest of this segment is not written yet
             }
             // Peek at the first record's length so that a chunk always holds at least one whole record.
-            let head = self.pread(first, offset, RECORD_HEADER_SIZE)?;
+            let head = self.pread(&seg, offset, RECORD_HEADER_SIZE)?;
             let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&head, 0)));
             let want = ((max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64).max(first_len);
-            let chunk = self.pread(first, offset, want.min(seg.len - offset) as usize)?;
+            let chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize)?;
             let mut pos = 0usize;
             while pos < chunk.len() {
                 match format::decode_record(&chunk[pos..]) {
-                    Ok((Record::Enqueue { seq: rseq, timestamp_ms, payload, .. }, n)) => {
+                    Ok((Record::Enqueue { queue, seq: rseq, timestamp_ms, payload }, n)) if queue == self.id && rseq < seg.end_seq => {
                         let start = pos + RECORD_HEADER_SIZE + format::ENQUEUE_FIXED_LEN;
                         pos += n;
-                        self.cursor = Some((rseq + 1, first, offset + pos as u64));
+                        own_next = rseq + 1;
+                        self.cursor = Some((own_next, first, offset + pos as u64));
                         out.next_seq = self.gone.next_live(rseq + 1);
                         if rseq < seq || self.gone.contains(rseq) {
                             continue;
@@ -340,7 +435,12 @@ impl QueueLog {
                             break;
                         }
                     }
-                    Ok((_, n)) => pos += n, // queue segments hold only enqueues; skip anything else
+                    Ok((_, n)) => {
+                        // Another queue's record or an ack inside a WAL extent (own files hold only this
+                        // queue's enqueues).
+                        pos += n;
+                        self.cursor = Some((own_next, first, offset + pos as u64));
+                    }
                     Err(format::Damage::LengthPastEof { .. } | format::Damage::RecordHeaderTruncated { .. })
                         if pos > 0 && offset + (pos as u64) < seg.len =>
                     {
@@ -382,9 +482,13 @@ impl QueueLog {
         Ok(out)
     }
 
-    fn pread(&mut self, first: u64, offset: u64, len: usize) -> std::io::Result<Bytes> {
-        if self.reader.as_ref().is_none_or(|(f, _)| *f != first) {
-            self.reader = Some((first, File::open(seg_path(&self.dir, first))?));
+    fn pread(&mut self, seg: &QSeg, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        if self.reader.as_ref().is_none_or(|(f, _)| *f != seg.first_seq) {
+            let path = match seg.wal {
+                Some(base) => crate::segment::path(&self.wal_dir, base),
+                None => seg_path(&self.dir, seg.first_seq),
+            };
+            self.reader = Some((seg.first_seq, File::open(path)?));
         }
         let mut buf = BytesMut::zeroed(len);
         let mut done = 0;
@@ -409,11 +513,11 @@ impl QueueLog {
             if seg.last_ts < timestamp_ms {
                 continue;
             }
-            let data = self.pread(seg.first_seq, HEADER_SIZE as u64, (seg.len - HEADER_SIZE as u64) as usize)?;
+            let data = self.pread(&seg, seg.start, seg.len.saturating_sub(seg.start) as usize)?;
             let mut pos = 0;
             while let Ok((record, n)) = format::decode_record(&data[pos..]) {
-                if let Record::Enqueue { seq, timestamp_ms: ts, .. } = record {
-                    if ts >= timestamp_ms {
+                if let Record::Enqueue { queue, seq, timestamp_ms: ts, .. } = record {
+                    if queue == self.id && ts >= timestamp_ms {
                         return Ok(seq);
                     }
                 }
@@ -447,11 +551,23 @@ impl QueueLog {
         log.retention_ms = state.retention_ms;
         let on_disk = list_segments(&log.dir)?;
         for first in &on_disk {
-            if !state.segments.iter().any(|s| s.first_seq == *first) {
+            if !state.segments.iter().any(|s| s.first_seq == *first && s.wal.is_none()) {
                 fs::remove_file(seg_path(&log.dir, *first))?;
             }
         }
         for seg in state.segments {
+            if let Some(base) = seg.wal {
+                // An extent of a WAL segment that the checkpoint made durable; damage shows when it is read.
+                let path = crate::segment::path(&log.wal_dir, base);
+                if path.exists() {
+                    log.segments.insert(seg.first_seq, seg);
+                } else {
+                    tracing::error!(file = %path.display(), queue = state.id, first_seq = seg.first_seq,
+                        end_seq = seg.end_seq, "WAL segment holding queue messages is missing; they are lost");
+                    log.gone.insert(seg.first_seq, seg.end_seq);
+                }
+                continue;
+            }
             let path = seg_path(&log.dir, seg.first_seq);
             let Ok(meta) = fs::metadata(&path) else {
                 continue; // deleted after the checkpoint: every seq in it was gone
@@ -464,7 +580,7 @@ impl QueueLog {
             f.set_len(seg.len.min(meta.len()))?;
             log.segments.insert(seg.first_seq, QSeg { len: seg.len.min(meta.len()), ..seg });
         }
-        if let Some(last) = log.segments.values().next_back() {
+        if let Some(last) = log.segments.values().next_back().filter(|s| s.wal.is_none()) {
             log.active = Some(Appender::open_at(&seg_path(&log.dir, last.first_seq), last.len)?);
         }
         Ok(log)

@@ -111,6 +111,14 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
     for (i, &base) in bases.iter().enumerate() {
         let newest = i + 1 == bases.len();
         let path = segment::path(&wal, base);
+        if bases.get(i + 1).is_some_and(|&next| next <= cp.wal_pos) {
+            // Wholly before the checkpoint: nothing to replay. It is still here because a queue's extent
+            // is in it (or a crash came between the checkpoint and its deletion); reads check its records.
+            let len = fs::metadata(&path).map_err(StoreError::io("reading", &path))?.len();
+            wal_bases.push_back(base);
+            end_pos = end_pos.max(base + len);
+            continue;
+        }
         let data = fs::read(&path).map_err(StoreError::io("reading", &path))?;
         let disk_len = data.len() as u64;
         end_pos = end_pos.max(base);
@@ -155,7 +163,8 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
             }
         }
         end_pos = end_pos.max(base + kept_len);
-        if newest {
+        // Appending after a cut below the checkpoint would put new records where extents expect old ones.
+        if newest && base + valid_len as u64 >= cp.wal_pos {
             active = Some((base, valid_len));
         }
     }

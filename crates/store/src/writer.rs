@@ -36,6 +36,7 @@ use crate::checkpoint::{self, Checkpoint, QueueState};
 use crate::direct::Appender;
 use crate::error::StoreError;
 use crate::format::{self, Record, HEADER_SIZE};
+use crate::qlog::WalPlace;
 use crate::qlog::QueueLogs;
 use crate::segment;
 use crate::store::SyncPolicy;
@@ -44,8 +45,10 @@ use crate::SyncTicket;
 /// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
 /// bounded instead of growing with the backlog.
 pub(crate) const MAX_PENDING_BYTES: usize = 64 << 20;
-/// Group buffers kept for reuse after a checkpoint.
-const SPARE_BUFFERS: usize = 3;
+/// Group buffers kept for reuse after a checkpoint (a busy store cycles through about
+/// `checkpoint_bytes / group size` of them): fresh ones cost a page fault per 4 KiB as they fill, which
+/// was a fifth of an appending thread's time. Given back when the store goes quiet.
+const SPARE_BUFFERS: usize = 8;
 /// The writer gives back buffer capacity above this after a burst. Large enough that a busy store does
 /// not reallocate (and page-fault in) its two group buffers over and over.
 const MAX_RETAINED_BUFFER: usize = 32 << 20;
@@ -67,6 +70,14 @@ pub(crate) struct State {
 struct Roll {
     at: usize,
     base: u64,
+}
+
+/// A group written to the WAL, waiting for its fsync to be applied to the queue logs.
+struct Group {
+    buf: Vec<u8>,
+    rolls: Vec<Roll>,
+    /// Where the group's first byte is in the WAL.
+    place: WalPlace,
 }
 
 /// The durable watermark for blocking waiters (the watch channel serves async ones).
@@ -255,6 +266,7 @@ pub(crate) struct Writer {
     tail_bytes: u64,
     /// Group buffers to reuse (at most `SPARE_BUFFERS`), so a busy store does not page-fault in fresh ones.
     spare: Vec<Vec<u8>>,
+    last_group_len: usize,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
 }
@@ -271,6 +283,7 @@ impl Writer {
             retained: Vec::new(),
             tail_bytes: 0,
             spare: Vec::new(),
+            last_group_len: 0,
             last_checkpoint_pos: start.checkpoint_pos,
             last_checkpoint: Instant::now(),
             shared,
@@ -286,7 +299,7 @@ impl Writer {
         let mut last_sync = Instant::now();
         // Written but not yet fsynced: (end position, the bytes and rolls to apply after the fsync).
         let mut unsynced: Option<u64> = None;
-        let mut to_apply: Vec<(Vec<u8>, Vec<Roll>)> = Vec::new();
+        let mut to_apply: Vec<Group> = Vec::new();
         loop {
             let (end, closing) = {
                 let mut st = self.shared.state.lock();
@@ -310,9 +323,8 @@ impl Writer {
                     }
                 }
                 if self.buf.capacity() == 0 {
-                    if let Some(spare) = self.spare.pop() {
-                        self.buf = spare;
-                    }
+                    // A buffer as large as the last group, so appenders do not regrow (copy) it.
+                    self.buf = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(self.last_group_len));
                 }
                 std::mem::swap(&mut st.pending, &mut self.buf);
                 std::mem::swap(&mut st.rolls, &mut self.rolls);
@@ -320,8 +332,10 @@ impl Writer {
             };
             self.shared.space.notify_all();
             if !self.buf.is_empty() {
+                self.last_group_len = self.buf.len().min(MAX_RETAINED_BUFFER);
+                let place = WalPlace { base: self.base, offset: end - self.buf.len() as u64 - self.base };
                 self.write_group();
-                to_apply.push((std::mem::take(&mut self.buf), std::mem::take(&mut self.rolls)));
+                to_apply.push(Group { buf: std::mem::take(&mut self.buf), rolls: std::mem::take(&mut self.rolls), place });
                 unsynced = Some(end);
             }
             let sync_now = closing || interval.is_none_or(|iv| last_sync.elapsed() >= iv);
@@ -330,8 +344,8 @@ impl Writer {
                     self.sync_data();
                     last_sync = Instant::now();
                     self.shared.publish(pos);
-                    for (buf, rolls) in std::mem::take(&mut to_apply) {
-                        self.apply(buf, &rolls);
+                    for group in std::mem::take(&mut to_apply) {
+                        self.apply(group);
                     }
                     self.applied = pos;
                 }
@@ -344,7 +358,7 @@ impl Writer {
                     || self.tail_bytes >= self.shared.checkpoint_bytes
                     || quiet_due)
             {
-                self.checkpoint();
+                self.checkpoint(quiet_due && !closing);
             }
             if closing {
                 break;
@@ -365,10 +379,11 @@ impl Writer {
             // The old segment must be complete on disk before a newer one exists: recovery treats only the
             // newest segment's tail as torn.
             self.sync_data();
-            let file = match segment::create_empty(&self.shared.wal, roll.base) {
+            let mut file = match segment::create_empty(&self.shared.wal, roll.base) {
                 Ok(f) => f,
                 Err(e) => fatal("creating a WAL segment", &segment::path(&self.shared.wal, roll.base), &e),
             };
+            file.reuse_memory_of(&mut self.file);
             self.shared.counters.wal_segments.fetch_add(1, Ordering::Relaxed);
             self.wal_bases.push_back(roll.base);
             self.file = file;
@@ -401,12 +416,17 @@ impl Writer {
     /// Applies the group to the queue logs, in log order: enqueues join their queue's in-memory tail
     /// (they are durable in the WAL; the checkpoint writes the still-live ones to the queue's files), acks
     /// and drops are applied.
-    fn apply(&mut self, buf: Vec<u8>, rolls: &[Roll]) {
+    fn apply(&mut self, Group { buf, rolls, place }: Group) {
         let now = crate::now_ms();
         let shared = self.shared.clone();
         let group = Bytes::from(buf);
         let mut last: Option<(u64, Arc<Mutex<crate::qlog::QueueLog>>)> = None;
-        for_each_record(&group, rolls, |start, end, record| match record {
+        // Where in the WAL a record at a given offset of the group buffer is.
+        let wal_place = |at: usize| match rolls.iter().rev().find(|r| r.at <= at) {
+            Some(roll) => WalPlace { base: roll.base, offset: (at - roll.at) as u64 },
+            None => WalPlace { base: place.base, offset: place.offset + at as u64 },
+        };
+        for_each_record(&group, &rolls, |start, end, record| match record {
             Record::Enqueue { queue, seq, timestamp_ms, payload } => {
                 let log = match &last {
                     Some((q, log)) if *q == queue => log.clone(),
@@ -416,7 +436,7 @@ impl Writer {
                         log
                     }
                 };
-                log.lock().push_tail(group.slice(start..end), seq, timestamp_ms, payload.len());
+                log.lock().push_tail(group.slice(start..end), wal_place(start), seq, timestamp_ms, payload.len(), now);
             }
             Record::Acks { .. } | Record::Drop { .. } => {
                 last = None;
@@ -428,11 +448,12 @@ impl Writer {
     }
 
     /// Makes the queue files durable (one `syncfs`), writes the checkpoint, deletes the WAL before it.
-    fn checkpoint(&mut self) {
+    fn checkpoint(&mut self, quiet: bool) {
         let shared = self.shared.clone();
         let now = crate::now_ms();
         let mut queues = Vec::new();
         let mut spilled = 0;
+        let mut wal_in_use = std::collections::HashSet::new();
         for log in shared.logs.all() {
             let mut log = log.lock();
             match log.spill(shared.queue_segment_size) {
@@ -442,6 +463,7 @@ impl Writer {
             let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
             log.dirty = false;
+            wal_in_use.extend(log.wal_segments_used());
             queues.push(QueueState::of(&log));
         }
         shared.counters.bytes_written.fetch_add(spilled, Ordering::Relaxed);
@@ -457,6 +479,9 @@ impl Writer {
                 }
             }
         }
+        if quiet {
+            self.spare.clear();
+        }
         if let Err(e) = segment::sync_filesystem(&shared.dir) {
             fatal("syncfs", &shared.dir, &e);
         }
@@ -467,22 +492,29 @@ impl Writer {
         shared.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
         self.last_checkpoint_pos = self.applied;
         self.last_checkpoint = Instant::now();
-        // WAL segments that end at or before the checkpoint are no longer needed.
+        // WAL segments that end at or before the checkpoint are no longer needed, unless a queue's extent
+        // is in them.
         let mut deleted = false;
-        while self.wal_bases.len() > 1 && self.wal_bases.get(1).is_some_and(|&next| next <= self.applied) {
-            let Some(base) = self.wal_bases.pop_front() else { break };
+        let mut kept = VecDeque::with_capacity(self.wal_bases.len());
+        while let Some(base) = self.wal_bases.pop_front() {
+            let needed = self.wal_bases.front().is_none_or(|&next| next > self.applied) || wal_in_use.contains(&base);
+            if needed {
+                kept.push_back(base);
+                continue;
+            }
             let p = segment::path(&shared.wal, base);
             let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
             if let Err(e) = std::fs::remove_file(&p) {
                 tracing::warn!(error = %e, file = %p.display(), "could not delete a checkpointed WAL segment");
-                self.wal_bases.push_front(base);
-                break;
+                kept.push_back(base);
+                continue;
             }
             shared.counters.wal_bytes.fetch_sub(len.min(shared.counters.wal_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
             shared.counters.wal_segments.fetch_sub(1, Ordering::Relaxed);
             shared.counters.segments_deleted.fetch_add(1, Ordering::Relaxed);
             deleted = true;
         }
+        self.wal_bases = kept;
         if deleted {
             if let Err(e) = segment::sync_dir(&shared.wal) {
                 fatal("fsyncing the WAL directory", &shared.wal, &e);

@@ -542,9 +542,101 @@ fn messages_consumed_before_the_checkpoint_are_written_once() {
     let spilled = after.bytes_written - before.bytes_written;
     let record = (8 + 25 + 1000) as u64;
     assert!(wal >= 600 * record, "{wal}");
-    assert_eq!(spilled, 100 * record, "only the live messages are copied into queue files");
+    // The live ones are copied, or (where they lie densely in a WAL segment) kept where they are.
+    assert!(spilled <= 100 * record, "only the live messages may be copied into queue files ({spilled})");
     assert!(files_with_ext(&dir.path().join("queues/8"), "qseg").is_empty());
     let (store, rec) = open(dir.path(), opts());
     assert_eq!(queue(&rec, 9).live_count, 100);
     assert_eq!(read_all(&store, 9, 0, 100).len(), 100);
+}
+
+/// Options with WAL segments of realistic size, so that a backlog's records can stay in them.
+fn extent_opts() -> StoreOptions {
+    StoreOptions { segment_size: 1 << 20, queue_segment_size: 1 << 20, checkpoint_bytes: 512 << 10, ..opts() }
+}
+
+#[test]
+fn a_backlog_is_written_once_and_read_back_from_the_wal_across_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), extent_opts());
+    put(&store, 1, 0..3000, 1000);
+    store.close().unwrap();
+    let s = store.stats();
+    let record = (8 + 25 + 1000) as u64;
+    // Everything went to the WAL once; at most the last bits of a run were copied.
+    assert!(s.bytes_written < 3000 * record + (300 << 10), "{} bytes written for {} of records", s.bytes_written, 3000 * record);
+    assert!(files_with_ext(&dir.path().join("queues/1"), "qseg").len() <= 1);
+    let (store, rec) = open(dir.path(), extent_opts());
+    assert_eq!(queue(&rec, 1).live_count, 3000);
+    let all = read_all(&store, 1, 0, 3000);
+    assert!(all.iter().enumerate().all(|(i, (seq, p))| *seq == i as u64 && *p == payload(1, i as u64, 1000)));
+    // Consume it all: the WAL segments go once the queue is past them (at the next checkpoints).
+    ack(&store, 1, 0..3000, 1000);
+    put(&store, 2, 0..700, 1000);
+    ack(&store, 2, 0..700, 1000);
+    store.close().unwrap();
+    let wal_bytes: u64 = files_with_ext(dir.path(), "wlog").iter().map(|p| p.metadata().unwrap().len()).sum();
+    assert!(wal_bytes < 2 << 20, "the drained backlog's WAL segments are deleted ({wal_bytes} bytes left)");
+    let (_store, rec) = open(dir.path(), extent_opts());
+    assert_eq!(queue(&rec, 1).live_count, 0);
+}
+
+#[test]
+fn interleaved_queues_are_copied_so_a_slow_one_does_not_pin_the_wal() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), extent_opts());
+    for seq in 0..1500 {
+        put(&store, 1, seq..seq + 1, 1000);
+        put(&store, 2, seq..seq + 1, 1000);
+    }
+    ack(&store, 1, 0..1500, 1000); // queue 2 stays behind
+    put(&store, 3, 0..1500, 1000);
+    ack(&store, 3, 0..1500, 1000);
+    store.close().unwrap();
+    assert!(!files_with_ext(&dir.path().join("queues/2"), "qseg").is_empty(), "the slow queue's messages were copied");
+    let wal_bytes: u64 = files_with_ext(dir.path(), "wlog").iter().map(|p| p.metadata().unwrap().len()).sum();
+    assert!(wal_bytes < 2 << 20, "no WAL segment is kept for the slow queue ({wal_bytes} bytes left)");
+    let (store, rec) = open(dir.path(), extent_opts());
+    assert_eq!(queue(&rec, 2).live_count, 1500);
+    let all = read_all(&store, 2, 0, 1500);
+    assert!(all.iter().enumerate().all(|(i, (seq, p))| *seq == i as u64 && *p == payload(2, i as u64, 1000)));
+}
+
+#[test]
+fn an_extent_with_out_of_order_acks_and_damage_reads_back_what_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), extent_opts());
+    put(&store, 1, 0..2000, 1000);
+    ack(&store, 1, (0..2000).filter(|s| s % 3 == 0), 1000);
+    store.close().unwrap();
+    let (store, _) = open(dir.path(), extent_opts());
+    let all = read_all(&store, 1, 0, 1333);
+    let want: Vec<u64> = (0..2000).filter(|s| s % 3 != 0).collect();
+    assert_eq!(all.iter().map(|m| m.0).collect::<Vec<_>>(), want);
+    drop(store);
+    // Garble a record in the oldest WAL segment (kept for the extents in it): reading stops there, logged.
+    let wal = files_with_ext(dir.path(), "wlog");
+    assert!(wal.len() >= 2);
+    let mut data = std::fs::read(&wal[0]).unwrap();
+    let at = data.len() / 2;
+    for b in &mut data[at..at + 100] {
+        *b ^= 0x5a;
+    }
+    std::fs::write(&wal[0], data).unwrap();
+    let (store, rec) = open(dir.path(), extent_opts());
+    let mut seq = 0;
+    let mut got = Vec::new();
+    let mut lost = 0;
+    loop {
+        let b = store.read(1, seq, 100, 1 << 20).unwrap();
+        lost += b.lost;
+        if b.messages.is_empty() && b.next_seq >= queue(&rec, 1).next_seq {
+            break;
+        }
+        got.extend(b.messages.iter().map(|m| m.seq));
+        assert!(b.messages.iter().all(|m| m.payload[..] == payload(1, m.seq, 1000)[..]), "nothing corrupt is returned");
+        seq = b.next_seq;
+    }
+    assert!(lost > 0 && (got.len() as u64) + lost == 1333, "{} read, {lost} lost", got.len());
+    assert!(got.windows(2).all(|w| w[0] < w[1]));
 }
