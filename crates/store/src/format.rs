@@ -11,6 +11,8 @@
 //! queues/<queue id>/NNNNNNNNNNNNNNNNNNNN.qseg
 //!                                        a queue's messages in order; the number is the first seq
 //! ```
+//! A queue's segments are its own `.qseg` files and extents: byte ranges of WAL segments that hold
+//! (nearly only) its enqueues, listed in the checkpoint. A WAL segment an extent is in is kept.
 //!
 //! # WAL segment header ([`HEADER_SIZE`] bytes)
 //! `magic "WRNL" | version u16 | header_size u16 | reserved 20 bytes | crc32c u32 over bytes 0..28`

@@ -4,11 +4,13 @@
 //! Records (`Enqueue { queue, seq, timestamp, payload }`, `Acks`, `Drop`) are appended in batches, written
 //! sequentially into WAL segments by one writer thread, and made durable with one `fdatasync` per group of
 //! batches, whatever the number of queues. A batch's [`SyncTicket`] is durable once the watermark from
-//! [`Store::durable`] has reached it; only then may the broker confirm it. The writer then copies each
-//! enqueue into its queue's own segment files, from which the queue reads its backlog back in order
-//! ([`Store::read`]): memory does not grow with the backlog, and a queue's consumed segments are deleted
-//! without waiting for any other queue. Checkpoints make the queue files durable with one `syncfs` and let
-//! the WAL before them go; recovery replays only the WAL after the last checkpoint.
+//! [`Store::durable`] has reached it; only then may the broker confirm it. At checkpoints each queue's
+//! still-live enqueues become part of its log: as extents of the WAL where they lie densely (a backlog
+//! is written once), else copied into the queue's own segment files. The queue reads its backlog back
+//! in order from there ([`Store::read`]): memory does not grow with the backlog, and a queue's consumed
+//! segments are deleted without waiting for any other queue. Checkpoints make the queue files durable
+//! with one `syncfs` and let the WAL before them go (but for segments extents are in); recovery replays
+//! only the WAL after the last checkpoint.
 //!
 //! Module map: [`format`] (on-disk layouts and crash behaviour), `checkpoint`, `segment` (WAL files),
 //! `qlog` (queue logs), `gone` (which seqs of a queue are gone), `writer` (pending buffer, writer thread),

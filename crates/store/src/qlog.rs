@@ -1,10 +1,11 @@
-//! Queue logs: each queue's messages in its own segment files, in seq order, behind the WAL.
+//! Queue logs: each queue's messages in seq order, behind the WAL.
 //!
-//! The writer thread copies every enqueue from the WAL into its queue's log right after the group commit
-//! (page cache only; the checkpoint makes them durable with one `syncfs`), applies acks to the queue's
-//! [`GoneSet`], and deletes a queue's segments once every seq in them is gone and their retention has
-//! passed. Queues read their backlog back from here in order, so a backlog costs disk, not memory, and one
-//! slow queue keeps only its own segments on disk.
+//! After the group commit the writer thread puts every enqueue into its queue's in-memory tail (it is in
+//! the WAL already), applies acks to the queue's [`GoneSet`], and at checkpoints turns the tail's live
+//! records into segments: extents of the WAL where they lie densely, else copies in the queue's own
+//! segment files (see [`QueueLog::spill`]). Segments are let go once every seq in them is gone and their
+//! retention has passed. Queues read their backlog back from here in order, so a backlog costs disk,
+//! not memory, and one slow queue keeps only its own messages on disk.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
