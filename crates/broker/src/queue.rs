@@ -25,6 +25,11 @@ use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
 
 /// Most ready messages a queue holds in memory; the rest waits in the store.
 pub const WINDOW_MESSAGES: usize = 2048;
+
+/// How far ahead of the deliveries the delivered mark is kept (see `Queue::delivery_marked`): a mark
+/// record per 1,024 deliveries, and after a restart at most this many never-delivered messages flagged
+/// redelivered.
+const MARK_STEP: u64 = 2048;
 /// Body bytes of ready messages all queues together may hold in memory...
 pub const WINDOW_BUDGET_BYTES: u64 = 128 << 20;
 /// ... and at most this much per queue, at least `WINDOW_MIN_BYTES`.
@@ -81,8 +86,18 @@ struct QueueState {
     /// Their body bytes (for `x-max-length-bytes`; an estimate after a restart) and store bytes.
     span_bytes: u64,
     span_store_bytes: u64,
-    /// Seqs below this were in the store when the node started: they may have been delivered before.
+    /// Seqs below this were in the store when the node started.
     recovered_until: u64,
+    /// Of those, seqs below this may have been delivered before the restart (the store's delivered mark):
+    /// they come back redelivered, the others not.
+    redelivered_below: u64,
+    /// The delivered mark: stored persistent messages below `mark_durable` may be delivered (the store
+    /// has it durably), so that a crash never brings back a delivered message as new; the next mark,
+    /// appended and waiting for its fsync, is `mark_pending` (mark, ticket).
+    mark_durable: u64,
+    mark_pending: Option<(u64, SyncTicket)>,
+    /// A task waits for the mark's fsync to resume dispatching.
+    mark_waiter: bool,
     consumers: Vec<Arc<Consumer>>,
     /// Round-robin position among consumers.
     next_consumer: usize,
@@ -153,6 +168,10 @@ impl Queue {
                 span_bytes: 0,
                 span_store_bytes: 0,
                 recovered_until: 0,
+                redelivered_below: 0,
+                mark_durable: 0,
+                mark_pending: None,
+                mark_waiter: false,
                 consumers: Vec::new(),
                 next_consumer: 0,
                 unacked: 0,
@@ -274,11 +293,14 @@ impl Queue {
     }
 
     /// Takes over what the store held for this queue at startup: every live message is in the span,
-    /// read back as the window needs it, marked redelivered (it may have been delivered before).
+    /// read back as the window needs it; those that may have been delivered before come back marked
+    /// redelivered.
     pub fn restore(&self, recovered: &RecoveredQueue) {
         let mut st = self.state.lock();
         st.next_seq = recovered.next_seq;
         st.recovered_until = recovered.next_seq;
+        st.redelivered_below = recovered.delivered_until;
+        st.mark_durable = recovered.delivered_until;
         st.span_from = recovered.first_seq;
         st.span_count = recovered.live_count;
         st.span_store_bytes = recovered.live_bytes;
@@ -323,7 +345,8 @@ impl Queue {
                 }
                 let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
                 st.ready_bytes += message.body_len() as u64;
-                st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered: recovered });
+                let redelivered = m.seq < st.redelivered_below;
+                st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered });
             }
             if st.span_count == 0 {
                 st.span_bytes = 0;
@@ -385,7 +408,7 @@ impl Queue {
     }
 
     /// Delivers ready messages to consumers with credit, round-robin.
-    fn dispatch_locked(&self, st: &mut QueueState, now_ms: u64, after: &mut AfterUnlock) {
+    fn dispatch_locked(self: &Arc<Self>, st: &mut QueueState, now_ms: u64, after: &mut AfterUnlock) {
         loop {
             if st.consumers.is_empty() {
                 return;
@@ -402,6 +425,10 @@ impl Queue {
                 let consumer = st.consumers[idx].clone();
                 if !consumer.has_credit() {
                     continue;
+                }
+                if !self.delivery_marked(st) {
+                    self.resume_when_marked(st);
+                    return;
                 }
                 let Some(entry) = pop_ready(st) else { return };
                 match consumer.channel.try_deliver(&consumer, entry) {
@@ -420,6 +447,51 @@ impl Queue {
                 return;
             }
         }
+    }
+
+    /// Whether the head of the window may be delivered as far as the delivered mark goes: a stored
+    /// persistent message may leave only once the store durably says it may have been delivered (else a
+    /// crash would bring it back as never delivered). Marks are requested `MARK_STEP` seqs ahead, half a
+    /// step early, so a consumer normally never waits for one; after a restart at most that many
+    /// never-delivered messages come back flagged redelivered.
+    fn delivery_marked(&self, st: &mut QueueState) -> bool {
+        let Some(head) = st.ready.front() else { return true };
+        if head.stored_bytes == 0 || !(self.durable && head.message.persistent) {
+            return true;
+        }
+        let seq = head.seq;
+        if let Some((up_to, ticket)) = st.mark_pending {
+            if self.store.is_durable(ticket) {
+                st.mark_durable = st.mark_durable.max(up_to);
+                st.mark_pending = None;
+            }
+        }
+        if st.mark_pending.is_none() && seq + MARK_STEP / 2 >= st.mark_durable {
+            let mut batch = Batch::new();
+            batch.delivered(self.id, seq + MARK_STEP);
+            match self.store.append(&mut batch) {
+                Ok(ticket) => st.mark_pending = Some((seq + MARK_STEP, ticket)),
+                Err(e) => tracing::error!(queue = %self.name, error = %e, "could not record deliveries in the store"),
+            }
+        }
+        seq < st.mark_durable
+    }
+
+    /// Dispatches again once the pending delivered mark is durable.
+    fn resume_when_marked(self: &Arc<Self>, st: &mut QueueState) {
+        let Some((_, ticket)) = st.mark_pending else { return };
+        if st.mark_waiter {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        st.mark_waiter = true;
+        let queue = self.clone();
+        let mut durable = self.store.durable();
+        rt.spawn(async move {
+            let _ = durable.wait_for(|&d| d >= ticket).await;
+            queue.state.lock().mark_waiter = false;
+            queue.dispatch();
+        });
     }
 
     /// Delivers what can be delivered now (credit came back, a consumer arrived, flow resumed).
@@ -503,6 +575,16 @@ impl Queue {
             st.last_used_ms = now;
             self.refill_locked(&mut st, &mut after);
             self.expire_locked(&mut st, now, true, &mut after);
+            // The head's delivered mark must be durable first (see `delivery_marked`): basic.get is one
+            // message per round trip, so waiting here for that one fsync (once per 1,024 gets) is fine.
+            while !self.delivery_marked(&mut st) {
+                let Some((_, ticket)) = st.mark_pending else { break };
+                drop(st);
+                if self.store.wait_durable(ticket).is_err() {
+                    return false;
+                }
+                st = self.state.lock();
+            }
             match pop_ready(&mut st) {
                 None => false,
                 Some(entry) => {

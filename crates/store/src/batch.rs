@@ -12,6 +12,8 @@ pub struct Batch {
     /// (queue, start, end, bytes): consecutive acks of one queue merge into one range.
     acks: Vec<(u64, u64, u64, u64)>,
     drops: Vec<u64>,
+    /// (queue, up_to) delivered marks.
+    delivered: Vec<(u64, u64)>,
     /// Encoded acks and drops, built by `seal` outside the store's lock.
     pub(crate) tail: Vec<u8>,
     /// Largest payload added, checked by `append` (enqueue itself cannot fail).
@@ -53,13 +55,19 @@ impl Batch {
         self.acks.push((queue, start, end, bytes));
     }
 
+    /// Records that seqs of `queue` below `up_to` may have been delivered to a consumer: after a restart
+    /// they come back with the redelivered flag, the others without. Marks only ever rise.
+    pub fn delivered(&mut self, queue: u64, up_to: u64) {
+        self.delivered.push((queue, up_to));
+    }
+
     /// Records that `queue` was deleted: its files go, later acks for it are ignored.
     pub fn drop_queue(&mut self, queue: u64) {
         self.drops.push(queue);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.enqueues == 0 && self.acks.is_empty() && self.drops.is_empty()
+        self.enqueues == 0 && self.acks.is_empty() && self.drops.is_empty() && self.delivered.is_empty()
     }
 
     pub fn clear(&mut self) {
@@ -67,6 +75,7 @@ impl Batch {
         self.enqueues = 0;
         self.acks.clear();
         self.drops.clear();
+        self.delivered.clear();
         self.tail.clear();
         self.largest_payload = 0;
     }
@@ -87,6 +96,9 @@ impl Batch {
             }
             format::encode_acks(&mut self.tail, queue, bytes, &ranges);
         }
+        for &(q, up_to) in &self.delivered {
+            format::encode_delivered(&mut self.tail, q, up_to);
+        }
         for &q in &self.drops {
             format::encode_drop(&mut self.tail, q);
         }
@@ -98,7 +110,7 @@ impl Batch {
     }
 
     pub(crate) fn record_count(&self) -> u64 {
-        (self.enqueues + self.acks.len() + self.drops.len()) as u64
+        (self.enqueues + self.acks.len() + self.drops.len() + self.delivered.len()) as u64
     }
 
     pub(crate) fn max_payload() -> usize {

@@ -8,14 +8,15 @@
 //!
 //! ```text
 //! "WRNC" | version u16 | wal_pos u64 | count u32 | count x queue | crc32c u32
-//! queue = id u64 | next_seq u64 | floor u64 | live_bytes u64 | retention_ms u64
+//! queue = id u64 | next_seq u64 | floor u64 | live_bytes u64 | retention_ms u64 | delivered_until u64
 //!       | n u32 | n x (start u64, end u64)                          gone ranges above the floor
 //!       | m u32 | m x segment
 //! segment = first_seq, len, end_seq, first_ts, last_ts, start, wal   7 x u64; wal = u64::MAX for the
 //!                                                                    queue's own file, else the base of
 //!                                                                    the WAL segment the extent is in
 //! ```
-//! Version 2 (before extents) had only the first five segment fields; it is still read.
+//! Version 2 (before extents and delivered marks) had no `delivered_until` and only the first five
+//! segment fields; it is still read.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
@@ -44,6 +45,7 @@ pub(crate) struct QueueState {
     pub floor: u64,
     pub live_bytes: u64,
     pub retention_ms: u64,
+    pub delivered_until: u64,
     pub ranges: Vec<(u64, u64)>,
     pub segments: Vec<QSeg>,
 }
@@ -56,6 +58,7 @@ impl QueueState {
             floor: log.gone.floor(),
             live_bytes: log.live_bytes,
             retention_ms: log.retention_ms,
+            delivered_until: log.delivered_until,
             ranges: log.gone.ranges().collect(),
             segments: log.segments.values().copied().collect(),
         }
@@ -69,7 +72,7 @@ pub(crate) fn encode(cp: &Checkpoint) -> Vec<u8> {
     out.extend_from_slice(&cp.wal_pos.to_le_bytes());
     out.extend_from_slice(&(cp.queues.len() as u32).to_le_bytes());
     for q in &cp.queues {
-        for v in [q.id, q.next_seq, q.floor, q.live_bytes, q.retention_ms] {
+        for v in [q.id, q.next_seq, q.floor, q.live_bytes, q.retention_ms, q.delivered_until] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(&(q.ranges.len() as u32).to_le_bytes());
@@ -115,6 +118,8 @@ pub(crate) fn decode(data: &[u8]) -> Result<Checkpoint, BadCheckpoint> {
     let mut queues = Vec::new();
     for _ in 0..count {
         let (id, next_seq, floor, live_bytes, retention_ms) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+        // Version 2 kept no marks: everything it held may have been delivered.
+        let delivered_until = if version == CHECKPOINT_VERSION { r.u64()? } else { next_seq };
         let n = r.u32()?;
         let mut ranges = Vec::new();
         for _ in 0..n {
@@ -131,7 +136,7 @@ pub(crate) fn decode(data: &[u8]) -> Result<Checkpoint, BadCheckpoint> {
             };
             segments.push(QSeg { first_seq, start, len, end_seq, first_ts, last_ts, wal });
         }
-        queues.push(QueueState { id, next_seq, floor, live_bytes, retention_ms, ranges, segments });
+        queues.push(QueueState { id, next_seq, floor, live_bytes, retention_ms, delivered_until, ranges, segments });
     }
     if r.at != body.len() {
         return Err(bad("trailing bytes"));
@@ -195,6 +200,7 @@ mod tests {
                 floor: 3,
                 live_bytes: 700,
                 retention_ms: 5,
+                delivered_until: 8,
                 ranges: vec![(5, 7)],
                 segments: vec![
                     QSeg { first_seq: 0, start: 32, len: 100, end_seq: 10, first_ts: 1, last_ts: 2, wal: None },

@@ -26,6 +26,7 @@
 //! WAL:    KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload
 //!         KIND_ACKS    u8 | queue u64 | bytes u64 | count u32 | count x (start u64, end u64)
 //!         KIND_DROP    u8 | queue u64
+//!         KIND_DELIVERED u8 | queue u64 | up_to u64   every seq below up_to may have been delivered
 //! queue:  KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload   (the WAL record, copied)
 //! ```
 //! A queue's enqueues carry strictly increasing seqs (the queue assigns them under its lock). An acks
@@ -60,11 +61,13 @@ pub const MAX_BODY_LEN: usize = 1 << 30;
 pub const KIND_ENQUEUE: u8 = 1;
 pub const KIND_ACKS: u8 = 2;
 pub const KIND_DROP: u8 = 3;
+pub const KIND_DELIVERED: u8 = 4;
 /// Enqueue body bytes before the payload: kind, queue, seq, timestamp.
 pub const ENQUEUE_FIXED_LEN: usize = 1 + 8 + 8 + 8;
 /// Acks body bytes before the ranges: kind, queue, bytes, count.
 pub const ACKS_FIXED_LEN: usize = 1 + 8 + 8 + 4;
 pub const DROP_LEN: usize = 1 + 8;
+pub const DELIVERED_LEN: usize = 1 + 8 + 8;
 pub const WAL_EXT: &str = "wlog";
 pub const QSEG_EXT: &str = "qseg";
 
@@ -153,6 +156,8 @@ pub enum Record<'a> {
     Enqueue { queue: u64, seq: u64, timestamp_ms: u64, payload: &'a [u8] },
     Acks { queue: u64, bytes: u64, ranges: AckRanges<'a> },
     Drop { queue: u64 },
+    /// Seqs of `queue` below `up_to` may have been delivered (so come back redelivered after a restart).
+    Delivered { queue: u64, up_to: u64 },
 }
 
 /// The `[start, end)` ranges of an acks record, decoded lazily.
@@ -211,7 +216,8 @@ fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
             Record::Acks { queue: u64_at(1), bytes: u64_at(9), ranges: AckRanges(&body[ACKS_FIXED_LEN..]) }
         }
         KIND_DROP if len == DROP_LEN => Record::Drop { queue: u64_at(1) },
-        KIND_ENQUEUE | KIND_ACKS | KIND_DROP => return Err(Damage::Malformed { kind, len }),
+        KIND_DELIVERED if len == DELIVERED_LEN => Record::Delivered { queue: u64_at(1), up_to: u64_at(9) },
+        KIND_ENQUEUE | KIND_ACKS | KIND_DROP | KIND_DELIVERED => return Err(Damage::Malformed { kind, len }),
         kind => return Err(Damage::UnknownKind { kind }),
     };
     Ok((record, RECORD_HEADER_SIZE + len))
@@ -265,6 +271,16 @@ pub fn encode_drop(out: &mut Vec<u8>, queue: u64) {
     out.extend_from_slice(&[0u8; 4]);
     out.push(KIND_DROP);
     out.extend_from_slice(&queue.to_le_bytes());
+    seal(out, start);
+}
+
+pub fn encode_delivered(out: &mut Vec<u8>, queue: u64, up_to: u64) {
+    let start = out.len();
+    out.extend_from_slice(&(DELIVERED_LEN as u32).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    out.push(KIND_DELIVERED);
+    out.extend_from_slice(&queue.to_le_bytes());
+    out.extend_from_slice(&up_to.to_le_bytes());
     seal(out, start);
 }
 

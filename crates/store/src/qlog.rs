@@ -125,6 +125,8 @@ pub(crate) struct QueueLog {
     /// Payload bytes of the live messages.
     pub live_bytes: u64,
     pub retention_ms: u64,
+    /// The highest delivered mark (`Record::Delivered`) applied.
+    pub delivered_until: u64,
     /// Written to since the last checkpoint.
     pub dirty: bool,
     /// When the last enqueue was applied (wall clock, ms).
@@ -150,6 +152,7 @@ impl QueueLog {
             gone: GoneSet::new(0),
             live_bytes: 0,
             retention_ms: 0,
+            delivered_until: 0,
             dirty: false,
             last_enqueue_ms: 0,
             reader: None,
@@ -550,6 +553,7 @@ impl QueueLog {
         log.gone = GoneSet::from_parts(state.floor, state.ranges);
         log.live_bytes = state.live_bytes;
         log.retention_ms = state.retention_ms;
+        log.delivered_until = state.delivered_until;
         let on_disk = list_segments(&log.dir)?;
         for first in &on_disk {
             if !state.segments.iter().any(|s| s.first_seq == *first && s.wal.is_none()) {
@@ -674,6 +678,16 @@ impl QueueLogs {
                     first = false;
                 }
                 log.collect_garbage(now_ms, newest_too, keep_active_idle_ms)
+            }
+            Record::Delivered { queue, up_to } => {
+                if let Some(log) = self.get(queue) {
+                    let mut log = log.lock();
+                    if up_to > log.delivered_until {
+                        log.delivered_until = up_to;
+                        log.dirty = true;
+                    }
+                }
+                (0, 0)
             }
             Record::Drop { queue } => {
                 if let Some(log) = self.remove(queue) {

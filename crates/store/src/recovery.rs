@@ -28,6 +28,9 @@ pub struct RecoveredQueue {
     pub next_seq: u64,
     pub live_count: u64,
     pub live_bytes: u64,
+    /// Seqs below this may have been delivered before the restart (see `Batch::delivered`): they come
+    /// back redelivered; live ones at or above it were never delivered.
+    pub delivered_until: u64,
 }
 
 /// What recovery found and did.
@@ -200,6 +203,7 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
             next_seq: log.next_seq,
             live_count: log.live_count(),
             live_bytes: log.live_bytes,
+            delivered_until: log.delivered_until,
         });
     }
     out.queues.sort_by_key(|q| q.queue);
@@ -246,7 +250,7 @@ fn replay(
                     log.append(&rest[..n], seq, timestamp_ms, payload.len(), queue_segment_size)
                         .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))?;
                 }
-                record @ (Record::Acks { .. } | Record::Drop { .. }) => {
+                record @ (Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. }) => {
                     logs.apply_gone(record, now_ms, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
                 }
             }

@@ -163,6 +163,11 @@ impl Store {
         self.inner.shared.subscribe()
     }
 
+    /// Whether `ticket` is durable now.
+    pub fn is_durable(&self, ticket: SyncTicket) -> bool {
+        self.inner.shared.durable_pos() >= ticket
+    }
+
     /// Blocks the calling (non-async) thread until `ticket` is durable. For tests and shutdown.
     /// Fails with `Closed` if the writer stopped before the ticket became durable.
     pub fn wait_durable(&self, ticket: SyncTicket) -> Result<(), StoreError> {
@@ -206,6 +211,12 @@ impl Store {
         let mut log = log.lock();
         log.read(from_seq, max_count.max(1), max_bytes.max(1))
             .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
+    }
+
+    /// The delivered mark of `queue` that is durable (see `Batch::delivered`): a mark appended is
+    /// reported here only once the writer has applied it, after its fsync.
+    pub fn delivered_until(&self, queue: u64) -> u64 {
+        self.inner.shared.logs.get(queue).map_or(0, |log| log.lock().delivered_until)
     }
 
     /// The first seq of `queue` enqueued at or after `timestamp_ms` that is still on disk (consumed

@@ -438,7 +438,7 @@ impl Writer {
                 };
                 log.lock().push_tail(group.slice(start..end), wal_place(start), seq, timestamp_ms, payload.len(), now);
             }
-            Record::Acks { .. } | Record::Drop { .. } => {
+            Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. } => {
                 last = None;
                 apply_other(&shared, record, now);
             }

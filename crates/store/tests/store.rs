@@ -86,6 +86,7 @@ fn queue(rec: &warren_store::Recovery, id: u64) -> RecoveredQueue {
         next_seq: 0,
         live_count: 0,
         live_bytes: 0,
+        delivered_until: 0,
     })
 }
 
@@ -639,4 +640,27 @@ fn an_extent_with_out_of_order_acks_and_damage_reads_back_what_is_left() {
     }
     assert!(lost > 0 && (got.len() as u64) + lost == 1333, "{} read, {lost} lost", got.len());
     assert!(got.windows(2).all(|w| w[0] < w[1]));
+}
+
+#[test]
+fn delivered_marks_survive_checkpoints_and_replay_and_only_rise() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), opts());
+    put(&store, 1, 0..10, 100);
+    let mark = |store: &Store, up_to| {
+        let mut b = Batch::new();
+        b.delivered(1, up_to);
+        let t = store.append(&mut b).unwrap();
+        store.wait_durable(t).unwrap();
+    };
+    mark(&store, 4);
+    mark(&store, 3); // lower: ignored
+    store.close().unwrap(); // checkpointed
+    let (store, rec) = open(dir.path(), opts());
+    assert_eq!(queue(&rec, 1).delivered_until, 4);
+    mark(&store, 7);
+    drop(store); // no checkpoint with this idle interval: the WAL replay brings it back
+    let (store, rec) = open(dir.path(), opts());
+    assert_eq!(queue(&rec, 1).delivered_until, 7);
+    assert_eq!(store.delivered_until(1), 7);
 }
