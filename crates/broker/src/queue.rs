@@ -281,9 +281,7 @@ impl Queue {
     }
 
     fn store_message(&self, seq: u64, now_ms: u64, stored_header: &[u8], message: &MessageRef) -> Result<SyncTicket> {
-        let mut batch = Batch::new();
-        batch.enqueue(self.id, seq, now_ms, &[stored_header, &message.body]);
-        self.store.append(&mut batch).map_err(store_error)
+        self.store.append_enqueue(self.id, seq, now_ms, &[stored_header, &message.body]).map_err(store_error)
     }
 
     /// Whether a delivery now would go to a no-ack consumer: every consumer is no-ack (so whichever the

@@ -104,11 +104,6 @@ impl Batch {
         }
     }
 
-    /// Bytes this batch adds to the log.
-    pub(crate) fn encoded_len(&self) -> usize {
-        self.records.len() + self.tail.len()
-    }
-
     pub(crate) fn record_count(&self) -> u64 {
         (self.enqueues + self.acks.len() + self.drops.len() + self.delivered.len()) as u64
     }

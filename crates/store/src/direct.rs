@@ -163,6 +163,48 @@ fn open(path: &Path, create: bool) -> std::io::Result<(File, bool)> {
     }
 }
 
+/// Opens `path` for reading, telling the kernel that reads will be sequential (larger readahead).
+///
+/// Reads are buffered on purpose: `O_DIRECT` reads measured slower here (178k against 359k msg/s
+/// consuming a backlog) because each one waits for the disk, where buffered reads find the data already
+/// read ahead.
+pub(crate) fn open_reader(path: &Path) -> std::io::Result<File> {
+    use std::os::fd::AsRawFd;
+    let file = File::open(path)?;
+    // SAFETY: an advisory call on a descriptor we own; failure only loses the hint.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_SEQUENTIAL) };
+    Ok(file)
+}
+
+/// Reads up to `len` bytes at `offset` (fewer at the end of the file) into a fresh buffer that is not
+/// zeroed first (zeroing it was 6% of the broker's CPU while it consumed a backlog).
+pub(crate) fn read_range(file: &File, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
+    use std::os::fd::AsRawFd;
+    let mut buf: Vec<u8> = Vec::with_capacity(len);
+    let mut done = 0usize;
+    while done < len {
+        // SAFETY: the destination is inside `buf`'s allocation (done + (len - done) <= capacity) and is
+        // only written by the kernel; `file` is an open descriptor for the duration of the call.
+        let n = unsafe {
+            libc::pread(file.as_raw_fd(), buf.as_mut_ptr().add(done).cast(), len - done, (offset + done as u64) as libc::off_t)
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    // SAFETY: the kernel initialised the first `done` bytes.
+    unsafe { buf.set_len(done) };
+    Ok(bytes::Bytes::from(buf))
+}
+
 /// Whether `rest` (what follows the last valid record) is only the zero padding direct writes leave.
 pub(crate) fn is_padding(rest: &[u8]) -> bool {
     rest.len() < BLOCK && rest.iter().all(|b| *b == 0)

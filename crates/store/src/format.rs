@@ -243,6 +243,26 @@ pub fn encode_enqueue(out: &mut Vec<u8>, queue: u64, seq: u64, timestamp_ms: u64
     payload_len
 }
 
+/// The record header and fixed fields of an enqueue whose payload is `parts`, checksum included: the
+/// payload can then be copied straight after it into the write buffer (no encode-then-copy). Returns the
+/// bytes and the payload length.
+pub fn encode_enqueue_head(queue: u64, seq: u64, timestamp_ms: u64, parts: &[&[u8]]) -> ([u8; RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN], usize) {
+    let payload_len: usize = parts.iter().map(|p| p.len()).sum();
+    let len = ENQUEUE_FIXED_LEN + payload_len;
+    let mut h = [0u8; RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN];
+    h[0..4].copy_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
+    h[8] = KIND_ENQUEUE;
+    h[9..17].copy_from_slice(&queue.to_le_bytes());
+    h[17..25].copy_from_slice(&seq.to_le_bytes());
+    h[25..33].copy_from_slice(&timestamp_ms.to_le_bytes());
+    let mut crc = crc32c::crc32c(&h[RECORD_HEADER_SIZE..]);
+    for p in parts {
+        crc = crc32c::crc32c_append(crc, p);
+    }
+    h[4..8].copy_from_slice(&crc.to_le_bytes());
+    (h, payload_len)
+}
+
 /// Appends acks records for `ranges` of `queue` (split if there are very many).
 pub fn encode_acks(out: &mut Vec<u8>, queue: u64, bytes: u64, ranges: &[(u64, u64)]) {
     const MAX_RANGES: usize = (MAX_BODY_LEN - ACKS_FIXED_LEN) / 16;

@@ -9,12 +9,11 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use parking_lot::Mutex;
 
 use crate::direct::Appender;
@@ -412,11 +411,13 @@ impl QueueLog {
             if offset >= seg.len {
                 break; // the rest of this segment is not written yet
             }
-            // Peek at the first record's length so that a chunk always holds at least one whole record.
-            let head = self.pread(&seg, offset, RECORD_HEADER_SIZE)?;
-            let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&head, 0)));
-            let want = ((max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64).max(first_len);
-            let chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize)?;
+            let want = (max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64;
+            let mut chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize)?;
+            // A chunk must hold at least one whole record: read again if the first one is longer.
+            let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&chunk, 0)));
+            if first_len > chunk.len() as u64 && offset + first_len <= seg.len {
+                chunk = self.pread(&seg, offset, first_len as usize)?;
+            }
             let mut pos = 0usize;
             while pos < chunk.len() {
                 match format::decode_record(&chunk[pos..]) {
@@ -492,21 +493,12 @@ impl QueueLog {
                 Some(base) => crate::segment::path(&self.wal_dir, base),
                 None => seg_path(&self.dir, seg.first_seq),
             };
-            self.reader = Some((seg.first_seq, File::open(path)?));
+            self.reader = Some((seg.first_seq, crate::direct::open_reader(&path)?));
         }
-        let mut buf = BytesMut::zeroed(len);
-        let mut done = 0;
-        if let Some((_, file)) = &self.reader {
-            while done < len {
-                let n = file.read_at(&mut buf[done..], offset + done as u64)?;
-                if n == 0 {
-                    break;
-                }
-                done += n;
-            }
+        match &self.reader {
+            Some((_, file)) => crate::direct::read_range(file, offset, len),
+            None => Ok(Bytes::new()),
         }
-        buf.truncate(done);
-        Ok(buf.freeze())
     }
 
     /// The first seq whose message was enqueued at or after `timestamp_ms` (gone ones included, as long as

@@ -157,6 +157,13 @@ impl Store {
         self.inner.shared.append(batch)
     }
 
+    /// Appends one enqueue (the common case for a broker: one message at a time) without a [`Batch`]:
+    /// the payload parts are copied once, straight into the write buffer, instead of being encoded into
+    /// a batch and copied again. Same contract as [`Store::append`].
+    pub fn append_enqueue(&self, queue: u64, seq: u64, timestamp_ms: u64, payload_parts: &[&[u8]]) -> Result<SyncTicket, StoreError> {
+        self.inner.shared.append_enqueue(queue, seq, timestamp_ms, payload_parts)
+    }
+
     /// The durable watermark: a `tokio::sync::watch::Receiver<u64>` whose value is the highest SyncTicket
     /// that is on disk (fsynced). Waiters compare their ticket to it.
     pub fn durable(&self) -> tokio::sync::watch::Receiver<u64> {

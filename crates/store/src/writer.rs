@@ -182,15 +182,47 @@ impl Shared {
             return Err(StoreError::RecordTooLarge { len: batch.largest_payload, max: Batch::max_payload() });
         }
         batch.seal();
+        if batch.is_empty() {
+            let guard = self.state.lock();
+            return if guard.closing { Err(StoreError::Closed) } else { Ok(guard.pos) };
+        }
+        let ticket = self.write_pending(&[&batch.records, &batch.tail])?;
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.records.fetch_add(batch.record_count(), Ordering::Relaxed);
+        Ok(ticket)
+    }
+
+    /// Appends one enqueue record: its payload parts are copied once, straight into the pending buffer.
+    pub fn append_enqueue(&self, queue: u64, seq: u64, timestamp_ms: u64, parts: &[&[u8]]) -> Result<SyncTicket, StoreError> {
+        let payload_len: usize = parts.iter().map(|p| p.len()).sum();
+        if payload_len > Batch::max_payload() {
+            return Err(StoreError::RecordTooLarge { len: payload_len, max: Batch::max_payload() });
+        }
+        let (head, _) = format::encode_enqueue_head(queue, seq, timestamp_ms, parts);
+        let mut all: [&[u8]; 4] = [&head, &[], &[], &[]];
+        let n = parts.len().min(3);
+        all[1..1 + n].copy_from_slice(&parts[..n]);
+        let ticket = if parts.len() <= 3 {
+            self.write_pending(&all[..1 + n])?
+        } else {
+            let mut v: Vec<&[u8]> = vec![&head];
+            v.extend_from_slice(parts);
+            self.write_pending(&v)?
+        };
+        self.counters.batches.fetch_add(1, Ordering::Relaxed);
+        self.counters.records.fetch_add(1, Ordering::Relaxed);
+        Ok(ticket)
+    }
+
+    /// Copies encoded records (given in pieces) into the pending buffer under the lock, rolling to a new
+    /// WAL segment first if the current one is full; wakes the writer. Returns the ticket.
+    fn write_pending(&self, pieces: &[&[u8]]) -> Result<SyncTicket, StoreError> {
         let mut guard = self.state.lock();
         while guard.pending.len() > MAX_PENDING_BYTES && !guard.closing {
             self.space.wait(&mut guard);
         }
         if guard.closing {
             return Err(StoreError::Closed);
-        }
-        if batch.is_empty() {
-            return Ok(guard.pos);
         }
         let st = &mut *guard;
         if st.pos - st.seg_base >= self.segment_size {
@@ -200,13 +232,12 @@ impl Shared {
             st.pos += HEADER_SIZE as u64;
             st.seg_base = base;
         }
-        st.pending.extend_from_slice(&batch.records);
-        st.pending.extend_from_slice(&batch.tail);
-        st.pos += batch.encoded_len() as u64;
+        for piece in pieces {
+            st.pending.extend_from_slice(piece);
+            st.pos += piece.len() as u64;
+        }
         let ticket = st.pos;
         drop(guard);
-        self.counters.batches.fetch_add(1, Ordering::Relaxed);
-        self.counters.records.fetch_add(batch.record_count(), Ordering::Relaxed);
         self.work.notify_one();
         Ok(ticket)
     }

@@ -664,3 +664,22 @@ fn delivered_marks_survive_checkpoints_and_replay_and_only_rise() {
     assert_eq!(queue(&rec, 1).delivered_until, 7);
     assert_eq!(store.delivered_until(1), 7);
 }
+
+#[test]
+fn single_enqueues_without_a_batch_read_back_like_batched_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), opts());
+    let mut last = 0;
+    for seq in 0..300u64 {
+        let p = payload(5, seq, 10 + seq as usize * 7);
+        let (a, b) = p.split_at(p.len() / 3);
+        last = store.append_enqueue(5, seq, 1_000 + seq, &[a, b]).unwrap();
+    }
+    store.wait_durable(last).unwrap();
+    store.close().unwrap();
+    let (store, rec) = open(dir.path(), opts());
+    assert_eq!(queue(&rec, 5).live_count, 300);
+    let all = read_all(&store, 5, 0, 300);
+    assert!(all.iter().all(|(seq, p)| *p == payload(5, *seq, 10 + *seq as usize * 7)));
+    assert!(store.append_enqueue(5, 300, 0, &[&vec![0u8; (1 << 30) + 1]]).is_err(), "too large");
+}
