@@ -119,3 +119,37 @@ def test_after_a_crash_delivered_ones_come_back_redelivered_and_never_delivered_
     never = [i for i in range(100 + 2048, 6000) if flags[i]]
     assert not never, f"{len(never)} never-delivered messages flagged redelivered, e.g. {never[:5]}"
     c.close()
+
+
+@pytest.mark.parametrize("stop", ["kill9", "terminate"])
+def test_unconfirmed_messages_held_for_a_stalled_no_ack_consumer_are_written_soon(broker, name, stop):
+    """Persistent messages published without confirms while every consumer is no-ack are written lazily
+    (most are delivered first); those a stalled consumer leaves waiting must reach the store within a
+    housekeeping tick, or on shutdown, and survive a restart."""
+    import struct
+    from rawamqp import RawConnection, method_frame, shortstr, table
+    c = broker.connection()
+    ch = c.channel()
+    ch.queue_declare(name, durable=True)
+    # A no-ack consumer that never reads its socket: deliveries back up, the queue holds the rest.
+    stalled = RawConnection(broker.host, broker.port)
+    stalled.handshake()
+    stalled.open_channel(1)
+    stalled.send(method_frame(1, 60, 20, struct.pack(">H", 0) + shortstr(name) + shortstr("") + b"\x02" + table()))
+    stalled.expect(60, 21)
+    for i in range(30000):
+        ch.basic_publish("", name, body(i) + b"x" * 2000, pika.BasicProperties(delivery_mode=2))
+    stalled.sock.close()  # the consumer goes; what it did not get stays in the queue
+    time.sleep(1.0)  # several housekeeping ticks
+    waiting = ch.queue_declare(name, durable=True, passive=True).method.message_count
+    assert waiting > 1000, f"the stalled consumer should have left most messages waiting ({waiting})"
+    c.close()
+    if stop == "kill9":
+        broker.kill9()
+    else:
+        assert broker.terminate() == 0
+    broker.start()
+    c = broker.connection()
+    ch = c.channel()
+    assert ch.queue_declare(name, durable=True, passive=True).method.message_count == waiting
+    c.close()

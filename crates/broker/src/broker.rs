@@ -166,6 +166,9 @@ impl Broker {
 
     /// Flushes the store; after this, everything accepted is on disk.
     pub fn close(&self) {
+        for v in self.vhosts() {
+            v.store_deferred();
+        }
         if let Err(e) = self.store.close() {
             tracing::error!(error = %e, "closing the message store failed");
         }

@@ -11,7 +11,7 @@ use crate::queue::{Entry, Queue};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use warren_store::Batch;
 
 /// What a channel hands to its connection to be written to the socket.
@@ -27,6 +27,27 @@ pub enum Delivery {
 /// Must not block: it only appends to the connection's outgoing buffer.
 pub trait ClientSink: Send + Sync {
     fn send(&self, delivery: Delivery);
+
+    /// Whether the connection can take more deliveries now. A connection whose socket is slower than
+    /// its queues (a no-ack consumer has no prefetch to stop it) says no once enough is waiting to be
+    /// written; queues then keep the messages (paging them to the store if need be) instead of the
+    /// connection buffering them without bound.
+    fn has_room(&self) -> bool {
+        true
+    }
+
+    /// Asks to have `channel`'s consumers dispatched again once `has_room` turns true.
+    fn wake_when_room(&self, _channel: Weak<Channel>) {}
+}
+
+impl Delivery {
+    /// About how many bytes this delivery takes on the wire.
+    pub fn approx_bytes(&self) -> usize {
+        match self {
+            Delivery::Deliver { message, .. } | Delivery::GetOk { message, .. } => message.body_len() + 128,
+            Delivery::Cancel { .. } => 64,
+        }
+    }
 }
 
 /// A consumer registered on a queue by basic.consume.
@@ -81,15 +102,17 @@ pub struct Channel {
     /// Connection identity, for exclusive queues.
     pub connection_id: u64,
     sink: Arc<dyn ClientSink>,
+    me: Weak<Channel>,
     state: Mutex<ChannelState>,
 }
 
 impl Channel {
     pub fn new(number: u16, connection_id: u64, sink: Arc<dyn ClientSink>) -> Arc<Channel> {
-        Arc::new(Channel {
+        Arc::new_cyclic(|me| Channel {
             number,
             connection_id,
             sink,
+            me: me.clone(),
             state: Mutex::new(ChannelState {
                 next_tag: 1,
                 unacked: VecDeque::new(),
@@ -105,7 +128,25 @@ impl Channel {
     /// Whether a delivery could be made now, as far as the channel is concerned.
     pub fn has_credit(&self) -> bool {
         let st = self.state.lock();
-        !st.closed && st.flow_active && (st.global_prefetch == 0 || (st.unacked.len() as u32) < st.global_prefetch)
+        !st.closed
+            && st.flow_active
+            && (st.global_prefetch == 0 || (st.unacked.len() as u32) < st.global_prefetch)
+            && self.sink.has_room()
+    }
+
+    /// Whether the connection can take more deliveries now (its outgoing buffer is not full).
+    pub fn has_room(&self) -> bool {
+        self.sink.has_room()
+    }
+
+    /// Whether the connection can take another delivery; if not, asks to be woken when it can (checking
+    /// again after asking, so a wake-up between the two cannot be missed).
+    fn room_or_wake(&self) -> bool {
+        if self.sink.has_room() {
+            return true;
+        }
+        self.sink.wake_when_room(self.me.clone());
+        self.sink.has_room()
     }
 
     /// Called by a queue, under its lock, to hand a message to one of this channel's consumers.
@@ -116,6 +157,9 @@ impl Channel {
             return Err(entry);
         }
         if !consumer.no_ack && st.global_prefetch != 0 && st.unacked.len() as u32 >= st.global_prefetch {
+            return Err(entry);
+        }
+        if !self.room_or_wake() {
             return Err(entry);
         }
         let tag = st.next_tag;
@@ -285,7 +329,8 @@ impl Channel {
     }
 
     /// Ask every queue this channel consumes from to deliver (credit or flow changed).
-    fn kick_consumers(&self) {
+    /// Dispatches the queues this channel's consumers are on (credit or room came back).
+    pub fn kick_consumers(&self) {
         let queues: Vec<Arc<Queue>> = {
             let st = self.state.lock();
             let mut qs: Vec<Arc<Queue>> = Vec::new();

@@ -26,6 +26,11 @@ use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
 /// Most ready messages a queue holds in memory; the rest waits in the store.
 pub const WINDOW_MESSAGES: usize = 2048;
 
+/// Publishers held back by a slow no-ack consumer pause at this many waiting messages and go on at
+/// `FLOW_RESUME_AT` (see `Queue::publishers_should_wait`).
+const FLOW_PAUSE_AT: usize = WINDOW_MESSAGES / 2;
+const FLOW_RESUME_AT: usize = WINDOW_MESSAGES / 4;
+
 /// How far ahead of the deliveries the delivered mark is kept (see `Queue::delivery_marked`): a mark
 /// record per 1,024 deliveries, and after a restart at most this many never-delivered messages flagged
 /// redelivered.
@@ -98,6 +103,18 @@ struct QueueState {
     mark_pending: Option<(u64, SyncTicket)>,
     /// A task waits for the mark's fsync to resume dispatching.
     mark_waiter: bool,
+    /// Consumers with credit could not take more because their connections' outgoing buffers are
+    /// full (a consumer reading slower than publishers write): publishers are slowed (see
+    /// `Queue::publishers_should_wait`).
+    held_back: bool,
+    /// A publisher waits on `drained`.
+    publisher_waiting: bool,
+    /// A publisher waited the longest pause and the consumers made no progress: they are stalled, not
+    /// slow, and publishers go on (the queue keeps the messages) until a delivery succeeds again.
+    consumers_stalled: bool,
+    /// Persistent messages taken into the window without being stored yet (published without confirms
+    /// while every consumer is no-ack): written at the next `tick` if still here (see `publish`).
+    lazy_unstored: u64,
     consumers: Vec<Arc<Consumer>>,
     /// Round-robin position among consumers.
     next_consumer: usize,
@@ -123,6 +140,8 @@ pub struct Queue {
     /// The node's shared message log; only durable queues write messages to it.
     store: Store,
     state: Mutex<QueueState>,
+    /// Wakes publishers slowed by `held_back` once the window has drained.
+    drained: tokio::sync::Notify,
 }
 
 /// Work found under the queue lock, done after it is released.
@@ -172,6 +191,10 @@ impl Queue {
                 mark_durable: 0,
                 mark_pending: None,
                 mark_waiter: false,
+                held_back: false,
+                publisher_waiting: false,
+                consumers_stalled: false,
+                lazy_unstored: 0,
                 consumers: Vec::new(),
                 next_consumer: 0,
                 unacked: 0,
@@ -179,6 +202,7 @@ impl Queue {
                 last_used_ms: now_ms,
                 deleted: false,
             }),
+            drained: tokio::sync::Notify::new(),
         })
     }
 
@@ -215,7 +239,13 @@ impl Queue {
 
     /// Offers a routed message. `stored_header` is the message's store encoding minus the body
     /// (built once per publish and shared by every queue it goes to).
-    pub fn publish(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64) -> Result<Enqueued> {
+    ///
+    /// `lazy_ok`: the publisher did not ask for a confirm (nor a transaction), so nothing waits for the
+    /// message to be durable. Then, while every consumer of the queue is no-ack, a persistent message is
+    /// not written at once: it is delivered (settled) in a moment, usually before a write would even have
+    /// reached the disk, and written by the next `tick` (100 ms) if it is still waiting, or on close.
+    /// RabbitMQ's message store also skips writes of messages consumed before they are flushed.
+    pub fn publish(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64, lazy_ok: bool) -> Result<Enqueued> {
         let mut after = AfterUnlock::default();
         let outcome = {
             let mut st = self.state.lock();
@@ -238,13 +268,17 @@ impl Queue {
             // A message that goes straight to a no-ack consumer is settled the moment it is sent: writing
             // it to disk first would buy nothing (RabbitMQ skips such writes too). If the delivery does not
             // happen after all, it is stored below, before the publish is confirmed.
+            let all_no_ack = !st.consumers.is_empty() && st.consumers.iter().all(|c| c.no_ack);
             let skip_store = must_be_durable
                 && !paged
                 && self.args.retention_ms == 0
-                && st.ready.is_empty()
-                && self.next_consumer_takes_without_ack(&st);
+                && ((lazy_ok && all_no_ack) || (st.ready.is_empty() && self.next_consumer_takes_without_ack(&st)));
             let mut ticket = None;
             let stored_bytes = if (must_be_durable && !skip_store) || paged || self.args.retention_ms > 0 {
+                // The store takes a queue's seqs in increasing order: deferred ones go first.
+                if st.lazy_unstored > 0 {
+                    self.store_deferred_locked(&mut st, now_ms);
+                }
                 let t = self.store_message(seq, now_ms, stored_header, message)?;
                 ticket = must_be_durable.then_some(t);
                 (stored_header.len() + message.body.len()) as u64
@@ -265,12 +299,13 @@ impl Queue {
             }
             self.drop_head_over_limit(&mut st, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
-            if skip_store {
-                if let Some(entry) = st.ready.iter_mut().find(|e| e.seq == seq) {
-                    let t = self.store_message(seq, now_ms, stored_header, message)?;
-                    entry.stored_bytes = (stored_header.len() + message.body.len()) as u64;
-                    ticket = Some(t);
+            if skip_store && lazy_ok {
+                if st.ready.back().is_some_and(|e| e.seq == seq && e.stored_bytes == 0) {
+                    st.lazy_unstored += 1;
                 }
+            } else if skip_store && st.ready.iter().any(|e| e.seq == seq) {
+                // Not delivered after all: stored (with any deferred ones before it) before the confirm.
+                ticket = self.store_deferred_locked(&mut st, now_ms);
             }
             // TTL 0 (or an already past expiry): what no consumer took right now expires now.
             self.expire_locked(&mut st, now_ms, true, &mut after);
@@ -424,6 +459,10 @@ impl Queue {
                 if !consumer.has_credit() {
                     continue;
                 }
+                if st.lazy_unstored > 0 && !consumer.no_ack && st.ready.front().is_some_and(|e| e.stored_bytes == 0 && e.message.persistent) {
+                    // Deferred entries never become unacked unstored (see `store_deferred_locked`).
+                    self.store_deferred_locked(st, now_ms);
+                }
                 if !self.delivery_marked(st) {
                     self.resume_when_marked(st);
                     return;
@@ -442,8 +481,42 @@ impl Queue {
                 break;
             }
             if !delivered {
+                st.held_back = st.consumers.iter().any(|c| c.has_credit() && !c.channel.has_room());
                 return;
             }
+            st.consumers_stalled = false;
+            if st.publisher_waiting && (!st.held_back || st.ready.len() <= FLOW_RESUME_AT) {
+                st.held_back = false;
+                st.publisher_waiting = false;
+                self.drained.notify_waiters();
+            }
+        }
+    }
+
+    /// Whether publishers to this queue should pause: its consumers could take more but their
+    /// connections cannot (a no-ack consumer whose socket is slower than the publishers), and a good part
+    /// of the window is waiting. RabbitMQ's credit flow has the same effect: the queue stops taking
+    /// messages from publishers while it is blocked delivering. Queues without consumers, or whose
+    /// consumers are at their prefetch limit, never slow publishers: their backlog goes to disk.
+    pub fn publishers_should_wait(&self) -> bool {
+        let st = self.state.lock();
+        st.held_back && !st.consumers_stalled && st.ready.len() >= FLOW_PAUSE_AT
+    }
+
+    /// Waits until publishers may go on (see `publishers_should_wait`), at most `max` at a time.
+    pub async fn wait_until_drained(&self, max: std::time::Duration) {
+        let notified = self.drained.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        {
+            let mut st = self.state.lock();
+            if !(st.held_back && !st.consumers_stalled && st.ready.len() >= FLOW_PAUSE_AT) || st.consumers.is_empty() {
+                return;
+            }
+            st.publisher_waiting = true;
+        }
+        if tokio::time::timeout(max, notified).await.is_err() {
+            self.state.lock().consumers_stalled = true;
         }
     }
 
@@ -517,12 +590,52 @@ impl Queue {
             self.refill_locked(&mut st, &mut after);
             self.expire_locked(&mut st, now_ms, true, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
+            if st.lazy_unstored > 0 {
+                self.store_deferred_locked(&mut st, now_ms);
+            }
             self.args.expires_ms.is_some_and(|ttl| {
                 st.consumers.is_empty() && now_ms.saturating_sub(st.last_used_ms) >= ttl
             })
         };
         self.finish(after);
         expired_unused
+    }
+
+    /// Writes the persistent messages of a durable queue that wait in the window without being in the
+    /// store (`publish` with `lazy_ok`, or one that went straight to a no-ack consumer's turn), in seq
+    /// order. Invariant: such messages are only ever in the window (never unacked: see
+    /// `dispatch_locked`), and they are written before any later seq is, since the store takes a
+    /// queue's seqs in increasing order. Returns the ticket of the last write.
+    fn store_deferred_locked(&self, st: &mut QueueState, now_ms: u64) -> Option<SyncTicket> {
+        st.lazy_unstored = 0;
+        if !self.durable {
+            return None;
+        }
+        let mut header = bytes::BytesMut::new();
+        let mut ticket = None;
+        for entry in st.ready.iter_mut().filter(|e| e.stored_bytes == 0 && e.message.persistent) {
+            header.clear();
+            crate::message::encode_header(&entry.message, Some(now_ms), &mut header);
+            match self.store_message(entry.seq, now_ms, &header, &entry.message) {
+                Ok(t) => {
+                    entry.stored_bytes = (header.len() + entry.message.body.len()) as u64;
+                    ticket = Some(t);
+                }
+                Err(e) => {
+                    tracing::error!(queue = %self.name, error = %e, "could not write a message to the store");
+                    break;
+                }
+            }
+        }
+        ticket
+    }
+
+    /// Writes what `publish` left unstored (see `lazy_ok`): on shutdown, before the store closes.
+    pub fn store_lazy(&self) {
+        let mut st = self.state.lock();
+        if !st.deleted {
+            self.store_deferred_locked(&mut st, crate::now_ms());
+        }
     }
 
     /// basic.consume: registers a consumer, enforcing exclusivity, then delivers.

@@ -18,7 +18,7 @@ use warren_protocol::properties::PropertiesView;
 use warren_store::{Store, SyncTicket};
 
 /// What happened to a published message.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct PublishOutcome {
     /// Some queue took it (false: unroutable; a mandatory publish gets basic.return).
     pub routed: bool,
@@ -26,6 +26,8 @@ pub struct PublishOutcome {
     pub rejected: bool,
     /// The message is durable once the store reaches this ticket.
     pub ticket: Option<SyncTicket>,
+    /// A queue it went to asks publishers to pause (`Queue::publishers_should_wait`).
+    pub slow_queue: Option<Arc<Queue>>,
 }
 
 pub struct QueueDeclare<'a> {
@@ -432,6 +434,13 @@ impl VHost {
     }
 
     /// Housekeeping: message TTL and queue expiry (`x-expires`).
+    /// Writes what queues deferred (see `Queue::publish`); on shutdown.
+    pub fn store_deferred(&self) {
+        for q in self.queues() {
+            q.store_lazy();
+        }
+    }
+
     pub fn tick(&self, now_ms: u64) {
         let queues = self.queues();
         for q in queues {
@@ -445,7 +454,9 @@ impl VHost {
     // ---- publishing ---------------------------------------------------------------------
 
     /// Routes a message and offers it to every queue it reaches.
-    pub fn publish(&self, exchange: &str, message: Message) -> Result<PublishOutcome> {
+    /// `confirmed`: the publisher waits for the message to be durable (publisher confirms or a
+    /// transaction); if not, queues may defer writing it (see `Queue::publish`).
+    pub fn publish(&self, exchange: &str, message: Message, confirmed: bool) -> Result<PublishOutcome> {
         let ex = self.exchange(exchange)?;
         if ex.internal {
             return Err(BrokerError::access_refused(format!(
@@ -455,10 +466,10 @@ impl VHost {
         }
         let mut queues = Vec::new();
         self.route(&ex, &message, &mut queues);
-        self.deliver_to_queues(Arc::new(message), &queues)
+        self.deliver_to_queues(Arc::new(message), &queues, !confirmed)
     }
 
-    fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>]) -> Result<PublishOutcome> {
+    fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>], lazy_ok: bool) -> Result<PublishOutcome> {
         let mut outcome = PublishOutcome { routed: !queues.is_empty(), ..Default::default() };
         if queues.is_empty() {
             return Ok(outcome);
@@ -469,10 +480,13 @@ impl VHost {
         let mut header = BytesMut::new();
         encode_header(&message, Some(now), &mut header);
         for q in queues {
-            match q.publish(&message, &header, now)? {
+            match q.publish(&message, &header, now, lazy_ok)? {
                 Enqueued::Accepted(Some(t)) => outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t))),
                 Enqueued::Accepted(None) => {}
                 Enqueued::Rejected => outcome.rejected = true,
+            }
+            if outcome.slow_queue.is_none() && q.publishers_should_wait() {
+                outcome.slow_queue = Some(q.clone());
             }
         }
         Ok(outcome)
@@ -549,7 +563,7 @@ impl VHost {
             let mut queues = Vec::new();
             self.route(&ex, &message, &mut queues);
             queues.retain(|q| !is_cycle(&message, &q.name));
-            if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues) {
+            if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false) {
                 tracing::warn!(error = %e, "could not dead-letter a message");
             }
         }

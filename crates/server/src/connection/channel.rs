@@ -529,7 +529,10 @@ impl ChannelHandler {
     /// store ticket the message must reach to be durable.
     fn route(&mut self, conn: &ConnectionShared, exchange: &str, mandatory: bool, message: Message) -> Result<Option<u64>, Failure> {
         let returned = mandatory.then(|| (message.exchange.clone(), message.routing_key.clone(), message.properties.clone(), message.body.clone()));
-        let outcome = conn.vhost.publish(exchange, message)?;
+        let outcome = conn.vhost.publish(exchange, message, self.confirm || self.tx.is_some())?;
+        if let Some(queue) = &outcome.slow_queue {
+            *conn.slowed_by.lock() = Some(queue.clone());
+        }
         if !outcome.routed {
             if let Some((exchange, routing_key, properties, body)) = returned {
                 let message = Arc::new(Message { exchange, routing_key, properties, body, persistent: false, expiration_ms: None });

@@ -46,12 +46,18 @@ pub struct ServerContext {
 }
 
 /// What a channel handler needs from its connection.
+/// The longest a publisher pauses at once for a queue that asks it to (see `ConnectionShared::slowed_by`).
+const FLOW_WAIT: Duration = Duration::from_millis(50);
+
 pub struct ConnectionShared {
     pub id: u64,
     pub vhost: Arc<VHost>,
     pub user: User,
     pub outbox: Arc<Outbox>,
     pub max_message_size: u64,
+    /// A queue this connection published to asks publishers to pause (a slow no-ack consumer): the
+    /// reader waits for it before reading more.
+    pub slowed_by: parking_lot::Mutex<Option<Arc<warren_broker::Queue>>>,
 }
 
 /// Serves one accepted socket until it closes.
@@ -124,6 +130,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
             user: negotiated.user.clone(),
             outbox: outbox.clone(),
             max_message_size: ctx.config.max_message_size as u64,
+            slowed_by: parking_lot::Mutex::new(None),
         },
         channels: HashMap::new(),
         frame_max: negotiated.frame_max,
@@ -239,6 +246,15 @@ impl Connection {
             }
             if let Err(e) = self.wait_while_blocked(shutdown).await {
                 return Ended::Error(e);
+            }
+            // Credit flow: a queue whose consumers cannot keep up with their sockets slows its publishers
+            // (a bounded wait, again while it lasts) instead of buffering without bound.
+            let slow = self.shared.slowed_by.lock().take();
+            if let Some(queue) = slow {
+                tokio::select! {
+                    _ = queue.wait_until_drained(FLOW_WAIT) => {}
+                    _ = shutdown.changed() => return Ended::Error(forced()),
+                }
             }
             // A publisher waiting for input is also woken by an alarm, to be blocked at once.
             let mut alarms = self.alarms.clone();
