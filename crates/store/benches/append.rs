@@ -143,5 +143,34 @@ fn store_appends(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, raw_sequential, store_appends);
+/// The broker's own path: one `append_enqueue` per message (header and CRC computed outside the lock,
+/// the body copied once into the group buffer), one queue, one thread.
+fn store_single_enqueues(c: &mut Criterion) {
+    let mut g = c.benchmark_group("store");
+    g.throughput(Throughput::Bytes(PER_ITER as u64)).sample_size(10);
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+    let mut seq = 0u64;
+    let body = [b'x'; RECORD];
+    g.bench_function("append_enqueue_1KiB_1_thread", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                let mut last = 0;
+                for _ in 0..PER_ITER / RECORD {
+                    last = store.append_enqueue(0, seq, 0, &[&body]).unwrap();
+                    seq += 1;
+                }
+                store.wait_durable(last).unwrap();
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    g.finish();
+    store.close().unwrap();
+}
+
+criterion_group!(benches, raw_sequential, store_appends, store_single_enqueues);
 criterion_main!(benches);
