@@ -205,6 +205,25 @@ pub(crate) fn read_range(file: &File, offset: u64, len: usize) -> std::io::Resul
     Ok(bytes::Bytes::from(buf))
 }
 
+/// Frees the disk blocks of `[offset, offset + len)` (block-aligned) without changing the file's
+/// length: reads there return zeros.
+pub(crate) fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fallocate on a descriptor we own, for the duration of the call; no memory is passed.
+    let rc = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Whether `rest` (what follows the last valid record) is only the zero padding direct writes leave.
 pub(crate) fn is_padding(rest: &[u8]) -> bool {
     rest.len() < BLOCK && rest.iter().all(|b| *b == 0)

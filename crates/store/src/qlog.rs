@@ -32,10 +32,6 @@ const KEEP_ACTIVE_BELOW: u64 = 1 << 20;
 /// span at least this many bytes: smaller runs are cheap to copy and would pin a WAL segment for little.
 const MIN_EXTENT: u64 = 64 << 10;
 
-/// ... and if other queues' records make up at most 1/this of the span: those stay on disk as long as
-/// the extent does, so a slow queue keeps at most ~1.5% of its own size of others' consumed messages.
-const MAX_FOREIGN_SHARE: u64 = 64;
-
 /// A message read back from a queue log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -65,6 +61,9 @@ struct TailRecord {
     record: Bytes,
     /// Where it is in the WAL: the segment's base and the file offset of the record.
     wal: WalPlace,
+    /// The enqueue before it in the WAL segment was this queue's too (only acks and other
+    /// non-message records, if anything, lie between them).
+    follows_own: bool,
 }
 
 /// Where a record sits in the WAL.
@@ -181,9 +180,9 @@ impl QueueLog {
     }
 
     /// Keeps an enqueue record that is durable in the WAL in memory until the next checkpoint (see `tail`).
-    pub fn push_tail(&mut self, record: Bytes, wal: WalPlace, seq: u64, timestamp_ms: u64, payload_len: usize, now_ms: u64) {
+    pub fn push_tail(&mut self, record: Bytes, wal: WalPlace, follows_own: bool, seq: u64, timestamp_ms: u64, payload_len: usize, now_ms: u64) {
         if self.admit(seq, payload_len, now_ms) {
-            self.tail.push_back(TailRecord { seq, timestamp_ms, record, wal });
+            self.tail.push_back(TailRecord { seq, timestamp_ms, record, wal, follows_own });
         }
     }
 
@@ -197,16 +196,18 @@ impl QueueLog {
         Ok(())
     }
 
-    /// Checkpoint: makes the tail's still-live records part of the queue's segments. Where they lie
-    /// densely in one WAL segment (the queue is behind: nothing consumed them, and few other queues' records
-    /// lie in between), the segment becomes an extent of that WAL segment and nothing is written: a backlog
-    /// is written once. Elsewhere the live records are copied into the queue's own files, so that a slow
-    /// queue never keeps other queues' consumed messages on disk. Returns bytes written.
+    /// Checkpoint: makes the tail's still-live records part of the queue's segments. A run of this
+    /// queue's records in one WAL segment with no other queue's message in between (acks and other
+    /// non-message records may be) that spans at least `MIN_EXTENT` from its first to its last live
+    /// record (the queue is behind: nothing consumed them) becomes an extent of that WAL segment, and
+    /// nothing is written: a backlog is written once. Elsewhere the live records are copied into the
+    /// queue's own files, so that a slow queue never keeps another queue's messages on disk. Returns
+    /// bytes written.
     pub fn spill(&mut self, seg_size: u64) -> std::io::Result<u64> {
         let mut written = 0;
         while let Some(head) = self.tail.front() {
             let base = head.wal.base;
-            let run = self.tail.iter().take_while(|r| r.wal.base == base).count();
+            let run = 1 + self.tail.iter().skip(1).take_while(|r| r.wal.base == base && r.follows_own).count();
             let live = |r: &TailRecord| !self.gone.contains(r.seq);
             let first = self.tail.iter().take(run).position(live);
             let last = self.tail.iter().take(run).rposition(live);
@@ -214,9 +215,7 @@ impl QueueLog {
                 let (a, b) = (&self.tail[first], &self.tail[last]);
                 let (start, end) = (a.wal.offset, b.wal.offset + b.record.len() as u64);
                 let (first_seq, end_seq, first_ts, last_ts) = (a.seq, b.seq + 1, a.timestamp_ms, b.timestamp_ms);
-                let span = end.saturating_sub(start);
-                let own: u64 = self.tail.range(first..=last).map(|r| r.record.len() as u64).sum();
-                if span >= MIN_EXTENT && span.saturating_sub(own) <= span / MAX_FOREIGN_SHARE {
+                if end.saturating_sub(start) >= MIN_EXTENT {
                     // Later copied records must go to a new file after this extent, in seq order.
                     self.flush()?;
                     self.active = None;
@@ -238,9 +237,9 @@ impl QueueLog {
         Ok(written)
     }
 
-    /// The WAL segments this queue's extents are in.
-    pub fn wal_segments_used(&self) -> impl Iterator<Item = u64> + '_ {
-        self.segments.values().filter_map(|s| s.wal)
+    /// This queue's extents: (WAL segment base, start offset, end offset).
+    pub fn extents(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        self.segments.values().filter_map(|s| s.wal.map(|base| (base, s.start, s.len)))
     }
 
     fn write_record(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, seg_size: u64) -> std::io::Result<()> {

@@ -21,7 +21,7 @@
 //!
 //! Lock order: `State` then `Durable`; a queue log's lock is never held while taking either.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,7 +33,7 @@ use tokio::sync::watch;
 
 use crate::batch::Batch;
 use crate::checkpoint::{self, Checkpoint, QueueState};
-use crate::direct::Appender;
+use crate::direct::{Appender, BLOCK};
 use crate::error::StoreError;
 use crate::format::{self, Record, HEADER_SIZE};
 use crate::qlog::WalPlace;
@@ -298,6 +298,10 @@ pub(crate) struct Writer {
     /// Group buffers to reuse (at most `SPARE_BUFFERS`), so a busy store does not page-fault in fresh ones.
     spare: Vec<Vec<u8>>,
     last_group_len: usize,
+    /// Per kept WAL segment, the extent ranges its holes were last punched around.
+    punched: HashMap<u64, Vec<(u64, u64)>>,
+    /// (queue, WAL segment) of the last enqueue applied: whether the next one follows its own queue's.
+    prev_enqueue: Option<(u64, u64)>,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
 }
@@ -315,6 +319,8 @@ impl Writer {
             tail_bytes: 0,
             spare: Vec::new(),
             last_group_len: 0,
+            prev_enqueue: None,
+            punched: HashMap::new(),
             last_checkpoint_pos: start.checkpoint_pos,
             last_checkpoint: Instant::now(),
             shared,
@@ -452,6 +458,7 @@ impl Writer {
         let shared = self.shared.clone();
         let group = Bytes::from(buf);
         let mut last: Option<(u64, Arc<Mutex<crate::qlog::QueueLog>>)> = None;
+        let mut prev_enqueue = self.prev_enqueue;
         // Where in the WAL a record at a given offset of the group buffer is.
         let wal_place = |at: usize| match rolls.iter().rev().find(|r| r.at <= at) {
             Some(roll) => WalPlace { base: roll.base, offset: (at - roll.at) as u64 },
@@ -467,13 +474,17 @@ impl Writer {
                         log
                     }
                 };
-                log.lock().push_tail(group.slice(start..end), wal_place(start), seq, timestamp_ms, payload.len(), now);
+                let place = wal_place(start);
+                let follows_own = prev_enqueue == Some((queue, place.base));
+                prev_enqueue = Some((queue, place.base));
+                log.lock().push_tail(group.slice(start..end), place, follows_own, seq, timestamp_ms, payload.len(), now);
             }
             Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. } => {
                 last = None;
                 apply_other(&shared, record, now);
             }
         });
+        self.prev_enqueue = prev_enqueue;
         self.tail_bytes += group.len() as u64;
         self.retained.push(group);
     }
@@ -484,7 +495,7 @@ impl Writer {
         let now = crate::now_ms();
         let mut queues = Vec::new();
         let mut spilled = 0;
-        let mut wal_in_use = std::collections::HashSet::new();
+        let mut extents: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         for log in shared.logs.all() {
             let mut log = log.lock();
             match log.spill(shared.queue_segment_size) {
@@ -494,7 +505,9 @@ impl Writer {
             let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
             log.dirty = false;
-            wal_in_use.extend(log.wal_segments_used());
+            for (base, start, end) in log.extents() {
+                extents.entry(base).or_default().push((start, end));
+            }
             queues.push(QueueState::of(&log));
         }
         shared.counters.bytes_written.fetch_add(spilled, Ordering::Relaxed);
@@ -528,7 +541,7 @@ impl Writer {
         let mut deleted = false;
         let mut kept = VecDeque::with_capacity(self.wal_bases.len());
         while let Some(base) = self.wal_bases.pop_front() {
-            let needed = self.wal_bases.front().is_none_or(|&next| next > self.applied) || wal_in_use.contains(&base);
+            let needed = self.wal_bases.front().is_none_or(|&next| next > self.applied) || extents.contains_key(&base);
             if needed {
                 kept.push_back(base);
                 continue;
@@ -546,9 +559,64 @@ impl Writer {
             deleted = true;
         }
         self.wal_bases = kept;
+        self.punch_holes(extents);
         if deleted {
             if let Err(e) = segment::sync_dir(&shared.wal) {
                 fatal("fsyncing the WAL directory", &shared.wal, &e);
+            }
+        }
+    }
+}
+
+impl Writer {
+    /// Frees the disk blocks of kept WAL segments (wholly before the checkpoint) that no extent covers:
+    /// other queues' records, consumed or copied elsewhere, must not stay on disk because a slow queue's
+    /// extent keeps the file. Only where the covered ranges changed since the last time.
+    fn punch_holes(&mut self, mut extents: HashMap<u64, Vec<(u64, u64)>>) {
+        let applied = self.applied;
+        let bases: Vec<u64> = self.wal_bases.iter().copied().collect();
+        self.punched.retain(|base, _| bases.contains(base));
+        for (i, &base) in bases.iter().enumerate() {
+            if bases.get(i + 1).is_none_or(|&next| next > applied) {
+                break; // the checkpoint is in this one: replay may still read it whole
+            }
+            let Some(mut ranges) = extents.remove(&base) else { continue };
+            ranges.sort_unstable();
+            let mut covered: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+            for (s, e) in ranges {
+                match covered.last_mut() {
+                    Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                    _ => covered.push((s, e)),
+                }
+            }
+            if self.punched.get(&base) == Some(&covered) {
+                continue;
+            }
+            let path = segment::path(&self.shared.wal, base);
+            let result = (|| -> std::io::Result<()> {
+                let file = std::fs::OpenOptions::new().write(true).open(&path)?;
+                let len = file.metadata()?.len();
+                let block = BLOCK as u64;
+                let mut from = 0u64;
+                for &(s, e) in covered.iter().chain(std::iter::once(&(len, len))) {
+                    // Whole blocks strictly between the extents only.
+                    let (a, b) = (from.div_ceil(block) * block, s / block * block);
+                    if b > a {
+                        crate::direct::punch_hole(&file, a, b - a)?;
+                    }
+                    from = e;
+                }
+                Ok(())
+            })();
+            match result {
+                Ok(()) => {
+                    self.punched.insert(base, covered);
+                }
+                Err(e) => {
+                    // Not supported here, or failed: the space comes back when the segment is deleted.
+                    tracing::debug!(error = %e, file = %path.display(), "could not punch holes in a WAL segment");
+                    self.punched.insert(base, covered);
+                }
             }
         }
     }

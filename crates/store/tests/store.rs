@@ -683,3 +683,35 @@ fn single_enqueues_without_a_batch_read_back_like_batched_ones() {
     assert!(all.iter().all(|(seq, p)| *p == payload(5, *seq, 10 + *seq as usize * 7)));
     assert!(store.append_enqueue(5, 300, 0, &[&vec![0u8; (1 << 30) + 1]]).is_err(), "too large");
 }
+
+#[test]
+fn a_slow_queue_keeps_its_messages_in_the_wal_but_not_the_others_it_was_written_with() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), extent_opts());
+    // Queue 1 lags; queue 2 is written in between, as much, and fully consumed.
+    let (mut s1, mut s2) = (0u64, 0u64);
+    for _ in 0..30 {
+        put(&store, 1, s1..s1 + 100, 1000);
+        s1 += 100;
+        put(&store, 2, s2..s2 + 100, 1000);
+        s2 += 100;
+    }
+    ack(&store, 2, 0..s2, 1000);
+    store.close().unwrap();
+    let (store, rec) = open(dir.path(), extent_opts());
+    assert_eq!(queue(&rec, 1).live_count, s1);
+    assert_eq!(queue(&rec, 2).live_count, 0);
+    // The WAL segments kept for queue 1's extents hold only about queue 1's bytes on disk.
+    let wal: Vec<_> = files_with_ext(dir.path(), "wlog");
+    let allocated: u64 = wal.iter().map(|p| p.metadata().unwrap().blocks() * 512).sum();
+    let q1_bytes = s1 * (8 + 25 + 1000);
+    let q1_files: u64 = files_with_ext(&dir.path().join("queues/1"), "qseg").iter().map(|p| p.metadata().unwrap().len()).sum();
+    assert!(
+        allocated < (q1_bytes - q1_files) + (q1_bytes - q1_files) / 8 + (1 << 20) + (100 << 10),
+        "{allocated} bytes allocated in WAL segments for {} of queue 1's bytes in them",
+        q1_bytes - q1_files
+    );
+    let all = read_all(&store, 1, 0, s1 as usize);
+    assert!(all.iter().enumerate().all(|(i, (seq, p))| *seq == i as u64 && *p == payload(1, i as u64, 1000)));
+}
