@@ -44,7 +44,7 @@ use crate::SyncTicket;
 
 /// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
 /// bounded instead of growing with the backlog.
-pub(crate) const MAX_PENDING_BYTES: usize = 64 << 20;
+pub(crate) const MAX_PENDING_BYTES: usize = 16 << 20;
 /// Group buffers kept for reuse after a checkpoint (a busy store cycles through about
 /// `checkpoint_bytes / group size` of them): fresh ones cost a page fault per 4 KiB as they fill, which
 /// was a fifth of an appending thread's time. Given back when the store goes quiet.
