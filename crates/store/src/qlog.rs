@@ -29,8 +29,9 @@ const FLUSH_AT: usize = 128 << 10;
 const KEEP_ACTIVE_BELOW: u64 = 1 << 20;
 
 /// A queue's live records in one WAL segment become an extent (instead of being copied) only if they
-/// span at least this many bytes: smaller runs are cheap to copy and would pin a WAL segment for little.
-const MIN_EXTENT: u64 = 64 << 10;
+/// span at least this many bytes: smaller runs are cheap to copy, and every extent is an entry in
+/// memory and in each checkpoint (at worst one per 512 KiB of backlog: 20,000 for 10 GB).
+const MIN_EXTENT: u64 = 512 << 10;
 
 /// A message read back from a queue log.
 #[derive(Debug, Clone, PartialEq, Eq)]
