@@ -136,6 +136,47 @@ impl Appender {
         Ok(())
     }
 
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// The bytes of the file's last, partial block (direct mode; empty otherwise): the next write
+    /// starts at that block and repeats them.
+    pub fn partial_block(&self) -> &[u8] {
+        if self.direct {
+            &self.mem[self.start..self.start + self.tail]
+        } else {
+            &[]
+        }
+    }
+
+    /// Writes `blocks` straight from the caller's memory (direct mode): block-aligned memory whose
+    /// first bytes are [`Appender::partial_block`], then new data, `data_len` bytes in all, then zero
+    /// padding to a whole number of blocks. Saves copying the data into this appender's own buffer.
+    pub fn write_blocks(&mut self, blocks: &[u8], data_len: usize) -> std::io::Result<()> {
+        debug_assert!(self.direct && blocks.len() % BLOCK == 0 && data_len <= blocks.len());
+        debug_assert_eq!(blocks.as_ptr() as usize % BLOCK, 0);
+        if let Err(e) = self.file.write_all_at(blocks, self.block_off) {
+            if e.raw_os_error() == Some(libc::EINVAL) {
+                tracing::warn!("O_DIRECT writes refused by the file system; using buffered writes");
+                self.direct = false;
+                self.file.write_all_at(&blocks[..data_len], self.block_off)?;
+                self.block_off += data_len as u64;
+                self.tail = 0;
+                return Ok(());
+            }
+            return Err(e);
+        }
+        let full = data_len / BLOCK * BLOCK;
+        let tail = data_len - full;
+        self.reserve(BLOCK);
+        let start = self.start;
+        self.mem[start..start + tail].copy_from_slice(&blocks[full..data_len]);
+        self.tail = tail;
+        self.block_off += full as u64;
+        Ok(())
+    }
+
     /// Takes over the working memory of `old` (whose file is done) if this appender has written nothing
     /// yet: after a WAL roll the new segment does not allocate and page-fault in its own.
     pub fn reuse_memory_of(&mut self, old: &mut Appender) {

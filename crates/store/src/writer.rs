@@ -45,6 +45,8 @@ use crate::SyncTicket;
 /// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
 /// bounded instead of growing with the backlog.
 pub(crate) const MAX_PENDING_BYTES: usize = 16 << 20;
+/// Capacity of a new group buffer: a full pending buffer, a large batch on top and the seed.
+const GROUP_BUFFER_CAPACITY: usize = MAX_PENDING_BYTES + (4 << 20);
 /// Group buffers kept for reuse after a checkpoint (a busy store cycles through about
 /// `checkpoint_bytes / group size` of them): fresh ones cost a page fault per 4 KiB as they fill, which
 /// was a fifth of an appending thread's time. Given back when the store goes quiet.
@@ -55,8 +57,12 @@ const MAX_RETAINED_BUFFER: usize = 32 << 20;
 
 /// State shared by appenders and the writer, under one mutex.
 pub(crate) struct State {
-    /// Encoded bytes not yet taken by the writer. Logical positions `pos - pending.len() .. pos`.
+    /// Encoded bytes not yet taken by the writer, after `lead` bytes that are not records. Logical
+    /// positions `pos - (pending.len() - lead) .. pos`.
     pending: Vec<u8>,
+    /// Bytes at the start of `pending` put there by the writer so that the buffer can be written to the
+    /// WAL as it is (see `Writer::seed`): alignment padding, then the WAL file's last partial block.
+    lead: usize,
     /// WAL segment rolls inside `pending`: at byte offset `at` a new segment `base` starts (with its header).
     rolls: Vec<Roll>,
     /// Logical position of the end of everything appended.
@@ -68,6 +74,10 @@ pub(crate) struct State {
 
 #[derive(Debug, Clone, Copy)]
 struct Roll {
+    /// The previous segment's records end here; zero filler follows up to `at`, so that the new
+    /// segment's bytes start at a block-aligned address and can be written in place too.
+    end: usize,
+    /// The new segment's header starts here.
     at: usize,
     base: u64,
 }
@@ -75,6 +85,8 @@ struct Roll {
 /// A group written to the WAL, waiting for its fsync to be applied to the queue logs.
 struct Group {
     buf: Vec<u8>,
+    /// Records start at this offset of `buf`.
+    lead: usize,
     rolls: Vec<Roll>,
     /// Where the group's first byte is in the WAL.
     place: WalPlace,
@@ -161,6 +173,7 @@ impl Shared {
             sync,
             state: Mutex::new(State {
                 pending: Vec::new(),
+                lead: 0,
                 rolls: Vec::new(),
                 pos: start.pos,
                 seg_base: start.base,
@@ -227,7 +240,10 @@ impl Shared {
         let st = &mut *guard;
         if st.pos - st.seg_base >= self.segment_size {
             let base = st.pos;
-            st.rolls.push(Roll { at: st.pending.len(), base });
+            let end = st.pending.len();
+            let filler = (BLOCK - (st.pending.as_ptr() as usize + end) % BLOCK) % BLOCK;
+            st.pending.resize(end + filler, 0);
+            st.rolls.push(Roll { end, at: st.pending.len(), base });
             st.pending.extend_from_slice(&format::encode_wal_header());
             st.pos += HEADER_SIZE as u64;
             st.seg_base = base;
@@ -288,6 +304,8 @@ pub(crate) struct Writer {
     file: Appender,
     base: u64,
     buf: Vec<u8>,
+    /// Bytes before the records in `buf` (see `State::lead`).
+    lead: usize,
     rolls: Vec<Roll>,
     wal_bases: VecDeque<u64>,
     /// Position up to which records were applied to the queue logs.
@@ -297,7 +315,6 @@ pub(crate) struct Writer {
     tail_bytes: u64,
     /// Group buffers to reuse (at most `SPARE_BUFFERS`), so a busy store does not page-fault in fresh ones.
     spare: Vec<Vec<u8>>,
-    last_group_len: usize,
     /// Per kept WAL segment, the extent ranges its holes were last punched around.
     punched: HashMap<u64, Vec<(u64, u64)>>,
     /// (queue, WAL segment) of the last enqueue applied: whether the next one follows its own queue's.
@@ -312,13 +329,13 @@ impl Writer {
             file: start.file,
             base: start.base,
             buf: Vec::new(),
+            lead: 0,
             rolls: Vec::new(),
             wal_bases: start.wal_bases,
             applied: start.pos,
             retained: Vec::new(),
             tail_bytes: 0,
             spare: Vec::new(),
-            last_group_len: 0,
             prev_enqueue: None,
             punched: HashMap::new(),
             last_checkpoint_pos: start.checkpoint_pos,
@@ -341,7 +358,7 @@ impl Writer {
             let (end, closing) = {
                 let mut st = self.shared.state.lock();
                 loop {
-                    if !st.pending.is_empty() || st.closing {
+                    if st.pending.len() > st.lead || st.closing {
                         break;
                     }
                     let checkpoint_due = self.applied > self.last_checkpoint_pos
@@ -360,20 +377,28 @@ impl Writer {
                     }
                 }
                 if self.buf.capacity() == 0 {
-                    // A buffer as large as the last group, so appenders do not regrow (copy) it.
-                    self.buf = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(self.last_group_len));
+                    // Room for a full pending buffer, so appenders do not regrow it: that would copy it
+                    // and lose the alignment the in-place write needs (memory is touched only as used).
+                    self.buf = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(GROUP_BUFFER_CAPACITY));
                 }
                 std::mem::swap(&mut st.pending, &mut self.buf);
                 std::mem::swap(&mut st.rolls, &mut self.rolls);
+                self.lead = st.lead;
+                st.lead = self.seed(&mut st.pending);
                 (st.pos, st.closing)
             };
             self.shared.space.notify_all();
-            if !self.buf.is_empty() {
-                self.last_group_len = self.buf.len().min(MAX_RETAINED_BUFFER);
-                let place = WalPlace { base: self.base, offset: end - self.buf.len() as u64 - self.base };
+            if self.buf.len() > self.lead {
+                // Bytes of the log in the buffer: without the seed and the filler before rolls.
+                let filler: usize = self.rolls.iter().map(|r| r.at - r.end).sum();
+                let records = (self.buf.len() - self.lead - filler) as u64;
+                let place = WalPlace { base: self.base, offset: end - records - self.base };
                 self.write_group();
-                to_apply.push(Group { buf: std::mem::take(&mut self.buf), rolls: std::mem::take(&mut self.rolls), place });
+                let buf = std::mem::take(&mut self.buf);
+                to_apply.push(Group { buf, lead: self.lead, rolls: std::mem::take(&mut self.rolls), place });
                 unsynced = Some(end);
+            } else {
+                self.buf.clear();
             }
             let sync_now = closing || interval.is_none_or(|iv| last_sync.elapsed() >= iv);
             if sync_now {
@@ -405,14 +430,40 @@ impl Writer {
         self.shared.durable_cv.notify_all();
     }
 
-    /// Writes the taken buffer to the WAL, rolling to new segments where `append` placed rolls.
+    /// Prepares an empty buffer for appenders so that, once taken, it can be written to the WAL as it is
+    /// (`O_DIRECT` wants block-aligned memory, offsets and lengths): padding up to an aligned address,
+    /// then the partial block the WAL file will end with once the group just taken (`self.buf`) is
+    /// written, which the next write must repeat. Returns the bytes put in (the next group's `lead`).
+    fn seed(&self, fresh: &mut Vec<u8>) -> usize {
+        if !self.file.is_direct() || !fresh.is_empty() {
+            return 0;
+        }
+        let records = &self.buf[self.lead.min(self.buf.len())..];
+        // The bytes from the start of the file's last block to its end, once `records` is written.
+        let (before, after): (&[u8], &[u8]) = match self.rolls.last() {
+            Some(roll) => (&[], &self.buf[roll.at..]),
+            None => (self.file.partial_block(), records),
+        };
+        let carry = (before.len() + after.len()) % BLOCK;
+        fresh.reserve(2 * BLOCK);
+        let pad = fresh.as_ptr().align_offset(BLOCK);
+        fresh.resize(pad, 0);
+        if after.len() >= carry {
+            fresh.extend_from_slice(&after[after.len() - carry..]);
+        } else {
+            fresh.extend_from_slice(&before[before.len() - (carry - after.len())..]);
+            fresh.extend_from_slice(after);
+        }
+        pad + carry
+    }
+
+    /// Writes the taken buffer to the WAL, rolling to new segments where `append` placed rolls. Each
+    /// part goes in place when it can (see `write_part`).
     fn write_group(&mut self) {
-        let mut from = 0;
+        let mut from = self.lead;
         let rolls = std::mem::take(&mut self.rolls);
         for roll in &rolls {
-            let buf = std::mem::take(&mut self.buf);
-            self.write(&buf[from..roll.at]);
-            self.buf = buf;
+            self.write_part(from, roll.end, roll.at);
             // The old segment must be complete on disk before a newer one exists: recovery treats only the
             // newest segment's tail as torn.
             self.sync_data();
@@ -427,11 +478,51 @@ impl Writer {
             self.base = roll.base;
             from = roll.at;
         }
-        let buf = std::mem::take(&mut self.buf);
-        self.write(&buf[from..]);
-        self.buf = buf;
+        let len = self.buf.len();
+        self.write_part(from, len, len);
         self.rolls = rolls;
         self.shared.counters.groups.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Appends `buf[from..to]` to the current WAL file. In place (one `pwrite` from the buffer, no
+    /// copy) when the buffer was prepared for it: the file's partial block sits right before `from`
+    /// (`seed`), at a block-aligned address, and zeros may follow `to` up to the next block boundary
+    /// (filler before `zeros_until`, or room to add them). Otherwise through the appender's own
+    /// aligned buffer (a copy).
+    fn write_part(&mut self, from: usize, to: usize, zeros_until: usize) {
+        let carry = self.file.partial_block().len();
+        let in_place = self.file.is_direct()
+            && from >= carry
+            && (self.buf.as_ptr() as usize + from - carry) % BLOCK == 0
+            && self.buf[from - carry..from] == *self.file.partial_block();
+        if !in_place {
+            let buf = std::mem::take(&mut self.buf);
+            self.write(&buf[from..to]);
+            self.buf = buf;
+            return;
+        }
+        let start = from - carry;
+        let total = to - start;
+        let padded_end = start + total.div_ceil(BLOCK) * BLOCK;
+        let len = self.buf.len();
+        if padded_end > zeros_until {
+            // Only at the end of the buffer: zeros are added after it (within capacity, or it would move).
+            if padded_end > self.buf.capacity() || to != len {
+                let buf = std::mem::take(&mut self.buf);
+                self.write(&buf[from..to]);
+                self.buf = buf;
+                return;
+            }
+            self.buf.resize(padded_end, 0);
+        }
+        let result = self.file.write_blocks(&self.buf[start..padded_end], total);
+        self.buf.truncate(len);
+        if let Err(e) = result {
+            fatal("writing", &segment::path(&self.shared.wal, self.base), &e);
+        }
+        let n = (to - from) as u64;
+        self.shared.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
+        self.shared.counters.wal_bytes.fetch_add(n, Ordering::Relaxed);
     }
 
     fn write(&mut self, bytes: &[u8]) {
@@ -453,7 +544,7 @@ impl Writer {
     /// Applies the group to the queue logs, in log order: enqueues join their queue's in-memory tail
     /// (they are durable in the WAL; the checkpoint writes the still-live ones to the queue's files), acks
     /// and drops are applied.
-    fn apply(&mut self, Group { buf, rolls, place }: Group) {
+    fn apply(&mut self, Group { buf, lead, rolls, place }: Group) {
         let now = crate::now_ms();
         let shared = self.shared.clone();
         let group = Bytes::from(buf);
@@ -462,9 +553,9 @@ impl Writer {
         // Where in the WAL a record at a given offset of the group buffer is.
         let wal_place = |at: usize| match rolls.iter().rev().find(|r| r.at <= at) {
             Some(roll) => WalPlace { base: roll.base, offset: (at - roll.at) as u64 },
-            None => WalPlace { base: place.base, offset: place.offset + at as u64 },
+            None => WalPlace { base: place.base, offset: place.offset + (at - lead) as u64 },
         };
-        for_each_record(&group, &rolls, |start, end, record| match record {
+        for_each_record(&group, lead, &rolls, |start, end, record| match record {
             Record::Enqueue { queue, seq, timestamp_ms, payload } => {
                 let log = match &last {
                     Some((q, log)) if *q == queue => log.clone(),
@@ -631,16 +722,16 @@ fn apply_other(shared: &Shared, record: Record<'_>, now_ms: u64) {
 }
 
 /// Calls `f(start, end, record)` for each record of a group buffer, skipping the WAL headers at rolls.
-fn for_each_record(buf: &[u8], rolls: &[Roll], mut f: impl FnMut(usize, usize, Record<'_>)) {
-    let mut pos = 0;
+fn for_each_record(buf: &[u8], lead: usize, rolls: &[Roll], mut f: impl FnMut(usize, usize, Record<'_>)) {
+    let mut pos = lead;
     let mut next_roll = rolls.iter().peekable();
     while pos < buf.len() {
-        if next_roll.peek().is_some_and(|r| r.at == pos) {
+        if let Some(roll) = next_roll.peek().filter(|r| r.end == pos) {
+            pos = roll.at + HEADER_SIZE; // past the filler and the new segment's header
             next_roll.next();
-            pos += HEADER_SIZE;
             continue;
         }
-        let end_of_run = next_roll.peek().map_or(buf.len(), |r| r.at);
+        let end_of_run = next_roll.peek().map_or(buf.len(), |r| r.end);
         match format::decode_own_record(&buf[pos..end_of_run]) {
             Ok((record, n)) => {
                 f(pos, pos + n, record);
