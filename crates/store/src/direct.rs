@@ -6,7 +6,8 @@
 //! reads little of it back soon, so the page cache buys nothing on the write path.
 //!
 //! `O_DIRECT` wants offsets, lengths and memory aligned to [`BLOCK`]. The appender keeps the last partial
-//! block in its buffer and writes it again, completed, with the next append; the file therefore ends in
+//! block in its buffer and writes it again, completed, with the next append (or the caller does, with
+//! [`Appender::write_blocks`], from memory it prepared: the WAL writer's in-place group writes); the file therefore ends in
 //! zero padding up to the next block boundary, which readers treat as the end of the data (see
 //! [`is_padding`]). Where `O_DIRECT` is not supported (tmpfs, some file systems), it falls back to
 //! ordinary buffered appends, without padding.
