@@ -315,6 +315,7 @@ pub(crate) struct Writer {
     tail_bytes: u64,
     /// Group buffers to reuse (at most `SPARE_BUFFERS`), so a busy store does not page-fault in fresh ones.
     spare: Vec<Vec<u8>>,
+    last_group_len: usize,
     /// Per kept WAL segment, the extent ranges its holes were last punched around.
     punched: HashMap<u64, Vec<(u64, u64)>>,
     /// (queue, WAL segment) of the last enqueue applied: whether the next one follows its own queue's.
@@ -336,6 +337,7 @@ impl Writer {
             retained: Vec::new(),
             tail_bytes: 0,
             spare: Vec::new(),
+            last_group_len: 0,
             prev_enqueue: None,
             punched: HashMap::new(),
             last_checkpoint_pos: start.checkpoint_pos,
@@ -377,9 +379,11 @@ impl Writer {
                     }
                 }
                 if self.buf.capacity() == 0 {
-                    // Room for a full pending buffer, so appenders do not regrow it: that would copy it
-                    // and lose the alignment the in-place write needs (memory is touched only as used).
-                    self.buf = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(GROUP_BUFFER_CAPACITY));
+                    // Room for twice the last group, so appenders rarely regrow it (that copies it and
+                    // loses the alignment the in-place write needs). Not more: a thousand small groups
+                    // waiting for a checkpoint in huge buffers made the heap grow to 800 MB resident.
+                    let capacity = (2 * self.last_group_len + 4 * BLOCK).min(GROUP_BUFFER_CAPACITY);
+                    self.buf = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(capacity));
                 }
                 std::mem::swap(&mut st.pending, &mut self.buf);
                 std::mem::swap(&mut st.rolls, &mut self.rolls);
@@ -389,6 +393,7 @@ impl Writer {
             };
             self.shared.space.notify_all();
             if self.buf.len() > self.lead {
+                self.last_group_len = self.buf.len();
                 // Bytes of the log in the buffer: without the seed and the filler before rolls.
                 let filler: usize = self.rolls.iter().map(|r| r.at - r.end).sum();
                 let records = (self.buf.len() - self.lead - filler) as u64;
