@@ -496,38 +496,32 @@ impl Writer {
     /// aligned buffer (a copy).
     fn write_part(&mut self, from: usize, to: usize, zeros_until: usize) {
         let carry = self.file.partial_block().len();
+        let len = self.buf.len();
+        let start = from.saturating_sub(carry);
+        let padded_end = start + (to - start).div_ceil(BLOCK) * BLOCK;
         let in_place = self.file.is_direct()
             && from >= carry
-            && (self.buf.as_ptr() as usize + from - carry) % BLOCK == 0
-            && self.buf[from - carry..from] == *self.file.partial_block();
-        if !in_place {
-            let buf = std::mem::take(&mut self.buf);
-            self.write(&buf[from..to]);
-            self.buf = buf;
-            return;
-        }
-        let start = from - carry;
-        let total = to - start;
-        let padded_end = start + total.div_ceil(BLOCK) * BLOCK;
-        let len = self.buf.len();
-        if padded_end > zeros_until {
-            // Only at the end of the buffer: zeros are added after it (within capacity, or it would move).
-            if padded_end > self.buf.capacity() || to != len {
-                let buf = std::mem::take(&mut self.buf);
-                self.write(&buf[from..to]);
-                self.buf = buf;
-                return;
+            && (self.buf.as_ptr() as usize + start) % BLOCK == 0
+            && self.buf[start..from] == *self.file.partial_block()
+            // Zeros must follow `to` up to the block boundary: filler, or room to add them at the end
+            // of the buffer without moving it.
+            && (padded_end <= zeros_until || (to == len && padded_end <= self.buf.capacity()));
+        let buf = std::mem::take(&mut self.buf);
+        self.buf = if in_place {
+            let mut buf = buf;
+            buf.resize(padded_end.max(len), 0);
+            if let Err(e) = self.file.write_blocks(&buf[start..padded_end], to - start) {
+                fatal("writing", &segment::path(&self.shared.wal, self.base), &e);
             }
-            self.buf.resize(padded_end, 0);
-        }
-        let result = self.file.write_blocks(&self.buf[start..padded_end], total);
-        self.buf.truncate(len);
-        if let Err(e) = result {
-            fatal("writing", &segment::path(&self.shared.wal, self.base), &e);
-        }
-        let n = (to - from) as u64;
-        self.shared.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
-        self.shared.counters.wal_bytes.fetch_add(n, Ordering::Relaxed);
+            buf.truncate(len);
+            let n = (to - from) as u64;
+            self.shared.counters.bytes_written.fetch_add(n, Ordering::Relaxed);
+            self.shared.counters.wal_bytes.fetch_add(n, Ordering::Relaxed);
+            buf
+        } else {
+            self.write(&buf[from..to]);
+            buf
+        };
     }
 
     fn write(&mut self, bytes: &[u8]) {
