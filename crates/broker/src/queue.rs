@@ -27,7 +27,7 @@ use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
 pub const WINDOW_MESSAGES: usize = 2048;
 
 /// Publishers held back by a slow no-ack consumer pause at this many waiting messages and go on at
-/// `FLOW_RESUME_AT` (see `Queue::publishers_should_wait`).
+/// `FLOW_RESUME_AT` (see `QueueState::publishers_must_wait`).
 const FLOW_PAUSE_AT: usize = WINDOW_MESSAGES / 2;
 const FLOW_RESUME_AT: usize = WINDOW_MESSAGES / 4;
 
@@ -74,8 +74,9 @@ impl Entry {
 /// The result of offering a message to a queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
-    /// Taken; durable once the store reaches the ticket (if any).
-    Accepted(Option<SyncTicket>),
+    /// Taken; durable once the store reaches the ticket (if any). `slow_publishers`: the queue asks
+    /// its publishers to pause (see `QueueState::publishers_must_wait`).
+    Accepted { ticket: Option<SyncTicket>, slow_publishers: bool },
     /// Refused by `x-overflow: reject-publish(-dlx)`: the publisher gets a basic.nack.
     Rejected,
 }
@@ -105,7 +106,7 @@ struct QueueState {
     mark_waiter: bool,
     /// Consumers with credit could not take more because their connections' outgoing buffers are
     /// full (a consumer reading slower than publishers write): publishers are slowed (see
-    /// `Queue::publishers_should_wait`).
+    /// `QueueState::publishers_must_wait`).
     held_back: bool,
     /// A publisher waits on `drained`.
     publisher_waiting: bool,
@@ -114,7 +115,7 @@ struct QueueState {
     consumers_stalled: bool,
     /// Persistent messages taken into the window without being stored yet (published without confirms
     /// while every consumer is no-ack): written at the next `tick` if still here (see `publish`).
-    lazy_unstored: u64,
+    has_deferred: bool,
     consumers: Vec<Arc<Consumer>>,
     /// Round-robin position among consumers.
     next_consumer: usize,
@@ -123,6 +124,18 @@ struct QueueState {
     /// For `x-expires`: the last time the queue was used (consume, get, declare).
     last_used_ms: u64,
     deleted: bool,
+}
+
+impl QueueState {
+    /// Whether publishers to this queue should pause: its consumers could take more but their
+    /// connections cannot (a no-ack consumer whose socket is slower than the publishers), they are not
+    /// stalled, and a good part of the window is waiting. RabbitMQ's credit flow has the same effect:
+    /// the queue stops taking messages from publishers while it is blocked delivering. Queues without
+    /// consumers, or whose consumers are at their prefetch limit, never slow publishers: their backlog
+    /// goes to disk.
+    fn publishers_must_wait(&self) -> bool {
+        self.held_back && !self.consumers_stalled && self.ready.len() >= FLOW_PAUSE_AT
+    }
 }
 
 pub struct Queue {
@@ -194,7 +207,7 @@ impl Queue {
                 held_back: false,
                 publisher_waiting: false,
                 consumers_stalled: false,
-                lazy_unstored: 0,
+                has_deferred: false,
                 consumers: Vec::new(),
                 next_consumer: 0,
                 unacked: 0,
@@ -250,7 +263,7 @@ impl Queue {
         let outcome = {
             let mut st = self.state.lock();
             if st.deleted {
-                return Ok(Enqueued::Accepted(None));
+                return Ok(Enqueued::Accepted { ticket: None, slow_publishers: false });
             }
             if self.args.overflow != Overflow::DropHead && self.is_full(&st, message.body_len() as u64) {
                 if self.args.overflow == Overflow::RejectPublishDlx {
@@ -276,7 +289,7 @@ impl Queue {
             let mut ticket = None;
             let stored_bytes = if (must_be_durable && !skip_store) || paged || self.args.retention_ms > 0 {
                 // The store takes a queue's seqs in increasing order: deferred ones go first.
-                if st.lazy_unstored > 0 {
+                if st.has_deferred {
                     self.store_deferred_locked(&mut st, now_ms);
                 }
                 let t = self.store_message(seq, now_ms, stored_header, message)?;
@@ -301,7 +314,7 @@ impl Queue {
             self.dispatch_locked(&mut st, now_ms, &mut after);
             if skip_store && lazy_ok {
                 if st.ready.back().is_some_and(|e| e.seq == seq && e.stored_bytes == 0) {
-                    st.lazy_unstored += 1;
+                    st.has_deferred = true;
                 }
             } else if skip_store && st.ready.iter().any(|e| e.seq == seq) {
                 // Not delivered after all: stored (with any deferred ones before it) before the confirm.
@@ -309,7 +322,7 @@ impl Queue {
             }
             // TTL 0 (or an already past expiry): what no consumer took right now expires now.
             self.expire_locked(&mut st, now_ms, true, &mut after);
-            Enqueued::Accepted(ticket)
+            Enqueued::Accepted { ticket, slow_publishers: st.publishers_must_wait() }
         };
         self.finish(after);
         Ok(outcome)
@@ -459,7 +472,7 @@ impl Queue {
                 if !consumer.has_credit() {
                     continue;
                 }
-                if st.lazy_unstored > 0 && !consumer.no_ack && st.ready.front().is_some_and(|e| e.stored_bytes == 0 && e.message.persistent) {
+                if st.has_deferred && !consumer.no_ack && st.ready.front().is_some_and(|e| e.stored_bytes == 0 && e.message.persistent) {
                     // Deferred entries never become unacked unstored (see `store_deferred_locked`).
                     self.store_deferred_locked(st, now_ms);
                 }
@@ -493,24 +506,14 @@ impl Queue {
         }
     }
 
-    /// Whether publishers to this queue should pause: its consumers could take more but their
-    /// connections cannot (a no-ack consumer whose socket is slower than the publishers), and a good part
-    /// of the window is waiting. RabbitMQ's credit flow has the same effect: the queue stops taking
-    /// messages from publishers while it is blocked delivering. Queues without consumers, or whose
-    /// consumers are at their prefetch limit, never slow publishers: their backlog goes to disk.
-    pub fn publishers_should_wait(&self) -> bool {
-        let st = self.state.lock();
-        st.held_back && !st.consumers_stalled && st.ready.len() >= FLOW_PAUSE_AT
-    }
-
-    /// Waits until publishers may go on (see `publishers_should_wait`), at most `max` at a time.
+    /// Waits until publishers may go on (see `QueueState::publishers_must_wait`), at most `max` at a time.
     pub async fn wait_until_drained(&self, max: std::time::Duration) {
         let notified = self.drained.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         {
             let mut st = self.state.lock();
-            if !(st.held_back && !st.consumers_stalled && st.ready.len() >= FLOW_PAUSE_AT) || st.consumers.is_empty() {
+            if !st.publishers_must_wait() || st.consumers.is_empty() {
                 return;
             }
             st.publisher_waiting = true;
@@ -590,7 +593,7 @@ impl Queue {
             self.refill_locked(&mut st, &mut after);
             self.expire_locked(&mut st, now_ms, true, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
-            if st.lazy_unstored > 0 {
+            if st.has_deferred {
                 self.store_deferred_locked(&mut st, now_ms);
             }
             self.args.expires_ms.is_some_and(|ttl| {
@@ -607,7 +610,7 @@ impl Queue {
     /// `dispatch_locked`), and they are written before any later seq is, since the store takes a
     /// queue's seqs in increasing order. Returns the ticket of the last write.
     fn store_deferred_locked(&self, st: &mut QueueState, now_ms: u64) -> Option<SyncTicket> {
-        st.lazy_unstored = 0;
+        st.has_deferred = false;
         if !self.durable {
             return None;
         }

@@ -26,7 +26,7 @@ pub struct PublishOutcome {
     pub rejected: bool,
     /// The message is durable once the store reaches this ticket.
     pub ticket: Option<SyncTicket>,
-    /// A queue it went to asks publishers to pause (`Queue::publishers_should_wait`).
+    /// A queue it went to asks publishers to pause (`Enqueued::Accepted::slow_publishers`).
     pub slow_queue: Option<Arc<Queue>>,
 }
 
@@ -481,12 +481,15 @@ impl VHost {
         encode_header(&message, Some(now), &mut header);
         for q in queues {
             match q.publish(&message, &header, now, lazy_ok)? {
-                Enqueued::Accepted(Some(t)) => outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t))),
-                Enqueued::Accepted(None) => {}
+                Enqueued::Accepted { ticket, slow_publishers } => {
+                    if let Some(t) = ticket {
+                        outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t)));
+                    }
+                    if slow_publishers && outcome.slow_queue.is_none() {
+                        outcome.slow_queue = Some(q.clone());
+                    }
+                }
                 Enqueued::Rejected => outcome.rejected = true,
-            }
-            if outcome.slow_queue.is_none() && q.publishers_should_wait() {
-                outcome.slow_queue = Some(q.clone());
             }
         }
         Ok(outcome)

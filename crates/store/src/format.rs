@@ -227,29 +227,20 @@ fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
 /// Returns the payload length.
 pub fn encode_enqueue(out: &mut Vec<u8>, queue: u64, seq: u64, timestamp_ms: u64, parts: &[&[u8]]) -> usize {
     let payload_len: usize = parts.iter().map(|p| p.len()).sum();
-    let len = ENQUEUE_FIXED_LEN + payload_len;
-    let start = out.len();
-    // Lengths above the limit are refused by `append` before anything is written; saturate, never wrap.
-    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
-    out.extend_from_slice(&[0u8; 4]);
-    out.push(KIND_ENQUEUE);
-    out.extend_from_slice(&queue.to_le_bytes());
-    out.extend_from_slice(&seq.to_le_bytes());
-    out.extend_from_slice(&timestamp_ms.to_le_bytes());
+    out.extend_from_slice(&encode_enqueue_head(queue, seq, timestamp_ms, payload_len, parts));
     for p in parts {
         out.extend_from_slice(p);
     }
-    seal(out, start);
     payload_len
 }
 
-/// The record header and fixed fields of an enqueue whose payload is `parts`, checksum included: the
-/// payload can then be copied straight after it into the write buffer (no encode-then-copy). Returns the
-/// bytes and the payload length.
-pub fn encode_enqueue_head(queue: u64, seq: u64, timestamp_ms: u64, parts: &[&[u8]]) -> ([u8; RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN], usize) {
-    let payload_len: usize = parts.iter().map(|p| p.len()).sum();
+/// The record header and fixed fields of an enqueue whose payload is `parts` (`payload_len` bytes in
+/// all), checksum included: the payload can then be copied straight after it into the write buffer
+/// (no encode-then-copy).
+pub fn encode_enqueue_head(queue: u64, seq: u64, timestamp_ms: u64, payload_len: usize, parts: &[&[u8]]) -> [u8; RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN] {
     let len = ENQUEUE_FIXED_LEN + payload_len;
     let mut h = [0u8; RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN];
+    // Lengths above the limit are refused by `append` before anything is written; saturate, never wrap.
     h[0..4].copy_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
     h[8] = KIND_ENQUEUE;
     h[9..17].copy_from_slice(&queue.to_le_bytes());
@@ -260,7 +251,7 @@ pub fn encode_enqueue_head(queue: u64, seq: u64, timestamp_ms: u64, parts: &[&[u
         crc = crc32c::crc32c_append(crc, p);
     }
     h[4..8].copy_from_slice(&crc.to_le_bytes());
-    (h, payload_len)
+    h
 }
 
 /// Appends acks records for `ranges` of `queue` (split if there are very many).

@@ -661,8 +661,8 @@ impl QueueLogs {
         self.logs.lock().remove(&id)
     }
 
-    /// Applies an acks or drop record (enqueues go through `QueueLog::push_tail` or `append`): the WAL
-    /// replay and the writer thread share this. Returns the (bytes, files) of segments deleted.
+    /// Applies an acks, drop or delivered-mark record (enqueues go through `QueueLog::push_tail` or
+    /// `append`): the WAL replay and the writer thread share this. Returns the (bytes, files) of segments deleted.
     pub fn apply_gone(&self, record: Record<'_>, now_ms: u64, newest_too: bool, keep_active_idle_ms: u64) -> std::io::Result<(u64, u64)> {
         let freed = match record {
             Record::Acks { queue, bytes, ranges } => {

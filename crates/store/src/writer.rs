@@ -199,7 +199,7 @@ impl Shared {
             let guard = self.state.lock();
             return if guard.closing { Err(StoreError::Closed) } else { Ok(guard.pos) };
         }
-        let ticket = self.write_pending(&[&batch.records, &batch.tail])?;
+        let ticket = self.write_pending(&batch.records, &[&batch.tail])?;
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.records.fetch_add(batch.record_count(), Ordering::Relaxed);
         Ok(ticket)
@@ -211,25 +211,16 @@ impl Shared {
         if payload_len > Batch::max_payload() {
             return Err(StoreError::RecordTooLarge { len: payload_len, max: Batch::max_payload() });
         }
-        let (head, _) = format::encode_enqueue_head(queue, seq, timestamp_ms, parts);
-        let mut all: [&[u8]; 4] = [&head, &[], &[], &[]];
-        let n = parts.len().min(3);
-        all[1..1 + n].copy_from_slice(&parts[..n]);
-        let ticket = if parts.len() <= 3 {
-            self.write_pending(&all[..1 + n])?
-        } else {
-            let mut v: Vec<&[u8]> = vec![&head];
-            v.extend_from_slice(parts);
-            self.write_pending(&v)?
-        };
+        let head = format::encode_enqueue_head(queue, seq, timestamp_ms, payload_len, parts);
+        let ticket = self.write_pending(&head, parts)?;
         self.counters.batches.fetch_add(1, Ordering::Relaxed);
         self.counters.records.fetch_add(1, Ordering::Relaxed);
         Ok(ticket)
     }
 
-    /// Copies encoded records (given in pieces) into the pending buffer under the lock, rolling to a new
-    /// WAL segment first if the current one is full; wakes the writer. Returns the ticket.
-    fn write_pending(&self, pieces: &[&[u8]]) -> Result<SyncTicket, StoreError> {
+    /// Copies encoded records (`first`, then `rest`) into the pending buffer under the lock, rolling to a
+    /// new WAL segment first if the current one is full; wakes the writer. Returns the ticket.
+    fn write_pending(&self, first: &[u8], rest: &[&[u8]]) -> Result<SyncTicket, StoreError> {
         let mut guard = self.state.lock();
         while guard.pending.len() > MAX_PENDING_BYTES && !guard.closing {
             self.space.wait(&mut guard);
@@ -248,7 +239,7 @@ impl Shared {
             st.pos += HEADER_SIZE as u64;
             st.seg_base = base;
         }
-        for piece in pieces {
+        for piece in std::iter::once(first).chain(rest.iter().copied()) {
             st.pending.extend_from_slice(piece);
             st.pos += piece.len() as u64;
         }

@@ -564,8 +564,9 @@ fn a_backlog_is_written_once_and_read_back_from_the_wal_across_restarts() {
     store.close().unwrap();
     let s = store.stats();
     let record = (8 + 25 + 1000) as u64;
-    // Everything went to the WAL once; at most the last bits of a run were copied.
-    assert!(s.bytes_written < 3000 * record + (300 << 10), "{} bytes written for {} of records", s.bytes_written, 3000 * record);
+    // Everything went to the WAL once; only a checkpoint's tail shorter than an extent (512 KiB) can
+    // have been copied (the bound was 300 KiB while extents could be 64 KiB: flaky since 4fb5514).
+    assert!(s.bytes_written < 3000 * record + (1 << 20), "{} bytes written for {} of records", s.bytes_written, 3000 * record);
     assert!(files_with_ext(&dir.path().join("queues/1"), "qseg").len() <= 1);
     let (store, rec) = open(dir.path(), extent_opts());
     assert_eq!(queue(&rec, 1).live_count, 3000);
