@@ -132,3 +132,26 @@ class RawConnection:
             self.sock.close()
         except OSError:
             pass
+
+
+def publish_frames(channel, routing_key, body, exchange="", persistent=True, mandatory=False, frame_max=131072):
+    """basic.publish + content header (delivery_mode 2 if persistent) + body frames cut at frame_max."""
+    flags, props = (0x1000, b"\x02") if persistent else (0, b"")
+    out = method_frame(channel, 60, 40, struct.pack(">H", 0) + shortstr(exchange) + shortstr(routing_key)
+                       + (b"\x01" if mandatory else b"\x00"))
+    out += frame(FRAME_HEADER, channel, struct.pack(">HHQH", 60, 0, len(body), flags) + props)
+    step = frame_max - 8
+    for i in range(0, len(body), step):
+        out += frame(FRAME_BODY, channel, body[i:i + step])
+    return out
+
+
+def queue_declare_frame(channel, name, durable=True, exclusive=False, auto_delete=False):
+    bits = (2 if durable else 0) | (4 if exclusive else 0) | (8 if auto_delete else 0)
+    return method_frame(channel, 50, 10, struct.pack(">H", 0) + shortstr(name) + bytes([bits]) + table())
+
+
+def ack_fields(f):
+    """(delivery_tag, multiple) of a basic.ack frame."""
+    tag, flags = struct.unpack(">QB", f.payload[4:13])
+    return tag, bool(flags & 1)

@@ -5,7 +5,8 @@ import pytest
 from pika.exceptions import ChannelClosedByBroker, NackError
 
 from conftest import eventually
-from rawamqp import FRAME_BODY, FRAME_HEADER, RawConnection, frame, method_frame, shortstr, table
+from rawamqp import (FRAME_BODY, FRAME_HEADER, RawConnection, ack_fields, frame, method_frame, publish_frames,
+                     queue_declare_frame, shortstr, table)
 
 
 def test_confirm_select_then_publishes_are_acked(ch, name):
@@ -106,3 +107,45 @@ def test_tx_commit_without_select_is_406(ch):
     with pytest.raises(ChannelClosedByBroker) as e:
         ch.tx_commit()
     assert e.value.reply_code == 406
+
+
+def test_confirms_do_not_leak_across_a_reopened_channel(broker, name):
+    """Confirms belong to one channel incarnation (issue 9, defect 2): publishes still waiting for their
+    fsync when the channel closes are never confirmed after its close-ok, and a channel opened again on
+    the same number starts with nothing pending (its tag 1 is acked alone, not merged with old tags)."""
+    r = RawConnection(broker.host, broker.port, timeout=60)
+    r.handshake()
+    r.open_channel(1)
+    r.send(queue_declare_frame(1, name))
+    r.expect(50, 11)
+    r.send(method_frame(1, 85, 10, b"\x00"))
+    r.expect(85, 11)
+    # 64 MB of persistent messages, then channel.close at once: most confirms are still waiting for the
+    # disk when the close is read.
+    n, body = 256, b"x" * (256 * 1024)
+    r.send(publish_frames(1, name, body) * n + method_frame(1, 20, 40, struct.pack(">H", 200) + shortstr("bye")
+                                                             + struct.pack(">HH", 0, 0)))
+    acked_before_close = 0
+    while True:
+        f = r.read_method()
+        if f.method == (20, 41):
+            break
+        assert f.method == (60, 80), f"expected basic.ack or close-ok, got {f}"
+        acked_before_close = ack_fields(f)[0]
+    r.send(method_frame(1, 20, 10, shortstr("")))
+    f = r.read_method()
+    assert f.method == (20, 11), f"after close-ok only open-ok may come on channel 1, got {f} " \
+                                 f"({acked_before_close} of {n} were confirmed before the close)"
+    r.send(method_frame(1, 85, 10, b"\x00"))
+    r.expect(85, 11)
+    for tag in (1, 2):
+        r.send(publish_frames(1, name, b"new"))
+        f = r.read_method()
+        assert f.method == (60, 80), f"expected basic.ack, got {f}"
+        assert ack_fields(f) == (tag, False), f"the new channel's publish {tag} got {ack_fields(f)}"
+    r.close()
+    # Nothing was lost: the old channel's publishes are stored, only unconfirmed.
+    with broker.connection() as c:
+        ch = c.channel()
+        eventually(lambda: ch.queue_declare(name, passive=True).method.message_count == n + 2)
+        ch.queue_delete(name)

@@ -257,8 +257,10 @@ impl Channel {
 
     /// The queue was deleted under this consumer: forget it and tell the client.
     pub fn consumer_cancelled_by_server(&self, tag: &Arc<str>) {
-        let removed = self.state.lock().consumers.remove(tag).is_some();
-        if removed {
+        // Under the channel lock, so that nothing is sent once `close` has run (the channel's close-ok
+        // may already be on its way).
+        let mut st = self.state.lock();
+        if st.consumers.remove(tag).is_some() && !st.closed {
             self.sink.send(Delivery::Cancel { channel: self.number, consumer_tag: tag.clone() });
         }
     }

@@ -104,7 +104,7 @@ impl ChannelHandler {
         let (class_id, method_id) = (method.class_id(), method.method_id());
         if let Method::ChannelClose(_) = method {
             self.channel.close();
-            conn.outbox.method(self.number, Method::ChannelCloseOk(ChannelCloseOk {}));
+            conn.outbox.push(Outgoing::ChannelEnd { channel: self.number, method: Method::ChannelCloseOk(ChannelCloseOk {}) });
             return Ok(true);
         }
         match self.dispatch(method, conn) {
@@ -126,10 +126,11 @@ impl ChannelHandler {
         self.closing = true;
         self.pending = None;
         self.channel.close();
-        conn.outbox.method(
-            self.number,
-            Method::ChannelClose(ChannelClose { reply_code: e.code, reply_text: e.reply_text(), class_id, method_id }),
-        );
+        // After our channel.close the client discards everything on the channel but close/close-ok.
+        conn.outbox.push(Outgoing::ChannelEnd {
+            channel: self.number,
+            method: Method::ChannelClose(ChannelClose { reply_code: e.code, reply_text: e.reply_text(), class_id, method_id }),
+        });
     }
 
     fn queue_name(&self, given: &str) -> Result<String, Failure> {

@@ -19,6 +19,11 @@ pub enum Outgoing {
     /// Sent once the store has made `ticket` durable, in the order pushed per channel:
     /// publisher confirms, and tx.commit-ok.
     WhenDurable { channel: u16, ticket: Option<SyncTicket>, action: DurableAction },
+    /// The channel's last frame (the channel.close-ok we answer with, or the channel.close we send):
+    /// confirms of the channel that are durable by then go out before it, the rest are dropped, and
+    /// nothing queued before it for the channel can follow it. A channel opened again on the same
+    /// number starts with nothing pending.
+    ChannelEnd { channel: u16, method: Method },
     /// Flush what is queued, then close the socket.
     Close,
 }

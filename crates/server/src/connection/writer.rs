@@ -81,6 +81,13 @@ pub async fn run(
                 Outgoing::WhenDurable { channel, ticket, action } => {
                     pending.entry(channel).or_default().push_back(PendingDurable { ticket: ticket.unwrap_or(0), action });
                 }
+                Outgoing::ChannelEnd { channel, method } => {
+                    // Confirms are per channel incarnation: what is not durable now is never sent.
+                    if let Some(mut queue) = pending.remove(&channel) {
+                        write_ready_confirms(&mut buf, channel, &mut queue, *durable.borrow());
+                    }
+                    frame::write_method(&mut buf, channel, &method);
+                }
                 Outgoing::Close => closing = true,
             }
         }
