@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import eventually
-from rawamqp import FRAME_BODY, FRAME_HEADER, RawConnection, frame, method_frame, shortstr, table
+from rawamqp import FRAME_BODY, FRAME_HEADER, RawConnection, frame, method_frame, publish_frames, shortstr, table
 
 pytestmark = pytest.mark.needs_process
 
@@ -211,3 +211,64 @@ def test_damaged_queue_segment_tail_is_detected_and_skipped(broker):
     assert seqs == list(range(len(seqs)))
     assert "damaged record in a queue segment" in broker.log_text()
     assert broker.alive()
+
+
+class DiskLoad(threading.Thread):
+    """Keeps the store writer busy with large persistent messages (no confirms) until the broker dies, so
+    that a record appended meanwhile waits in memory for the writer's current write and fsync."""
+
+    def __init__(self, broker, queue):
+        super().__init__(daemon=True)
+        self.broker, self.queue = broker, queue
+
+    def run(self):
+        try:
+            r = RawConnection(self.broker.host, self.broker.port, timeout=30)
+            r.handshake()
+            r.open_channel(1)
+            chunk = publish_frames(1, self.queue, b"L" * (1 << 20)) * 4
+            while True:
+                r.send(chunk)
+        except (ConnectionError, OSError):
+            pass  # the broker was killed
+
+
+def test_tx_commit_ok_covers_the_acks_of_the_transaction(broker):
+    """tx.commit-ok promises the transaction's acks are durable (issue 9, defect 4): kill -9 right after
+    commit-ok, and the acked messages must not come back. Rejects without requeue count as acks."""
+    c = broker.connection()
+    ch = c.channel()
+    ch.queue_declare("tx-load", durable=True)
+    c.close()
+    rounds, n = 6, 10
+    for round_ in range(rounds):
+        publish_confirmed(broker, n)
+        load = DiskLoad(broker, "tx-load")
+        load.start()
+        time.sleep(0.2)
+        r = RawConnection(broker.host, broker.port, timeout=30)
+        r.handshake()
+        r.open_channel(1)
+        r.send(method_frame(1, 90, 10))  # tx.select
+        r.expect(90, 11)
+        r.send(method_frame(1, 60, 70, struct.pack(">H", 0) + shortstr(QUEUE) + b"\x00") * n)  # basic.get
+        for _ in range(n):
+            r.expect(60, 71)
+            r.read_frame()  # content header
+            r.read_frame()  # body (300 bytes: one frame)
+        if round_ % 2:
+            settle = method_frame(1, 60, 80, struct.pack(">QB", n, 1))  # basic.ack multiple
+        else:
+            settle = method_frame(1, 60, 120, struct.pack(">QB", n, 1 | 0))  # basic.nack multiple, no requeue
+        r.send(settle + method_frame(1, 90, 20))  # + tx.commit
+        r.expect(90, 21)
+        broker.kill9()
+        r.close()
+        load.join(10)
+        broker.start()
+        c = broker.connection()
+        ch = c.channel()
+        back = ch.queue_declare(QUEUE, durable=True, passive=True).method.message_count
+        ch.queue_purge("tx-load")
+        c.close()
+        assert back == 0, f"round {round_}: {back} of {n} messages settled in a committed transaction came back"

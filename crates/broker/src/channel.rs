@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Weak};
-use warren_store::Batch;
+use warren_store::{Batch, SyncTicket};
 
 /// What a channel hands to its connection to be written to the socket.
 #[derive(Debug)]
@@ -266,13 +266,14 @@ impl Channel {
     }
 
     /// basic.ack / basic.nack / basic.reject. `delivery_tag` 0 with `multiple` means everything.
-    pub fn settle(&self, delivery_tag: u64, multiple: bool, how: Settle) -> Result<()> {
+    /// Returns the store ticket at which the settlement is durable (the ack records of acked and
+    /// of dropped or dead-lettered messages), if anything was written: tx.commit-ok waits for it.
+    pub fn settle(&self, delivery_tag: u64, multiple: bool, how: Settle) -> Result<Option<SyncTicket>> {
         let taken = {
             let mut st = self.state.lock();
             take_unacked(&mut st.unacked, delivery_tag, multiple)?
         };
-        self.finish_settle(taken, how);
-        Ok(())
+        Ok(self.finish_settle(taken, how))
     }
 
     /// basic.recover: every unacknowledged message goes back to its queue, redelivered.
@@ -299,9 +300,9 @@ impl Channel {
         self.state.lock().unacked.len()
     }
 
-    fn finish_settle(&self, taken: Vec<Unacked>, how: Settle) {
+    fn finish_settle(&self, taken: Vec<Unacked>, how: Settle) -> Option<SyncTicket> {
         if taken.is_empty() {
-            return;
+            return None;
         }
         for u in &taken {
             if let Some(c) = &u.consumer {
@@ -317,17 +318,19 @@ impl Channel {
             }
         }
         let mut batch = Batch::new();
+        let mut ticket = None;
         for (queue, entries) in &mut by_queue {
-            queue.settle(std::mem::take(entries), how, &mut batch);
+            ticket = ticket.max(queue.settle(std::mem::take(entries), how, &mut batch));
         }
         if let Some((queue, _)) = by_queue.first() {
-            queue.append_acks(&mut batch);
+            ticket = ticket.max(queue.append_acks(&mut batch));
         }
         // Credit came back: let every queue this channel consumes from deliver again.
         self.kick_consumers();
         for (queue, _) in &by_queue {
             queue.dispatch();
         }
+        ticket
     }
 
     /// Ask every queue this channel consumes from to deliver (credit or flow changed).

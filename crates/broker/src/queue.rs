@@ -716,8 +716,9 @@ impl Queue {
     }
 
     /// Settles delivered entries (ack, or reject with/without requeue). Store acks go into `acks`
-    /// for the caller to append once for all queues it settled.
-    pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch) {
+    /// for the caller to append once for all queues it settled. Returns the ticket of acks this call
+    /// appended itself (those of messages rejected without requeue), which a transaction waits for.
+    pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch) -> Option<SyncTicket> {
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -738,7 +739,7 @@ impl Queue {
                 self.drop_head_over_limit(&mut st, &mut after);
             }
         }
-        self.finish(after);
+        self.finish(after)
     }
 
     /// queue.purge: drops every ready message; returns how many.
@@ -772,23 +773,27 @@ impl Queue {
         n
     }
 
-    /// Appends collected store acks (for any queue: the store is shared) and clears the batch.
-    pub fn append_acks(&self, acks: &mut Batch) {
+    /// Appends collected store acks (for any queue: the store is shared) and clears the batch. Returns
+    /// the ticket they are durable at (None when there was nothing to append).
+    pub fn append_acks(&self, acks: &mut Batch) -> Option<SyncTicket> {
         if acks.is_empty() {
-            return;
+            return None;
         }
-        if let Err(e) = self.store.append(acks) {
-            tracing::error!(queue = %self.name, error = %e, "could not record acks in the store");
-        }
+        let ticket = match self.store.append(acks) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::error!(queue = %self.name, error = %e, "could not record acks in the store");
+                None
+            }
+        };
         acks.clear();
+        ticket
     }
 
-    fn finish(self: &Arc<Self>, mut after: AfterUnlock) {
-        self.append_acks(&mut after.acks);
-        let vhost = match self.vhost.upgrade() {
-            Some(v) => v,
-            None => return,
-        };
+    /// Does the work collected under the lock; returns the ticket of the store acks it appended.
+    fn finish(self: &Arc<Self>, mut after: AfterUnlock) -> Option<SyncTicket> {
+        let ticket = self.append_acks(&mut after.acks);
+        let Some(vhost) = self.vhost.upgrade() else { return ticket };
         for c in after.cancelled {
             c.channel.consumer_cancelled_by_server(&c.tag);
         }
@@ -798,6 +803,7 @@ impl Queue {
         if after.auto_delete {
             vhost.delete_queue_unchecked(&self.name);
         }
+        ticket
     }
 
     fn vhost_name(&self) -> String {

@@ -355,16 +355,13 @@ impl ChannelHandler {
         };
         let mut last_ticket = None;
         for op in ops {
-            match op {
-                TxOp::Publish { exchange, mandatory, message } => {
-                    if let Some(t) = self.route(conn, &exchange, mandatory, message)? {
-                        last_ticket = Some(last_ticket.map_or(t, |o: u64| o.max(t)));
-                    }
-                }
+            let ticket = match op {
+                TxOp::Publish { exchange, mandatory, message } => self.route(conn, &exchange, mandatory, message)?,
                 TxOp::Settle { delivery_tag, multiple, how } => self.channel.settle(delivery_tag, multiple, how)?,
-            }
+            };
+            last_ticket = last_ticket.max(ticket);
         }
-        // commit-ok once everything the transaction published is on disk.
+        // commit-ok once everything the transaction published, and the acks of what it settled, are on disk.
         conn.outbox.push(Outgoing::WhenDurable {
             channel: self.number,
             ticket: last_ticket,
