@@ -192,3 +192,62 @@ def test_invalid_queue_arguments_are_406(ch, name, args):
         ch.queue_declare(name, arguments=args)
     assert e.value.reply_code == 406
     assert list(args)[0] in e.value.reply_text
+
+
+def test_dead_letter_cycle_entered_by_a_rejection_is_dropped_and_the_broker_keeps_serving(broker, ch, name):
+    # q3 rejects into a loop q1 <-> q2 where both expire at once (TTL 0). The rejection happened in q3, not
+    # in the loop: as in RabbitMQ, the loop is "fully automatic" and the message is dropped when it comes
+    # back to q1. (Warren used to recurse through the loop on one stack until the process aborted.)
+    q1, q2, q3 = name + "-1", name + "-2", name + "-3"
+    ch.queue_declare(q1, arguments={"x-message-ttl": 0, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q2})
+    ch.queue_declare(q2, arguments={"x-message-ttl": 0, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q1})
+    ch.queue_declare(q3, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": q1})
+    ch.basic_publish("", q3, b"loop")
+    m, _, _ = get_unacked(ch, q3)
+    ch.basic_reject(m.delivery_tag, requeue=False)
+    time.sleep(0.3)
+    assert broker.alive()
+    for q in (q1, q2, q3):
+        assert ch.queue_declare(q, passive=True).method.message_count == 0
+    # Still serving: a plain publish and get on a new connection.
+    c = broker.connection()
+    ch2 = c.channel()
+    ch2.queue_declare(name + "-ok", auto_delete=True)
+    ch2.basic_publish("", name + "-ok", b"alive")
+    assert get(ch2, name + "-ok")[2] == b"alive"
+    c.close()
+    for q in (q1, q2, q3):
+        ch.queue_delete(q)
+
+
+def test_rejection_inside_the_cycle_keeps_the_message_moving(ch, name):
+    # q1 -(reject)-> q2 -(TTL 0)-> q1: the client's rejection is in the loop, so RabbitMQ delivers it
+    # back to q1 every lap (each lap needs the client).
+    q1, q2 = name + "-1", name + "-2"
+    ch.queue_declare(q1, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": q2})
+    ch.queue_declare(q2, arguments={"x-message-ttl": 0, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": q1})
+    ch.basic_publish("", q1, b"again")
+    for _ in range(3):
+        m, _, body = get_unacked(ch, q1)
+        assert body == b"again"
+        ch.basic_reject(m.delivery_tag, requeue=False)
+    _, props, _ = get(ch, q1)
+    deaths = {(d["queue"], d["reason"]): d["count"] for d in props.headers["x-death"]}
+    assert deaths == {(q1, "rejected"): 3, (q2, "expired"): 3}
+    ch.queue_delete(q1)
+    ch.queue_delete(q2)
+
+
+@pytest.mark.warren_only
+def test_a_long_dead_letter_chain_is_followed_without_recursion(broker, ch, name):
+    # 1,500 queues, each expiring at once (TTL 0) into the next: one publish walks the whole chain.
+    n = 1500
+    for i in range(n):
+        args = {"x-message-ttl": 0, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{name}-{i + 1}"}
+        ch.queue_declare(f"{name}-{i}", auto_delete=False, arguments=args)
+    ch.queue_declare(f"{name}-{n}")
+    ch.basic_publish("", f"{name}-0", b"far")
+    eventually(lambda: ch.queue_declare(f"{name}-{n}", passive=True).method.message_count == 1)
+    assert broker.alive()
+    for i in range(n + 1):
+        ch.queue_delete(f"{name}-{i}")

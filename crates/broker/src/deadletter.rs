@@ -1,7 +1,15 @@
-//! Dead-lettering: the message a DLX receives, with the `x-death` header as RabbitMQ 3.x writes it.
+//! Dead-lettering: the message a DLX receives, with the `x-death` header as RabbitMQ 3.x writes it,
+//! RabbitMQ's rule for dead-letter cycles, and the work list that re-publishes dead letters.
+//!
+//! Re-publishing a dead letter can make more (a queue with TTL 0 expires what it gets at once), so
+//! dead letters are never re-published from inside another dead letter's publish: they go to the
+//! vhost's [`DeadLetterWork`] and one caller at a time works the list off, in turns of a bounded
+//! size (see `VHost::dead_letter`).
 
 use crate::message::{Message, MessageRef};
 use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use std::collections::VecDeque;
 use warren_protocol::field::{FieldTable, FieldValue};
 use warren_protocol::properties::BasicProperties;
 
@@ -112,24 +120,145 @@ pub fn dead_lettered_message(letter: &DeadLetter, now_secs: u64) -> Option<Messa
     })
 }
 
-/// RabbitMQ's cycle rule: a dead letter is not delivered back to a queue it already died in,
-/// unless one of its deaths was a rejection (a client decision, so not an automatic loop).
-pub fn is_cycle(message: &Message, target_queue: &str) -> bool {
+/// RabbitMQ's cycle rule (`rabbit_dead_letter:detect_cycles`): a message dead-lettered
+/// automatically (expired, maxlen) is not delivered back to a queue it already died in if every
+/// death since then was automatic too: such a loop would go on without anyone acting. A rejection
+/// inside the loop (a client's decision, so each lap waits for a client) breaks the cycle; one
+/// before it, e.g. where the message entered the loop, does not. Deaths are ordered most recent
+/// first; an entry that is not a table was put there by a client, so the loop is not automatic.
+pub fn is_cycle(message: &Message, reason: DeathReason, target_queue: &str) -> bool {
+    if reason == DeathReason::Rejected {
+        return false;
+    }
     let Ok(view) = warren_protocol::properties::PropertiesView::new(&message.properties) else {
         return false;
     };
     let Some(Ok(headers)) = view.headers() else { return false };
     let Some(FieldValue::Array(deaths)) = headers.get("x-death") else { return false };
-    let mut seen_target = false;
     for d in deaths {
-        if let FieldValue::Table(t) = d {
-            if t.get("reason").and_then(FieldValue::as_str) == Some("rejected") {
-                return false;
-            }
-            if t.get("queue").and_then(FieldValue::as_str) == Some(target_queue) {
-                seen_target = true;
-            }
+        let FieldValue::Table(t) = d else { return false };
+        if t.get("reason").and_then(FieldValue::as_str) == Some("rejected") {
+            return false;
+        }
+        if t.get("queue").and_then(FieldValue::as_str) == Some(target_queue) {
+            return true;
         }
     }
-    seen_target
+    false
+}
+
+/// Most dead letters that wait to be re-published in one vhost; beyond that they are dropped (and
+/// the drop logged). Only a fan-out of dead-letter exchanges that multiplies copies at each hop gets
+/// here: RabbitMQ does not guarantee dead-lettering either (classic queues dead-letter at most once).
+pub const MAX_PENDING: usize = 65_536;
+
+/// Dead letters waiting to be re-published, and whether a caller is working them off.
+#[derive(Default)]
+pub struct DeadLetterWork {
+    state: Mutex<WorkState>,
+}
+
+#[derive(Default)]
+struct WorkState {
+    pending: VecDeque<DeadLetter>,
+    /// A caller (or a task) is working the list off: others only add to it.
+    draining: bool,
+    /// Dropped because `MAX_PENDING` were waiting; logged when the list runs empty.
+    dropped: u64,
+}
+
+impl DeadLetterWork {
+    /// Adds letters. Returns true when the caller must now work the list off (nobody else is).
+    pub fn push(&self, letters: Vec<DeadLetter>) -> bool {
+        let mut st = self.state.lock();
+        for letter in letters {
+            if st.pending.len() >= MAX_PENDING {
+                st.dropped += 1;
+            } else {
+                st.pending.push_back(letter);
+            }
+        }
+        if st.draining || st.pending.is_empty() {
+            return false;
+        }
+        st.draining = true;
+        true
+    }
+
+    /// The next letter for the caller working the list off; `None` once it is empty, and then that
+    /// caller is done.
+    pub fn next(&self) -> Option<DeadLetter> {
+        let mut st = self.state.lock();
+        let letter = st.pending.pop_front();
+        if letter.is_none() {
+            st.draining = false;
+            if st.dropped > 0 {
+                tracing::warn!(
+                    dropped = st.dropped,
+                    "dropped dead letters: more than {MAX_PENDING} were waiting to be re-published (dead-letter exchanges that multiply copies?)"
+                );
+                st.dropped = 0;
+            }
+        }
+        letter
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plain(routing_key: &str) -> MessageRef {
+        let mut raw = BytesMut::new();
+        BasicProperties::default().encode(&mut raw);
+        std::sync::Arc::new(Message {
+            exchange: String::new(),
+            routing_key: routing_key.into(),
+            properties: raw.freeze(),
+            body: Bytes::from_static(b"x"),
+            persistent: false,
+            expiration_ms: None,
+        })
+    }
+
+    /// The message after dying in each (queue, reason) in turn.
+    fn after_deaths(deaths: &[(&str, DeathReason)]) -> MessageRef {
+        let mut message = plain("rk");
+        for &(queue, reason) in deaths {
+            let letter = DeadLetter { message, reason, queue: queue.into(), exchange: String::new(), routing_key: None };
+            message = std::sync::Arc::new(dead_lettered_message(&letter, 0).expect("readable properties"));
+        }
+        message
+    }
+
+    use DeathReason::{Expired, MaxLen, Rejected};
+
+    #[test]
+    fn an_automatic_loop_is_a_cycle() {
+        let m = after_deaths(&[("a", Expired), ("b", Expired)]);
+        assert!(is_cycle(&m, Expired, "a"));
+        assert!(is_cycle(&m, Expired, "b"));
+        assert!(!is_cycle(&m, Expired, "c"));
+        let m = after_deaths(&[("a", MaxLen)]);
+        assert!(is_cycle(&m, MaxLen, "a"), "a queue dead-lettering to itself");
+    }
+
+    #[test]
+    fn a_rejection_before_the_loop_does_not_break_it() {
+        // Rejected in c, then round a -> b -> a: RabbitMQ drops it when it would reach a again.
+        let m = after_deaths(&[("c", Rejected), ("a", Expired), ("b", Expired)]);
+        assert!(is_cycle(&m, Expired, "a"));
+        assert!(!is_cycle(&m, Expired, "c"), "c's death was a rejection");
+    }
+
+    #[test]
+    fn a_rejection_inside_the_loop_breaks_it() {
+        let m = after_deaths(&[("a", Rejected), ("b", Expired)]);
+        assert!(!is_cycle(&m, Expired, "a"));
+        // Second lap: the entries are moved to the front with their counts, the rule still holds.
+        let m = after_deaths(&[("a", Rejected), ("b", Expired), ("a", Rejected), ("b", Expired)]);
+        assert!(!is_cycle(&m, Expired, "a"));
+        // A rejection now never makes a cycle.
+        assert!(!is_cycle(&m, Rejected, "b"));
+    }
 }

@@ -1,7 +1,7 @@
 //! A virtual host: its exchanges, queues and bindings, declaration rules, and routing of
 //! published messages to queues.
 
-use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter};
+use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterWork};
 use crate::definitions::Definitions;
 use crate::error::{BrokerError, Result};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
@@ -59,8 +59,13 @@ pub struct VHost {
     store: Store,
     definitions: Arc<Definitions>,
     next_queue_id: Arc<AtomicU64>,
+    /// Dead letters waiting to be re-published (see `dead_letter`).
+    dead_letters: DeadLetterWork,
     me: Weak<VHost>,
 }
+
+/// Dead letters a caller re-publishes before handing the rest to a task (see `VHost::dead_letter`).
+const DEAD_LETTERS_PER_TURN: usize = 1024;
 
 const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
     ("", ExchangeKind::Direct),
@@ -81,6 +86,7 @@ impl VHost {
             store,
             definitions,
             next_queue_id,
+            dead_letters: DeadLetterWork::default(),
             me: me.clone(),
         });
         {
@@ -555,20 +561,58 @@ impl VHost {
     }
 
     /// Re-publishes dead letters to their dead-letter exchanges.
+    ///
+    /// Iterative, never recursive: a dead letter's publish can make more (a queue with TTL 0 expires
+    /// it at once, to a queue that may dead-letter it again). Those join the vhost's work list, which
+    /// one caller at a time works off: at most `DEAD_LETTERS_PER_TURN` here, the rest on a task that
+    /// yields between turns, so a dead-letter chain or fan-out never holds a runtime thread for long.
     pub fn dead_letter(&self, letters: Vec<DeadLetter>) {
-        let now_secs = crate::now_ms() / 1000;
-        for letter in letters {
-            let Some(message) = dead_lettered_message(&letter, now_secs) else { continue };
-            let Ok(ex) = self.exchange(&letter.exchange) else {
-                tracing::debug!(exchange = %letter.exchange, "dead-letter exchange does not exist; message dropped");
-                continue;
-            };
-            let mut queues = Vec::new();
-            self.route(&ex, &message, &mut queues);
-            queues.retain(|q| !is_cycle(&message, &q.name));
-            if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false) {
-                tracing::warn!(error = %e, "could not dead-letter a message");
+        if !self.dead_letters.push(letters) || self.dead_letters_turn() {
+            return;
+        }
+        match (tokio::runtime::Handle::try_current(), self.me.upgrade()) {
+            (Ok(rt), Some(me)) => {
+                rt.spawn(async move {
+                    while !me.dead_letters_turn() {
+                        tokio::task::yield_now().await;
+                    }
+                });
             }
+            // No runtime (tests, shutdown): finish here.
+            _ => while !self.dead_letters_turn() {},
+        }
+    }
+
+    /// Re-publishes up to `DEAD_LETTERS_PER_TURN` waiting dead letters; true once none is left (the
+    /// caller is then no longer the one working the list off).
+    fn dead_letters_turn(&self) -> bool {
+        for _ in 0..DEAD_LETTERS_PER_TURN {
+            match self.dead_letters.next() {
+                Some(letter) => self.republish_dead_letter(letter),
+                None => return true,
+            }
+        }
+        false
+    }
+
+    fn republish_dead_letter(&self, letter: DeadLetter) {
+        let now_secs = crate::now_ms() / 1000;
+        let Some(message) = dead_lettered_message(&letter, now_secs) else { return };
+        let Ok(ex) = self.exchange(&letter.exchange) else {
+            tracing::debug!(exchange = %letter.exchange, "dead-letter exchange does not exist; message dropped");
+            return;
+        };
+        let mut queues = Vec::new();
+        self.route(&ex, &message, &mut queues);
+        queues.retain(|q| {
+            let cycle = is_cycle(&message, letter.reason, &q.name);
+            if cycle {
+                tracing::debug!(queue = %q.name, from = %letter.queue, "dead letter dropped: it would go round an automatic dead-letter cycle");
+            }
+            !cycle
+        });
+        if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false) {
+            tracing::warn!(error = %e, "could not dead-letter a message");
         }
     }
 
