@@ -5,6 +5,7 @@
 //! other way round. Settlement therefore takes what it needs out of the channel first, releases
 //! the channel lock, and only then calls into the queues.
 
+use crate::consumers::ConsumerArgs;
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
 use crate::queue::{Entry, Queue};
@@ -59,6 +60,8 @@ pub struct Consumer {
     pub exclusive: bool,
     /// Per-consumer prefetch (basic.qos global=false at the time of consume); 0 = unlimited.
     pub prefetch: u32,
+    /// `x-priority` (see `consumers`).
+    pub priority: i32,
     unacked: AtomicU32,
 }
 
@@ -238,9 +241,19 @@ impl Channel {
         queue: Arc<Queue>,
         no_ack: bool,
         exclusive: bool,
+        args: ConsumerArgs,
     ) -> Arc<Consumer> {
         let prefetch = self.consumer_prefetch();
-        Arc::new(Consumer { tag, channel: self.clone(), queue, no_ack, exclusive, prefetch, unacked: AtomicU32::new(0) })
+        Arc::new(Consumer {
+            tag,
+            channel: self.clone(),
+            queue,
+            no_ack,
+            exclusive,
+            prefetch,
+            priority: args.priority,
+            unacked: AtomicU32::new(0),
+        })
     }
 
     /// basic.cancel from the client. Returns false when no such consumer exists.

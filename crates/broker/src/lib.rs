@@ -9,6 +9,7 @@
 
 pub mod broker;
 pub mod channel;
+pub mod consumers;
 pub mod deadletter;
 pub mod definitions;
 pub mod error;
@@ -21,6 +22,7 @@ pub mod vhost;
 
 pub use broker::{Broker, BrokerOptions, User};
 pub use channel::{Channel, ClientSink, Consumer, Delivery, Settle};
+pub use consumers::ConsumerArgs;
 pub use error::{BrokerError, Scope};
 pub use exchange::Exchange;
 pub use message::{Message, MessageRef};

@@ -12,6 +12,7 @@
 //! as the window drains. Ready messages = window, then span; every window seq is below `span_from`.
 
 use crate::channel::{Channel, Consumer, Settle};
+use crate::consumers::Consumers;
 use crate::deadletter::{DeadLetter, DeathReason};
 use crate::error::{BrokerError, Result};
 use crate::message::{decode_stored, MessageRef};
@@ -116,9 +117,8 @@ struct QueueState {
     /// Persistent messages taken into the window without being stored yet (published without confirms
     /// while every consumer is no-ack): written at the next `tick` if still here (see `publish`).
     has_deferred: bool,
-    consumers: Vec<Arc<Consumer>>,
-    /// Round-robin position among consumers.
-    next_consumer: usize,
+    /// Who gets the next message: priorities, round-robin, single active consumer (`consumers`).
+    consumers: Consumers,
     unacked: u64,
     had_consumers: bool,
     /// For `x-expires`: the last time the queue was used (consume, get, declare).
@@ -164,6 +164,8 @@ struct AfterUnlock {
     acks: Batch,
     cancelled: Vec<Arc<Consumer>>,
     auto_delete: bool,
+    /// Dispatch again (a consumer took over).
+    dispatch: bool,
 }
 
 impl Queue {
@@ -181,6 +183,7 @@ impl Queue {
         now_ms: u64,
     ) -> Arc<Queue> {
         QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let consumers = Consumers::new(args.single_active_consumer);
         Arc::new(Queue {
             name,
             id,
@@ -208,8 +211,7 @@ impl Queue {
                 publisher_waiting: false,
                 consumers_stalled: false,
                 has_deferred: false,
-                consumers: Vec::new(),
-                next_consumer: 0,
+                consumers,
                 unacked: 0,
                 had_consumers: false,
                 last_used_ms: now_ms,
@@ -281,7 +283,7 @@ impl Queue {
             // A message that goes straight to a no-ack consumer is settled the moment it is sent: writing
             // it to disk first would buy nothing (RabbitMQ skips such writes too). If the delivery does not
             // happen after all, it is stored below, before the publish is confirmed.
-            let all_no_ack = !st.consumers.is_empty() && st.consumers.iter().all(|c| c.no_ack);
+            let all_no_ack = !st.consumers.is_empty() && st.consumers.receivers().all(|c| c.no_ack);
             let skip_store = must_be_durable
                 && !paged
                 && self.args.retention_ms == 0
@@ -335,7 +337,7 @@ impl Queue {
     /// Whether a delivery now would go to a no-ack consumer: every consumer is no-ack (so whichever the
     /// round robin picks, the message is settled on delivery) and one of them can take it.
     fn next_consumer_takes_without_ack(&self, st: &QueueState) -> bool {
-        st.consumers.iter().all(|c| c.no_ack) && st.consumers.iter().any(|c| c.channel.has_credit())
+        st.consumers.receivers().all(|c| c.no_ack) && st.consumers.receivers().any(|c| c.channel.has_credit())
     }
 
     /// Takes over what the store held for this queue at startup: every live message is in the span,
@@ -453,7 +455,8 @@ impl Queue {
         }
     }
 
-    /// Delivers ready messages to consumers with credit, round-robin.
+    /// Delivers ready messages to consumers with credit, in the order `Consumers::candidates` gives
+    /// (priority, then round-robin).
     fn dispatch_locked(self: &Arc<Self>, st: &mut QueueState, now_ms: u64, after: &mut AfterUnlock) {
         loop {
             if st.consumers.is_empty() {
@@ -464,11 +467,9 @@ impl Queue {
             if st.ready.is_empty() {
                 return;
             }
-            let n = st.consumers.len();
             let mut delivered = false;
-            for i in 0..n {
-                let idx = (st.next_consumer + i) % n;
-                let consumer = st.consumers[idx].clone();
+            let mut candidates = st.consumers.candidates();
+            while let Some((slot, consumer)) = candidates.next(&st.consumers) {
                 if !consumer.has_credit() {
                     continue;
                 }
@@ -489,12 +490,12 @@ impl Queue {
                         continue;
                     }
                 }
-                st.next_consumer = (idx + 1) % n;
+                st.consumers.delivered(slot);
                 delivered = true;
                 break;
             }
             if !delivered {
-                st.held_back = st.consumers.iter().any(|c| c.has_credit() && !c.channel.has_room());
+                st.held_back = st.consumers.receivers().any(|c| c.has_credit() && !c.channel.has_room());
                 return;
             }
             st.consumers_stalled = false;
@@ -650,14 +651,18 @@ impl Queue {
             if st.deleted {
                 return Err(BrokerError::not_found(format!("no queue '{}'", self.name)));
             }
-            if st.consumers.iter().any(|c| c.exclusive) || (consumer.exclusive && !st.consumers.is_empty()) {
+            // An exclusive consumer excludes every other, and single active consumer excludes exclusive
+            // ones (RabbitMQ answers both with 403).
+            if st.consumers.iter().any(|c| c.exclusive)
+                || (consumer.exclusive && (!st.consumers.is_empty() || self.args.single_active_consumer))
+            {
                 return Err(BrokerError::access_refused(format!(
                     "queue '{}' in vhost '{}' in exclusive use",
                     self.name,
                     self.vhost_name()
                 )));
             }
-            st.consumers.push(consumer);
+            st.consumers.add(consumer);
             on_registered();
             st.had_consumers = true;
             st.last_used_ms = crate::now_ms();
@@ -671,7 +676,10 @@ impl Queue {
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
-            st.consumers.retain(|c| !Arc::ptr_eq(c, consumer));
+            if st.consumers.remove(consumer) {
+                // With single active consumer another may have taken over: it gets what is waiting.
+                after.dispatch = self.args.single_active_consumer;
+            }
             st.last_used_ms = crate::now_ms();
             if self.auto_delete && st.had_consumers && st.consumers.is_empty() && !st.deleted {
                 after.auto_delete = true;
@@ -764,7 +772,7 @@ impl Queue {
             // Everything the store holds for this queue goes at once, acked or not.
             acks.clear();
             acks.drop_queue(self.id);
-            (n, std::mem::take(&mut st.consumers), acks)
+            (n, st.consumers.take_all(), acks)
         };
         self.append_acks(&mut acks);
         for c in consumers {
@@ -802,6 +810,8 @@ impl Queue {
         }
         if after.auto_delete {
             vhost.delete_queue_unchecked(&self.name);
+        } else if after.dispatch {
+            self.dispatch();
         }
         ticket
     }

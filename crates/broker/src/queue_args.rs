@@ -1,4 +1,9 @@
 //! Queue arguments (`x-*`) as RabbitMQ validates them at queue.declare.
+//!
+//! Every `x-` argument is either supported (listed in [`SUPPORTED`]) or refused with 406
+//! PRECONDITION_FAILED naming it: a client that asks for a behaviour Warren does not have must not
+//! be left believing it got it. Arguments without the `x-` prefix are the application's own and are
+//! kept as given, as RabbitMQ does.
 
 use crate::error::{BrokerError, Result};
 use warren_protocol::field::{FieldTable, FieldValue};
@@ -24,10 +29,69 @@ pub struct QueueArgs {
     /// `x-retention-seconds`: keep consumed messages on disk this long after they were enqueued, so the
     /// queue can later be rewound to a point in time (Warren's own argument; 0 or absent: no retention).
     pub retention_ms: u64,
+    /// `x-single-active-consumer`: one consumer receives at a time (see `consumers`).
+    pub single_active_consumer: bool,
+}
+
+/// The `x-` queue arguments Warren accepts. The last three change nothing on a single node and are
+/// accepted so that clients written for RabbitMQ work unchanged: `x-queue-mode` (every Warren queue
+/// already keeps only a bounded window in memory and pages the rest to disk, which is what `lazy` asks
+/// for), and the leader/master locators (there is one node to place the queue on).
+pub const SUPPORTED: &[&str] = &[
+    "x-message-ttl",
+    "x-expires",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-overflow",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-queue-type",
+    "x-retention-seconds",
+    "x-single-active-consumer",
+    "x-queue-mode",
+    "x-queue-master-locator",
+    "x-queue-leader-locator",
+];
+
+/// Arguments RabbitMQ knows but Warren does not implement, with what to do instead.
+fn unsupported_hint(arg: &str) -> &'static str {
+    match arg {
+        "x-max-in-memory-length" | "x-max-in-memory-bytes" | "x-delivery-limit" | "x-dead-letter-strategy"
+        | "x-quorum-initial-group-size" => "it applies to quorum queues, which Warren does not have yet",
+        "x-max-age" | "x-stream-max-segment-size-bytes" | "x-initial-cluster-size" => {
+            "it applies to streams, which Warren does not have"
+        }
+        _ => "Warren does not implement it",
+    }
 }
 
 impl QueueArgs {
+    /// Parses and validates the arguments of a queue.declare; an `x-` argument Warren does not support
+    /// is refused.
     pub fn parse(queue: &str, vhost: &str, args: &FieldTable) -> Result<QueueArgs> {
+        if let Some((arg, _)) = args.iter().find(|(k, _)| k.starts_with("x-") && !SUPPORTED.contains(&k.as_str())) {
+            return Err(BrokerError::precondition_failed(format!(
+                "queue argument '{arg}' is not supported for queue '{queue}' in vhost '{vhost}': {}; declare the queue without it",
+                unsupported_hint(arg)
+            )));
+        }
+        Self::parse_known(queue, vhost, args)
+    }
+
+    /// Parses the arguments of a queue restored from the definitions file: one declared by an older
+    /// version with an argument now refused keeps its other arguments (and its messages); the unknown
+    /// one is named in the log.
+    pub fn parse_stored(queue: &str, vhost: &str, args: &FieldTable) -> QueueArgs {
+        for (arg, _) in args.iter().filter(|(k, _)| k.starts_with("x-") && !SUPPORTED.contains(&k.as_str())) {
+            tracing::warn!(queue, vhost, arg = %arg, "stored queue has an argument this version does not support; ignoring it");
+        }
+        Self::parse_known(queue, vhost, args).unwrap_or_else(|e| {
+            tracing::warn!(queue, vhost, error = %e, "stored queue has invalid arguments; restoring it without them");
+            QueueArgs::default()
+        })
+    }
+
+    fn parse_known(queue: &str, vhost: &str, args: &FieldTable) -> Result<QueueArgs> {
         let invalid = |arg: &str, why: &str| {
             BrokerError::precondition_failed(format!(
                 "invalid arg '{arg}' for queue '{queue}' in vhost '{vhost}': {why}"
@@ -61,6 +125,10 @@ impl QueueArgs {
             dead_letter_exchange: string("x-dead-letter-exchange")?,
             dead_letter_routing_key: string("x-dead-letter-routing-key")?,
             retention_ms: non_negative("x-retention-seconds")?.unwrap_or(0).saturating_mul(1000),
+            single_active_consumer: match args.get("x-single-active-consumer") {
+                None => false,
+                Some(v) => v.as_bool().ok_or_else(|| invalid("x-single-active-consumer", "{unacceptable_type,expected a boolean}"))?,
+            },
         };
         if parsed.expires_ms == Some(0) {
             return Err(invalid("x-expires", "{value_zero,0}"));
@@ -78,6 +146,13 @@ impl QueueArgs {
                 }
             };
         }
+        if let Some(mode) = string("x-queue-mode")? {
+            if mode != "default" && mode != "lazy" {
+                return Err(invalid("x-queue-mode", &format!("unknown queue mode '{mode}' (use 'default' or 'lazy')")));
+            }
+        }
+        string("x-queue-master-locator")?;
+        string("x-queue-leader-locator")?;
         if parsed.dead_letter_routing_key.is_some() && parsed.dead_letter_exchange.is_none() {
             return Err(invalid(
                 "x-dead-letter-routing-key",
@@ -114,6 +189,8 @@ pub const EQUIVALENCE_KEYS: &[&str] = &[
     "x-queue-type",
     "x-max-priority",
     "x-retention-seconds",
+    "x-queue-mode",
+    "x-single-active-consumer",
 ];
 
 /// Finds the first behaviour-changing argument that differs between two declarations.

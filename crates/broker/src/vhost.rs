@@ -625,7 +625,7 @@ impl VHost {
 
     /// Recreates a durable queue from the definitions file.
     pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable) -> Arc<Queue> {
-        let args = QueueArgs::parse(&name, &self.name, &arguments).unwrap_or_default();
+        let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         let queue = Queue::new(name.clone(), id, true, None, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
         self.queues.write().insert(name, queue.clone());
         queue

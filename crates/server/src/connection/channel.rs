@@ -325,7 +325,8 @@ impl ChannelHandler {
                 20,
             )));
         }
-        let consumer = self.channel.new_consumer(tag.clone().into(), queue.clone(), m.no_ack, m.exclusive);
+        let args = warren_broker::ConsumerArgs::parse(&queue.name, &m.arguments)?;
+        let consumer = self.channel.new_consumer(tag.clone().into(), queue.clone(), m.no_ack, m.exclusive, args);
         let outbox = conn.outbox.clone();
         let number = self.number;
         let nowait = m.nowait;

@@ -1,0 +1,184 @@
+"""RabbitMQ features the handshake advertises or the arguments ask for: unsupported arguments refused,
+single active consumer, consumer priorities, the delivery acknowledgement timeout, direct reply-to and
+priority queues, each as RabbitMQ behaves."""
+import time
+
+import pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker
+
+from conftest import eventually
+
+
+def pump(conn, seconds=0.3):
+    """Lets in-flight deliveries arrive."""
+    conn.process_data_events(time_limit=seconds)
+
+
+def wait_for(conn, pred, timeout=10):
+    deadline = time.time() + timeout
+    while not pred() and time.time() < deadline:
+        conn.process_data_events(time_limit=0.05)
+    assert pred(), "condition not met in time"
+
+
+def consumer(ch, queue, got, label, auto_ack=True, arguments=None):
+    """Registers a consumer that records (label, body)."""
+    return ch.basic_consume(queue, lambda c, m, p, b: got.append((label, b)), auto_ack=auto_ack, arguments=arguments)
+
+
+def publish_n(ch, queue, n, **props):
+    for i in range(n):
+        ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(**props) if props else None)
+
+
+# ---- arguments Warren does not support are refused, never ignored ----------------------------------
+
+
+@pytest.mark.warren_only  # RabbitMQ ignores arguments it does not know
+@pytest.mark.parametrize("arg", ["x-made-up", "x-delivery-limit", "x-max-age", "x-dead-letter-strategy"])
+def test_unsupported_queue_argument_is_406_naming_it(ch, name, arg):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, arguments={arg: 1})
+    assert e.value.reply_code == 406
+    assert arg in e.value.reply_text and "not supported" in e.value.reply_text
+
+
+@pytest.mark.warren_only
+def test_unsupported_consume_argument_is_406_naming_it(ch, name):
+    ch.queue_declare(name, auto_delete=True)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_consume(name, lambda *a: None, arguments={"x-stream-offset": "first"})
+    assert e.value.reply_code == 406
+    assert "x-stream-offset" in e.value.reply_text
+
+
+def test_supported_and_application_arguments_are_accepted(ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={
+        "x-queue-mode": "lazy", "x-single-active-consumer": False, "x-message-ttl": 60000,
+        "my-own-metadata": "kept"})
+    ch.basic_consume(name, lambda *a: None, arguments={"x-priority": 3})
+
+
+def test_invalid_single_active_consumer_value_is_406(ch, name):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, arguments={"x-single-active-consumer": "yes"})
+    assert e.value.reply_code == 406
+
+
+# ---- single active consumer ------------------------------------------------------------------------
+
+
+def test_single_active_consumer_gets_everything_then_the_next_takes_over(broker, conn, name):
+    ch = conn.channel()
+    ch.queue_declare(name, auto_delete=True, arguments={"x-single-active-consumer": True})
+    got = []
+    chans = [conn.channel() for _ in range(3)]
+    tags = [consumer(c, name, got, i) for i, c in enumerate(chans)]
+    publish_n(ch, name, 10)
+    wait_for(conn, lambda: len(got) == 10)
+    pump(conn)
+    assert {label for label, _ in got} == {0}
+    assert [b for _, b in got] == [str(i).encode() for i in range(10)]
+    # The active one goes: the next registered one takes over, with what is waiting.
+    chans[0].basic_cancel(tags[0])
+    got.clear()
+    publish_n(ch, name, 5)
+    wait_for(conn, lambda: len(got) == 5)
+    pump(conn)
+    assert {label for label, _ in got} == {1}
+    # Its channel closes: the third one.
+    chans[1].close()
+    got.clear()
+    publish_n(ch, name, 5)
+    wait_for(conn, lambda: len(got) == 5)
+    assert {label for label, _ in got} == {2}
+
+
+def test_single_active_consumer_waits_for_a_busy_active_consumer(conn, name):
+    ch = conn.channel()
+    ch.queue_declare(name, auto_delete=True, arguments={"x-single-active-consumer": True})
+    busy = conn.channel()
+    busy.basic_qos(prefetch_count=1)
+    got = []
+    consumer(busy, name, got, "busy", auto_ack=False)
+    consumer(conn.channel(), name, got, "idle")
+    publish_n(ch, name, 5)
+    wait_for(conn, lambda: len(got) == 1)
+    pump(conn, 0.5)
+    assert got == [("busy", b"0")]
+    assert ch.queue_declare(name, passive=True).method.message_count == 4
+
+
+def test_single_active_consumer_successor_is_the_highest_priority(conn, name):
+    ch = conn.channel()
+    ch.queue_declare(name, auto_delete=True, arguments={"x-single-active-consumer": True})
+    got = []
+    first = conn.channel()
+    tag = consumer(first, name, got, "first", arguments={"x-priority": 0})
+    consumer(conn.channel(), name, got, "low", arguments={"x-priority": 1})
+    consumer(conn.channel(), name, got, "high", arguments={"x-priority": 10})
+    publish_n(ch, name, 3)
+    wait_for(conn, lambda: len(got) == 3)
+    # A later consumer never takes over from the active one, whatever its priority.
+    assert {label for label, _ in got} == {"first"}
+    first.basic_cancel(tag)
+    got.clear()
+    publish_n(ch, name, 3)
+    wait_for(conn, lambda: len(got) == 3)
+    assert {label for label, _ in got} == {"high"}
+
+
+def test_exclusive_consume_on_single_active_consumer_queue_is_403(ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={"x-single-active-consumer": True})
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_consume(name, lambda *a: None, exclusive=True)
+    assert e.value.reply_code == 403
+
+
+# ---- consumer priorities ---------------------------------------------------------------------------
+
+
+def test_highest_priority_consumer_gets_everything_while_it_has_credit(conn, name):
+    ch = conn.channel()
+    ch.queue_declare(name, auto_delete=True)
+    got = []
+    consumer(conn.channel(), name, got, "low", arguments={"x-priority": 1})
+    consumer(conn.channel(), name, got, "default")
+    consumer(conn.channel(), name, got, "high", arguments={"x-priority": 10})
+    publish_n(ch, name, 20)
+    wait_for(conn, lambda: len(got) == 20)
+    assert {label for label, _ in got} == {"high"}
+
+
+def test_lower_priority_consumers_get_messages_when_higher_ones_are_blocked(conn, name):
+    ch = conn.channel()
+    ch.queue_declare(name, auto_delete=True)
+    got = []
+    high = conn.channel()
+    high.basic_qos(prefetch_count=2)
+    consumer(high, name, got, "high", auto_ack=False, arguments={"x-priority": 5})
+    consumer(conn.channel(), name, got, "low", arguments={"x-priority": -5})
+    publish_n(ch, name, 10)
+    wait_for(conn, lambda: len(got) == 10)
+    assert sum(1 for label, _ in got if label == "high") == 2
+    assert sum(1 for label, _ in got if label == "low") == 8
+
+
+def test_equal_priorities_share_round_robin(conn, name):
+    ch = conn.channel()
+    ch.queue_declare(name, auto_delete=True)
+    got = []
+    consumer(conn.channel(), name, got, "a", arguments={"x-priority": 7})
+    consumer(conn.channel(), name, got, "b", arguments={"x-priority": 7})
+    consumer(conn.channel(), name, got, "low")
+    publish_n(ch, name, 10)
+    wait_for(conn, lambda: len(got) == 10)
+    assert sorted(label for label, _ in got) == ["a"] * 5 + ["b"] * 5
+
+
+def test_consumer_priority_must_be_an_integer(ch, name):
+    ch.queue_declare(name, auto_delete=True)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_consume(name, lambda *a: None, arguments={"x-priority": "high"})
+    assert e.value.reply_code == 406
