@@ -18,12 +18,12 @@
 //! Version 2 (before extents and delivered marks) had no `delivered_until` and only the first five
 //! segment fields; it is still read.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::fs;
 use std::path::Path;
 
 use crate::error::StoreError;
 use crate::format::{array, HEADER_SIZE, VERSION};
+use crate::io::{Disk, Open};
 use crate::qlog::{QSeg, QueueLog};
 
 const MAGIC: [u8; 4] = *b"WRNC";
@@ -177,13 +177,13 @@ pub(crate) fn read(dir: &Path) -> Result<Option<Result<Checkpoint, BadCheckpoint
 }
 
 /// Writes the checkpoint atomically (the caller has made the queue files it describes durable).
-pub(crate) fn write(dir: &Path, cp: &Checkpoint) -> std::io::Result<()> {
+pub(crate) fn write(disk: &Disk, dir: &Path, cp: &Checkpoint) -> std::io::Result<()> {
     let tmp = dir.join("checkpoint.tmp");
-    let mut f = OpenOptions::new().create(true).truncate(true).write(true).open(&tmp)?;
-    f.write_all(&encode(cp))?;
+    let f = disk.open(&tmp, Open::CreateTruncate, false)?;
+    f.write_all_at(&encode(cp), 0)?;
     f.sync_all()?;
-    fs::rename(&tmp, dir.join(FILE))?;
-    File::open(dir)?.sync_all()
+    disk.rename(&tmp, &dir.join(FILE))?;
+    disk.sync_dir(dir)
 }
 
 #[cfg(test)]

@@ -12,14 +12,15 @@
 //! [`is_padding`]). Where `O_DIRECT` is not supported (tmpfs, some file systems), it falls back to
 //! ordinary buffered appends, without padding.
 
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
 use std::path::Path;
+
+use crate::io::{Disk, IoFile, Open};
 
 pub(crate) const BLOCK: usize = 4096;
 
 pub(crate) struct Appender {
-    file: File,
+    file: IoFile,
     direct: bool,
     /// Backing memory; the aligned working area starts at `start`.
     mem: Vec<u8>,
@@ -32,20 +33,22 @@ pub(crate) struct Appender {
 
 impl Appender {
     /// Creates (truncating) `path` for appending.
-    pub fn create(path: &Path) -> std::io::Result<Appender> {
-        let (file, direct) = open(path, true)?;
+    pub fn create(disk: &Disk, path: &Path) -> std::io::Result<Appender> {
+        let (file, direct) = open(disk, path, Open::CreateTruncate)?;
         Ok(Appender::new(file, direct, 0, &[]))
     }
 
     /// Opens `path` to append after its first `len` bytes (anything after them is cut off).
-    pub fn open_at(path: &Path, len: u64) -> std::io::Result<Appender> {
-        let plain = OpenOptions::new().read(true).write(true).open(path)?;
-        plain.set_len(len)?;
+    pub fn open_at(disk: &Disk, path: &Path, len: u64) -> std::io::Result<Appender> {
+        let plain = disk.open(path, Open::Existing, false)?;
+        if plain.len()? != len {
+            plain.set_len(len)?;
+        }
         let block_off = len / BLOCK as u64 * BLOCK as u64;
         let mut partial = vec![0u8; (len - block_off) as usize];
         plain.read_exact_at(&mut partial, block_off)?;
         drop(plain);
-        let (file, direct) = open(path, false)?;
+        let (file, direct) = open(disk, path, Open::Existing)?;
         let mut a = Appender::new(file, direct, block_off, &partial);
         if !direct {
             a.block_off = len;
@@ -53,7 +56,7 @@ impl Appender {
         Ok(a)
     }
 
-    fn new(file: File, direct: bool, block_off: u64, partial: &[u8]) -> Appender {
+    fn new(file: IoFile, direct: bool, block_off: u64, partial: &[u8]) -> Appender {
         let mut a = Appender { file, direct, mem: Vec::new(), start: 0, tail: 0, block_off };
         if direct {
             a.reserve(BLOCK);
@@ -192,15 +195,10 @@ impl Appender {
     }
 }
 
-fn open(path: &Path, create: bool) -> std::io::Result<(File, bool)> {
-    let mut opts = OpenOptions::new();
-    opts.write(true);
-    if create {
-        opts.create(true).truncate(true);
-    }
-    match opts.clone().custom_flags(libc::O_DIRECT).open(path) {
+fn open(disk: &Disk, path: &Path, how: Open) -> std::io::Result<(IoFile, bool)> {
+    match disk.open(path, how, true) {
         Ok(f) => Ok((f, true)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((opts.open(path)?, false)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((disk.open(path, how, false)?, false)),
         Err(e) => Err(e),
     }
 }
@@ -247,25 +245,6 @@ pub(crate) fn read_range(file: &File, offset: u64, len: usize) -> std::io::Resul
     Ok(bytes::Bytes::from(buf))
 }
 
-/// Frees the disk blocks of `[offset, offset + len)` (block-aligned) without changing the file's
-/// length: reads there return zeros.
-pub(crate) fn punch_hole(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: fallocate on a descriptor we own, for the duration of the call; no memory is passed.
-    let rc = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset as libc::off_t,
-            len as libc::off_t,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// Whether `rest` (what follows the last valid record) is only the zero padding direct writes leave.
 pub(crate) fn is_padding(rest: &[u8]) -> bool {
     rest.len() < BLOCK && rest.iter().all(|b| *b == 0)
@@ -279,7 +258,8 @@ mod tests {
     fn appends_of_any_size_read_back_and_reopen_continues() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let mut a = Appender::create(&path).unwrap();
+        let disk = Disk::real();
+        let mut a = Appender::create(&disk, &path).unwrap();
         let mut expect = Vec::new();
         for i in 0..300usize {
             let chunk: Vec<u8> = (0..(i * 37 % 9000)).map(|j| (i + j) as u8).collect();
@@ -291,7 +271,7 @@ mod tests {
         let data = std::fs::read(&path).unwrap();
         assert_eq!(&data[..expect.len()], &expect[..]);
         assert!(is_padding(&data[expect.len()..]));
-        let mut b = Appender::open_at(&path, expect.len() as u64).unwrap();
+        let mut b = Appender::open_at(&disk, &path, expect.len() as u64).unwrap();
         b.append(b"more").unwrap();
         expect.extend_from_slice(b"more");
         let data = std::fs::read(&path).unwrap();

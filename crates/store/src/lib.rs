@@ -22,15 +22,18 @@ mod direct;
 mod error;
 pub mod format;
 mod gone;
+pub mod io;
 mod qlog;
 mod recovery;
 mod segment;
+pub mod sim;
 mod store;
 mod writer;
 
 pub use batch::Batch;
 pub use error::StoreError;
 pub use format::Damage;
+pub use io::Disk;
 pub use qlog::{ReadBatch, StoredMessage};
 pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, TornTail};
 pub use store::{Store, StoreOptions, StoreStats, SyncPolicy};

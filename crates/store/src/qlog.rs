@@ -8,7 +8,7 @@
 //! not memory, and one slow queue keeps only its own messages on disk.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 use crate::direct::Appender;
 use crate::format::{self, Record, HEADER_SIZE, QSEG_EXT, RECORD_HEADER_SIZE};
 use crate::gone::GoneSet;
+use crate::io::{Disk, Open};
 
 /// A queue log writes out its buffer once it holds this much (and keeps no more than about twice this
 /// in buffers): large enough for efficient direct writes, small enough times a thousand queues.
@@ -103,6 +104,7 @@ pub(crate) struct QSeg {
 
 pub(crate) struct QueueLog {
     pub id: u64,
+    disk: Disk,
     dir: PathBuf,
     wal_dir: PathBuf,
     pub segments: BTreeMap<u64, QSeg>,
@@ -136,9 +138,10 @@ pub(crate) struct QueueLog {
 }
 
 impl QueueLog {
-    pub fn new(root: &Path, id: u64) -> QueueLog {
+    pub fn new(disk: &Disk, root: &Path, id: u64) -> QueueLog {
         QueueLog {
             id,
+            disk: disk.clone(),
             dir: queue_dir(root, id),
             wal_dir: crate::segment::wal_dir(root),
             segments: BTreeMap::new(),
@@ -264,9 +267,9 @@ impl QueueLog {
     }
 
     fn create_segment(&mut self, first_seq: u64) -> std::io::Result<()> {
-        fs::create_dir_all(&self.dir)?;
+        self.disk.create_dir_all(&self.dir)?;
         let path = seg_path(&self.dir, first_seq);
-        let mut f = Appender::create(&path)?;
+        let mut f = Appender::create(&self.disk, &path)?;
         f.append(&format::encode_qseg_header(self.id, first_seq))?;
         self.segments.insert(
             first_seq,
@@ -368,7 +371,7 @@ impl QueueLog {
                 // Pending records would be for seqs >= next_seq, so there are none; close before unlinking.
                 self.active = None;
             }
-            if let Err(e) = fs::remove_file(seg_path(&self.dir, seg.first_seq)) {
+            if let Err(e) = self.disk.remove_file(&seg_path(&self.dir, seg.first_seq)) {
                 tracing::warn!(error = %e, queue = self.id, "could not delete a consumed queue segment; will retry");
                 return None;
             }
@@ -535,7 +538,7 @@ impl QueueLog {
         self.active = None;
         self.reader = None;
         self.segments.clear();
-        if let Err(e) = fs::remove_dir_all(&self.dir) {
+        if let Err(e) = self.disk.remove_dir_all(&self.dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(error = %e, queue = self.id, "could not remove a deleted queue's files");
             }
@@ -544,8 +547,8 @@ impl QueueLog {
 
     /// Restores a log from its checkpointed state: files are cut back to what the checkpoint made durable,
     /// files written after it are removed (the WAL replay writes them again).
-    pub fn restore(root: &Path, state: crate::checkpoint::QueueState) -> std::io::Result<QueueLog> {
-        let mut log = QueueLog::new(root, state.id);
+    pub fn restore(disk: &Disk, root: &Path, state: crate::checkpoint::QueueState) -> std::io::Result<QueueLog> {
+        let mut log = QueueLog::new(disk, root, state.id);
         log.next_seq = state.next_seq;
         log.file_next_seq = state.next_seq;
         log.gone = GoneSet::from_parts(state.floor, state.ranges);
@@ -555,7 +558,7 @@ impl QueueLog {
         let on_disk = list_segments(&log.dir)?;
         for first in &on_disk {
             if !state.segments.iter().any(|s| s.first_seq == *first && s.wal.is_none()) {
-                fs::remove_file(seg_path(&log.dir, *first))?;
+                disk.remove_file(&seg_path(&log.dir, *first))?;
             }
         }
         for seg in state.segments {
@@ -579,12 +582,13 @@ impl QueueLog {
                 tracing::error!(file = %path.display(), expected = seg.len, found = meta.len(),
                     "queue segment is shorter than the checkpoint recorded; messages in the missing part are lost");
             }
-            let f = OpenOptions::new().write(true).open(&path)?;
-            f.set_len(seg.len.min(meta.len()))?;
+            if meta.len() != seg.len.min(meta.len()) {
+                disk.open(&path, Open::Existing, false)?.set_len(seg.len)?;
+            }
             log.segments.insert(seg.first_seq, QSeg { len: seg.len.min(meta.len()), ..seg });
         }
         if let Some(last) = log.segments.values().next_back().filter(|s| s.wal.is_none()) {
-            log.active = Some(Appender::open_at(&seg_path(&log.dir, last.first_seq), last.len)?);
+            log.active = Some(Appender::open_at(disk, &seg_path(&log.dir, last.first_seq), last.len)?);
         }
         Ok(log)
     }
@@ -626,8 +630,8 @@ fn list_segments(dir: &Path) -> std::io::Result<Vec<u64>> {
 }
 
 /// All queue logs, by queue id.
-#[derive(Default)]
 pub(crate) struct QueueLogs {
+    disk: Disk,
     logs: Mutex<HashMap<u64, Arc<Mutex<QueueLog>>>>,
     /// Something changed since the last checkpoint (acks, drops, retention), so a quiet store still
     /// checkpoints and reclaims disk.
@@ -635,6 +639,10 @@ pub(crate) struct QueueLogs {
 }
 
 impl QueueLogs {
+    pub fn new(disk: &Disk) -> QueueLogs {
+        QueueLogs { disk: disk.clone(), logs: Mutex::default(), dirty: AtomicBool::new(false) }
+    }
+
     pub fn any_dirty_hint(&self) -> bool {
         self.dirty.load(Ordering::Relaxed)
     }
@@ -650,7 +658,7 @@ impl QueueLogs {
     }
 
     pub fn get_or_create(&self, root: &Path, id: u64) -> Arc<Mutex<QueueLog>> {
-        self.logs.lock().entry(id).or_insert_with(|| Arc::new(Mutex::new(QueueLog::new(root, id)))).clone()
+        self.logs.lock().entry(id).or_insert_with(|| Arc::new(Mutex::new(QueueLog::new(&self.disk, root, id)))).clone()
     }
 
     pub fn insert(&self, log: QueueLog) {

@@ -7,7 +7,7 @@
 //! a locked directory, a file from a newer format version or a damaged checkpoint stop it.
 
 use std::collections::VecDeque;
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -15,6 +15,7 @@ use crate::checkpoint;
 use crate::direct::Appender;
 use crate::error::StoreError;
 use crate::format::{self, Damage, Record, HEADER_SIZE, VERSION, WAL_MAGIC};
+use crate::io::{Disk, Open};
 use crate::qlog::{QueueLog, QueueLogs};
 use crate::segment;
 use crate::writer::Start;
@@ -67,12 +68,11 @@ pub struct CorruptSegment {
 }
 
 /// Restores the store in `dir`; returns where the WAL writer starts, the queue logs, and the report.
-pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, QueueLogs, Recovery), StoreError> {
+pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64) -> Result<(Start, QueueLogs, Recovery), StoreError> {
     let started = Instant::now();
     let wal = segment::wal_dir(dir);
     refuse_old_layout(dir)?;
-    fs::create_dir_all(&wal).map_err(StoreError::io("creating", &wal))?;
-    fs::create_dir_all(dir.join("queues")).map_err(StoreError::io("creating", dir.join("queues")))?;
+    make_dirs(disk, dir, &[&wal, &dir.join("queues")])?;
 
     let cp = match checkpoint::read(dir)? {
         None => checkpoint::Checkpoint::default(),
@@ -88,11 +88,11 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
             })
         }
     };
-    let logs = QueueLogs::default();
+    let logs = QueueLogs::new(disk);
     let known: std::collections::HashSet<u64> = cp.queues.iter().map(|q| q.id).collect();
     for state in cp.queues {
         let id = state.id;
-        let log = QueueLog::restore(dir, state).map_err(StoreError::io("restoring", crate::qlog::queue_dir(dir, id)))?;
+        let log = QueueLog::restore(disk, dir, state).map_err(StoreError::io("restoring", crate::qlog::queue_dir(dir, id)))?;
         logs.insert(log);
     }
     // Queue directories the checkpoint does not know were created after it: the replay recreates them.
@@ -101,7 +101,7 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
         let entry = entry.map_err(StoreError::io("listing", &queues_dir))?;
         let Some(id) = entry.file_name().to_str().and_then(|n| n.parse::<u64>().ok()) else { continue };
         if !known.contains(&id) {
-            fs::remove_dir_all(entry.path()).map_err(StoreError::io("removing", entry.path()))?;
+            disk.remove_dir_all(&entry.path()).map_err(StoreError::io("removing", entry.path()))?;
         }
     }
 
@@ -134,8 +134,8 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
                 // Created by a roll just before the crash: nothing in it was ever confirmed.
                 tracing::warn!(file = %path.display(), offset = 0, dropped_bytes = disk_len, %reason,
                     "newest WAL segment has a torn header; removing it");
-                fs::remove_file(&path).map_err(StoreError::io("removing", &path))?;
-                segment::sync_dir(&wal)?;
+                disk.remove_file(&path).map_err(StoreError::io("removing", &path))?;
+                segment::sync_dir(disk, &wal)?;
                 out.truncated = Some(TornTail { segment: path, offset: 0, dropped_bytes: disk_len, reason });
                 continue;
             }
@@ -156,7 +156,7 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
             if newest {
                 tracing::warn!(file = %path.display(), offset = valid_len, dropped_bytes = dropped, %reason,
                     "torn tail in the newest WAL segment; truncating to the last valid record");
-                truncate(&path, valid_len as u64)?;
+                truncate(disk, &path, valid_len as u64)?;
                 kept_len = valid_len as u64;
                 out.truncated = Some(TornTail { segment: path, offset: valid_len as u64, dropped_bytes: dropped, reason });
             } else {
@@ -181,11 +181,11 @@ pub(crate) fn recover(dir: &Path, queue_segment_size: u64) -> Result<(Start, Que
     let (file, base, pos) = match active {
         Some((base, valid_len)) => {
             let path = segment::path(&wal, base);
-            let file = Appender::open_at(&path, valid_len as u64).map_err(StoreError::io("opening", &path))?;
+            let file = Appender::open_at(disk, &path, valid_len as u64).map_err(StoreError::io("opening", &path))?;
             (file, base, base + valid_len as u64)
         }
         None => {
-            let file = segment::create(&wal, end_pos)?;
+            let file = segment::create(disk, &wal, end_pos)?;
             wal_bases.push_back(end_pos);
             (file, end_pos, end_pos + HEADER_SIZE as u64)
         }
@@ -260,8 +260,24 @@ fn replay(
     Ok((off, None))
 }
 
-fn truncate(path: &Path, len: u64) -> Result<(), StoreError> {
-    let f = OpenOptions::new().write(true).open(path).map_err(StoreError::io("opening", path))?;
+/// Creates the store's subdirectories that are missing and makes their names durable: a WAL segment
+/// fsynced inside a `wal` directory whose own entry was never fsynced can vanish with it.
+fn make_dirs(disk: &Disk, dir: &Path, subdirs: &[&Path]) -> Result<(), StoreError> {
+    let mut created = false;
+    for sub in subdirs {
+        if !sub.is_dir() {
+            disk.create_dir_all(sub).map_err(StoreError::io("creating", *sub))?;
+            created = true;
+        }
+    }
+    if created {
+        segment::sync_dir(disk, dir)?;
+    }
+    Ok(())
+}
+
+fn truncate(disk: &Disk, path: &Path, len: u64) -> Result<(), StoreError> {
+    let f = disk.open(path, Open::Existing, false).map_err(StoreError::io("opening", path))?;
     f.set_len(len).map_err(StoreError::io("truncating", path))?;
     f.sync_all().map_err(StoreError::io("fsyncing", path))
 }

@@ -1,9 +1,10 @@
 //! WAL segment files: naming, listing, creating, directory fsync.
 
-use std::fs::{self, File};
+use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::direct::Appender;
+use crate::io::Disk;
 use crate::error::StoreError;
 use crate::format::{self, WAL_EXT};
 
@@ -38,16 +39,16 @@ pub(crate) fn list(wal: &Path) -> Result<Vec<u64>, StoreError> {
 }
 
 /// Creates WAL segment `base` with its header, fsyncs it and the directory (so the new name survives).
-pub(crate) fn create(wal: &Path, base: u64) -> Result<Appender, StoreError> {
+pub(crate) fn create(disk: &Disk, wal: &Path, base: u64) -> Result<Appender, StoreError> {
     let p = path(wal, base);
-    let mut f = create_empty(wal, base)?;
+    let mut f = create_empty(disk, wal, base)?;
     f.append(&format::encode_wal_header()).map_err(StoreError::io("writing", &p))?;
     f.sync_data().map_err(StoreError::io("fsyncing", &p))?;
     Ok(f)
 }
 
 /// Creates an empty WAL segment file and fsyncs the directory entry.
-pub(crate) fn create_empty(wal: &Path, base: u64) -> Result<Appender, StoreError> {
+pub(crate) fn create_empty(disk: &Disk, wal: &Path, base: u64) -> Result<Appender, StoreError> {
     let p = path(wal, base);
     if p.exists() {
         return Err(StoreError::Io {
@@ -56,25 +57,12 @@ pub(crate) fn create_empty(wal: &Path, base: u64) -> Result<Appender, StoreError
             source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
         });
     }
-    let f = Appender::create(&p).map_err(StoreError::io("creating", &p))?;
-    sync_dir(wal)?;
+    let f = Appender::create(disk, &p).map_err(StoreError::io("creating", &p))?;
+    sync_dir(disk, wal)?;
     Ok(f)
 }
 
 /// Fsyncs the directory itself, making file creations and deletions durable.
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir).and_then(|d| d.sync_all()).map_err(StoreError::io("fsyncing directory", dir))
-}
-
-/// Flushes every dirty page and inode of the file system holding `dir` with one `syncfs`: how a
-/// checkpoint makes any number of queue files durable at the cost of one call.
-pub(crate) fn sync_filesystem(dir: &Path) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let d = File::open(dir)?;
-    // SAFETY: syncfs on a descriptor we own and keep open for the call; no memory is passed.
-    let rc = unsafe { libc::syncfs(d.as_raw_fd()) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+pub(crate) fn sync_dir(disk: &Disk, dir: &Path) -> Result<(), StoreError> {
+    disk.sync_dir(dir).map_err(StoreError::io("fsyncing directory", dir))
 }

@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 
 use crate::batch::Batch;
 use crate::error::StoreError;
+use crate::io::Disk;
 use crate::qlog::ReadBatch;
 use crate::recovery::{self, Recovery};
 use crate::writer::{Shared, Sizes, Writer};
@@ -107,16 +108,21 @@ impl Store {
     /// after it, truncates a torn tail of the newest WAL segment (logging what was dropped), and reports
     /// each queue's live range. Messages stay on disk; queues read them with [`Store::read`].
     pub fn open(dir: &Path, opts: StoreOptions) -> Result<(Store, Recovery), StoreError> {
+        Store::open_on(dir, opts, Disk::real())
+    }
+
+    /// [`Store::open`] on a given [`Disk`]: tests pass a simulated one (see [`crate::sim`]).
+    pub fn open_on(dir: &Path, opts: StoreOptions, disk: Disk) -> Result<(Store, Recovery), StoreError> {
         if !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(StoreError::io("creating", dir))?;
+            disk.create_dir_all(dir).map_err(StoreError::io("creating", dir))?;
             // The new directory's own entry must survive a crash too, or the whole store could vanish.
             if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-                crate::segment::sync_dir(parent)?;
+                crate::segment::sync_dir(&disk, parent)?;
             }
         }
         let lock = lock_dir(dir)?;
         let queue_segment_size = opts.queue_segment_size.max(4096);
-        let (start, logs, recovery) = recovery::recover(dir, queue_segment_size)?;
+        let (start, logs, recovery) = recovery::recover(&disk, dir, queue_segment_size)?;
         let sizes = Sizes {
             segment_size: opts.segment_size.max(4096),
             queue_segment_size,
@@ -124,7 +130,7 @@ impl Store {
             checkpoint_idle: std::time::Duration::from_millis(opts.checkpoint_idle_ms),
             active_segment_idle_ms: opts.active_segment_idle_ms,
         };
-        let shared = Arc::new(Shared::new(dir.to_path_buf(), sizes, opts.sync, &start, logs));
+        let shared = Arc::new(Shared::new(disk, dir.to_path_buf(), sizes, opts.sync, &start, logs));
         let (wal_bytes, queue_bytes) = disk_usage(&shared);
         shared.counters.wal_bytes.store(wal_bytes, Ordering::Relaxed);
         shared.counters.queue_bytes.store(queue_bytes, Ordering::Relaxed);
@@ -268,9 +274,12 @@ impl Inner {
         let handle = self.writer.lock().take();
         if let Some(handle) = handle {
             self.shared.request_close();
-            // The writer aborts the process on I/O errors, so a join error means it panicked: a bug.
-            if handle.join().is_err() {
-                tracing::error!("the message store writer thread panicked");
+            // The writer aborts the process on I/O errors, so a join error means it panicked: a bug (or,
+            // on a simulated disk, it stopped after a failed write or fsync).
+            match handle.join() {
+                Ok(()) => {}
+                Err(p) if p.is::<crate::writer::WriterStopped>() => {}
+                Err(_) => tracing::error!("the message store writer thread panicked"),
             }
         }
         // Nothing is written after the writer stopped: another store may open the directory now.

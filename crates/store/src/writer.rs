@@ -36,6 +36,7 @@ use crate::checkpoint::{self, Checkpoint, QueueState};
 use crate::direct::{Appender, BLOCK};
 use crate::error::StoreError;
 use crate::format::{self, Record, HEADER_SIZE};
+use crate::io::{Disk, Open};
 use crate::qlog::WalPlace;
 use crate::qlog::QueueLogs;
 use crate::segment;
@@ -120,6 +121,8 @@ impl Counters {
 }
 
 pub(crate) struct Shared {
+    /// Every file operation goes through it (the real file system, or a simulated disk in tests).
+    pub disk: Disk,
     pub dir: PathBuf,
     pub wal: PathBuf,
     segment_size: u64,
@@ -161,8 +164,9 @@ pub(crate) struct Sizes {
 }
 
 impl Shared {
-    pub fn new(dir: PathBuf, sizes: Sizes, sync: SyncPolicy, start: &Start, logs: QueueLogs) -> Shared {
+    pub fn new(disk: Disk, dir: PathBuf, sizes: Sizes, sync: SyncPolicy, start: &Start, logs: QueueLogs) -> Shared {
         Shared {
+            disk,
             wal: segment::wal_dir(&dir),
             dir,
             segment_size: sizes.segment_size,
@@ -282,11 +286,39 @@ impl Shared {
     }
 }
 
-/// Logs and aborts: see the module docs for why I/O failures of the writer are never retried.
+thread_local! {
+    /// Set on a writer thread whose store runs on a simulated disk (tests): a failed write or fsync
+    /// then stops that thread (the store reports `Closed`) instead of aborting the test process.
+    static STOP_INSTEAD_OF_ABORT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Logs and aborts: see the module docs for why I/O failures of the writer are never retried. On a
+/// simulated disk it unwinds the writer thread instead; either way nothing after the failure is ever
+/// reported durable.
 pub(crate) fn fatal(what: &str, path: &std::path::Path, e: &dyn std::fmt::Display) -> ! {
+    if STOP_INSTEAD_OF_ABORT.with(|c| c.get()) {
+        tracing::warn!(error = %e, file = %path.display(), "{what} failed on the simulated disk; the writer stops");
+        std::panic::resume_unwind(Box::new(WriterStopped));
+    }
     tracing::error!(error = %e, file = %path.display(), "{what} failed in the message store; aborting so \
         that nothing is confirmed on top of data that may not be on disk");
     std::process::abort();
+}
+
+/// The unwinding payload of a writer thread stopped by `fatal` on a simulated disk.
+pub(crate) struct WriterStopped;
+
+/// However the writer thread ends (its loop returns, or it unwinds), appenders and waiters learn that
+/// nothing more becomes durable.
+struct StopGuard<'a>(&'a Shared);
+
+impl Drop for StopGuard<'_> {
+    fn drop(&mut self) {
+        self.0.state.lock().closing = true;
+        self.0.space.notify_all();
+        self.0.durable.lock().writer_stopped = true;
+        self.0.durable_cv.notify_all();
+    }
 }
 
 /// The writer thread's own state.
@@ -339,6 +371,9 @@ impl Writer {
 
     /// The writer thread's loop: take a group, write it, fsync (per policy), publish, apply, checkpoint.
     pub fn run(mut self) {
+        let shared = self.shared.clone();
+        let _stopped = StopGuard(&shared);
+        STOP_INSTEAD_OF_ABORT.with(|c| c.set(shared.disk.is_simulated()));
         let interval = match self.shared.sync {
             SyncPolicy::EveryBatch => None,
             SyncPolicy::IntervalMs(ms) => Some(Duration::from_millis(ms)),
@@ -422,8 +457,6 @@ impl Writer {
                 break;
             }
         }
-        self.shared.durable.lock().writer_stopped = true;
-        self.shared.durable_cv.notify_all();
     }
 
     /// Prepares an empty buffer for appenders so that, once taken, it can be written to the WAL as it is
@@ -463,7 +496,7 @@ impl Writer {
             // The old segment must be complete on disk before a newer one exists: recovery treats only the
             // newest segment's tail as torn.
             self.sync_data();
-            let mut file = match segment::create_empty(&self.shared.wal, roll.base) {
+            let mut file = match segment::create_empty(&self.shared.disk, &self.shared.wal, roll.base) {
                 Ok(f) => f,
                 Err(e) => fatal("creating a WAL segment", &segment::path(&self.shared.wal, roll.base), &e),
             };
@@ -607,11 +640,11 @@ impl Writer {
         if quiet {
             self.spare.clear();
         }
-        if let Err(e) = segment::sync_filesystem(&shared.dir) {
+        if let Err(e) = shared.disk.syncfs(&shared.dir) {
             fatal("syncfs", &shared.dir, &e);
         }
         let cp = Checkpoint { wal_pos: self.applied, queues };
-        if let Err(e) = checkpoint::write(&shared.dir, &cp) {
+        if let Err(e) = checkpoint::write(&shared.disk, &shared.dir, &cp) {
             fatal("writing the checkpoint", &shared.dir.join(checkpoint::FILE), &e);
         }
         shared.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
@@ -629,7 +662,7 @@ impl Writer {
             }
             let p = segment::path(&shared.wal, base);
             let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
-            if let Err(e) = std::fs::remove_file(&p) {
+            if let Err(e) = shared.disk.remove_file(&p) {
                 tracing::warn!(error = %e, file = %p.display(), "could not delete a checkpointed WAL segment");
                 kept.push_back(base);
                 continue;
@@ -642,7 +675,7 @@ impl Writer {
         self.wal_bases = kept;
         self.punch_holes(extents);
         if deleted {
-            if let Err(e) = segment::sync_dir(&shared.wal) {
+            if let Err(e) = segment::sync_dir(&shared.disk, &shared.wal) {
                 fatal("fsyncing the WAL directory", &shared.wal, &e);
             }
         }
@@ -675,15 +708,15 @@ impl Writer {
             }
             let path = segment::path(&self.shared.wal, base);
             let result = (|| -> std::io::Result<()> {
-                let file = std::fs::OpenOptions::new().write(true).open(&path)?;
-                let len = file.metadata()?.len();
+                let file = self.shared.disk.open(&path, Open::Existing, false)?;
+                let len = file.len()?;
                 let block = BLOCK as u64;
                 let mut from = 0u64;
                 for &(s, e) in covered.iter().chain(std::iter::once(&(len, len))) {
                     // Whole blocks strictly between the extents only.
                     let (a, b) = (from.div_ceil(block) * block, s / block * block);
                     if b > a {
-                        crate::direct::punch_hole(&file, a, b - a)?;
+                        file.punch_hole(a, b - a)?;
                     }
                     from = e;
                 }

@@ -1,0 +1,210 @@
+//! The store's file operations, in one place: every write, truncation, hole punch, fsync, `syncfs`,
+//! create, rename and delete the store does goes through a [`Disk`] and the [`IoFile`]s it opens.
+//!
+//! The default disk is the real file system: each call is the plain system call behind one `Option`
+//! check, so production pays nothing measurable (these calls are per group or per file, never per
+//! message). Tests can open a store on a [`SimDisk`](crate::sim::SimDisk) instead: the same real files,
+//! plus a model of what the last fsync covered, so a test can cut the power at any of these calls, or
+//! make one fail with `EIO`/`ENOSPC`, and see what a machine crash would have left on disk.
+//!
+//! Reads are not routed: they see the real files, which is what the running system sees either way.
+//!
+//! ### To ensure correctness
+//! - Open every file the store writes with [`Disk::open`] and change the namespace only with the
+//!   methods here: a write that bypasses the layer is invisible to the power-loss model, which then
+//!   treats it as lost at a crash (or, worse, the model and the files disagree).
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::sim::{SimDisk, SimFile};
+
+/// Where the store's files live: the real file system ([`Disk::real`], the default) or a simulated
+/// power-loss disk for tests ([`Disk::simulated`]).
+#[derive(Clone, Default)]
+pub struct Disk {
+    sim: Option<Arc<SimDisk>>,
+}
+
+impl std::fmt::Debug for Disk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.sim.is_some() { "Disk::simulated" } else { "Disk::real" })
+    }
+}
+
+/// How [`Disk::open`] opens a file for writing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Open {
+    /// Create it, or truncate it to nothing if it exists.
+    CreateTruncate,
+    /// It must exist; its contents stay.
+    Existing,
+}
+
+impl Disk {
+    /// The real file system.
+    pub fn real() -> Disk {
+        Disk { sim: None }
+    }
+
+    /// The simulated power-loss disk `sim` (tests): real files plus a model of what is durable.
+    pub fn simulated(sim: Arc<SimDisk>) -> Disk {
+        Disk { sim: Some(sim) }
+    }
+
+    /// Whether this is a simulated disk: I/O failures then stop the store's writer thread (which a test
+    /// can observe) instead of aborting the process.
+    pub(crate) fn is_simulated(&self) -> bool {
+        self.sim.is_some()
+    }
+
+    /// Opens `path` for writing (and reading), with `O_DIRECT` if `direct`.
+    pub(crate) fn open(&self, path: &Path, how: Open, direct: bool) -> io::Result<IoFile> {
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(true);
+        if how == Open::CreateTruncate {
+            opts.create(true).truncate(true);
+        }
+        if direct {
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        match &self.sim {
+            None => Ok(IoFile { file: opts.open(path)?, sim: None }),
+            Some(sim) => {
+                let (file, sim) = sim.open(path, how == Open::CreateTruncate, || opts.open(path))?;
+                Ok(IoFile { file, sim })
+            }
+        }
+    }
+
+    pub(crate) fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => std::fs::create_dir_all(path),
+            Some(sim) => sim.create_dir_all(path),
+        }
+    }
+
+    pub(crate) fn remove_file(&self, path: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => std::fs::remove_file(path),
+            Some(sim) => sim.remove(path, false),
+        }
+    }
+
+    pub(crate) fn remove_dir_all(&self, path: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => std::fs::remove_dir_all(path),
+            Some(sim) => sim.remove(path, true),
+        }
+    }
+
+    /// Renames `from` to `to` (replacing `to`). Durable once both directories are fsynced.
+    pub(crate) fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => std::fs::rename(from, to),
+            Some(sim) => sim.rename(from, to),
+        }
+    }
+
+    /// Fsyncs the directory `path` itself: creations, renames and deletions in it become durable.
+    pub(crate) fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => File::open(path)?.sync_all(),
+            Some(sim) => sim.sync_dir(path, || File::open(path)?.sync_all()),
+        }
+    }
+
+    /// One `syncfs` on the file system holding `path`: every file's data and every directory entry
+    /// becomes durable.
+    pub(crate) fn syncfs(&self, path: &Path) -> io::Result<()> {
+        let real = || {
+            use std::os::fd::AsRawFd;
+            let d = File::open(path)?;
+            // SAFETY: syncfs on a descriptor we own and keep open for the call; no memory is passed.
+            if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        match &self.sim {
+            None => real(),
+            Some(sim) => sim.syncfs(real),
+        }
+    }
+}
+
+/// A file opened for writing through a [`Disk`].
+pub(crate) struct IoFile {
+    file: File,
+    sim: Option<SimFile>,
+}
+
+impl IoFile {
+    /// Writes all of `buf` at `offset`.
+    pub fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.write_all_at(buf, offset),
+            Some(s) => s.write_at(buf, offset, || self.file.write_all_at(buf, offset)),
+        }
+    }
+
+    pub fn set_len(&self, len: u64) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.set_len(len),
+            Some(s) => s.set_len(len, || self.file.set_len(len)),
+        }
+    }
+
+    /// `fdatasync`: the file's data (and its size) become durable; not its directory entry.
+    pub fn sync_data(&self) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.sync_data(),
+            Some(s) => s.sync(|| self.file.sync_data()),
+        }
+    }
+
+    /// `fsync`: as `sync_data` (the model does not distinguish other metadata).
+    pub fn sync_all(&self) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.sync_all(),
+            Some(s) => s.sync(|| self.file.sync_all()),
+        }
+    }
+
+    /// Frees the disk blocks of `[offset, offset + len)` (block-aligned) without changing the file's
+    /// length: reads there return zeros.
+    pub fn punch_hole(&self, offset: u64, len: u64) -> io::Result<()> {
+        let real = || {
+            use std::os::fd::AsRawFd;
+            // SAFETY: fallocate on a descriptor we own, for the duration of the call; no memory is passed.
+            let rc = unsafe {
+                libc::fallocate(
+                    self.file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                )
+            };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        };
+        match &self.sim {
+            None => real(),
+            Some(s) => s.punch_hole(offset, len, real),
+        }
+    }
+
+    /// Reads are not modelled: they see what the running system sees.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, offset)
+    }
+
+    pub fn len(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+}
