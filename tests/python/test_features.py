@@ -182,3 +182,97 @@ def test_consumer_priority_must_be_an_integer(ch, name):
     with pytest.raises(ChannelClosedByBroker) as e:
         ch.basic_consume(name, lambda *a: None, arguments={"x-priority": "high"})
     assert e.value.reply_code == 406
+
+
+# ---- delivery acknowledgement timeout ---------------------------------------------------------------
+
+
+@pytest.fixture
+def short_timeout_broker(tmp_path):
+    from conftest import Broker
+    cfg = tmp_path / "warren.toml"
+    cfg.write_text("consumer-timeout = 600\n")
+    b = Broker(tmp_path / "data", tmp_path / "warren.log")
+    b.extra_args = ["--config", str(cfg)]
+    b.start()
+    yield b
+    b.proc.kill()
+    b.proc.wait(10)
+
+
+def closed_by_broker(ch):
+    """Records why the broker closes `ch` (pika's BlockingChannel keeps it to itself)."""
+    reasons = []
+    ch._impl.add_on_close_callback(lambda _c, reason: reasons.append(reason))
+    return reasons
+
+
+def wait_closed(conn, reasons, timeout=10):
+    """Waits until the broker closed the channel `reasons` watches; returns the ChannelClosedByBroker."""
+    deadline = time.time() + timeout
+    while not reasons and time.time() < deadline:
+        conn.process_data_events(time_limit=0.05)
+    assert reasons, "channel still open"
+    assert isinstance(reasons[0], ChannelClosedByBroker), reasons[0]
+    return reasons[0]
+
+
+@pytest.mark.warren_only  # the node's timeout is set in Warren's config file (RabbitMQ: consumer_timeout)
+def test_delivery_unacked_past_consumer_timeout_closes_channel_and_requeues(short_timeout_broker, name):
+    conn = short_timeout_broker.connection()
+    ch = conn.channel()
+    reasons = closed_by_broker(ch)
+    ch.queue_declare(name)
+    publish_n(ch, name, 3)
+    got = []
+    consumer(ch, name, got, "slow", auto_ack=False)
+    wait_for(conn, lambda: len(got) == 3)
+    started = time.time()
+    closed = wait_closed(conn, reasons)
+    assert time.time() - started >= 0.4
+    assert closed.reply_code == 406
+    assert "delivery acknowledgement on channel 1 timed out" in closed.reply_text
+    assert "600 ms" in closed.reply_text
+    # Its messages went back to the queue, flagged redelivered; the connection is still usable.
+    other = conn.channel()
+    m, _, body = other.basic_get(name, auto_ack=True)
+    assert body == b"0" and m.redelivered
+    assert other.queue_declare(name, passive=True).method.message_count == 2
+
+
+@pytest.mark.warren_only
+def test_acked_deliveries_and_basic_get_within_timeout_are_fine(short_timeout_broker, name):
+    conn = short_timeout_broker.connection()
+    ch = conn.channel()
+    reasons = closed_by_broker(ch)
+    ch.queue_declare(name)
+    publish_n(ch, name, 20)
+    for _ in range(20):
+        m, _, _ = ch.basic_get(name)
+        pump(conn, 0.1)
+        ch.basic_ack(m.delivery_tag)
+    pump(conn, 1.0)
+    assert ch.is_open and not reasons
+    # A basic.get delivery left unacked times out too.
+    publish_n(ch, name, 1)
+    m, _, _ = ch.basic_get(name)
+    assert wait_closed(conn, reasons).reply_code == 406
+
+
+@pytest.mark.warren_only
+def test_queue_consumer_timeout_argument_overrides_the_node_default(short_timeout_broker, name):
+    conn = short_timeout_broker.connection()
+    patient = conn.channel()
+    patient_reasons = closed_by_broker(patient)
+    patient.queue_declare(name + "-long", arguments={"x-consumer-timeout": 60000})
+    publish_n(patient, name + "-long", 1)
+    patient.basic_get(name + "-long")
+    ch = conn.channel()
+    reasons = closed_by_broker(ch)
+    ch.queue_declare(name, arguments={"x-consumer-timeout": 300})
+    publish_n(ch, name, 1)
+    ch.basic_get(name)
+    closed = wait_closed(conn, reasons)
+    assert closed.reply_code == 406 and "300 ms" in closed.reply_text
+    pump(conn, 1.5)
+    assert not patient_reasons and patient.is_open

@@ -76,6 +76,8 @@ struct Unacked {
     queue: Arc<Queue>,
     entry: Entry,
     consumer: Option<Arc<Consumer>>,
+    /// When an acknowledgement-timeout check first saw it unacked (0: not yet); see `ack_timed_out`.
+    seen_ms: u64,
 }
 
 struct ChannelState {
@@ -90,6 +92,8 @@ struct ChannelState {
     /// channel.flow: false stops deliveries.
     flow_active: bool,
     closed: bool,
+    /// Some unacked message came from a queue with its own `x-consumer-timeout`.
+    queue_timeouts: bool,
 }
 
 /// Which settlement a client asked for.
@@ -124,6 +128,7 @@ impl Channel {
                 consumer_prefetch: 0,
                 flow_active: true,
                 closed: false,
+                queue_timeouts: false,
             }),
         })
     }
@@ -179,7 +184,8 @@ impl Channel {
             return Ok(Some(entry));
         }
         consumer.unacked.fetch_add(1, Ordering::Relaxed);
-        st.unacked.push_back(Unacked { tag, queue: consumer.queue.clone(), entry, consumer: Some(consumer.clone()) });
+        st.queue_timeouts |= consumer.queue.args.consumer_timeout_ms.is_some();
+        st.unacked.push_back(Unacked { tag, queue: consumer.queue.clone(), entry, consumer: Some(consumer.clone()), seen_ms: 0 });
         Ok(None)
     }
 
@@ -198,7 +204,8 @@ impl Channel {
         if no_ack {
             return Some(entry);
         }
-        st.unacked.push_back(Unacked { tag, queue: queue.clone(), entry, consumer: None });
+        st.queue_timeouts |= queue.args.consumer_timeout_ms.is_some();
+        st.unacked.push_back(Unacked { tag, queue: queue.clone(), entry, consumer: None, seen_ms: 0 });
         None
     }
 
@@ -307,6 +314,34 @@ impl Channel {
             c.queue.remove_consumer(c);
         }
         self.finish_settle(taken, Settle::Reject { requeue: true });
+    }
+
+    /// The delivery acknowledgement timeout (RabbitMQ's `consumer_timeout`): returns the timeout (ms)
+    /// that a delivery of this channel has now stayed unacknowledged longer than, if any. The caller
+    /// closes the channel (406), which requeues its unacked messages.
+    ///
+    /// Called periodically. Deliveries carry no timestamp (no clock read per message): a check stamps
+    /// the ones it has not seen yet, so a delivery times out between `timeout` and `timeout` plus one
+    /// check period after it was sent. `default_ms` is the node's `consumer-timeout`; a queue's
+    /// `x-consumer-timeout` overrides it for its messages; 0 disables.
+    pub fn ack_timed_out(&self, now_ms: u64, default_ms: u64) -> Option<u64> {
+        let mut st = self.state.lock();
+        for u in st.unacked.iter_mut().rev() {
+            if u.seen_ms != 0 {
+                break;
+            }
+            u.seen_ms = now_ms;
+        }
+        let timeout_of = |u: &Unacked| u.queue.args.consumer_timeout_ms.unwrap_or(default_ms);
+        let expired = |u: &Unacked| {
+            let t = timeout_of(u);
+            t > 0 && u.seen_ms < now_ms && now_ms - u.seen_ms >= t
+        };
+        if st.queue_timeouts {
+            st.unacked.iter().find(|u| expired(u)).map(timeout_of)
+        } else {
+            st.unacked.front().filter(|u| expired(u)).map(timeout_of)
+        }
     }
 
     pub fn unacked_count(&self) -> usize {

@@ -31,6 +31,9 @@ pub struct QueueArgs {
     pub retention_ms: u64,
     /// `x-single-active-consumer`: one consumer receives at a time (see `consumers`).
     pub single_active_consumer: bool,
+    /// `x-consumer-timeout`: this queue's delivery acknowledgement timeout in ms, instead of the node's
+    /// `consumer-timeout` (see `Channel::ack_timed_out`).
+    pub consumer_timeout_ms: Option<u64>,
 }
 
 /// The `x-` queue arguments Warren accepts. The last three change nothing on a single node and are
@@ -48,6 +51,7 @@ pub const SUPPORTED: &[&str] = &[
     "x-queue-type",
     "x-retention-seconds",
     "x-single-active-consumer",
+    "x-consumer-timeout",
     "x-queue-mode",
     "x-queue-master-locator",
     "x-queue-leader-locator",
@@ -129,6 +133,7 @@ impl QueueArgs {
                 None => false,
                 Some(v) => v.as_bool().ok_or_else(|| invalid("x-single-active-consumer", "{unacceptable_type,expected a boolean}"))?,
             },
+            consumer_timeout_ms: non_negative("x-consumer-timeout")?,
         };
         if parsed.expires_ms == Some(0) {
             return Err(invalid("x-expires", "{value_zero,0}"));
@@ -191,6 +196,7 @@ pub const EQUIVALENCE_KEYS: &[&str] = &[
     "x-retention-seconds",
     "x-queue-mode",
     "x-single-active-consumer",
+    "x-consumer-timeout",
 ];
 
 /// Finds the first behaviour-changing argument that differs between two declarations.

@@ -41,6 +41,11 @@ pub struct ServerArgs {
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
 
+    /// Delivery acknowledgement timeout in ms: a channel with a delivery unacked longer is closed (406)
+    /// and its unacked messages requeued; 0 disables [env: WARREN_CONSUMER_TIMEOUT] [default: 1800000]
+    #[arg(long, value_name = "MS")]
+    pub consumer_timeout: Option<u64>,
+
     /// TOML configuration file; every key is listed in config/warren.toml [env: WARREN_CONFIG]
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -144,6 +149,8 @@ pub struct Config {
     pub memory_high_watermark: String,
     /// Disk alarm threshold: free space (a size, "1GiB") below which publishers are blocked.
     pub disk_free_limit: String,
+    /// Delivery acknowledgement timeout (ms), RabbitMQ's `consumer_timeout`; 0 disables.
+    pub consumer_timeout: u64,
     /// Log filter (tracing `EnvFilter` directives), e.g. `info` or `warn,warren_broker=debug`.
     pub log: String,
 }
@@ -167,6 +174,7 @@ impl Default for Config {
             segment_size: 32 << 20,
             memory_high_watermark: "0.4".to_owned(),
             disk_free_limit: "1GiB".to_owned(),
+            consumer_timeout: 1_800_000,
             log: "info".to_owned(),
         }
     }
@@ -240,6 +248,7 @@ const KEYS: &[(&str, &str)] = &[
     ("segment-size", "a size in bytes (at least 4096)"),
     ("memory-high-watermark", "a fraction of RAM such as \"0.4\", or a size such as \"2GiB\""),
     ("disk-free-limit", "a size such as \"1GiB\", \"500MB\" or a number of bytes"),
+    ("consumer-timeout", "a number of milliseconds (0 disables the timeout)"),
     ("log", "a tracing filter such as \"info\" or \"warn,warren_broker=debug\""),
 ];
 
@@ -435,6 +444,10 @@ impl Config {
             config.data_dir = dir.clone();
             flag("data-dir", "--data-dir");
         }
+        if let Some(ms) = args.consumer_timeout {
+            config.consumer_timeout = ms;
+            flag("consumer-timeout", "--consumer-timeout");
+        }
 
         config.check().map_err(|(key, problem)| ConfigError::Invalid {
             key,
@@ -552,7 +565,7 @@ impl Config {
         format!(
             "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
-             max-message-size={} sync={} segment-size={} memory-high-watermark={} disk-free-limit={} log={}",
+             max-message-size={} sync={} segment-size={} memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}",
             self.amqp_addr(),
             self.http_port,
             self.data_dir.display(),
@@ -567,6 +580,7 @@ impl Config {
             self.segment_size,
             self.memory_high_watermark,
             self.disk_free_limit,
+            self.consumer_timeout,
             self.log,
         )
     }
@@ -728,9 +742,11 @@ mod tests {
             http_port: Some(15675),
             bind: Some(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
             data_dir: Some(PathBuf::from("/from/flag")),
+            consumer_timeout: Some(5000),
             config: Some(f.path().to_owned()),
         };
         let c = Config::load_from(&args, &env).expect("load");
+        assert_eq!(c.consumer_timeout, 5000);
         assert_eq!(c.amqp_addr().to_string(), "0.0.0.0:5675");
         assert_eq!(c.http_port, 15675);
         assert_eq!(c.data_dir, PathBuf::from("/from/flag"));
@@ -746,6 +762,7 @@ mod tests {
         }
         let cli = Cli::try_parse_from([
             "warren", "--amqp-port", "1", "--http-port", "2", "--bind", "::", "--data-dir", "d", "--config", "c.toml",
+            "--consumer-timeout", "60000",
         ])
         .expect("flags parse");
         assert_eq!(cli.args.amqp_port, Some(1));
@@ -753,6 +770,7 @@ mod tests {
         assert_eq!(cli.args.bind, Some("::".parse().expect("ip")));
         assert_eq!(cli.args.data_dir, Some(PathBuf::from("d")));
         assert_eq!(cli.args.config, Some(PathBuf::from("c.toml")));
+        assert_eq!(cli.args.consumer_timeout, Some(60000));
         let none = Cli::try_parse_from(["warren"]).expect("no flags parse");
         assert!(none.args.amqp_port.is_none() && none.args.config.is_none());
         assert!(Cli::try_parse_from(["warren", "--amqp-port", "70000"]).is_err());

@@ -120,6 +120,22 @@ impl ChannelHandler {
         }
     }
 
+    /// The delivery acknowledgement timeout: a delivery of this channel stayed unacked too long, so the
+    /// channel is closed with 406 and its unacked messages requeued, as RabbitMQ does.
+    pub fn check_ack_timeout(&mut self, now_ms: u64, conn: &ConnectionShared) {
+        if self.closing {
+            return;
+        }
+        let Some(timeout) = self.channel.ack_timed_out(now_ms, conn.consumer_timeout_ms) else { return };
+        tracing::warn!(connection = conn.id, channel = self.number, timeout_ms = timeout,
+            "a consumer timed out waiting for a delivery acknowledgement; closing its channel");
+        let text = format!(
+            "delivery acknowledgement on channel {} timed out. Timeout value used: {timeout} ms. This timeout value can be configured, see consumers doc guide to learn more",
+            self.number
+        );
+        self.fail(BrokerError::precondition_failed(text), 0, 0, conn);
+    }
+
     /// A channel exception: close the channel and settle what it held, as RabbitMQ does at once.
     fn fail(&mut self, e: BrokerError, class_id: u16, method_id: u16, conn: &ConnectionShared) {
         tracing::debug!(channel = self.number, code = e.code, text = %e.text, "channel error");

@@ -55,6 +55,8 @@ pub struct ConnectionShared {
     pub user: User,
     pub outbox: Arc<Outbox>,
     pub max_message_size: u64,
+    /// The node's delivery acknowledgement timeout in ms (0: off); see `Channel::ack_timed_out`.
+    pub consumer_timeout_ms: u64,
     /// A queue this connection published to asks publishers to pause (a slow no-ack consumer): the
     /// reader waits for it before reading more.
     pub slowed_by: parking_lot::Mutex<Option<Arc<warren_broker::Queue>>>,
@@ -130,6 +132,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
             user: negotiated.user.clone(),
             outbox: outbox.clone(),
             max_message_size: ctx.config.max_message_size as u64,
+            consumer_timeout_ms: ctx.config.consumer_timeout,
             slowed_by: parking_lot::Mutex::new(None),
         },
         channels: HashMap::new(),
@@ -200,10 +203,11 @@ struct Connection {
 impl Connection {
     /// While a resource alarm is raised, a connection that publishes is not read (TCP back-pressure
     /// then stops the client), as RabbitMQ does; it is told with connection.blocked/unblocked.
-    async fn wait_while_blocked(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<(), ConnError> {
+    /// Returns whether it waited.
+    async fn wait_while_blocked(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<bool, ConnError> {
         let state = *self.alarms.borrow();
         if !self.publisher || !state.blocks_publishers() {
-            return Ok(());
+            return Ok(false);
         }
         let reason = state.reason();
         tracing::info!(connection = self.shared.id, reason, "connection blocked by a resource alarm");
@@ -223,12 +227,15 @@ impl Connection {
         if self.connection_blocked {
             self.shared.outbox.method(0, Method::ConnectionUnblocked(ConnectionUnblocked {}));
         }
-        Ok(())
+        Ok(true)
     }
 
     async fn run(&mut self, reader: &mut FrameReader, shutdown: &mut watch::Receiver<bool>) -> Ended {
         // RabbitMQ drops a peer after two missed heartbeats.
         let read_timeout = (self.heartbeat > 0).then(|| Duration::from_secs(self.heartbeat as u64 * 2));
+        // Reset whenever the socket gives data; other wake-ups (the ack-timeout check) must not reset it.
+        let mut read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut ack_check = ack_timeout_checks(self.shared.consumer_timeout_ms);
         loop {
             loop {
                 match reader.try_next(self.frame_max) {
@@ -244,8 +251,11 @@ impl Connection {
             if *shutdown.borrow() {
                 return Ended::Error(forced());
             }
-            if let Err(e) = self.wait_while_blocked(shutdown).await {
-                return Ended::Error(e);
+            match self.wait_while_blocked(shutdown).await {
+                Err(e) => return Ended::Error(e),
+                // Not reading was our doing, not a missed heartbeat.
+                Ok(true) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
+                Ok(false) => {}
             }
             // Credit flow: a queue whose consumers cannot keep up with their sockets slows its publishers
             // (a bounded wait, again while it lasts) instead of buffering without bound.
@@ -255,13 +265,14 @@ impl Connection {
                     _ = queue.wait_until_drained(FLOW_WAIT) => {}
                     _ = shutdown.changed() => return Ended::Error(forced()),
                 }
+                read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
             }
             // A publisher waiting for input is also woken by an alarm, to be blocked at once.
             let mut alarms = self.alarms.clone();
             let publisher = self.publisher;
             let fill = async {
-                match read_timeout {
-                    Some(t) => match tokio::time::timeout(t, reader.fill()).await {
+                match read_deadline {
+                    Some(deadline) => match tokio::time::timeout_at(deadline, reader.fill()).await {
                         Ok(r) => r,
                         Err(_) => {
                             tracing::warn!(connection = self.shared.id, "missed heartbeats from client, timeout: {}s", self.heartbeat);
@@ -272,10 +283,22 @@ impl Connection {
                 }
             };
             tokio::select! {
-                r = fill => if let Err(e) = r { return Ended::Error(e) },
+                r = fill => match r {
+                    Err(e) => return Ended::Error(e),
+                    Ok(_) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
+                },
                 _ = shutdown.changed() => return Ended::Error(forced()),
                 _ = alarms.changed(), if publisher => {}
+                _ = ack_check.tick() => self.check_ack_timeouts(),
             }
+        }
+    }
+
+    /// Closes the channels holding a delivery unacknowledged for longer than the timeout.
+    fn check_ack_timeouts(&mut self) {
+        let now = warren_broker::now_ms();
+        for ch in self.channels.values_mut() {
+            ch.check_ack_timeout(now, &self.shared);
         }
     }
 
@@ -403,6 +426,15 @@ fn open_channel<'a>(
             0,
         )
     })
+}
+
+/// How often a connection checks its channels for deliveries unacknowledged past the timeout: a tenth of
+/// the timeout, between 100 ms and 10 s (10 s when the node's timeout is off: queues may set their own).
+fn ack_timeout_checks(timeout_ms: u64) -> tokio::time::Interval {
+    let period = Duration::from_millis(if timeout_ms == 0 { 10_000 } else { (timeout_ms / 10).clamp(100, 10_000) });
+    let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval
 }
 
 fn forced() -> ConnError {
