@@ -117,6 +117,9 @@ struct QueueState {
     /// Persistent messages taken into the window without being stored yet (published without confirms
     /// while every consumer is no-ack): written at the next `tick` if still here (see `publish`).
     has_deferred: bool,
+    /// Seq after the last enqueue this queue appended to the store. The store keeps a queue's messages
+    /// in seq order and cannot take a lower seq after a higher one (see `store_message`).
+    stored_until: u64,
     /// Who gets the next message: priorities, round-robin, single active consumer (`consumers`).
     consumers: Consumers,
     unacked: u64,
@@ -211,6 +214,7 @@ impl Queue {
                 publisher_waiting: false,
                 consumers_stalled: false,
                 has_deferred: false,
+                stored_until: 0,
                 consumers,
                 unacked: 0,
                 had_consumers: false,
@@ -294,7 +298,7 @@ impl Queue {
                 if st.has_deferred {
                     self.store_deferred_locked(&mut st, now_ms);
                 }
-                let t = self.store_message(seq, now_ms, stored_header, message)?;
+                let t = self.store_message(&mut st.stored_until, seq, now_ms, stored_header, message)?;
                 ticket = must_be_durable.then_some(t);
                 (stored_header.len() + message.body.len()) as u64
             } else {
@@ -330,8 +334,29 @@ impl Queue {
         Ok(outcome)
     }
 
-    fn store_message(&self, seq: u64, now_ms: u64, stored_header: &[u8], message: &MessageRef) -> Result<SyncTicket> {
-        self.store.append_enqueue(self.id, seq, now_ms, &[stored_header, &message.body]).map_err(store_error)
+    /// Appends message `seq` to the store. Seqs must reach the store in increasing order (`stored_until`
+    /// is the seq after the last one appended): a lower one would be refused by the store and lost on
+    /// restart, so it is refused here, loudly, as the bug it is (a deferred message not written before a
+    /// later one; see `store_deferred_locked`).
+    fn store_message(&self, stored_until: &mut u64, seq: u64, now_ms: u64, stored_header: &[u8], message: &MessageRef) -> Result<SyncTicket> {
+        if seq < *stored_until {
+            tracing::error!(queue = %self.name, seq, stored_until = *stored_until, "message not stored: its seq is below one already stored (a bug)");
+            debug_assert!(false, "queue {}: seq {seq} stored after seq {}", self.name, *stored_until - 1);
+            return Err(BrokerError::internal(format!(
+                "queue '{}' could not store a message out of order (seq {seq} after {}); this is a bug in Warren",
+                self.name,
+                *stored_until - 1
+            )));
+        }
+        let ticket = self.store.append_enqueue(self.id, seq, now_ms, &[stored_header, &message.body]).map_err(store_error)?;
+        *stored_until = seq + 1;
+        Ok(ticket)
+    }
+
+    /// Whether the head of the window is a persistent message of this durable queue that is not in the
+    /// store yet (see `store_deferred_locked`).
+    fn head_is_deferred(&self, st: &QueueState) -> bool {
+        self.durable && st.ready.front().is_some_and(|e| e.stored_bytes == 0 && e.message.persistent)
     }
 
     /// Whether a delivery now would go to a no-ack consumer: every consumer is no-ack (so whichever the
@@ -346,6 +371,7 @@ impl Queue {
     pub fn restore(&self, recovered: &RecoveredQueue) {
         let mut st = self.state.lock();
         st.next_seq = recovered.next_seq;
+        st.stored_until = recovered.next_seq;
         st.recovered_until = recovered.next_seq;
         st.redelivered_below = recovered.delivered_until;
         st.mark_durable = recovered.delivered_until;
@@ -473,7 +499,7 @@ impl Queue {
                 if !consumer.has_credit() {
                     continue;
                 }
-                if st.has_deferred && !consumer.no_ack && st.ready.front().is_some_and(|e| e.stored_bytes == 0 && e.message.persistent) {
+                if !consumer.no_ack && self.head_is_deferred(st) {
                     // Deferred entries never become unacked unstored (see `store_deferred_locked`).
                     self.store_deferred_locked(st, now_ms);
                 }
@@ -607,9 +633,10 @@ impl Queue {
 
     /// Writes the persistent messages of a durable queue that wait in the window without being in the
     /// store (`publish` with `lazy_ok`, or one that went straight to a no-ack consumer's turn), in seq
-    /// order. Invariant: such messages are only ever in the window (never unacked: see
-    /// `dispatch_locked`), and they are written before any later seq is, since the store takes a
-    /// queue's seqs in increasing order. Returns the ticket of the last write.
+    /// order. Invariant: such messages are only ever in the window, never unacked (`dispatch_locked` and
+    /// `get` write them before an ack-mode consumer or basic.get takes one: a requeued one would come
+    /// back below seqs stored meanwhile), and they are written before any later seq is, since the store
+    /// takes a queue's seqs in increasing order (`store_message`). Returns the ticket of the last write.
     fn store_deferred_locked(&self, st: &mut QueueState, now_ms: u64) -> Option<SyncTicket> {
         st.has_deferred = false;
         if !self.durable {
@@ -617,10 +644,11 @@ impl Queue {
         }
         let mut header = bytes::BytesMut::new();
         let mut ticket = None;
-        for entry in st.ready.iter_mut().filter(|e| e.stored_bytes == 0 && e.message.persistent) {
+        let QueueState { ready, stored_until, .. } = st;
+        for entry in ready.iter_mut().filter(|e| e.stored_bytes == 0 && e.message.persistent) {
             header.clear();
             crate::message::encode_header(&entry.message, Some(now_ms), &mut header);
-            match self.store_message(entry.seq, now_ms, &header, &entry.message) {
+            match self.store_message(stored_until, entry.seq, now_ms, &header, &entry.message) {
                 Ok(t) => {
                     entry.stored_bytes = (header.len() + entry.message.body.len()) as u64;
                     ticket = Some(t);
@@ -699,7 +727,15 @@ impl Queue {
             self.expire_locked(&mut st, now, true, &mut after);
             // The head's delivered mark must be durable first (see `delivery_marked`): basic.get is one
             // message per round trip, so waiting here for that one fsync (once per 1,024 gets) is fine.
-            while !self.delivery_marked(&mut st) {
+            loop {
+                if !no_ack && self.head_is_deferred(&st) {
+                    // It becomes unacked: it must be in the store before anything could requeue it (see
+                    // `store_deferred_locked`), and then it needs its delivered mark too.
+                    self.store_deferred_locked(&mut st, now);
+                }
+                if self.delivery_marked(&mut st) {
+                    break;
+                }
                 let Some((_, ticket)) = st.mark_pending else { break };
                 drop(st);
                 if self.store.wait_durable(ticket).is_err() {

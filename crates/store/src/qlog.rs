@@ -34,6 +34,26 @@ const KEEP_ACTIVE_BELOW: u64 = 1 << 20;
 /// memory and in each checkpoint (at worst one per 512 KiB of backlog: 20,000 for 10 GB).
 const MIN_EXTENT: u64 = 512 << 10;
 
+/// An enqueue whose seq is below its queue's next one: the store cannot keep it (see `QueueLog::admit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqRegression {
+    pub queue: u64,
+    pub seq: u64,
+    pub next_seq: u64,
+}
+
+impl std::fmt::Display for SeqRegression {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "enqueue out of seq order: queue {} appended seq {} after seq {}; the store keeps a queue's messages in seq order and cannot keep this one (a bug in the caller)",
+            self.queue,
+            self.seq,
+            self.next_seq.saturating_sub(1)
+        )
+    }
+}
+
 /// A message read back from a queue log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -167,11 +187,13 @@ impl QueueLog {
         (self.next_seq.saturating_sub(floor)).saturating_sub(self.gone.count_in(floor, self.next_seq))
     }
 
-    /// Accounts for enqueue `seq`; false if it was already applied (replay overlap). Seqs the queue
-    /// skipped (messages it never stored) become gone.
-    fn admit(&mut self, seq: u64, payload_len: usize, now_ms: u64) -> bool {
+    /// Accounts for enqueue `seq`. Seqs the queue skipped (messages it never stored) become gone. A seq
+    /// below the next one cannot be kept: the files hold a queue's records in seq order and every seq
+    /// below `next_seq` is already stored or counted gone. That is a bug in the caller (which must append
+    /// a queue's seqs in increasing order), never a case to handle quietly: the callers log it loudly.
+    fn admit(&mut self, seq: u64, payload_len: usize, now_ms: u64) -> Result<(), SeqRegression> {
         if seq < self.next_seq {
-            return false;
+            return Err(SeqRegression { queue: self.id, seq, next_seq: self.next_seq });
         }
         if seq > self.next_seq {
             self.gone.insert(self.next_seq, seq);
@@ -180,19 +202,23 @@ impl QueueLog {
         self.live_bytes += payload_len as u64;
         self.dirty = true;
         self.last_enqueue_ms = now_ms;
-        true
+        Ok(())
     }
 
     /// Keeps an enqueue record that is durable in the WAL in memory until the next checkpoint (see `tail`).
-    pub fn push_tail(&mut self, record: Bytes, wal: WalPlace, follows_own: bool, seq: u64, timestamp_ms: u64, payload_len: usize, now_ms: u64) {
-        if self.admit(seq, payload_len, now_ms) {
-            self.tail.push_back(TailRecord { seq, timestamp_ms, record, wal, follows_own });
-        }
+    /// Refuses (keeps nothing of) an enqueue below the queue's next seq: see `admit`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_tail(&mut self, record: Bytes, wal: WalPlace, follows_own: bool, seq: u64, timestamp_ms: u64, payload_len: usize, now_ms: u64) -> Result<(), SeqRegression> {
+        self.admit(seq, payload_len, now_ms)?;
+        self.tail.push_back(TailRecord { seq, timestamp_ms, record, wal, follows_own });
+        Ok(())
     }
 
-    /// Writes one enqueue record (as encoded in the WAL) straight into the queue's files (recovery).
+    /// Writes one enqueue record (as encoded in the WAL) straight into the queue's files (recovery). An
+    /// enqueue below the queue's next seq (see `admit`) is logged as an error and not applied.
     pub fn append(&mut self, record: &[u8], seq: u64, timestamp_ms: u64, payload_len: usize, seg_size: u64) -> std::io::Result<()> {
-        if !self.admit(seq, payload_len, crate::now_ms()) {
+        if let Err(regression) = self.admit(seq, payload_len, crate::now_ms()) {
+            tracing::error!(queue = self.id, seq, next_seq = regression.next_seq, "{regression}");
             return Ok(());
         }
         self.write_record(record, seq, timestamp_ms, seg_size)?;
@@ -709,5 +735,28 @@ impl QueueLogs {
 
     pub fn all(&self) -> Vec<Arc<Mutex<QueueLog>>> {
         self.logs.lock().values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seq_below_the_next_one_is_refused_and_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = QueueLog::new(&crate::io::Disk::real(), dir.path(), 7);
+        for seq in 0..3 {
+            log.admit(seq, 10, 0).unwrap();
+        }
+        let err = log.admit(1, 10, 0).unwrap_err();
+        assert_eq!(err, SeqRegression { queue: 7, seq: 1, next_seq: 3 });
+        assert!(err.to_string().contains("out of seq order"), "{err}");
+        assert_eq!((log.next_seq, log.live_count(), log.live_bytes), (3, 3, 30));
+        // A gap is not a regression: the skipped seqs are gone.
+        log.admit(5, 10, 0).unwrap();
+        assert_eq!((log.next_seq, log.live_count()), (6, 4));
+        assert!(log.gone.contains(3) && log.gone.contains(4) && !log.gone.contains(2));
+        assert!(log.admit(5, 10, 0).is_err(), "the same seq twice");
     }
 }

@@ -85,6 +85,9 @@ pub struct StoreStats {
     pub checkpoints: u64,
     /// WAL and queue segment files deleted.
     pub segments_deleted: u64,
+    /// Enqueues refused because their seq was below their queue's next one: always a bug in the caller,
+    /// logged as an error (see `Store::append`).
+    pub seq_regressions: u64,
     /// The current durable watermark.
     pub durable: SyncTicket,
 }
@@ -159,6 +162,9 @@ impl Store {
     ///   ticket is durable may lose the batch, and after such a crash ids above the last durable one can be
     ///   handed out again (no durable record ever referred to them).
     /// - Ack only ids this store returned; unknown or repeated acks are ignored, never an error.
+    /// - Append each queue's enqueues in increasing seq order (gaps are fine: skipped seqs count as gone).
+    ///   The store keeps a queue's messages in seq order; an enqueue below one already appended cannot be
+    ///   kept: it is counted in `StoreStats::seq_regressions` and logged as an error, since it is a bug.
     pub fn append(&self, batch: &mut Batch) -> Result<SyncTicket, StoreError> {
         self.inner.shared.append(batch)
     }
@@ -209,6 +215,7 @@ impl Store {
             fsyncs: get(&c.fsyncs),
             checkpoints: get(&c.checkpoints),
             segments_deleted: get(&c.segments_deleted),
+            seq_regressions: get(&c.seq_regressions),
             durable: s.durable_pos(),
         }
     }

@@ -111,6 +111,7 @@ pub(crate) struct Counters {
     pub wal_bytes: AtomicU64,
     pub queue_bytes: AtomicU64,
     pub segments_deleted: AtomicU64,
+    pub seq_regressions: AtomicU64,
 }
 
 impl Counters {
@@ -591,7 +592,12 @@ impl Writer {
                 let place = wal_place(start);
                 let follows_own = prev_enqueue == Some((queue, place.base));
                 prev_enqueue = Some((queue, place.base));
-                log.lock().push_tail(group.slice(start..end), place, follows_own, seq, timestamp_ms, payload.len(), now);
+                let pushed = log.lock().push_tail(group.slice(start..end), place, follows_own, seq, timestamp_ms, payload.len(), now);
+                if let Err(regression) = pushed {
+                    shared.counters.seq_regressions.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(queue, seq, next_seq = regression.next_seq, "{regression}");
+                    debug_assert!(false, "{regression}");
+                }
             }
             Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. } => {
                 last = None;

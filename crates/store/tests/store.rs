@@ -716,3 +716,33 @@ fn a_slow_queue_keeps_its_messages_in_the_wal_but_not_the_others_it_was_written_
     let all = read_all(&store, 1, 0, s1 as usize);
     assert!(all.iter().enumerate().all(|(i, (seq, p))| *seq == i as u64 && *p == payload(1, i as u64, 1000)));
 }
+
+/// An enqueue below its queue's next seq is a caller bug: counted, logged, and it disturbs nothing that
+/// is stored, live or after a restart (with or without a final checkpoint). In debug builds the writer
+/// asserts instead, so this runs in release builds only (`make test` runs the tests with `--release`).
+#[cfg(not(debug_assertions))]
+#[test]
+fn an_enqueue_below_the_queues_next_seq_is_counted_and_changes_nothing_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let copy = tempfile::tempdir().unwrap();
+    {
+        let (store, _) = open(dir.path(), opts());
+        put(&store, 4, 0..3, 100);
+        assert_eq!(store.stats().seq_regressions, 0);
+        let t = store.append_enqueue(4, 1, 5, &[b"late"]).unwrap();
+        store.wait_durable(t).unwrap();
+        put(&store, 4, 3..4, 100);
+        assert_eq!(store.stats().seq_regressions, 1);
+        let want: Vec<(u64, Vec<u8>)> = (0..4).map(|s| (s, payload(4, s, 100))).collect();
+        assert_eq!(read_all(&store, 4, 0, 4), want);
+        copy_dir(dir.path(), copy.path());
+        store.close().unwrap();
+    }
+    for d in [dir.path(), copy.path()] {
+        let (store, rec) = open(d, opts());
+        let q = queue(&rec, 4);
+        assert_eq!((q.next_seq, q.live_count), (4, 4), "{}", d.display());
+        assert_eq!(read_all(&store, 4, 0, 4), (0..4).map(|s| (s, payload(4, s, 100))).collect::<Vec<_>>());
+        store.close().unwrap();
+    }
+}
