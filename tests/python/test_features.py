@@ -276,3 +276,85 @@ def test_queue_consumer_timeout_argument_overrides_the_node_default(short_timeou
     assert closed.reply_code == 406 and "300 ms" in closed.reply_text
     pump(conn, 1.5)
     assert not patient_reasons and patient.is_open
+
+
+# ---- direct reply-to ---------------------------------------------------------------------------------
+
+REPLY_TO = "amq.rabbitmq.reply-to"
+
+
+def test_direct_reply_to_round_trip(broker, conn, name):
+    server_conn = broker.connection()
+    server = server_conn.channel()
+    server.queue_declare(name, auto_delete=True)
+    requests = []
+    server.basic_consume(name, lambda c, m, p, b: requests.append((p, b)), auto_ack=True)
+
+    client = conn.channel()
+    assert client.queue_declare(REPLY_TO, passive=True).method.queue == REPLY_TO
+    replies = []
+    client.basic_consume(REPLY_TO, lambda c, m, p, b: replies.append((m, p, b)), auto_ack=True)
+    client.basic_publish("", name, b"ping", pika.BasicProperties(reply_to=REPLY_TO, correlation_id="c-1"))
+    wait_for(server_conn, lambda: requests)
+    props, body = requests[0]
+    assert body == b"ping"
+    address = props.reply_to
+    assert address.startswith(REPLY_TO + ".") and len(address) > len(REPLY_TO) + 1
+    assert props.correlation_id == "c-1"
+    # The RPC server can check its client still waits: the address declares while the consumer exists.
+    assert server.queue_declare(address, passive=True).method.queue == address
+    for i in range(3):
+        server.basic_publish("", address, b"pong%d" % i, pika.BasicProperties(correlation_id="c-1"))
+    wait_for(conn, lambda: len(replies) == 3)
+    m, p, b = replies[0]
+    assert [r[2] for r in replies] == [b"pong0", b"pong1", b"pong2"]
+    assert m.routing_key == address and m.exchange == "" and p.correlation_id == "c-1"
+    # No queue was made for it.
+    with pytest.raises(ChannelClosedByBroker) as e:
+        server_conn.channel().queue_declare(address.replace(REPLY_TO + ".", "amq.gen-"), passive=True)
+    assert e.value.reply_code == 404
+    # Once the client's channel is gone, its address is too, and replies to it are dropped.
+    client.close()
+    pump(conn)
+    server.basic_publish("", address, b"late")
+    with pytest.raises(ChannelClosedByBroker) as e:
+        server.queue_declare(address, passive=True)
+    assert e.value.reply_code == 404
+    server_conn.close()
+
+
+def test_direct_reply_to_consumer_must_be_no_ack(ch):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_consume(REPLY_TO, lambda *a: None, auto_ack=False)
+    assert e.value.reply_code == 406
+    assert "reply consumer cannot acknowledge" in e.value.reply_text
+
+
+def test_direct_reply_to_publish_without_reply_consumer_is_406(ch, name):
+    ch.queue_declare(name, auto_delete=True)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_publish("", name, b"x", pika.BasicProperties(reply_to=REPLY_TO))
+        ch.queue_declare(name, passive=True)  # a round trip, to see the channel's fate
+    assert e.value.reply_code == 406
+    assert "fast reply consumer does not exist" in e.value.reply_text
+
+
+def test_direct_reply_to_one_reply_consumer_per_channel(ch):
+    ch.basic_consume(REPLY_TO, lambda *a: None, auto_ack=True)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_consume(REPLY_TO, lambda *a: None, auto_ack=True)
+    assert e.value.reply_code == 406
+
+
+def test_direct_reply_to_cancel_then_consume_again(conn, ch, name):
+    tag = ch.basic_consume(REPLY_TO, lambda *a: None, auto_ack=True)
+    ch.basic_cancel(tag)
+    replies = []
+    ch.basic_consume(REPLY_TO, lambda c, m, p, b: replies.append(b), auto_ack=True)
+    ch.queue_declare(name, auto_delete=True)
+    ch.basic_publish("", name, b"req", pika.BasicProperties(reply_to=REPLY_TO))
+    _, props, _ = ch.basic_get(name, auto_ack=True) if eventually(
+        lambda: ch.queue_declare(name, passive=True).method.message_count == 1) else (None, None, None)
+    ch.basic_publish("", props.reply_to, b"answer")
+    wait_for(conn, lambda: replies)
+    assert replies == [b"answer"]

@@ -6,6 +6,7 @@
 //! the channel lock, and only then calls into the queues.
 
 use crate::consumers::ConsumerArgs;
+use crate::direct_reply::ReplyConsumers;
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
 use crate::queue::{Entry, Queue};
@@ -94,6 +95,15 @@ struct ChannelState {
     closed: bool,
     /// Some unacked message came from a queue with its own `x-consumer-timeout`.
     queue_timeouts: bool,
+    /// The direct reply-to consumer of this channel, if any (see `direct_reply`).
+    reply: Option<ReplyConsumer>,
+}
+
+/// A channel's consumer of `amq.rabbitmq.reply-to`.
+struct ReplyConsumer {
+    tag: Arc<str>,
+    token: String,
+    registry: Arc<ReplyConsumers>,
 }
 
 /// Which settlement a client asked for.
@@ -129,6 +139,7 @@ impl Channel {
                 flow_active: true,
                 closed: false,
                 queue_timeouts: false,
+                reply: None,
             }),
         })
     }
@@ -234,7 +245,50 @@ impl Channel {
     }
 
     pub fn has_consumer(&self, tag: &str) -> bool {
-        self.state.lock().consumers.contains_key(tag)
+        let st = self.state.lock();
+        st.consumers.contains_key(tag) || st.reply.as_ref().is_some_and(|r| &*r.tag == tag)
+    }
+
+    /// basic.consume from `amq.rabbitmq.reply-to`: registers this channel's reply consumer (one per
+    /// channel, no-ack only, as RabbitMQ). The caller sends consume-ok.
+    pub fn start_reply_consumer(self: &Arc<Self>, registry: &Arc<ReplyConsumers>, tag: Arc<str>, no_ack: bool) -> Result<()> {
+        if !no_ack {
+            return Err(BrokerError::precondition_failed("reply consumer cannot acknowledge"));
+        }
+        let mut st = self.state.lock();
+        if st.reply.is_some() {
+            return Err(BrokerError::precondition_failed("reply consumer already set"));
+        }
+        let token = registry.register(self);
+        st.reply = Some(ReplyConsumer { tag, token, registry: registry.clone() });
+        Ok(())
+    }
+
+    /// What a `reply_to` of `amq.rabbitmq.reply-to` published on this channel becomes; None if the
+    /// channel has no reply consumer.
+    pub fn reply_address(&self) -> Option<String> {
+        let st = self.state.lock();
+        st.reply.as_ref().map(|r| format!("{}{}", crate::direct_reply::PREFIX, r.token))
+    }
+
+    /// Hands a direct reply to this channel's reply consumer (no ack: nothing is kept). False if there
+    /// is none any more.
+    pub fn deliver_reply(&self, message: MessageRef) -> bool {
+        let mut st = self.state.lock();
+        if st.closed {
+            return false;
+        }
+        let Some(consumer_tag) = st.reply.as_ref().map(|r| r.tag.clone()) else { return false };
+        let delivery_tag = st.next_tag;
+        st.next_tag += 1;
+        self.sink.send(Delivery::Deliver { channel: self.number, consumer_tag, delivery_tag, redelivered: false, message });
+        true
+    }
+
+    fn stop_reply_consumer(st: &mut ChannelState) {
+        if let Some(r) = st.reply.take() {
+            r.registry.unregister(&r.token);
+        }
     }
 
     /// Registers a consumer (already accepted by its queue).
@@ -265,7 +319,14 @@ impl Channel {
 
     /// basic.cancel from the client. Returns false when no such consumer exists.
     pub fn cancel(&self, tag: &str) -> bool {
-        let consumer = self.state.lock().consumers.remove(tag);
+        let consumer = {
+            let mut st = self.state.lock();
+            if st.reply.as_ref().is_some_and(|r| &*r.tag == tag) {
+                Self::stop_reply_consumer(&mut st);
+                return true;
+            }
+            st.consumers.remove(tag)
+        };
         match consumer {
             Some(c) => {
                 c.queue.remove_consumer(&c);
@@ -307,6 +368,7 @@ impl Channel {
         let (taken, consumers) = {
             let mut st = self.state.lock();
             st.closed = true;
+            Self::stop_reply_consumer(&mut st);
             let consumers: Vec<_> = st.consumers.drain().map(|(_, c)| c).collect();
             (st.unacked.drain(..).collect::<Vec<_>>(), consumers)
         };

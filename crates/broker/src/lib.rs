@@ -11,6 +11,7 @@ pub mod broker;
 pub mod channel;
 pub mod consumers;
 pub mod deadletter;
+pub mod direct_reply;
 pub mod definitions;
 pub mod error;
 pub mod exchange;

@@ -3,6 +3,7 @@
 
 use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterWork};
 use crate::definitions::Definitions;
+use crate::direct_reply::{self, ReplyConsumers};
 use crate::error::{BrokerError, Result};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
@@ -62,6 +63,8 @@ pub struct VHost {
     /// Dead letters waiting to be re-published (see `dead_letter`).
     dead_letters: DeadLetterWork,
     me: Weak<VHost>,
+    /// Direct reply-to consumers (`amq.rabbitmq.reply-to`).
+    pub replies: Arc<ReplyConsumers>,
 }
 
 /// Dead letters a caller re-publishes before handing the rest to a task (see `VHost::dead_letter`).
@@ -88,6 +91,7 @@ impl VHost {
             next_queue_id,
             dead_letters: DeadLetterWork::default(),
             me: me.clone(),
+            replies: Arc::default(),
         });
         {
             let mut exchanges = vhost.exchanges.write();
@@ -270,6 +274,9 @@ impl VHost {
 
     /// queue.declare: returns (name, message count, consumer count).
     pub fn queue_declare(&self, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+        if direct_reply::is_reply_name(d.name) {
+            return self.replies.declare(d.name, &self.name);
+        }
         let _topology = self.topology.lock();
         if !d.name.is_empty() {
             if let Some(existing) = self.queues.read().get(d.name).cloned() {
@@ -469,6 +476,11 @@ impl VHost {
                 "cannot publish to internal exchange '{exchange}' in vhost '{}'",
                 self.name
             )));
+        }
+        if ex.name.is_empty() && message.routing_key.starts_with(direct_reply::PREFIX) {
+            // A direct reply: straight to the waiting channel, no queue.
+            let routed = self.replies.deliver(Arc::new(message));
+            return Ok(PublishOutcome { routed, ..Default::default() });
         }
         let mut queues = Vec::new();
         self.route(&ex, &message, &mut queues);

@@ -169,6 +169,8 @@ pub struct PropertiesView<'a> {
     timestamp: Option<u64>,
     /// The headers table in wire form (length prefix included).
     headers: Option<&'a [u8]>,
+    /// The reply-to short string and the offset of its length byte.
+    reply_to: Option<(&'a [u8], usize)>,
 }
 
 impl<'a> PropertiesView<'a> {
@@ -202,7 +204,8 @@ impl<'a> PropertiesView<'a> {
             r.short_bytes()?;
         }
         if has(REPLY_TO) {
-            r.short_bytes()?;
+            let at = r.position();
+            v.reply_to = Some((r.short_bytes()?, at));
         }
         if has(EXPIRATION) {
             let offset = r.position();
@@ -248,8 +251,54 @@ impl<'a> PropertiesView<'a> {
     pub fn timestamp(&self) -> Option<u64> {
         self.timestamp
     }
+    pub fn reply_to(&self) -> Option<&'a [u8]> {
+        self.reply_to.map(|(b, _)| b)
+    }
+
+    /// The raw properties `raw` (which this view was made from) with the reply-to property replaced by
+    /// `new` (at most 255 bytes); None if there is no reply-to or `new` is too long.
+    pub fn with_reply_to(&self, raw: &[u8], new: &str) -> Option<Vec<u8>> {
+        let (old, at) = self.reply_to?;
+        let len = u8::try_from(new.len()).ok()?;
+        let end = at + 1 + old.len();
+        let mut out = Vec::with_capacity(raw.len() - old.len() + new.len());
+        out.extend_from_slice(raw.get(..at)?);
+        out.push(len);
+        out.extend_from_slice(new.as_bytes());
+        out.extend_from_slice(raw.get(end..)?);
+        Some(out)
+    }
+
     /// Decodes the headers table on demand.
     pub fn headers(&self) -> Option<Result<FieldTable, FrameError>> {
         self.headers.map(FieldTable::decode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_reply_to_replaces_only_that_property() {
+        let props = BasicProperties {
+            content_type: Some("text/plain".into()),
+            correlation_id: Some("c1".into()),
+            reply_to: Some("amq.rabbitmq.reply-to".into()),
+            expiration: Some("5000".into()),
+            app_id: Some("app".into()),
+            ..Default::default()
+        };
+        let mut raw = BytesMut::new();
+        props.encode(&mut raw);
+        let view = PropertiesView::new(&raw).expect("view");
+        assert_eq!(view.reply_to(), Some(&b"amq.rabbitmq.reply-to"[..]));
+        let new = view.with_reply_to(&raw, "amq.rabbitmq.reply-to.abcdef").expect("rewritten");
+        let decoded = BasicProperties::decode(&new).expect("decodes");
+        assert_eq!(decoded, BasicProperties { reply_to: Some("amq.rabbitmq.reply-to.abcdef".into()), ..props });
+        assert!(view.with_reply_to(&raw, &"x".repeat(256)).is_none());
+        let mut none = BytesMut::new();
+        BasicProperties::default().encode(&mut none);
+        assert!(PropertiesView::new(&none).expect("view").with_reply_to(&none, "a").is_none());
     }
 }

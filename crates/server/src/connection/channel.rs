@@ -6,6 +6,7 @@ use super::outbox::{DurableAction, Outgoing};
 use super::ConnectionShared;
 use bytes::{Bytes, BytesMut};
 use std::sync::Arc;
+use warren_broker::direct_reply;
 use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
 use warren_broker::{BrokerError, Channel, Message, Scope, Settle};
 use warren_protocol::constants as c;
@@ -327,6 +328,9 @@ impl ChannelHandler {
     }
 
     fn basic_consume(&mut self, m: BasicConsume, conn: &ConnectionShared) -> Handled {
+        if m.queue == direct_reply::PSEUDO_QUEUE {
+            return self.reply_consume(m, conn);
+        }
         let queue = conn.vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
         let tag = if m.consumer_tag.is_empty() {
             warren_broker::vhost::generated_name("amq.ctag-")
@@ -354,6 +358,25 @@ impl ChannelHandler {
             }
         })?;
         self.channel.add_consumer(consumer);
+        Ok(())
+    }
+
+    /// basic.consume from `amq.rabbitmq.reply-to` (direct reply-to).
+    fn reply_consume(&mut self, m: BasicConsume, conn: &ConnectionShared) -> Handled {
+        let tag = if m.consumer_tag.is_empty() { warren_broker::vhost::generated_name("amq.ctag-") } else { m.consumer_tag };
+        if self.channel.has_consumer(&tag) {
+            return Err(Failure::Connection(ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"),
+                c::CLASS_BASIC,
+                20,
+            )));
+        }
+        warren_broker::ConsumerArgs::parse(direct_reply::PSEUDO_QUEUE, &m.arguments)?;
+        self.channel.start_reply_consumer(&conn.vhost.replies, tag.as_str().into(), m.no_ack)?;
+        if !m.nowait {
+            self.reply(conn, Method::BasicConsumeOk(BasicConsumeOk { consumer_tag: tag }));
+        }
         Ok(())
     }
 
@@ -530,12 +553,26 @@ impl ChannelHandler {
                 BrokerError::precondition_failed(format!("invalid expiration '{s}': expected a non-negative integer of milliseconds"))
             })?),
         };
+        // Direct reply-to: the request names this channel's reply consumer.
+        let reply_to = if view.reply_to() == Some(direct_reply::PSEUDO_QUEUE.as_bytes()) {
+            let address = self
+                .channel
+                .reply_address()
+                .ok_or_else(|| BrokerError::precondition_failed("fast reply consumer does not exist"))?;
+            let rewritten = view
+                .with_reply_to(&properties, &address)
+                .ok_or_else(|| BrokerError::internal("could not rewrite the reply_to property"))?;
+            Some(Bytes::from(rewritten))
+        } else {
+            None
+        };
+        let persistent = view.delivery_mode() == Some(2);
         Ok(Message {
             exchange: publish.exchange.clone(),
             routing_key: publish.routing_key.clone(),
-            persistent: view.delivery_mode() == Some(2),
+            persistent,
             expiration_ms,
-            properties,
+            properties: reply_to.unwrap_or(properties),
             body,
         })
     }

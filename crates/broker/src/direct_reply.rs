@@ -1,0 +1,64 @@
+//! Direct reply-to, as RabbitMQ's `amq.rabbitmq.reply-to`: an RPC client consumes (no-ack) from the
+//! pseudo-queue `amq.rabbitmq.reply-to` and publishes requests with `reply_to` set to that name; the
+//! broker rewrites it to `amq.rabbitmq.reply-to.<token>`, and a reply published to the default exchange
+//! with that routing key goes straight to the client's channel: no queue, nothing stored, nothing to
+//! ack. A reply to a consumer that is gone is dropped (a mandatory one is returned).
+//!
+//! The token is random (22 URL-safe base64 characters) and names one consumer of one channel; the
+//! registry is per virtual host.
+
+use crate::channel::Channel;
+use crate::error::{BrokerError, Result};
+use crate::message::MessageRef;
+use parking_lot::RwLock;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+/// The pseudo-queue a client consumes replies from.
+pub const PSEUDO_QUEUE: &str = "amq.rabbitmq.reply-to";
+/// What a publisher's `reply_to` is rewritten to, followed by the token.
+pub const PREFIX: &str = "amq.rabbitmq.reply-to.";
+
+/// The reply consumers of a virtual host, by token.
+#[derive(Default)]
+pub struct ReplyConsumers {
+    by_token: RwLock<HashMap<String, Weak<Channel>>>,
+}
+
+impl ReplyConsumers {
+    /// Registers `channel`'s reply consumer; returns its token.
+    pub fn register(&self, channel: &Arc<Channel>) -> String {
+        let token = crate::vhost::generated_name("");
+        self.by_token.write().insert(token.clone(), Arc::downgrade(channel));
+        token
+    }
+
+    pub fn unregister(&self, token: &str) {
+        self.by_token.write().remove(token);
+    }
+
+    /// Delivers a reply published to the default exchange with a routing key that starts with
+    /// [`PREFIX`]; false if no such consumer exists any more.
+    pub fn deliver(&self, message: MessageRef) -> bool {
+        let Some(token) = message.routing_key.strip_prefix(PREFIX) else { return false };
+        let channel = self.by_token.read().get(token).and_then(Weak::upgrade);
+        channel.is_some_and(|c| c.deliver_reply(message))
+    }
+
+    /// queue.declare of the pseudo-queue (always there) or of a reply address (there while its
+    /// consumer is): RabbitMQ lets an RPC server check this way that its client is still waiting.
+    pub fn declare(&self, name: &str, vhost: &str) -> Result<(String, u32, u32)> {
+        let exists = name == PSEUDO_QUEUE
+            || name.strip_prefix(PREFIX).is_some_and(|token| self.by_token.read().contains_key(token));
+        if exists {
+            Ok((name.to_string(), 0, 0))
+        } else {
+            Err(BrokerError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))
+        }
+    }
+}
+
+/// Whether a queue name belongs to direct reply-to.
+pub fn is_reply_name(name: &str) -> bool {
+    name == PSEUDO_QUEUE || name.starts_with(PREFIX)
+}
