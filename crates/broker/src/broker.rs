@@ -1,7 +1,9 @@
 //! The node's broker: its virtual hosts, users, the shared message store, and recovery.
 
-use crate::definitions::{self, Definitions};
-use crate::vhost::VHost;
+use crate::definitions;
+use crate::metadata::log::OnCorruption;
+use crate::metadata::{Metadata, MetadataError};
+use crate::vhost::{VHost, TRANSIENT_QUEUE_IDS};
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::path::Path;
@@ -24,6 +26,8 @@ pub struct BrokerOptions {
     pub default_pass: String,
     pub loopback_users: Vec<String>,
     pub store: StoreOptions,
+    /// What opening the metadata log does about corruption in its middle.
+    pub metadata_on_corruption: OnCorruption,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -32,15 +36,15 @@ pub enum OpenError {
     DataDir { path: String, source: std::io::Error },
     #[error("cannot open the message store: {0}")]
     Store(#[from] warren_store::StoreError),
-    #[error("cannot read the definitions: {0}")]
-    Definitions(std::io::Error),
+    #[error("cannot open the metadata log: {0}")]
+    Metadata(#[from] MetadataError),
 }
 
 pub struct Broker {
     vhosts: RwLock<HashMap<String, Arc<VHost>>>,
     users: RwLock<HashMap<String, User>>,
     store: Store,
-    definitions: Arc<Definitions>,
+    metadata: Arc<Metadata>,
     next_queue_id: Arc<AtomicU64>,
 }
 
@@ -50,25 +54,37 @@ pub struct RecoveryReport {
     pub queues: usize,
     pub messages: usize,
     pub dropped: usize,
+    /// Queues the store holds messages for but the metadata log does not know: (queue id,
+    /// messages). Their data is left untouched in the store, neither delivered nor deleted.
+    pub kept_aside: Vec<(u64, u64)>,
     pub elapsed_ms: u128,
 }
 
 impl Broker {
-    /// Opens the data directory: the store (replaying the log), then the definitions, then
+    /// Opens the data directory: the store (replaying its log), then the metadata log, then
     /// puts every recovered message back into its queue.
+    ///
+    /// Messages are never deleted because metadata is missing: the store's data for a queue id
+    /// the metadata log does not know is kept aside (left in the store, logged at every start).
+    /// Only a queue the log says was deleted, or a transient queue of the previous run, loses
+    /// what the store still held for it.
     pub fn open(data_dir: &Path, opts: BrokerOptions) -> Result<(Arc<Broker>, RecoveryReport), OpenError> {
         let started = Instant::now();
         std::fs::create_dir_all(data_dir)
             .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
         let (store, recovery) = Store::open(&data_dir.join("store"), opts.store)?;
-        let next_queue_id = Arc::new(AtomicU64::new(1));
-        let definitions = Arc::new(Definitions::load(data_dir, next_queue_id.clone()).map_err(OpenError::Definitions)?);
+        let (metadata, opened) = Metadata::open(data_dir, opts.metadata_on_corruption)?;
+        if let Some(offset) = opened.torn_tail_at {
+            tracing::warn!(offset, "the metadata log had a torn tail (an unacknowledged change a crash interrupted); it was cut and kept aside");
+        }
+        let metadata = Arc::new(metadata);
+        let next_queue_id = Arc::new(AtomicU64::new(metadata.next_queue_id().max(1)));
 
         let broker = Arc::new(Broker {
             vhosts: RwLock::new(HashMap::new()),
             users: RwLock::new(HashMap::new()),
             store: store.clone(),
-            definitions: definitions.clone(),
+            metadata: metadata.clone(),
             next_queue_id: next_queue_id.clone(),
         });
         broker.add_user(&opts.default_user, &opts.default_pass, opts.loopback_users.contains(&opts.default_user));
@@ -78,7 +94,7 @@ impl Broker {
             }
         }
 
-        let mut names = definitions.vhost_names();
+        let mut names = metadata.vhost_names();
         if !names.contains(&opts.default_vhost) {
             names.push(opts.default_vhost.clone());
         }
@@ -86,7 +102,7 @@ impl Broker {
         let mut by_id = HashMap::new();
         for name in names {
             let vhost = broker.add_vhost(&name);
-            for q in definitions::restore(&vhost, &definitions.vhost(&name)) {
+            for q in definitions::restore(&vhost, &metadata.vhost(&name)) {
                 by_id.insert(q.id, q);
             }
         }
@@ -98,13 +114,27 @@ impl Broker {
                     q.restore(rec);
                     report.messages += rec.live_count as usize;
                 }
-                None => {
-                    // Not a durable queue (any more): what the store holds for it goes.
+                // Deleted, a transient queue of the previous run, or nothing left: it may go.
+                None if rec.queue >= TRANSIENT_QUEUE_IDS || metadata.was_deleted(rec.queue) || rec.live_count == 0 => {
                     orphans.drop_queue(rec.queue);
                     report.dropped += rec.live_count as usize;
                 }
+                None => {
+                    tracing::error!(
+                        queue_id = rec.queue,
+                        messages = rec.live_count,
+                        "the store holds {} messages for queue id {}, which the metadata log does not know (its declaration was lost): \
+                         they are kept aside, untouched in the store, neither delivered nor deleted",
+                        rec.live_count,
+                        rec.queue
+                    );
+                    report.kept_aside.push((rec.queue, rec.live_count));
+                }
             }
-            next_queue_id.fetch_max(rec.queue + 1, std::sync::atomic::Ordering::Relaxed);
+            if rec.queue < TRANSIENT_QUEUE_IDS {
+                // Never reuse an id the store has seen: a new queue must not adopt kept-aside data.
+                next_queue_id.fetch_max(rec.queue + 1, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         for q in by_id.values().filter(|q| q.args.retention_ms > 0) {
             store.set_retention(q.id, q.args.retention_ms);
@@ -113,6 +143,8 @@ impl Broker {
             let ticket = store.append(&mut orphans)?;
             store.wait_durable(ticket)?;
         }
+        // What the store held for deleted queues is gone for good: their records can go too.
+        metadata.forget_deleted();
         report.elapsed_ms = started.elapsed().as_millis();
         Ok((broker, report))
     }
@@ -125,7 +157,7 @@ impl Broker {
         let mut vhosts = self.vhosts.write();
         vhosts
             .entry(name.to_string())
-            .or_insert_with(|| VHost::new(name.to_string(), self.store.clone(), self.definitions.clone(), self.next_queue_id.clone()))
+            .or_insert_with(|| VHost::new(name.to_string(), self.store.clone(), self.metadata.clone(), self.next_queue_id.clone()))
             .clone()
     }
 

@@ -1,33 +1,30 @@
-//! The durable topology (exchanges, queues, bindings) in `definitions.json`.
+//! The durable topology's records (exchanges, queues, bindings), rebuilding a vhost from them,
+//! and the field-table JSON they are stored in.
 //!
-//! Written whole on every change to something durable: write a temporary file, fsync it,
-//! rename it over the old one, fsync the directory. Declarations are rare next to messages,
-//! so simplicity wins over an append-only format here. A crash leaves either the old or the
-//! new file, never a mix.
+//! They are kept in the metadata log (`crate::metadata`). Versions before it wrote them whole to
+//! `definitions.json` on every change; [`load_legacy`] reads that file once, to import it.
 
 use crate::exchange::{Destination, Exchange, ExchangeKind};
 use crate::vhost::VHost;
 use bytes::Bytes;
-use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use warren_protocol::field::{Decimal, FieldTable, FieldValue};
 
+/// The file earlier versions kept the topology in.
 pub const FILE_NAME: &str = "definitions.json";
-const VERSION: u32 = 1;
 
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VHostDefs {
     pub exchanges: Vec<ExchangeDef>,
     pub queues: Vec<QueueDef>,
     pub bindings: Vec<BindingDef>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExchangeDef {
     pub name: String,
     #[serde(rename = "type")]
@@ -37,7 +34,7 @@ pub struct ExchangeDef {
     pub arguments: Value,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QueueDef {
     pub name: String,
     /// The id the store tags this queue's messages with.
@@ -46,7 +43,7 @@ pub struct QueueDef {
     pub arguments: Value,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BindingDef {
     pub source: String,
     pub destination: String,
@@ -57,93 +54,43 @@ pub struct BindingDef {
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
-struct FileContents {
+struct LegacyFile {
     version: u32,
     next_queue_id: u64,
     vhosts: BTreeMap<String, VHostDefs>,
 }
 
-pub struct Definitions {
-    path: PathBuf,
-    contents: Mutex<FileContents>,
-    next_queue_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
+/// Reads a `definitions.json`: (next queue id, each vhost's topology).
+pub fn load_legacy(path: &Path) -> std::io::Result<(u64, BTreeMap<String, VHostDefs>)> {
+    let bytes = fs::read(path)?;
+    let file = serde_json::from_slice::<LegacyFile>(&bytes).map_err(|e| {
+        std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} is not a valid definitions file: {e}", path.display()))
+    })?;
+    Ok((file.next_queue_id.max(1), file.vhosts))
 }
 
-impl Definitions {
-    /// Loads the file (an absent file is an empty topology).
-    pub fn load(dir: &Path, next_queue_id: std::sync::Arc<std::sync::atomic::AtomicU64>) -> std::io::Result<Definitions> {
-        let path = dir.join(FILE_NAME);
-        let contents = match fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice::<FileContents>(&bytes).map_err(|e| {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("{} is not a valid definitions file: {e}", path.display()),
-                )
-            })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => FileContents { version: VERSION, next_queue_id: 1, vhosts: BTreeMap::new() },
-            Err(e) => return Err(e),
-        };
-        next_queue_id.fetch_max(contents.next_queue_id.max(1), std::sync::atomic::Ordering::Relaxed);
-        Ok(Definitions { path, contents: Mutex::new(contents), next_queue_id })
-    }
-
-    pub fn vhost_names(&self) -> Vec<String> {
-        self.contents.lock().vhosts.keys().cloned().collect()
-    }
-
-    pub fn vhost(&self, name: &str) -> VHostDefs {
-        self.contents.lock().vhosts.get(name).cloned().unwrap_or_default()
-    }
-
-    /// Snapshots the durable part of a vhost and rewrites the file.
-    pub fn save_vhost(&self, vhost: &VHost) -> std::io::Result<()> {
-        let defs = snapshot(vhost);
-        let mut contents = self.contents.lock();
-        contents.version = VERSION;
-        contents.next_queue_id = self.next_queue_id.load(std::sync::atomic::Ordering::Relaxed);
-        contents.vhosts.insert(vhost.name.clone(), defs);
-        let json = serde_json::to_vec_pretty(&*contents).map_err(std::io::Error::other)?;
-        write_atomically(&self.path, &json)
+pub fn exchange_def(ex: &Exchange) -> ExchangeDef {
+    ExchangeDef {
+        name: ex.name.clone(),
+        kind: ex.kind.as_str().to_string(),
+        auto_delete: ex.auto_delete,
+        internal: ex.internal,
+        arguments: table_to_json(&ex.arguments),
     }
 }
 
-fn snapshot(vhost: &VHost) -> VHostDefs {
-    let mut defs = VHostDefs::default();
-    let mut exchanges = vhost.exchanges();
-    exchanges.sort_by(|a, b| a.name.cmp(&b.name));
-    for ex in &exchanges {
-        let builtin = ex.name.is_empty() || ex.name.starts_with("amq.");
-        if ex.durable && !builtin {
-            defs.exchanges.push(ExchangeDef {
-                name: ex.name.clone(),
-                kind: ex.kind.as_str().to_string(),
-                auto_delete: ex.auto_delete,
-                internal: ex.internal,
-                arguments: table_to_json(&ex.arguments),
-            });
-        }
-        if !ex.durable {
-            continue;
-        }
-        for b in ex.bindings() {
-            if !b.destination.durable() {
-                continue;
-            }
-            defs.bindings.push(BindingDef {
-                source: ex.name.clone(),
-                destination: b.destination.name().to_string(),
-                destination_type: if b.destination.is_queue() { "queue" } else { "exchange" }.to_string(),
-                routing_key: b.routing_key.clone(),
-                arguments: table_to_json(&b.arguments),
-            });
-        }
+pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
+    QueueDef { name: q.name.clone(), id: q.id, auto_delete: q.auto_delete, arguments: table_to_json(&q.arguments) }
+}
+
+pub fn binding_def(source: &str, b: &crate::exchange::Binding) -> BindingDef {
+    BindingDef {
+        source: source.to_string(),
+        destination: b.destination.name().to_string(),
+        destination_type: if b.destination.is_queue() { "queue" } else { "exchange" }.to_string(),
+        routing_key: b.routing_key.clone(),
+        arguments: table_to_json(&b.arguments),
     }
-    let mut queues = vhost.queues();
-    queues.sort_by(|a, b| a.name.cmp(&b.name));
-    for q in queues.iter().filter(|q| q.durable) {
-        defs.queues.push(QueueDef { name: q.name.clone(), id: q.id, auto_delete: q.auto_delete, arguments: table_to_json(&q.arguments) });
-    }
-    defs
 }
 
 /// Rebuilds a vhost's durable topology. Returns the queues by store id.
@@ -175,20 +122,6 @@ pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::que
         source.bind(crate::exchange::Binding { destination, routing_key: b.routing_key.clone(), arguments: table_from_json(&b.arguments) });
     }
     queues
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    {
-        let mut f = fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent() {
-        fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }
 
 // Field tables are stored with their AMQP types, so a restored argument is exactly what was declared.

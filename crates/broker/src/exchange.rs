@@ -152,6 +152,21 @@ impl Exchange {
         bindings.all.len() != before
     }
 
+    /// Whether an identical binding exists.
+    pub fn has_binding(&self, binding: &Binding) -> bool {
+        self.bindings.read().all.iter().any(|b| same_binding(b, binding))
+    }
+
+    pub fn binding_count(&self) -> usize {
+        self.bindings.read().all.len()
+    }
+
+    /// Whether the exchange has bindings and all of them lead to `destination`.
+    pub fn only_bound_to(&self, destination: &Destination) -> bool {
+        let bindings = self.bindings.read();
+        !bindings.all.is_empty() && bindings.all.iter().all(|b| b.destination.same(destination))
+    }
+
     pub fn has_bindings(&self) -> bool {
         !self.bindings.read().all.is_empty()
     }

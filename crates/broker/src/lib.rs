@@ -7,6 +7,7 @@
 //! to a consumer with credit ([`Channel::try_deliver`]); the client's ack comes back through
 //! [`Channel::settle`] to [`Queue::settle`], which records the ack in the store.
 
+mod blocking;
 pub mod broker;
 pub mod channel;
 pub mod consumers;
@@ -16,6 +17,7 @@ pub mod definitions;
 pub mod error;
 pub mod exchange;
 pub mod message;
+pub mod metadata;
 pub mod queue;
 pub mod queue_args;
 pub mod routing;

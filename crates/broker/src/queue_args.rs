@@ -82,7 +82,7 @@ impl QueueArgs {
         Self::parse_known(queue, vhost, args)
     }
 
-    /// Parses the arguments of a queue restored from the definitions file: one declared by an older
+    /// Parses the arguments of a queue restored from the metadata log: one declared by an older
     /// version with an argument now refused keeps its other arguments (and its messages); the unknown
     /// one is named in the log.
     pub fn parse_stored(queue: &str, vhost: &str, args: &FieldTable) -> QueueArgs {

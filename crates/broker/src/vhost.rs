@@ -2,11 +2,12 @@
 //! published messages to queues.
 
 use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterWork};
-use crate::definitions::Definitions;
+use crate::definitions::{binding_def, exchange_def, queue_def};
 use crate::direct_reply::{self, ReplyConsumers};
 use crate::error::{BrokerError, Result};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
+use crate::metadata::{Metadata, Op};
 use crate::queue::{Enqueued, Queue};
 use crate::queue_args::{first_difference, QueueArgs, EQUIVALENCE_KEYS};
 use bytes::BytesMut;
@@ -55,10 +56,12 @@ pub struct VHost {
     pub name: String,
     exchanges: RwLock<HashMap<String, Arc<Exchange>>>,
     queues: RwLock<HashMap<String, Arc<Queue>>>,
-    /// Serialises changes to the topology and the writes of the definitions file.
+    /// Serialises changes to the topology, including their durable write to the metadata log.
     topology: Mutex<()>,
     store: Store,
-    definitions: Arc<Definitions>,
+    metadata: Arc<Metadata>,
+    /// The next durable queue's id (the metadata log records it; transient ids come from
+    /// `NEXT_TRANSIENT_QUEUE_ID`).
     next_queue_id: Arc<AtomicU64>,
     /// Dead letters waiting to be re-published (see `dead_letter`).
     dead_letters: DeadLetterWork,
@@ -70,6 +73,12 @@ pub struct VHost {
 /// Dead letters a caller re-publishes before handing the rest to a task (see `VHost::dead_letter`).
 const DEAD_LETTERS_PER_TURN: usize = 1024;
 
+/// Transient queues' ids start here. They are never in the metadata log, so at a start what the
+/// store still holds for one belongs to a queue that ended with the previous run and is dropped;
+/// a lower id the metadata log does not know is kept aside instead (see `Broker::open`).
+pub const TRANSIENT_QUEUE_IDS: u64 = 1 << 63;
+static NEXT_TRANSIENT_QUEUE_ID: AtomicU64 = AtomicU64::new(TRANSIENT_QUEUE_IDS);
+
 const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
     ("", ExchangeKind::Direct),
     ("amq.direct", ExchangeKind::Direct),
@@ -80,14 +89,14 @@ const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
 ];
 
 impl VHost {
-    pub fn new(name: String, store: Store, definitions: Arc<Definitions>, next_queue_id: Arc<AtomicU64>) -> Arc<VHost> {
+    pub fn new(name: String, store: Store, metadata: Arc<Metadata>, next_queue_id: Arc<AtomicU64>) -> Arc<VHost> {
         let vhost = Arc::new_cyclic(|me| VHost {
             name,
             exchanges: RwLock::new(HashMap::new()),
             queues: RwLock::new(HashMap::new()),
             topology: Mutex::new(()),
             store,
-            definitions,
+            metadata,
             next_queue_id,
             dead_letters: DeadLetterWork::default(),
             me: me.clone(),
@@ -149,7 +158,7 @@ impl VHost {
     // ---- exchanges ----------------------------------------------------------------------
 
     pub fn exchange_declare(&self, d: &ExchangeDeclare) -> Result<()> {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         if let Some(existing) = self.exchanges.read().get(d.name).cloned() {
             if d.passive {
                 return Ok(());
@@ -192,15 +201,16 @@ impl VHost {
         }
         let kind = ExchangeKind::parse(d.kind)?;
         let exchange = Exchange::new(d.name.to_string(), kind, d.durable, d.auto_delete, d.internal, d.arguments.clone());
-        self.exchanges.write().insert(d.name.to_string(), exchange);
         if d.durable {
-            self.save_definitions();
+            let op = Op::ExchangeDeclared { vhost: self.name.clone(), exchange: exchange_def(&exchange) };
+            self.make_durable(vec![op], || format!("the declaration of exchange '{}'", d.name))?;
         }
+        self.exchanges.write().insert(d.name.to_string(), exchange);
         Ok(())
     }
 
     pub fn exchange_delete(&self, name: &str, if_unused: bool) -> Result<()> {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         if name.is_empty() || name.starts_with("amq.") {
             return Err(BrokerError::access_refused(format!(
                 "operation not permitted on the default exchange '{name}' in vhost '{}'",
@@ -214,8 +224,11 @@ impl VHost {
                 self.name
             )));
         }
+        if exchange.durable {
+            let op = Op::ExchangeDeleted { vhost: self.name.clone(), name: name.to_string() };
+            self.make_durable(vec![op], || format!("the deletion of exchange '{name}'"))?;
+        }
         self.remove_exchange_locked(&exchange);
-        self.save_definitions();
         Ok(())
     }
 
@@ -228,29 +241,21 @@ impl VHost {
     }
 
     pub fn exchange_bind(&self, destination: &str, source: &str, routing_key: &str, arguments: &FieldTable) -> Result<()> {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         self.check_bindable_source(source)?;
         let src = self.exchange(source)?;
         let dst = self.exchange(destination)?;
         let binding = Binding { destination: Destination::Exchange(dst), routing_key: routing_key.to_string(), arguments: arguments.clone() };
-        let durable = src.durable && binding.destination.durable();
-        if src.bind(binding) && durable {
-            self.save_definitions();
-        }
-        Ok(())
+        self.bind_locked(&src, binding)
     }
 
     pub fn exchange_unbind(&self, destination: &str, source: &str, routing_key: &str, arguments: &FieldTable) -> Result<()> {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         self.check_bindable_source(source)?;
         let src = self.exchange(source)?;
         let dst = self.exchange(destination)?;
         let binding = Binding { destination: Destination::Exchange(dst), routing_key: routing_key.to_string(), arguments: arguments.clone() };
-        if src.unbind(&binding) {
-            self.after_unbind_locked(&src);
-            self.save_definitions();
-        }
-        Ok(())
+        self.unbind_locked(&src, &binding)
     }
 
     fn check_bindable_source(&self, source: &str) -> Result<()> {
@@ -263,11 +268,39 @@ impl VHost {
         Ok(())
     }
 
-    /// An auto-delete exchange goes when its last binding does.
-    fn after_unbind_locked(&self, source: &Arc<Exchange>) {
-        if source.auto_delete && !source.has_bindings() {
-            self.remove_exchange_locked(source);
+    /// Adds a binding, durably first if both ends are durable. Binding twice is a no-op.
+    fn bind_locked(&self, src: &Arc<Exchange>, binding: Binding) -> Result<()> {
+        if src.has_binding(&binding) {
+            return Ok(());
         }
+        if src.durable && binding.destination.durable() {
+            let op = Op::Bound { vhost: self.name.clone(), binding: binding_def(&src.name, &binding) };
+            self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name))?;
+        }
+        src.bind(binding);
+        Ok(())
+    }
+
+    /// Removes a binding; an auto-delete exchange goes with its last binding (in the same
+    /// durable change).
+    fn unbind_locked(&self, src: &Arc<Exchange>, binding: &Binding) -> Result<()> {
+        if !src.has_binding(binding) {
+            return Ok(());
+        }
+        let auto_delete = src.auto_delete && src.binding_count() == 1;
+        let mut ops = Vec::new();
+        if src.durable && binding.destination.durable() {
+            ops.push(Op::Unbound { vhost: self.name.clone(), binding: binding_def(&src.name, binding) });
+        }
+        if auto_delete && src.durable {
+            ops.push(Op::ExchangeDeleted { vhost: self.name.clone(), name: src.name.clone() });
+        }
+        self.make_durable(ops, || format!("the unbinding of '{}' from exchange '{}'", binding.destination.name(), src.name))?;
+        src.unbind(binding);
+        if auto_delete {
+            self.remove_exchange_locked(src);
+        }
+        Ok(())
     }
 
     // ---- queues -------------------------------------------------------------------------
@@ -277,7 +310,7 @@ impl VHost {
         if direct_reply::is_reply_name(d.name) {
             return self.replies.declare(d.name, &self.name);
         }
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         if !d.name.is_empty() {
             if let Some(existing) = self.queues.read().get(d.name).cloned() {
                 self.check_exclusive(&existing, d.connection_id)?;
@@ -303,7 +336,11 @@ impl VHost {
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
         // Exclusive queues live and die with their connection, so they are never durable.
         let durable = d.durable && !d.exclusive;
-        let id = self.next_queue_id.fetch_add(1, Ordering::Relaxed);
+        let id = if durable {
+            self.next_queue_id.fetch_add(1, Ordering::Relaxed)
+        } else {
+            NEXT_TRANSIENT_QUEUE_ID.fetch_add(1, Ordering::Relaxed)
+        };
         let queue = Queue::new(
             name.clone(),
             id,
@@ -316,14 +353,15 @@ impl VHost {
             self.store.clone(),
             crate::now_ms(),
         );
+        if durable {
+            let op = Op::QueueDeclared { vhost: self.name.clone(), queue: queue_def(&queue) };
+            self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
+        }
         if queue.args.retention_ms > 0 {
             self.store.set_retention(id, queue.args.retention_ms);
         }
-        self.queues.write().insert(name.clone(), queue.clone());
         // Every queue is bound to the default exchange by its name (routing does that directly).
-        if durable {
-            self.save_definitions();
-        }
+        self.queues.write().insert(name.clone(), queue.clone());
         Ok((name, 0, 0))
     }
 
@@ -357,28 +395,21 @@ impl VHost {
     }
 
     pub fn queue_bind(&self, queue: &str, exchange: &str, routing_key: &str, arguments: &FieldTable, connection_id: u64) -> Result<()> {
-        let _topology = self.topology.lock();
-        self.check_bindable_source(exchange)?;
-        let q = self.queue(queue, connection_id)?;
-        let src = self.exchange(exchange)?;
-        let binding = Binding { destination: Destination::Queue(q.clone()), routing_key: routing_key.to_string(), arguments: arguments.clone() };
-        if src.bind(binding) && src.durable && q.durable {
-            self.save_definitions();
-        }
-        Ok(())
-    }
-
-    pub fn queue_unbind(&self, queue: &str, exchange: &str, routing_key: &str, arguments: &FieldTable, connection_id: u64) -> Result<()> {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         self.check_bindable_source(exchange)?;
         let q = self.queue(queue, connection_id)?;
         let src = self.exchange(exchange)?;
         let binding = Binding { destination: Destination::Queue(q), routing_key: routing_key.to_string(), arguments: arguments.clone() };
-        if src.unbind(&binding) {
-            self.after_unbind_locked(&src);
-            self.save_definitions();
-        }
-        Ok(())
+        self.bind_locked(&src, binding)
+    }
+
+    pub fn queue_unbind(&self, queue: &str, exchange: &str, routing_key: &str, arguments: &FieldTable, connection_id: u64) -> Result<()> {
+        let _topology = self.lock_topology();
+        self.check_bindable_source(exchange)?;
+        let q = self.queue(queue, connection_id)?;
+        let src = self.exchange(exchange)?;
+        let binding = Binding { destination: Destination::Queue(q), routing_key: routing_key.to_string(), arguments: arguments.clone() };
+        self.unbind_locked(&src, &binding)
     }
 
     pub fn queue_purge(&self, queue: &str, connection_id: u64) -> Result<u32> {
@@ -387,7 +418,7 @@ impl VHost {
 
     /// queue.delete: returns the number of messages deleted.
     pub fn queue_delete(&self, name: &str, if_unused: bool, if_empty: bool, connection_id: u64) -> Result<u32> {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         let queue = match self.queues.read().get(name).cloned() {
             Some(q) => q,
             // RabbitMQ answers delete-ok for a queue that does not exist.
@@ -400,36 +431,43 @@ impl VHost {
         if if_empty && queue.message_count() > 0 {
             return Err(BrokerError::precondition_failed(format!("queue '{name}' in vhost '{}' is not empty", self.name)));
         }
-        Ok(self.remove_queue_locked(&queue))
+        self.remove_queue_locked(&queue)
     }
 
     /// Deletes a queue without the client-facing checks (auto-delete, x-expires, exclusive owner gone).
     pub fn delete_queue_unchecked(&self, name: &str) {
-        let _topology = self.topology.lock();
+        let _topology = self.lock_topology();
         // Bind first: a read guard held by `if let` would deadlock with the write in remove_queue_locked.
         let queue = self.queues.read().get(name).cloned();
         if let Some(queue) = queue {
-            self.remove_queue_locked(&queue);
+            // On failure (logged by make_durable) the queue stays, and a later attempt retries.
+            let _ = self.remove_queue_locked(&queue);
         }
     }
 
-    fn remove_queue_locked(&self, queue: &Arc<Queue>) -> u32 {
-        self.queues.write().remove(&queue.name);
+    /// Deletes a queue, its bindings, and the auto-delete exchanges that lose their last binding
+    /// with it: one durable change first, then in memory, then its messages in the store.
+    fn remove_queue_locked(&self, queue: &Arc<Queue>) -> Result<u32> {
         let dest = Destination::Queue(queue.clone());
-        let mut auto_deleted = Vec::new();
-        for ex in self.exchanges() {
-            if ex.unbind_destination(&dest) && ex.auto_delete && !ex.has_bindings() {
-                auto_deleted.push(ex);
-            }
+        let exchanges = self.exchanges();
+        let auto_deleted: Vec<Arc<Exchange>> =
+            exchanges.iter().filter(|ex| ex.auto_delete && ex.only_bound_to(&dest)).cloned().collect();
+        let mut ops = Vec::new();
+        if queue.durable {
+            ops.push(Op::QueueDeleted { vhost: self.name.clone(), name: queue.name.clone(), id: queue.id });
+        }
+        for ex in auto_deleted.iter().filter(|ex| ex.durable) {
+            ops.push(Op::ExchangeDeleted { vhost: self.name.clone(), name: ex.name.clone() });
+        }
+        self.make_durable(ops, || format!("the deletion of queue '{}'", queue.name))?;
+        self.queues.write().remove(&queue.name);
+        for ex in exchanges {
+            ex.unbind_destination(&dest);
         }
         for ex in auto_deleted {
             self.remove_exchange_locked(&ex);
         }
-        let count = queue.mark_deleted();
-        if queue.durable {
-            self.save_definitions();
-        }
-        count
+        Ok(queue.mark_deleted())
     }
 
     /// A connection closed: its exclusive queues go with it.
@@ -628,14 +666,14 @@ impl VHost {
         }
     }
 
-    // ---- recovery and definitions -------------------------------------------------------
+    // ---- recovery and metadata ----------------------------------------------------------
 
-    /// Recreates a durable exchange from the definitions file.
+    /// Recreates a durable exchange from the metadata log.
     pub fn restore_exchange(&self, exchange: Arc<Exchange>) {
         self.exchanges.write().insert(exchange.name.clone(), exchange);
     }
 
-    /// Recreates a durable queue from the definitions file.
+    /// Recreates a durable queue from the metadata log.
     pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable) -> Arc<Queue> {
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         let queue = Queue::new(name.clone(), id, true, None, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
@@ -643,10 +681,27 @@ impl VHost {
         queue
     }
 
-    fn save_definitions(&self) {
-        if let Err(e) = self.definitions.save_vhost(self) {
-            tracing::error!(vhost = %self.name, error = %e, "could not write the definitions file");
+    /// The topology lock. Waiting for it may mean waiting for another change's fsync, so a
+    /// contended wait runs as blocking work (`crate::blocking`), off the runtime's workers.
+    fn lock_topology(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.topology.try_lock().unwrap_or_else(|| crate::blocking::run(|| self.topology.lock()))
+    }
+
+    /// Writes `ops` to the metadata log and fsyncs it (see `Metadata::commit`); call before the
+    /// change is made in memory. A failure is a connection error, 541 INTERNAL_ERROR, as
+    /// RabbitMQ answers when its metadata store cannot commit a change; nothing was changed.
+    fn make_durable(&self, ops: Vec<Op>, what: impl FnOnce() -> String) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
         }
+        self.metadata.commit(ops).map_err(|e| {
+            let what = what();
+            tracing::error!(vhost = %self.name, error = %e, "could not make {what} durable; nothing was changed");
+            BrokerError::internal(format!(
+                "could not make {what} in vhost '{}' durable: writing the metadata log failed ({e}); nothing was changed",
+                self.name
+            ))
+        })
     }
 }
 

@@ -77,6 +77,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
             default_pass: config.default_pass.clone(),
             loopback_users: config.loopback_users.clone(),
             store,
+            metadata_on_corruption: Default::default(),
         },
     )?;
     tracing::info!(
@@ -87,6 +88,14 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         "recovered state from {}",
         config.data_dir.display()
     );
+    if !report.kept_aside.is_empty() {
+        let messages: u64 = report.kept_aside.iter().map(|(_, n)| n).sum();
+        tracing::error!(
+            queues = report.kept_aside.len(),
+            messages,
+            "messages of queues missing from the metadata log are kept aside in the store (see the errors above); nothing was deleted"
+        );
+    }
 
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())

@@ -1,0 +1,264 @@
+//! The metadata log: append, reopen, torn tail, corruption in the middle, compaction and a crash
+//! at each step of it, import of `definitions.json`.
+
+use super::log::{self, OnCorruption};
+use super::*;
+use crate::definitions::{BindingDef, ExchangeDef, QueueDef};
+use serde_json::json;
+use std::fs;
+
+fn queue(vhost: &str, name: &str, id: u64) -> Op {
+    Op::QueueDeclared {
+        vhost: vhost.into(),
+        queue: QueueDef { name: name.into(), id, auto_delete: false, arguments: json!([]) },
+    }
+}
+
+fn exchange(vhost: &str, name: &str) -> Op {
+    Op::ExchangeDeclared {
+        vhost: vhost.into(),
+        exchange: ExchangeDef { name: name.into(), kind: "topic".into(), auto_delete: false, internal: false, arguments: json!([]) },
+    }
+}
+
+fn bound(vhost: &str, source: &str, queue: &str, key: &str) -> Op {
+    Op::Bound {
+        vhost: vhost.into(),
+        binding: BindingDef {
+            source: source.into(),
+            destination: queue.into(),
+            destination_type: "queue".into(),
+            routing_key: key.into(),
+            arguments: json!([]),
+        },
+    }
+}
+
+fn open(dir: &Path) -> Metadata {
+    Metadata::open(dir, OnCorruption::Refuse).expect("open").0
+}
+
+fn log_path(dir: &Path) -> PathBuf {
+    dir.join(FILE_NAME)
+}
+
+use std::path::PathBuf;
+
+/// Three frames: an exchange, a queue, a binding. Returns the state and each frame's offset.
+fn three_frames(dir: &Path) -> (State, Vec<u64>) {
+    let m = open(dir);
+    let mut offsets = Vec::new();
+    for op in [exchange("/", "ex"), queue("/", "q", 7), bound("/", "ex", "q", "a.#")] {
+        offsets.push(m.log_len());
+        m.commit(vec![op]).unwrap();
+    }
+    (m.state(), offsets)
+}
+
+#[test]
+fn appended_changes_come_back_after_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = three_frames(dir.path());
+    let m = open(dir.path());
+    assert_eq!(m.state(), state);
+    assert_eq!(m.next_queue_id(), 8);
+    let defs = m.vhost("/");
+    assert_eq!((defs.exchanges.len(), defs.queues.len(), defs.bindings.len()), (1, 1, 1));
+    assert_eq!(m.vhost_names(), vec!["/".to_string()]);
+}
+
+#[test]
+fn a_frame_is_applied_whole_and_deletes_cascade() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    m.commit(vec![exchange("/", "ex"), queue("/", "q", 1), queue("/", "r", 2), bound("/", "ex", "q", "k"), bound("/", "ex", "r", "k")]).unwrap();
+    m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "q".into(), id: 1 }]).unwrap();
+    assert_eq!(m.vhost("/").bindings.len(), 1);
+    assert!(m.was_deleted(1));
+    m.commit(vec![Op::ExchangeDeleted { vhost: "/".into(), name: "ex".into() }]).unwrap();
+    let defs = open(dir.path()).vhost("/");
+    assert!(defs.exchanges.is_empty() && defs.bindings.is_empty());
+    assert_eq!(defs.queues.len(), 1);
+}
+
+#[test]
+fn a_torn_tail_is_cut_and_kept_aside() {
+    for cut in [1usize, 5, 9, 20] {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, offsets) = three_frames(dir.path());
+        let path = log_path(dir.path());
+        let full = fs::read(&path).unwrap();
+        // The last append was interrupted `cut` bytes into its frame.
+        let end = offsets[2] as usize + cut;
+        fs::write(&path, &full[..end]).unwrap();
+        let m = open(dir.path());
+        let defs = m.vhost("/");
+        assert_eq!((defs.exchanges.len(), defs.queues.len(), defs.bindings.len()), (1, 1, 0), "cut {cut}");
+        assert_eq!(fs::metadata(&path).unwrap().len(), offsets[2]);
+        let aside = dir.path().join(format!("{FILE_NAME}.torn-{}", offsets[2]));
+        assert_eq!(fs::read(aside).unwrap(), &full[offsets[2] as usize..end]);
+        // The log goes on from the cut.
+        m.commit(vec![queue("/", "after", 9)]).unwrap();
+        assert_eq!(open(dir.path()).vhost("/").queues.len(), 2);
+    }
+}
+
+#[test]
+fn zeros_after_the_last_frame_are_a_torn_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = three_frames(dir.path());
+    let path = log_path(dir.path());
+    let mut bytes = fs::read(&path).unwrap();
+    bytes.extend_from_slice(&[0u8; 4096]);
+    fs::write(&path, &bytes).unwrap();
+    assert_eq!(open(dir.path()).state(), state);
+}
+
+#[test]
+fn corruption_in_the_middle_refuses_to_open_naming_file_and_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, offsets) = three_frames(dir.path());
+    let path = log_path(dir.path());
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[offsets[1] as usize + 12] ^= 0xff;
+    fs::write(&path, &bytes).unwrap();
+    let err = Metadata::open(dir.path(), OnCorruption::Refuse).err().expect("must refuse");
+    let text = err.to_string();
+    assert!(text.contains(&path.display().to_string()), "{text}");
+    assert!(text.contains(&format!("offset {}", offsets[1])), "{text}");
+    // Nothing was changed by the refusal.
+    assert_eq!(fs::read(&path).unwrap(), bytes);
+}
+
+#[test]
+fn a_tolerant_open_skips_the_damage_and_keeps_a_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, offsets) = three_frames(dir.path());
+    let path = log_path(dir.path());
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[offsets[1] as usize + 12] ^= 0xff;
+    fs::write(&path, &bytes).unwrap();
+    let (m, report) = Metadata::open(dir.path(), OnCorruption::Skip).unwrap();
+    assert_eq!(report.skipped, vec![(offsets[1], offsets[2] - offsets[1])]);
+    let defs = m.vhost("/");
+    assert_eq!((defs.exchanges.len(), defs.queues.len(), defs.bindings.len()), (1, 0, 1));
+    assert_eq!(fs::read(dir.path().join(format!("{FILE_NAME}.corrupt-{}", offsets[1]))).unwrap(), bytes);
+    // The log was rewritten clean: a strict open now succeeds.
+    assert_eq!(open(dir.path()).state(), m.state());
+}
+
+#[test]
+fn compaction_keeps_the_state_and_shrinks_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    m.commit(vec![exchange("/", "ex")]).unwrap();
+    for i in 0..200 {
+        m.commit(vec![queue("/", &format!("q{i}"), i + 1), bound("/", "ex", &format!("q{i}"), "k")]).unwrap();
+        if i % 2 == 0 {
+            m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: format!("q{i}"), id: i + 1 }]).unwrap();
+        }
+    }
+    let state = m.state();
+    let before = m.log_len();
+    m.compact().unwrap();
+    assert!(m.log_len() < before, "{} >= {before}", m.log_len());
+    assert_eq!(open(dir.path()).state(), state);
+    // Appends after a compaction land in the new file.
+    m.commit(vec![queue("/", "late", 1000)]).unwrap();
+    assert!(open(dir.path()).vhost("/").queues.iter().any(|q| q.name == "late"));
+}
+
+#[test]
+fn churn_triggers_compaction_so_the_log_stays_near_the_state_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    let big = json!([["x-padding", {"t": "str", "v": "p".repeat(4000)}]]);
+    let mut high = 0;
+    for i in 0..500u64 {
+        let op = Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "churn".into(), id: i + 1, auto_delete: false, arguments: big.clone() } };
+        m.commit(vec![op]).unwrap();
+        m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "churn".into(), id: i + 1 }]).unwrap();
+        high = high.max(m.log_len());
+    }
+    // 500 declares of ~4 KiB each: without compaction the log would pass 2 MiB.
+    assert!(high <= 2 * COMPACT_MIN_BYTES + 64 * 1024, "log grew to {high}");
+    assert_eq!(open(dir.path()).state(), m.state());
+}
+
+/// A crash at each step of a compaction: before the new file is complete, after it is complete
+/// but before the rename, after the rename. Opening finds the old state or the new, never neither.
+#[test]
+fn a_crash_during_compaction_leaves_the_old_log_or_the_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = three_frames(dir.path());
+    let path = log_path(dir.path());
+    let old = fs::read(&path).unwrap();
+    let tmp = log::compacting_path(&path);
+    let mut snapshot = log::encode_header().to_vec();
+    for r in state.snapshot_records().unwrap() {
+        snapshot.extend_from_slice(&log::encode_frame(&r).unwrap());
+    }
+    // Crashed while writing the new file (every length of it), or before renaming it.
+    for len in [0, 3, log::HEADER_SIZE as usize, snapshot.len() / 2, snapshot.len()] {
+        fs::write(&path, &old).unwrap();
+        fs::write(&tmp, &snapshot[..len]).unwrap();
+        assert_eq!(open(dir.path()).state(), state, "new file of {len} bytes");
+        assert!(!tmp.exists(), "the unfinished compaction is removed");
+        assert_eq!(fs::read(&path).unwrap(), old, "the old log is untouched");
+    }
+    // Crashed after the rename: the new file is the log.
+    fs::write(&path, &snapshot).unwrap();
+    assert_eq!(open(dir.path()).state(), state);
+}
+
+#[test]
+fn a_failed_compaction_leaves_the_log_usable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, _) = three_frames(dir.path());
+    let m = open(dir.path());
+    // The new file cannot be created: a directory is in its way.
+    let tmp = log::compacting_path(&log_path(dir.path()));
+    fs::create_dir(&tmp).unwrap();
+    assert!(m.compact().is_err());
+    fs::remove_dir(&tmp).unwrap();
+    assert_eq!(open(dir.path()).state(), state);
+    m.commit(vec![queue("/", "more", 20)]).unwrap();
+    assert_eq!(open(dir.path()).vhost("/").queues.len(), 2);
+}
+
+#[test]
+fn a_log_from_a_newer_version_or_with_a_bad_header_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    three_frames(dir.path());
+    let path = log_path(dir.path());
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[0] = b'X';
+    fs::write(&path, &bytes).unwrap();
+    assert!(Metadata::open(dir.path(), OnCorruption::Skip).err().unwrap().to_string().contains("bad header"));
+}
+
+#[test]
+fn definitions_json_is_imported_once_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let legacy = json!({
+        "version": 1,
+        "next_queue_id": 42,
+        "vhosts": {"/": {
+            "exchanges": [{"name": "ex", "type": "direct", "auto_delete": false, "internal": false, "arguments": []}],
+            "queues": [{"name": "q", "id": 5, "auto_delete": false, "arguments": []}],
+            "bindings": [{"source": "ex", "destination": "q", "destination_type": "queue", "routing_key": "k", "arguments": []}]
+        }}
+    });
+    fs::write(dir.path().join("definitions.json"), serde_json::to_vec(&legacy).unwrap()).unwrap();
+    let (m, report) = Metadata::open(dir.path(), OnCorruption::Refuse).unwrap();
+    assert!(report.migrated_from.is_some());
+    assert_eq!(m.next_queue_id(), 42);
+    let defs = m.vhost("/");
+    assert_eq!((defs.exchanges.len(), defs.queues.len(), defs.bindings.len()), (1, 1, 1));
+    assert!(!dir.path().join("definitions.json").exists());
+    assert!(dir.path().join("definitions.json.migrated").exists());
+    drop(m);
+    let (again, report) = Metadata::open(dir.path(), OnCorruption::Refuse).unwrap();
+    assert!(report.migrated_from.is_none());
+    assert_eq!(again.vhost("/"), defs);
+}

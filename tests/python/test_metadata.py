@@ -1,0 +1,122 @@
+"""The durable topology (metadata log): a declare that cannot be made durable fails and nothing
+claims otherwise; messages are never deleted because their queue's metadata is missing; a durable
+declare costs the same with 5,000 queues as with none (measured, printed)."""
+import shutil
+import struct
+import subprocess
+import time
+
+import pika
+import pytest
+
+from rawamqp import RawConnection, method_frame, shortstr, table
+
+pytestmark = [pytest.mark.needs_process, pytest.mark.warren_only]
+
+# The metadata log, and the file earlier versions kept the topology in (so the tests also run
+# against an old binary, to show they fail there).
+METADATA_FILES = ("metadata.log", "definitions.json")
+
+
+def metadata_files(broker):
+    return [broker.data_dir / f for f in METADATA_FILES if (broker.data_dir / f).exists()]
+
+
+def chattr(flag, path):
+    return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
+
+
+def raw_queue_declare(name, durable=True):
+    bits = 0x02 if durable else 0
+    return method_frame(1, 50, 10, struct.pack(">H", 0) + shortstr(name) + struct.pack(">B", bits) + table())
+
+
+def test_a_declare_that_cannot_be_made_durable_fails_with_541_and_no_declare_ok(broker, name):
+    conn = broker.connection()
+    conn.channel().queue_declare(name + "-first", durable=True)
+    conn.close()
+    files = metadata_files(broker)
+    assert files, "the broker keeps durable metadata in its data dir"
+    # As root, chmod does not stop writes; an immutable file does (EPERM on write, and no rename over it).
+    if not all(chattr("+i", f) for f in files):
+        pytest.skip("chattr +i is not supported on this filesystem")
+    try:
+        r = RawConnection(broker.host, broker.port)
+        r.handshake()
+        r.open_channel()
+        r.send(raw_queue_declare(name))
+        reply = r.read_method()
+        # The first thing back must be connection.close 541, never queue.declare-ok.
+        assert reply.method == (10, 50), f"expected connection.close, got {reply} (declare-ok claims durability)"
+        code, text = reply.close_reply()
+        assert code == 541, text
+        assert "metadata log" in text and name in text and "nothing was changed" in text, text
+        r.close()
+        assert "could not make the declaration of queue" in broker.log_text()
+    finally:
+        for f in files:
+            chattr("-i", f)
+    # The failed declare changed nothing: the queue does not exist.
+    ch = broker.connection().channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+        ch.queue_declare(name, passive=True)
+    assert e.value.reply_code == 404
+    # Once the disk takes writes again, durable declares work and survive a restart.
+    ch = broker.connection().channel()
+    ch.queue_declare(name, durable=True)
+    broker.restart()
+    broker.connection().channel().queue_declare(name, passive=True)
+
+
+def test_messages_of_a_queue_missing_from_the_metadata_are_kept_aside_not_deleted(broker, name, tmp_path):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare(name, durable=True)
+    for i in range(50):
+        ch.basic_publish("", name, f"kept-{i}".encode(), pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    assert broker.terminate() == 0
+    backup = tmp_path / "metadata-backup"
+    backup.mkdir()
+    for f in metadata_files(broker):
+        shutil.move(str(f), backup / f.name)
+
+    # The metadata is gone: the queue is unknown, but its messages stay on disk, and the log says so.
+    broker.start()
+    log = broker.log_text()
+    assert "kept aside" in log and "50 messages" in log, log[-3000:]
+    # A queue declared meanwhile must not adopt the kept data.
+    ch = broker.connection().channel()
+    ch.queue_declare(name + "-new", durable=True)
+    assert ch.queue_declare(name + "-new", passive=True).method.message_count == 0
+    assert broker.terminate() == 0
+
+    # With the metadata back, every message is there, in order.
+    for f in METADATA_FILES:
+        (broker.data_dir / f).unlink(missing_ok=True)
+    for f in backup.iterdir():
+        shutil.move(str(f), broker.data_dir / f.name)
+    broker.start()
+    ch = broker.connection().channel()
+    assert ch.queue_declare(name, passive=True).method.message_count == 50
+    bodies = []
+    for _ in range(50):
+        _, _, body = ch.basic_get(name, auto_ack=True)
+        bodies.append(body.decode())
+    assert bodies == [f"kept-{i}" for i in range(50)]
+
+
+@pytest.mark.timeout(600)
+def test_5000_durable_declares_cost_the_same_per_queue_first_and_last(broker, name):
+    """A measurement, not a timed assertion: prints the time per declare for each 1,000 queues."""
+    ch = broker.connection().channel()
+    per_thousand = []
+    for k in range(5):
+        start = time.perf_counter()
+        for i in range(1000):
+            ch.queue_declare(f"{name}-{k * 1000 + i}", durable=True)
+        per_thousand.append(time.perf_counter() - start)
+    print("\n5,000 durable queue.declare, ms per declare for each 1,000: "
+          + ", ".join(f"{t:.2f}" for t in per_thousand) + f" (total {sum(per_thousand):.1f} s)")
+    assert ch.queue_declare(f"{name}-4999", passive=True)
