@@ -29,7 +29,8 @@
 //!         KIND_DELIVERED u8 | queue u64 | up_to u64   every seq below up_to may have been delivered
 //! queue:  KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload   (the WAL record, copied)
 //! ```
-//! A queue's enqueues carry strictly increasing seqs (the queue assigns them under its lock). An acks
+//! A queue's enqueues carry strictly increasing seqs below `u64::MAX` (the queue assigns them under its
+//! lock). An acks
 //! record says that the seqs in `[start, end)` of one queue are gone and that together they held `bytes`
 //! bytes of payload.
 //!
@@ -202,7 +203,8 @@ fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
     let kind = body.first().copied().ok_or(Damage::Malformed { kind: 0, len })?;
     let u64_at = |at: usize| u64::from_le_bytes(array(body, at));
     let record = match kind {
-        KIND_ENQUEUE if len >= ENQUEUE_FIXED_LEN => Record::Enqueue {
+        // Seq u64::MAX is never assigned (the queue's next seq would overflow): a forged or damaged record.
+        KIND_ENQUEUE if len >= ENQUEUE_FIXED_LEN && u64_at(9) != u64::MAX => Record::Enqueue {
             queue: u64_at(1),
             seq: u64_at(9),
             timestamp_ms: u64_at(17),
@@ -323,6 +325,19 @@ mod tests {
         assert_eq!(decode_qseg_header(&bad), Err(Damage::HeaderChecksum));
         assert!(matches!(decode_header(&encode_wal_header(), QSEG_MAGIC), Err(Damage::BadMagic { .. })));
         assert!(decode_header(&encode_wal_header(), WAL_MAGIC).is_ok());
+    }
+
+    /// Found by the store_recovery fuzz target: a well-formed enqueue record (checksum valid) with seq
+    /// u64::MAX was accepted, and replaying it overflowed the queue's next seq (a panic with overflow
+    /// checks, a queue whose next seq wrapped to 0 without them).
+    #[test]
+    fn an_enqueue_with_the_largest_seq_is_malformed() {
+        let mut out = Vec::new();
+        encode_enqueue(&mut out, 3, u64::MAX, 1234, &[b"x"]);
+        assert_eq!(decode_record(&out), Err(Damage::Malformed { kind: KIND_ENQUEUE, len: ENQUEUE_FIXED_LEN + 1 }));
+        out.clear();
+        encode_enqueue(&mut out, 3, u64::MAX - 1, 1234, &[b"x"]);
+        assert!(decode_record(&out).is_ok());
     }
 
     #[test]

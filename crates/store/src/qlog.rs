@@ -454,7 +454,9 @@ impl QueueLog {
                 chunk = self.pread(&seg, offset, first_len as usize)?;
             }
             let mut pos = 0usize;
-            while pos < chunk.len() {
+            // An empty chunk (the file ends before the segment does: cut or damaged on disk) is decoded
+            // too, as damage at `offset`; skipping it would read the same nothing again forever.
+            while pos < chunk.len() || pos == 0 {
                 match format::decode_record(&chunk[pos..]) {
                     Ok((Record::Enqueue { queue, seq: rseq, timestamp_ms, payload }, n)) if queue == self.id && rseq < seg.end_seq => {
                         let start = pos + RECORD_HEADER_SIZE + format::ENQUEUE_FIXED_LEN;

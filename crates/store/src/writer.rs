@@ -649,6 +649,8 @@ impl Writer {
         if let Err(e) = shared.disk.syncfs(&shared.dir) {
             fatal("syncfs", &shared.dir, &e);
         }
+        // By id, so the same store state always writes the same bytes (reproducible fuzzing inputs).
+        queues.sort_unstable_by_key(|q| q.id);
         let cp = Checkpoint { wal_pos: self.applied, queues };
         if let Err(e) = checkpoint::write(&shared.disk, &shared.dir, &cp) {
             fatal("writing the checkpoint", &shared.dir.join(checkpoint::FILE), &e);
