@@ -7,3 +7,9 @@ python3 -c "import pika, pytest, pytest_timeout" 2>/dev/null || python3 -m pip i
 if command -v java >/dev/null && command -v mvn >/dev/null; then
   bash scripts/install-perftest.sh
 fi
+# Fuzzing (scripts/fuzz.sh): cargo-fuzz and the nightly toolchain it builds with. If either cannot be
+# installed here, scripts/fuzz.sh says which is missing and fails `make test`.
+if command -v rustup >/dev/null && ! rustup toolchain list | grep -q '^nightly'; then
+  rustup toolchain install nightly --profile minimal || echo "install-test-deps: could not install the nightly toolchain" >&2
+fi
+command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked || echo "install-test-deps: could not install cargo-fuzz" >&2

@@ -1,0 +1,4 @@
+//! See `warren_fuzz::protocol::check_field_table` for the input layout and what is checked.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| warren_fuzz::protocol::check_field_table(data));
