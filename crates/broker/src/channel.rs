@@ -46,7 +46,7 @@ impl Delivery {
     /// About how many bytes this delivery takes on the wire.
     pub fn approx_bytes(&self) -> usize {
         match self {
-            Delivery::Deliver { message, .. } | Delivery::GetOk { message, .. } => message.body_len() + 128,
+            Delivery::Deliver { message, .. } | Delivery::GetOk { message, .. } => message.memory_bytes(),
             Delivery::Cancel { .. } => 64,
         }
     }
@@ -81,10 +81,18 @@ struct Unacked {
     seen_ms: u64,
 }
 
+/// Memory (`Message::memory_bytes`) of delivered, unacknowledged messages a channel may hold before its
+/// ack-mode consumers get no more (and basic.get answers get-empty) until some are settled. Without
+/// it a consumer with no prefetch limit makes the broker hold a whole backlog in memory. One message
+/// always fits, however large.
+pub const UNACKED_BYTES_LIMIT: usize = 64 << 20;
+
 struct ChannelState {
     next_tag: u64,
     /// Ordered by delivery tag.
     unacked: VecDeque<Unacked>,
+    /// Memory of the messages in `unacked`.
+    unacked_bytes: usize,
     consumers: HashMap<Arc<str>, Arc<Consumer>>,
     /// basic.qos global=true: limit for the whole channel; 0 = unlimited.
     global_prefetch: u32,
@@ -133,6 +141,7 @@ impl Channel {
             state: Mutex::new(ChannelState {
                 next_tag: 1,
                 unacked: VecDeque::new(),
+                unacked_bytes: 0,
                 consumers: HashMap::new(),
                 global_prefetch: 0,
                 consumer_prefetch: 0,
@@ -150,7 +159,13 @@ impl Channel {
         !st.closed
             && st.flow_active
             && (st.global_prefetch == 0 || (st.unacked.len() as u32) < st.global_prefetch)
+            && st.unacked_bytes < UNACKED_BYTES_LIMIT
             && self.sink.has_room()
+    }
+
+    /// Whether the channel holds as many unacknowledged bytes as it may (see `UNACKED_BYTES_LIMIT`).
+    pub fn unacked_full(&self) -> bool {
+        self.state.lock().unacked_bytes >= UNACKED_BYTES_LIMIT
     }
 
     /// Whether the connection can take more deliveries now (its outgoing buffer is not full).
@@ -175,7 +190,10 @@ impl Channel {
         if st.closed || !st.flow_active {
             return Err(entry);
         }
-        if !consumer.no_ack && st.global_prefetch != 0 && st.unacked.len() as u32 >= st.global_prefetch {
+        if !consumer.no_ack
+            && ((st.global_prefetch != 0 && st.unacked.len() as u32 >= st.global_prefetch)
+                || st.unacked_bytes >= UNACKED_BYTES_LIMIT)
+        {
             return Err(entry);
         }
         if !self.room_or_wake() {
@@ -196,6 +214,7 @@ impl Channel {
         }
         consumer.unacked.fetch_add(1, Ordering::Relaxed);
         st.queue_timeouts |= consumer.queue.args.consumer_timeout_ms.is_some();
+        st.unacked_bytes += entry.message.memory_bytes();
         st.unacked.push_back(Unacked { tag, queue: consumer.queue.clone(), entry, consumer: Some(consumer.clone()), seen_ms: 0 });
         Ok(None)
     }
@@ -216,6 +235,7 @@ impl Channel {
             return Some(entry);
         }
         st.queue_timeouts |= queue.args.consumer_timeout_ms.is_some();
+        st.unacked_bytes += entry.message.memory_bytes();
         st.unacked.push_back(Unacked { tag, queue: queue.clone(), entry, consumer: None, seen_ms: 0 });
         None
     }
@@ -352,14 +372,20 @@ impl Channel {
     pub fn settle(&self, delivery_tag: u64, multiple: bool, how: Settle) -> Result<Option<SyncTicket>> {
         let taken = {
             let mut st = self.state.lock();
-            take_unacked(&mut st.unacked, delivery_tag, multiple)?
+            let taken = take_unacked(&mut st.unacked, delivery_tag, multiple)?;
+            release_bytes(&mut st, &taken);
+            taken
         };
         Ok(self.finish_settle(taken, how))
     }
 
     /// basic.recover: every unacknowledged message goes back to its queue, redelivered.
     pub fn recover(&self) {
-        let taken: Vec<Unacked> = self.state.lock().unacked.drain(..).collect();
+        let taken: Vec<Unacked> = {
+            let mut st = self.state.lock();
+            st.unacked_bytes = 0;
+            st.unacked.drain(..).collect()
+        };
         self.finish_settle(taken, Settle::Reject { requeue: true });
     }
 
@@ -370,6 +396,7 @@ impl Channel {
             st.closed = true;
             Self::stop_reply_consumer(&mut st);
             let consumers: Vec<_> = st.consumers.drain().map(|(_, c)| c).collect();
+            st.unacked_bytes = 0;
             (st.unacked.drain(..).collect::<Vec<_>>(), consumers)
         };
         for c in &consumers {
@@ -460,6 +487,11 @@ impl Channel {
             q.dispatch();
         }
     }
+}
+
+fn release_bytes(st: &mut ChannelState, taken: &[Unacked]) {
+    let bytes: usize = taken.iter().map(|u| u.entry.message.memory_bytes()).sum();
+    st.unacked_bytes = st.unacked_bytes.saturating_sub(bytes);
 }
 
 /// Removes the entries a settlement names from the ordered unacked list.

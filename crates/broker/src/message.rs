@@ -28,6 +28,12 @@ impl Message {
     pub fn body_len(&self) -> usize {
         self.body.len()
     }
+
+    /// About how much memory the message holds (body, properties, names and bookkeeping): what the
+    /// broker's in-memory bounds count, so that large properties with a small body count too.
+    pub fn memory_bytes(&self) -> usize {
+        self.body.len() + self.properties.len() + self.exchange.len() + self.routing_key.len() + 128
+    }
 }
 
 /// Layout of a message in the store (version 1):

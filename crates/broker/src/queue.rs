@@ -85,7 +85,10 @@ pub enum Enqueued {
 struct QueueState {
     /// The in-memory window of ready messages.
     ready: VecDeque<Entry>,
+    /// Body bytes of the window (for `x-max-length-bytes`, as RabbitMQ counts).
     ready_bytes: u64,
+    /// Memory the window's messages hold (`Message::memory_bytes`): what the window is bounded by.
+    ready_mem: u64,
     next_seq: u64,
     /// Ready messages that are only in the store: `span_count` live ones from `span_from` on.
     span_from: u64,
@@ -200,6 +203,7 @@ impl Queue {
             state: Mutex::new(QueueState {
                 ready: VecDeque::new(),
                 ready_bytes: 0,
+                ready_mem: 0,
                 next_seq: 0,
                 span_from: 0,
                 span_count: 0,
@@ -283,7 +287,7 @@ impl Queue {
             let seq = st.next_seq;
             st.next_seq += 1;
             let must_be_durable = self.durable && message.persistent;
-            let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_bytes >= window_bytes();
+            let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_mem >= window_bytes();
             // A message that goes straight to a no-ack consumer is settled the moment it is sent: writing
             // it to disk first would buy nothing (RabbitMQ skips such writes too). If the delivery does not
             // happen after all, it is stored below, before the publish is confirmed.
@@ -314,6 +318,7 @@ impl Queue {
             } else {
                 let expires_at_ms = self.expiry_for(message, now_ms);
                 st.ready_bytes += message.body_len() as u64;
+                st.ready_mem += message.memory_bytes() as u64;
                 st.ready.push_back(Entry { message: message.clone(), seq, stored_bytes, expires_at_ms, redelivered: false });
             }
             self.drop_head_over_limit(&mut st, &mut after);
@@ -385,9 +390,9 @@ impl Queue {
     /// Reads the next part of the span into the window when the window runs low.
     fn refill_locked(&self, st: &mut QueueState, after: &mut AfterUnlock) {
         let window = window_bytes();
-        while st.span_count > 0 && st.ready.len() < WINDOW_MESSAGES / 2 && st.ready_bytes < window / 2 {
+        while st.span_count > 0 && st.ready.len() < WINDOW_MESSAGES / 2 && st.ready_mem < window / 2 {
             let want = WINDOW_MESSAGES - st.ready.len();
-            let budget = (window - st.ready_bytes) as usize;
+            let budget = (window - st.ready_mem) as usize;
             let batch = match self.store.read(self.id, st.span_from, want, budget) {
                 Ok(b) => b,
                 Err(e) => {
@@ -419,6 +424,7 @@ impl Queue {
                 }
                 let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
                 st.ready_bytes += message.body_len() as u64;
+                st.ready_mem += message.memory_bytes() as u64;
                 let redelivered = m.seq < st.redelivered_below;
                 st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered });
             }
@@ -716,8 +722,12 @@ impl Queue {
         self.finish(after);
     }
 
-    /// basic.get: takes the head (if any) for `channel`.
+    /// basic.get: takes the head (if any) for `channel`. Nothing when the channel already holds as many
+    /// unacknowledged bytes as it may (`UNACKED_BYTES_LIMIT`) and this one would be acknowledged.
     pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> bool {
+        if !no_ack && channel.unacked_full() {
+            return false;
+        }
         let mut after = AfterUnlock::default();
         let got = {
             let mut st = self.state.lock();
@@ -879,6 +889,7 @@ fn drain_ready(st: &mut QueueState, queue: u64, acks: &mut Batch) -> u32 {
         entry.settle_in_store(queue, acks);
     }
     st.ready_bytes = 0;
+    st.ready_mem = 0;
     if st.span_count > 0 {
         acks.ack_range(queue, st.span_from, st.next_seq, st.span_store_bytes);
     }
@@ -891,17 +902,20 @@ fn drain_ready(st: &mut QueueState, queue: u64, acks: &mut Batch) -> u32 {
 fn pop_ready(st: &mut QueueState) -> Option<Entry> {
     let entry = st.ready.pop_front()?;
     st.ready_bytes = st.ready_bytes.saturating_sub(entry.message.body_len() as u64);
+    st.ready_mem = st.ready_mem.saturating_sub(entry.message.memory_bytes() as u64);
     Some(entry)
 }
 
 fn push_ready_front(st: &mut QueueState, entry: Entry) {
     st.ready_bytes += entry.message.body_len() as u64;
+    st.ready_mem += entry.message.memory_bytes() as u64;
     st.ready.push_front(entry);
 }
 
 /// Requeued messages go back to their original position (RabbitMQ's behaviour for classic queues).
 fn push_ready_sorted(st: &mut QueueState, entry: Entry) {
     st.ready_bytes += entry.message.body_len() as u64;
+    st.ready_mem += entry.message.memory_bytes() as u64;
     let pos = st.ready.partition_point(|e| e.seq < entry.seq);
     st.ready.insert(pos, entry);
 }

@@ -49,6 +49,18 @@ pub struct ServerArgs {
     /// TOML configuration file; every key is listed in config/warren.toml [env: WARREN_CONFIG]
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+
+    /// Most client connections at once, 0 for no limit [env: WARREN_MAX_CONNECTIONS] [default: 0]
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<u32>,
+
+    /// Highest channel number a connection may open [env: WARREN_CHANNEL_MAX] [default: 2047]
+    #[arg(long, value_name = "N")]
+    pub channel_max: Option<u16>,
+
+    /// Largest message body in bytes accepted from a publisher [env: WARREN_MAX_MESSAGE_SIZE] [default: 134217728]
+    #[arg(long, value_name = "BYTES")]
+    pub max_message_size: Option<u32>,
 }
 
 /// When the store fsyncs, and so how long a publisher confirm can take.
@@ -141,6 +153,12 @@ pub struct Config {
     pub channel_max: u16,
     /// Largest message body (bytes) accepted from a publisher.
     pub max_message_size: u32,
+    /// Most client connections at once; 0 = no limit.
+    pub max_connections: u32,
+    /// Seconds a client has to complete the handshake (protocol header to connection.open).
+    pub handshake_timeout: u32,
+    /// Seconds a write to a client may make no progress before the connection is closed.
+    pub write_timeout: u32,
     /// When the store fsyncs.
     pub sync: SyncMode,
     /// Size (bytes) at which the store starts a new segment file.
@@ -170,6 +188,9 @@ impl Default for Config {
             frame_max: 131_072,
             channel_max: 2047,
             max_message_size: 128 << 20,
+            max_connections: 0,
+            handshake_timeout: 10,
+            write_timeout: 30,
             sync: SyncMode::EveryBatch,
             segment_size: 32 << 20,
             memory_high_watermark: "0.4".to_owned(),
@@ -225,6 +246,8 @@ const FRAME_MIN_SIZE: u32 = 4096;
 const MAX_MESSAGE_SIZE_LIMIT: u32 = 512 << 20;
 /// Smallest accepted segment size.
 const SEGMENT_SIZE_MIN: u64 = 4096;
+/// Longest accepted handshake and write timeout, in seconds.
+const TIMEOUT_MAX_S: u32 = 3600;
 /// Longest accepted fsync interval: confirms wait this long at worst.
 const SYNC_INTERVAL_MAX_MS: u64 = 60_000;
 
@@ -244,6 +267,9 @@ const KEYS: &[(&str, &str)] = &[
     ("frame-max", "a frame size in bytes (4096-4294967295)"),
     ("channel-max", "a number of channels (1-65535)"),
     ("max-message-size", "a size in bytes (1-536870912)"),
+    ("max-connections", "a number of connections (0 for no limit)"),
+    ("handshake-timeout", "a number of seconds (1-3600)"),
+    ("write-timeout", "a number of seconds (1-3600)"),
     ("sync", SYNC_EXPECTED),
     ("segment-size", "a size in bytes (at least 4096)"),
     ("memory-high-watermark", "a fraction of RAM such as \"0.4\", or a size such as \"2GiB\""),
@@ -448,6 +474,18 @@ impl Config {
             config.consumer_timeout = ms;
             flag("consumer-timeout", "--consumer-timeout");
         }
+        if let Some(n) = args.max_connections {
+            config.max_connections = n;
+            flag("max-connections", "--max-connections");
+        }
+        if let Some(n) = args.channel_max {
+            config.channel_max = n;
+            flag("channel-max", "--channel-max");
+        }
+        if let Some(n) = args.max_message_size {
+            config.max_message_size = n;
+            flag("max-message-size", "--max-message-size");
+        }
 
         config.check().map_err(|(key, problem)| ConfigError::Invalid {
             key,
@@ -526,6 +564,11 @@ impl Config {
                 format!("{} is outside 1-{MAX_MESSAGE_SIZE_LIMIT} (512 MiB, RabbitMQ's limit)", self.max_message_size),
             ));
         }
+        for (key, secs) in [("handshake-timeout", self.handshake_timeout), ("write-timeout", self.write_timeout)] {
+            if secs == 0 || secs > TIMEOUT_MAX_S {
+                return Err((key, format!("{secs} is outside 1-{TIMEOUT_MAX_S} seconds")));
+            }
+        }
         if let SyncMode::IntervalMs(ms) = self.sync {
             if ms == 0 || ms > SYNC_INTERVAL_MAX_MS {
                 return Err((
@@ -565,7 +608,8 @@ impl Config {
         format!(
             "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
-             max-message-size={} sync={} segment-size={} memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}",
+             max-message-size={} max-connections={} handshake-timeout={}s write-timeout={}s sync={} segment-size={} \
+             memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}",
             self.amqp_addr(),
             self.http_port,
             self.data_dir.display(),
@@ -576,6 +620,9 @@ impl Config {
             self.frame_max,
             self.channel_max,
             self.max_message_size,
+            self.max_connections,
+            self.handshake_timeout,
+            self.write_timeout,
             self.sync,
             self.segment_size,
             self.memory_high_watermark,
@@ -744,12 +791,20 @@ mod tests {
             data_dir: Some(PathBuf::from("/from/flag")),
             consumer_timeout: Some(5000),
             config: Some(f.path().to_owned()),
+            max_connections: Some(7),
+            channel_max: Some(8),
+            max_message_size: Some(9),
+        };
+        let env = |name: &str| match name {
+            "WARREN_MAX_CONNECTIONS" | "WARREN_CHANNEL_MAX" | "WARREN_MAX_MESSAGE_SIZE" => Some("100".to_owned()),
+            other => env(other),
         };
         let c = Config::load_from(&args, &env).expect("load");
         assert_eq!(c.consumer_timeout, 5000);
         assert_eq!(c.amqp_addr().to_string(), "0.0.0.0:5675");
         assert_eq!(c.http_port, 15675);
         assert_eq!(c.data_dir, PathBuf::from("/from/flag"));
+        assert_eq!((c.max_connections, c.channel_max, c.max_message_size), (7, 8, 9));
     }
 
     #[test]
@@ -870,6 +925,8 @@ mod tests {
         assert!(invalid(|c| c.sync = SyncMode::IntervalMs(0)).starts_with("invalid sync: \"every-0ms\""));
         assert!(invalid(|c| c.sync = SyncMode::IntervalMs(600_000)).starts_with("invalid sync:"));
         assert!(invalid(|c| c.segment_size = 100).starts_with("invalid segment-size:"));
+        assert_eq!(invalid(|c| c.write_timeout = 0), "invalid write-timeout: 0 is outside 1-3600 seconds");
+        assert!(invalid(|c| c.handshake_timeout = 7200).starts_with("invalid handshake-timeout:"));
         assert!(invalid(|c| c.default_user.clear()).starts_with("invalid default-user:"));
         assert!(invalid(|c| c.default_pass.clear()).starts_with("invalid default-pass:"));
         assert!(invalid(|c| c.default_vhost.clear()).starts_with("invalid default-vhost:"));

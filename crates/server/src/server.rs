@@ -110,6 +110,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         config: config.clone(),
         shutdown: shutdown_rx.clone(),
         alarms: alarm_rx,
+        slots: connection::ConnectionSlots::new(config.max_connections),
     });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
 

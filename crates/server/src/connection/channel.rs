@@ -24,6 +24,11 @@ struct PendingPublish {
     single: Option<Bytes>,
 }
 
+/// Most operations (publishes and settlements) a transaction may buffer until tx.commit.
+const TX_MAX_OPS: usize = 100_000;
+/// Most bytes of published messages a transaction may buffer (or `max-message-size`, if larger).
+const TX_MAX_BYTES: usize = 128 << 20;
+
 /// An operation buffered by a transaction until tx.commit.
 enum TxOp {
     Publish { exchange: String, mandatory: bool, message: Message },
@@ -39,6 +44,8 @@ pub struct ChannelHandler {
     confirm: bool,
     next_publish_tag: u64,
     tx: Option<Vec<TxOp>>,
+    /// Bytes of the messages `tx` holds.
+    tx_bytes: usize,
     /// The last queue declared on this channel: AMQP lets "" mean it.
     last_queue: Option<String>,
 }
@@ -70,6 +77,7 @@ impl ChannelHandler {
             confirm: false,
             next_publish_tag: 1,
             tx: None,
+            tx_bytes: 0,
             last_queue: None,
         }
     }
@@ -142,6 +150,10 @@ impl ChannelHandler {
         tracing::debug!(channel = self.number, code = e.code, text = %e.text, "channel error");
         self.closing = true;
         self.pending = None;
+        if self.tx.is_some() {
+            self.tx = Some(Vec::new());
+            self.tx_bytes = 0;
+        }
         self.channel.close();
         // After our channel.close the client discards everything on the channel but close/close-ok.
         conn.outbox.push(Outgoing::ChannelEnd {
@@ -279,9 +291,9 @@ impl ChannelHandler {
                 }
                 self.pending = Some(PendingPublish { publish: m, header: None, body_size: 0, body: BytesMut::new(), single: None });
             }
-            Method::BasicAck(m) => self.settle(m.delivery_tag, m.multiple, Settle::Ack)?,
-            Method::BasicNack(m) => self.settle(m.delivery_tag, m.multiple, Settle::Reject { requeue: m.requeue })?,
-            Method::BasicReject(m) => self.settle(m.delivery_tag, false, Settle::Reject { requeue: m.requeue })?,
+            Method::BasicAck(m) => self.settle(m.delivery_tag, m.multiple, Settle::Ack, conn)?,
+            Method::BasicNack(m) => self.settle(m.delivery_tag, m.multiple, Settle::Reject { requeue: m.requeue }, conn)?,
+            Method::BasicReject(m) => self.settle(m.delivery_tag, false, Settle::Reject { requeue: m.requeue }, conn)?,
             Method::BasicRecover(_) => {
                 self.channel.recover();
                 self.reply(conn, Method::BasicRecoverOk(BasicRecoverOk {}));
@@ -312,6 +324,7 @@ impl ChannelHandler {
                     return Err(BrokerError::precondition_failed("channel is not transactional").into());
                 };
                 tx.clear();
+                self.tx_bytes = 0;
                 self.reply(conn, Method::TxRollbackOk(TxRollbackOk {}));
             }
 
@@ -380,9 +393,26 @@ impl ChannelHandler {
         Ok(())
     }
 
-    fn settle(&mut self, delivery_tag: u64, multiple: bool, how: Settle) -> Handled {
-        if let Some(tx) = self.tx.as_mut() {
-            tx.push(TxOp::Settle { delivery_tag, multiple, how });
+    /// Checks that a transaction can buffer one more operation of `bytes`.
+    fn tx_room(&self, bytes: usize, conn: &ConnectionShared) -> Result<(), BrokerError> {
+        let ops = self.tx.as_ref().map_or(0, Vec::len);
+        let max_bytes = TX_MAX_BYTES.max(conn.max_message_size as usize);
+        if ops >= TX_MAX_OPS || self.tx_bytes + bytes > max_bytes {
+            return Err(BrokerError::precondition_failed(format!(
+                "transaction too large: {ops} operations and {} bytes buffered (at most {TX_MAX_OPS} operations \
+                 and {max_bytes} bytes until tx.commit); commit more often",
+                self.tx_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    fn settle(&mut self, delivery_tag: u64, multiple: bool, how: Settle, conn: &ConnectionShared) -> Handled {
+        if self.tx.is_some() {
+            self.tx_room(0, conn)?;
+            if let Some(tx) = self.tx.as_mut() {
+                tx.push(TxOp::Settle { delivery_tag, multiple, how });
+            }
             return Ok(());
         }
         self.channel.settle(delivery_tag, multiple, how)?;
@@ -393,6 +423,7 @@ impl ChannelHandler {
         let Some(ops) = self.tx.as_mut().map(std::mem::take) else {
             return Err(BrokerError::precondition_failed("channel is not transactional").into());
         };
+        self.tx_bytes = 0;
         let mut last_ticket = None;
         for op in ops {
             let ticket = match op {
@@ -483,8 +514,12 @@ impl ChannelHandler {
             if let Some(first) = pending.single.take() {
                 pending.body.extend_from_slice(&first);
             }
-            if pending.body.is_empty() {
-                pending.body.reserve(pending.body_size as usize);
+            // Grow with what arrived (doubling, never past the declared size), never by what the header
+            // declares: a header claiming 100 MB with no body behind it costs nothing.
+            let needed = pending.body.len() + payload.len();
+            if needed > pending.body.capacity() {
+                let target = (pending.body.len() * 2).max(needed).min(pending.body_size as usize);
+                pending.body.reserve(target - pending.body.len());
             }
             pending.body.extend_from_slice(&payload);
         }
@@ -510,8 +545,16 @@ impl ChannelHandler {
                 Ok(())
             }
             Ok(message) => {
-                if let Some(tx) = self.tx.as_mut() {
-                    tx.push(TxOp::Publish { exchange: publish.exchange, mandatory: publish.mandatory, message });
+                if self.tx.is_some() {
+                    let bytes = message.memory_bytes();
+                    if let Err(e) = self.tx_room(bytes, conn) {
+                        self.fail(e, c::CLASS_BASIC, 40, conn);
+                        return Ok(());
+                    }
+                    self.tx_bytes += bytes;
+                    if let Some(tx) = self.tx.as_mut() {
+                        tx.push(TxOp::Publish { exchange: publish.exchange, mandatory: publish.mandatory, message });
+                    }
                     return Ok(());
                 }
                 match self.route(conn, &publish.exchange, publish.mandatory, message) {

@@ -16,6 +16,8 @@ use warren_protocol::frame::{self, Frame};
 use warren_protocol::method::*;
 
 pub struct Negotiated {
+    /// This connection's place under `max-connections`, held while it is open.
+    pub slot: super::Slot,
     pub user: User,
     pub vhost: Arc<VHost>,
     pub frame_max: u32,
@@ -83,6 +85,7 @@ pub async fn negotiate(
     socket: &mut OwnedWriteHalf,
     broker: &Broker,
     config: &Config,
+    slots: &super::ConnectionSlots,
     peer: SocketAddr,
 ) -> Result<Negotiated, ConnError> {
     send(
@@ -221,8 +224,17 @@ pub async fn negotiate(
                 40,
             )
         })?;
+    let slot = slots.take().map_err(|max| {
+        tracing::warn!(%peer, max_connections = max, "connection refused: max-connections reached");
+        ConnError::new(
+            c::NOT_ALLOWED,
+            format!("NOT_ALLOWED - connection refused: node connection limit ({max}) is reached"),
+            c::CLASS_CONNECTION,
+            40,
+        )
+    })?;
     send(socket, 0, Method::ConnectionOpenOk(ConnectionOpenOk { reserved_1: String::new() })).await?;
-    Ok(Negotiated { user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name })
+    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name })
 }
 
 fn unexpected(got: &Method, wanted: &str) -> ConnError {

@@ -31,7 +31,6 @@ use warren_protocol::constants as c;
 use warren_protocol::frame::{self, Frame};
 use warren_protocol::method::*;
 
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(3);
 
 static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
@@ -43,6 +42,37 @@ pub struct ServerContext {
     pub shutdown: watch::Receiver<bool>,
     /// Resource alarms: while one is raised, connections that publish are not read.
     pub alarms: watch::Receiver<crate::alarms::AlarmState>,
+    /// Open connections, against `max-connections`.
+    pub slots: ConnectionSlots,
+}
+
+/// Counts open connections (those past connection.open) against `max-connections` (0: no limit).
+pub struct ConnectionSlots {
+    open: Arc<AtomicU64>,
+    max: u64,
+}
+
+/// One open connection's place; given back when dropped.
+pub struct Slot(Arc<AtomicU64>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl ConnectionSlots {
+    pub fn new(max: u32) -> Self {
+        ConnectionSlots { open: Arc::new(AtomicU64::new(0)), max: max as u64 }
+    }
+
+    /// A place for one more connection, or the limit when all are taken.
+    pub fn take(&self) -> Result<Slot, u64> {
+        self.open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (self.max == 0 || n < self.max).then_some(n + 1))
+            .map(|_| Slot(self.open.clone()))
+            .map_err(|_| self.max)
+    }
 }
 
 /// What a channel handler needs from its connection.
@@ -68,7 +98,10 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
     let (read, mut write) = stream.into_split();
     let mut read = read;
     let mut buf = BytesMut::with_capacity(64 * 1024);
-    let header_ok = tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
+    // One deadline for the whole handshake, from the protocol header to connection.open: a client that
+    // trickles its bytes (slowloris) cannot hold a connection longer than this.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(ctx.config.handshake_timeout as u64);
+    let header_ok = tokio::time::timeout_at(deadline, async {
         while buf.len() < 8 {
             match read.read_buf(&mut buf).await {
                 Ok(0) | Err(_) => return false,
@@ -92,9 +125,9 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
     buf.advance(8);
     let mut reader = FrameReader::new(read, buf);
 
-    let negotiated = match tokio::time::timeout(
-        HANDSHAKE_TIMEOUT,
-        handshake::negotiate(&mut reader, &mut write, &ctx.broker, &ctx.config, peer),
+    let negotiated = match tokio::time::timeout_at(
+        deadline,
+        handshake::negotiate(&mut reader, &mut write, &ctx.broker, &ctx.config, &ctx.slots, peer),
     )
     .await
     {
@@ -106,14 +139,19 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
                 0,
                 &Method::ConnectionClose(ConnectionClose { reply_code: code, reply_text: text, class_id, method_id }),
             );
-            let _ = write.write_all(&out).await;
+            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, write.write_all(&out)).await;
             let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, reader.next(c::FRAME_MIN_SIZE)).await;
             let _ = write.shutdown().await;
             return;
         }
-        Ok(Err(ConnError::Gone)) | Err(_) => return,
+        Ok(Err(ConnError::Gone)) => return,
+        Err(_) => {
+            tracing::info!(%peer, timeout_s = ctx.config.handshake_timeout, "closing connection: handshake not completed in handshake-timeout");
+            return;
+        }
     };
 
+    let _slot = negotiated.slot; // given back when this function returns
     let id = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
     tracing::info!(%peer, connection = id, user = %negotiated.user.name, vhost = %negotiated.vhost.name,
         client = %negotiated.client_name, "connection opened");
@@ -122,6 +160,8 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         frame_max: negotiated.frame_max,
         heartbeat_every: (negotiated.heartbeat > 0).then(|| Duration::from_millis(negotiated.heartbeat as u64 * 500)),
         consumer_cancel_notify: negotiated.consumer_cancel_notify,
+        write_timeout: Duration::from_secs(ctx.config.write_timeout as u64),
+        connection: id,
     }));
     let writer = tokio::spawn(writer::run(write, outbox.clone(), ctx.broker.store().durable(), writer_config));
 
@@ -257,6 +297,18 @@ impl Connection {
                 Ok(true) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
                 Ok(false) => {}
             }
+            // TCP back-pressure: while too much waits for the socket (a client that does not read what
+            // its publishes cause, such as basic.return), read nothing more from it.
+            let outbox = self.shared.outbox.clone();
+            if outbox.congested() {
+                tokio::select! {
+                    _ = outbox.until_uncongested() => {}
+                    _ = shutdown.changed() => return Ended::Error(forced()),
+                }
+            }
+            if outbox.writer_stopped() {
+                return Ended::Error(ConnError::Gone);
+            }
             // Credit flow: a queue whose consumers cannot keep up with their sockets slows its publishers
             // (a bounded wait, again while it lasts) instead of buffering without bound.
             let slow = self.shared.slowed_by.lock().take();
@@ -290,6 +342,7 @@ impl Connection {
                 _ = shutdown.changed() => return Ended::Error(forced()),
                 _ = alarms.changed(), if publisher => {}
                 _ = ack_check.tick() => self.check_ack_timeouts(),
+                _ = outbox.until_writer_stopped() => return Ended::Error(ConnError::Gone),
             }
         }
     }

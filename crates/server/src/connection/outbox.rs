@@ -1,8 +1,17 @@
 //! Everything a connection sends goes through its outbox: method replies from the reader,
 //! deliveries from queues, confirms. One writer task drains it, so frames for a channel leave
 //! in the order they were pushed, and each batch goes to the socket in one write.
+//!
+//! The outbox is bounded in bytes, in two ways:
+//! - deliveries: queues push them only while less than `DELIVERY_BYTES_LIMIT` waits to be taken
+//!   (`ClientSink::has_room`); otherwise they keep the messages and are woken when the writer takes;
+//! - everything else the reader causes (replies, basic.return, confirms): every item is counted in
+//!   `outgoing_bytes` from its push until the writer has written it to the socket (or dropped it),
+//!   and while that is at `OUTGOING_BYTES_LIMIT` or more the reader stops reading the socket
+//!   ([`Outbox::until_uncongested`]): TCP back-pressure then stops the client, as in RabbitMQ. A
+//!   client that publishes mandatory unroutable messages and never reads costs at most this much.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Weak;
 
 use parking_lot::Mutex;
@@ -35,22 +44,63 @@ pub enum DurableAction {
     Method(Method),
 }
 
+/// What a method frame is counted as (most are far smaller; names are at most 255 bytes).
+const METHOD_COST: usize = 512;
+/// What a pending confirm is counted as until it is written or dropped.
+pub const CONFIRM_COST: usize = 32;
+
+impl Outgoing {
+    /// About how many bytes the item takes until it is written: what `outgoing_bytes` counts.
+    pub fn cost(&self) -> usize {
+        match self {
+            Outgoing::Method { .. } | Outgoing::ChannelEnd { .. } => METHOD_COST,
+            Outgoing::Delivery(d) => d.approx_bytes(),
+            Outgoing::Return { message, .. } => message.memory_bytes(),
+            Outgoing::WhenDurable { .. } => CONFIRM_COST,
+            Outgoing::Close => 0,
+        }
+    }
+}
+
 /// Deliveries a connection buffers for its socket before its queues hold back: about a thousand 1 KB
 /// messages, enough to fill each write; a slow no-ack consumer costs no more than this.
 const DELIVERY_BYTES_LIMIT: usize = 1 << 20;
 
-#[derive(Default)]
+/// Bytes waiting for the socket (or for the disk, for confirms) above which the reader stops reading.
+pub const OUTGOING_BYTES_LIMIT: usize = 4 << 20;
+
 pub struct Outbox {
     items: Mutex<Vec<Outgoing>>,
     notify: Notify,
     /// Bytes of deliveries pushed and not yet taken by the writer.
     delivery_bytes: AtomicUsize,
+    /// Bytes of everything pushed and not yet written to the socket or dropped (see the module docs).
+    outgoing_bytes: AtomicUsize,
     /// Channels that found the outbox full; their consumers are dispatched again when the writer takes.
     waiting: Mutex<Vec<Weak<Channel>>>,
+    /// Wakes the reader: outgoing bytes fell below the limit, or the writer stopped.
+    reader_wake: Notify,
+    /// The writer task ended (socket error, write timeout, close): nothing more can be sent.
+    writer_stopped: AtomicBool,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox {
+            items: Mutex::new(Vec::new()),
+            notify: Notify::new(),
+            delivery_bytes: AtomicUsize::new(0),
+            outgoing_bytes: AtomicUsize::new(0),
+            waiting: Mutex::new(Vec::new()),
+            reader_wake: Notify::new(),
+            writer_stopped: AtomicBool::new(false),
+        }
+    }
 }
 
 impl Outbox {
     pub fn push(&self, item: Outgoing) {
+        self.outgoing_bytes.fetch_add(item.cost(), Ordering::Relaxed);
         self.items.lock().push(item);
         self.notify.notify_one();
     }
@@ -72,6 +122,46 @@ impl Outbox {
 
     pub async fn wait(&self) {
         self.notify.notified().await;
+    }
+
+    /// The writer wrote (or dropped) items that were counted as `bytes`.
+    pub fn written(&self, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        let before = self.outgoing_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        if before >= OUTGOING_BYTES_LIMIT && before - bytes < OUTGOING_BYTES_LIMIT {
+            self.reader_wake.notify_one();
+        }
+    }
+
+    /// Whether so much waits for the socket that the reader must stop reading.
+    pub fn congested(&self) -> bool {
+        self.outgoing_bytes.load(Ordering::Acquire) >= OUTGOING_BYTES_LIMIT
+    }
+
+    /// Returns once the outbox is no longer congested, or the writer stopped.
+    pub async fn until_uncongested(&self) {
+        while self.congested() && !self.writer_stopped() {
+            self.reader_wake.notified().await;
+        }
+    }
+
+    /// Called by the writer task as it ends.
+    pub fn writer_ended(&self) {
+        self.writer_stopped.store(true, Ordering::Release);
+        self.reader_wake.notify_one();
+    }
+
+    pub fn writer_stopped(&self) -> bool {
+        self.writer_stopped.load(Ordering::Acquire)
+    }
+
+    /// Returns once the writer task has ended.
+    pub async fn until_writer_stopped(&self) {
+        while !self.writer_stopped() {
+            self.reader_wake.notified().await;
+        }
     }
 }
 

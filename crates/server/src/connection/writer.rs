@@ -3,8 +3,11 @@
 //!
 //! This is the only place confirms are written, so per channel they leave in delivery-tag
 //! order, and a run of acks becomes one `basic.ack` with `multiple`.
+//!
+//! A socket that takes nothing for `write_timeout` (a peer that stopped reading) ends the
+//! connection; the reader is told through [`Outbox::writer_ended`].
 
-use super::outbox::{DurableAction, Outbox, Outgoing};
+use super::outbox::{DurableAction, Outbox, Outgoing, CONFIRM_COST};
 use bytes::BytesMut;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -22,6 +25,10 @@ pub struct WriterConfig {
     /// Send a heartbeat after this long without writing anything (None: heartbeats off).
     pub heartbeat_every: Option<Duration>,
     pub consumer_cancel_notify: bool,
+    /// A write that makes no progress for this long closes the connection.
+    pub write_timeout: Duration,
+    /// The connection's id, for the log.
+    pub connection: u64,
 }
 
 struct PendingDurable {
@@ -30,8 +37,37 @@ struct PendingDurable {
 }
 
 pub async fn run(
-    mut socket: OwnedWriteHalf,
+    socket: OwnedWriteHalf,
     outbox: Arc<Outbox>,
+    durable: watch::Receiver<u64>,
+    config: Arc<parking_lot::Mutex<WriterConfig>>,
+) {
+    write_loop(socket, &outbox, durable, config).await;
+    outbox.writer_ended();
+}
+
+/// Why writing stopped.
+enum WriteFailed {
+    Gone,
+    TimedOut,
+}
+
+/// Writes all of `buf`; fails if the peer is gone or a write makes no progress for `timeout`.
+async fn write_all(socket: &mut OwnedWriteHalf, buf: &[u8], timeout: Duration) -> Result<(), WriteFailed> {
+    let mut pos = 0;
+    while pos < buf.len() {
+        match tokio::time::timeout(timeout, socket.write(&buf[pos..])).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Err(WriteFailed::Gone),
+            Ok(Ok(n)) => pos += n,
+            Err(_) => return Err(WriteFailed::TimedOut),
+        }
+    }
+    Ok(())
+}
+
+async fn write_loop(
+    mut socket: OwnedWriteHalf,
+    outbox: &Outbox,
     mut durable: watch::Receiver<u64>,
     config: Arc<parking_lot::Mutex<WriterConfig>>,
 ) {
@@ -40,9 +76,9 @@ pub async fn run(
     let mut pending: HashMap<u16, VecDeque<PendingDurable>> = HashMap::new();
     let mut closing = false;
     loop {
-        let (heartbeat_every, frame_max, cancel_notify) = {
+        let (heartbeat_every, frame_max, cancel_notify, write_timeout, connection) = {
             let c = config.lock();
-            (c.heartbeat_every, c.frame_max, c.consumer_cancel_notify)
+            (c.heartbeat_every, c.frame_max, c.consumer_cancel_notify, c.write_timeout, c.connection)
         };
         let waiting_for_disk = pending.values().any(|q| !q.is_empty());
         let idle = async {
@@ -63,7 +99,12 @@ pub async fn run(
             _ = idle => heartbeat_due = true,
         }
         outbox.take(&mut items);
+        // Bytes of what goes into `buf` (released once written) and of confirms dropped unsent.
+        let mut cost = 0;
         for item in items.drain(..) {
+            if !matches!(item, Outgoing::WhenDurable { .. }) {
+                cost += item.cost();
+            }
             match item {
                 Outgoing::Method { channel, method } => frame::write_method(&mut buf, channel, &method),
                 Outgoing::Delivery(d) => write_delivery(&mut buf, d, frame_max, cancel_notify),
@@ -84,6 +125,7 @@ pub async fn run(
                 Outgoing::ChannelEnd { channel, method } => {
                     // Confirms are per channel incarnation: what is not durable now is never sent.
                     if let Some(mut queue) = pending.remove(&channel) {
+                        cost += queue.len() * CONFIRM_COST;
                         write_ready_confirms(&mut buf, channel, &mut queue, *durable.borrow());
                     }
                     frame::write_method(&mut buf, channel, &method);
@@ -93,20 +135,29 @@ pub async fn run(
         }
         let on_disk = *durable.borrow_and_update();
         for (channel, queue) in pending.iter_mut() {
+            let before = queue.len();
             write_ready_confirms(&mut buf, *channel, queue, on_disk);
+            cost += (before - queue.len()) * CONFIRM_COST;
         }
         pending.retain(|_, q| !q.is_empty());
         if buf.is_empty() && heartbeat_due {
             frame::write_heartbeat(&mut buf);
         }
         if !buf.is_empty() {
-            if socket.write_all(&buf).await.is_err() {
-                return;
+            match write_all(&mut socket, &buf, write_timeout).await {
+                Ok(()) => {}
+                Err(WriteFailed::Gone) => return,
+                Err(WriteFailed::TimedOut) => {
+                    tracing::warn!(connection, timeout_s = write_timeout.as_secs(),
+                        "closing connection: the client read nothing for write-timeout");
+                    return;
+                }
             }
             buf.clear();
-            if buf.capacity() > 4 * 1024 * 1024 {
-                buf = BytesMut::with_capacity(64 * 1024);
-            }
+        }
+        outbox.written(cost);
+        if buf.capacity() > 4 * 1024 * 1024 {
+            buf = BytesMut::with_capacity(64 * 1024);
         }
         if closing {
             let _ = socket.shutdown().await;
