@@ -129,3 +129,21 @@ def test_max_message_size_is_answered_with_406(start_broker, name):
     assert code == 406 and "message size 1001 is larger than configured max size 1000" in text, (code, text)
     r.close()
 
+
+
+def test_two_thousand_idle_connections_fit_in_a_small_memory_bound():
+    """The CI-sized version of bench/many-connections.py (10,000 in RELIABILITY.md): 2,000 idle
+    connections, broker RSS under 200 MB (the 1 GB for 10,000 of issue 9, scaled)."""
+    import resource
+    import subprocess
+    import sys
+    from conftest import BIN, ROOT
+    n = 2000
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < n + 200:
+        pytest.skip(f"open-file hard limit {hard} is below {n + 200}")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "many-connections.py"), "--connections", str(n),
+                          "--max-rss-mb", "200", "--bin", BIN], capture_output=True, text=True, timeout=120)
+    print(out.stdout, out.stderr)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "a new connection still works: True" in out.stdout

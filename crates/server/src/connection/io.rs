@@ -1,10 +1,17 @@
 //! Reading frames off the socket.
+//!
+//! The read buffer grows as frames need it and is freed while the connection is idle (nothing
+//! half-read and nothing to read for a second): ten thousand idle connections hold no read buffers.
 
 use super::error::ConnError;
 use bytes::BytesMut;
+use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
 use warren_protocol::frame::{parse_frame, Frame};
+
+/// How long a connection must have been idle before its read buffer is freed.
+const RELEASE_BUFFER_AFTER: Duration = Duration::from_secs(1);
 
 pub struct FrameReader {
     socket: OwnedReadHalf,
@@ -23,6 +30,17 @@ impl FrameReader {
 
     /// Reads more bytes from the socket; `Gone` on EOF or error.
     pub async fn fill(&mut self) -> Result<(), ConnError> {
+        if self.buf.is_empty() {
+            if self.buf.capacity() > 0
+                && tokio::time::timeout(RELEASE_BUFFER_AFTER, self.socket.readable()).await.is_err()
+            {
+                self.buf = BytesMut::new();
+            }
+            if self.buf.capacity() == 0 {
+                // Idle: wait for data before allocating a buffer for it.
+                self.socket.readable().await.map_err(|_| ConnError::Gone)?;
+            }
+        }
         if self.buf.capacity() - self.buf.len() < 16 * 1024 {
             self.buf.reserve(64 * 1024);
         }

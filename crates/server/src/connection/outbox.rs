@@ -124,6 +124,14 @@ impl Outbox {
         self.notify.notified().await;
     }
 
+    /// Frees the queue's allocation if it is empty (an idle connection).
+    pub fn release_memory(&self) {
+        let mut items = self.items.lock();
+        if items.is_empty() {
+            *items = Vec::new();
+        }
+    }
+
     /// The writer wrote (or dropped) items that were counted as `bytes`.
     pub fn written(&self, bytes: usize) {
         if bytes == 0 {

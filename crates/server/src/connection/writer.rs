@@ -20,6 +20,9 @@ use warren_protocol::frame;
 use warren_protocol::method::{BasicCancel, BasicNack, Method};
 use warren_store::SyncTicket;
 
+/// How long a writer must have had nothing to write before it frees its buffers.
+const RELEASE_BUFFERS_AFTER: Duration = Duration::from_secs(1);
+
 pub struct WriterConfig {
     pub frame_max: u32,
     /// Send a heartbeat after this long without writing anything (None: heartbeats off).
@@ -72,7 +75,7 @@ async fn write_loop(
     config: Arc<parking_lot::Mutex<WriterConfig>>,
 ) {
     let mut items = Vec::new();
-    let mut buf = BytesMut::with_capacity(64 * 1024);
+    let mut buf = BytesMut::new();
     let mut pending: HashMap<u16, VecDeque<PendingDurable>> = HashMap::new();
     let mut closing = false;
     loop {
@@ -87,9 +90,24 @@ async fn write_loop(
                 None => std::future::pending().await,
             }
         };
+        // An idle connection gives back its write buffers: ten thousand idle connections must not
+        // keep 64 KiB each.
+        let holds_memory = buf.capacity() > 0 || items.capacity() > 0;
+        let release = async {
+            match holds_memory {
+                true => tokio::time::sleep(RELEASE_BUFFERS_AFTER).await,
+                false => std::future::pending().await,
+            }
+        };
         let mut heartbeat_due = false;
         tokio::select! {
             _ = outbox.wait() => {}
+            _ = release => {
+                buf = BytesMut::new();
+                items = Vec::new();
+                outbox.release_memory();
+                continue;
+            }
             changed = durable.changed(), if waiting_for_disk => {
                 if changed.is_err() {
                     // The store has shut down; nothing more will become durable.
@@ -157,7 +175,7 @@ async fn write_loop(
         }
         outbox.written(cost);
         if buf.capacity() > 4 * 1024 * 1024 {
-            buf = BytesMut::with_capacity(64 * 1024);
+            buf = BytesMut::new();
         }
         if closing {
             let _ = socket.shutdown().await;
