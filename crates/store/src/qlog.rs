@@ -463,8 +463,13 @@ impl QueueLog {
                         pos += n;
                         own_next = rseq + 1;
                         self.cursor = Some((own_next, first, offset + pos as u64));
+                        if rseq < seq {
+                            // Before where this read starts: `next_seq` must not go back to it, or the
+                            // next chunk would continue from here.
+                            continue;
+                        }
                         out.next_seq = self.gone.next_live(rseq + 1);
-                        if rseq < seq || self.gone.contains(rseq) {
+                        if self.gone.contains(rseq) {
                             continue;
                         }
                         bytes += payload.len();
