@@ -234,31 +234,3 @@ def test_unacked_bytes_per_channel_are_bounded_without_prefetch(broker, name):
     r.close()
     with broker.connection() as c:
         assert eventually(lambda: c.channel().queue_declare(name, passive=True).method.message_count == 0)
-
-
-def test_direct_replies_to_a_client_that_never_reads_are_bounded(broker, name):
-    """Direct reply-to replies are pushed by the replier's connection into the requester's outbox: a
-    requester that stops reading must not make the broker buffer them without bound. Replies it cannot
-    take are dropped, as replies to a requester that is gone."""
-    import pika
-    base = rss_mb(broker)
-    requester = broker.connection()
-    rch = requester.channel()
-    rch.queue_declare(name)
-    rch.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True)
-    rch.basic_publish("", name, b"request", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
-    # From here on the requester reads nothing.
-    with broker.connection() as server:
-        sch = server.channel()
-        method, props, _ = eventually(lambda: (lambda r: r if r[0] else None)(sch.basic_get(name, auto_ack=True)))
-        peak = 0
-        for i in range(400):
-            sch.basic_publish("", props.reply_to, b"p" * MB)
-            if i % 20 == 0:
-                sch.queue_declare(name, passive=True)  # a round trip: the replies were routed
-                peak = max(peak, rss_mb(broker))
-                assert peak < base + 300, f"RSS {peak:.0f} MB after {i} MB of replies to a client that does not read"
-        sch.queue_declare(name, passive=True)
-        peak = max(peak, rss_mb(broker))
-    assert peak < base + 300, f"RSS grew from {base:.0f} to {peak:.0f} MB"
-    check_healthy(broker, name)

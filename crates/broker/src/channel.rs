@@ -40,12 +40,6 @@ pub trait ClientSink: Send + Sync {
 
     /// Asks to have `channel`'s consumers dispatched again once `has_room` turns true.
     fn wake_when_room(&self, _channel: Weak<Channel>) {}
-
-    /// Whether so much already waits for the client's socket that what cannot wait (a direct reply,
-    /// pushed by another connection) must be dropped instead of buffered.
-    fn overloaded(&self) -> bool {
-        false
-    }
 }
 
 impl Delivery {
@@ -301,7 +295,7 @@ impl Channel {
     /// is none any more.
     pub fn deliver_reply(&self, message: MessageRef) -> bool {
         let mut st = self.state.lock();
-        if st.closed || self.sink.overloaded() {
+        if st.closed {
             return false;
         }
         let Some(consumer_tag) = st.reply.as_ref().map(|r| r.tag.clone()) else { return false };

@@ -29,7 +29,7 @@ pub use consumers::ConsumerArgs;
 pub use error::{BrokerError, Scope};
 pub use exchange::Exchange;
 pub use message::{Message, MessageRef};
-pub use queue::Queue;
+pub use queue::{GetWait, Got, Queue};
 pub use vhost::{PublishOutcome, VHost};
 
 /// Wall-clock milliseconds since the Unix epoch: TTLs survive restarts, so they are absolute.

@@ -76,10 +76,30 @@ impl Entry {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enqueued {
     /// Taken; durable once the store reaches the ticket (if any). `slow_publishers`: the queue asks
-    /// its publishers to pause (see `QueueState::publishers_must_wait`).
-    Accepted { ticket: Option<SyncTicket>, slow_publishers: bool },
+    /// its publishers to pause (see `QueueState::publishers_must_wait`). `store_behind`: it was written
+    /// to the store, which has more waiting to be written than it wants (`Store::is_behind`): the
+    /// publisher should wait for `Store::caught_up` before sending more.
+    Accepted { ticket: Option<SyncTicket>, slow_publishers: bool, store_behind: bool },
     /// Refused by `x-overflow: reject-publish(-dlx)`: the publisher gets a basic.nack.
     Rejected,
+}
+
+/// What basic.get found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Got {
+    /// basic.get-ok went to the channel.
+    Message,
+    /// Nothing ready: the caller answers basic.get-empty.
+    Empty,
+    /// The head needs something first; await [`Queue::wait_for`] and call `get` again.
+    Later(GetWait),
+}
+
+/// What a basic.get waits for (asynchronously, off the queue lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GetWait {
+    /// The store's durable watermark reaching this ticket (the head's delivered mark).
+    Durable(SyncTicket),
 }
 
 struct QueueState {
@@ -273,7 +293,7 @@ impl Queue {
         let outcome = {
             let mut st = self.state.lock();
             if st.deleted {
-                return Ok(Enqueued::Accepted { ticket: None, slow_publishers: false });
+                return Ok(Enqueued::Accepted { ticket: None, slow_publishers: false, store_behind: false });
             }
             if self.args.overflow != Overflow::DropHead && self.is_full(&st, message.body_len() as u64) {
                 if self.args.overflow == Overflow::RejectPublishDlx {
@@ -333,7 +353,8 @@ impl Queue {
             }
             // TTL 0 (or an already past expiry): what no consumer took right now expires now.
             self.expire_locked(&mut st, now_ms, true, &mut after);
-            Enqueued::Accepted { ticket, slow_publishers: st.publishers_must_wait() }
+            let store_behind = (stored_bytes > 0 || ticket.is_some()) && self.store.is_behind();
+            Enqueued::Accepted { ticket, slow_publishers: st.publishers_must_wait(), store_behind }
         };
         self.finish(after);
         Ok(outcome)
@@ -723,10 +744,13 @@ impl Queue {
     }
 
     /// basic.get: takes the head (if any) for `channel`. Nothing when the channel already holds as many
-    /// unacknowledged bytes as it may (`UNACKED_BYTES_LIMIT`) and this one would be acknowledged.
-    pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> bool {
+    /// unacknowledged bytes as it may (`UNACKED_BYTES_LIMIT`) and this one would be acknowledged. Never
+    /// waits: when the head may leave only once something is on disk, it returns [`Got::Later`]; the
+    /// caller awaits [`Queue::wait_for`] and asks again (holding back what the client sent after the
+    /// basic.get, so replies stay in order).
+    pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> Got {
         if !no_ack && channel.unacked_full() {
-            return false;
+            return Got::Empty;
         }
         let mut after = AfterUnlock::default();
         let got = {
@@ -735,38 +759,44 @@ impl Queue {
             st.last_used_ms = now;
             self.refill_locked(&mut st, &mut after);
             self.expire_locked(&mut st, now, true, &mut after);
-            // The head's delivered mark must be durable first (see `delivery_marked`): basic.get is one
-            // message per round trip, so waiting here for that one fsync (once per 1,024 gets) is fine.
-            loop {
-                if !no_ack && self.head_is_deferred(&st) {
-                    // It becomes unacked: it must be in the store before anything could requeue it (see
-                    // `store_deferred_locked`), and then it needs its delivered mark too.
-                    self.store_deferred_locked(&mut st, now);
+            if !no_ack && self.head_is_deferred(&st) {
+                // It becomes unacked: it must be in the store before anything could requeue it (see
+                // `store_deferred_locked`), and then it needs its delivered mark too.
+                self.store_deferred_locked(&mut st, now);
+            }
+            // The head's delivered mark must be durable first (see `delivery_marked`): once per 1,024
+            // gets, the caller waits for that one fsync.
+            if !self.delivery_marked(&mut st) {
+                if let Some((_, ticket)) = st.mark_pending {
+                    drop(st);
+                    self.finish(after);
+                    return Got::Later(GetWait::Durable(ticket));
                 }
-                if self.delivery_marked(&mut st) {
-                    break;
-                }
-                let Some((_, ticket)) = st.mark_pending else { break };
-                drop(st);
-                if self.store.wait_durable(ticket).is_err() {
-                    return false;
-                }
-                st = self.state.lock();
             }
             match pop_ready(&mut st) {
-                None => false,
+                None => Got::Empty,
                 Some(entry) => {
                     let remaining = ready_count(&st).min(u32::MAX as u64) as u32;
                     match channel.deliver_get(self, entry, no_ack, remaining) {
                         Some(settled) => settled.settle_in_store(self.id, &mut after.acks),
                         None => st.unacked += 1,
                     }
-                    true
+                    Got::Message
                 }
             }
         };
         self.finish(after);
         got
+    }
+
+    /// Returns once what a [`Got::Later`] asked for is there (or can no longer come: the store closed).
+    pub async fn wait_for(&self, wait: GetWait) {
+        match wait {
+            GetWait::Durable(ticket) => {
+                let mut durable = self.store.durable();
+                let _ = durable.wait_for(|&d| d >= ticket).await;
+            }
+        }
     }
 
     /// Settles delivered entries (ack, or reject with/without requeue). Store acks go into `acks`

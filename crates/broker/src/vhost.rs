@@ -30,6 +30,9 @@ pub struct PublishOutcome {
     pub ticket: Option<SyncTicket>,
     /// A queue it went to asks publishers to pause (`Enqueued::Accepted::slow_publishers`).
     pub slow_queue: Option<Arc<Queue>>,
+    /// It was written to a store that is behind (`Enqueued::Accepted::store_behind`): the publisher
+    /// waits for `Store::caught_up` before sending more.
+    pub store_behind: bool,
 }
 
 pub struct QueueDeclare<'a> {
@@ -537,7 +540,8 @@ impl VHost {
         encode_header(&message, Some(now), &mut header);
         for q in queues {
             match q.publish(&message, &header, now, lazy_ok)? {
-                Enqueued::Accepted { ticket, slow_publishers } => {
+                Enqueued::Accepted { ticket, slow_publishers, store_behind } => {
+                    outcome.store_behind |= store_behind;
                     if let Some(t) = ticket {
                         outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t)));
                     }

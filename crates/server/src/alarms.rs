@@ -5,6 +5,10 @@
 //! (`connection.blocked`, and their socket is not read) until every alarm has cleared. Each alarm clears
 //! only with some margin below (memory) or above (disk) its limit, so it does not flap. No alarm ever
 //! deletes a message.
+//!
+//! The disk alarm is also raised while the message store waits for space (a write failed with
+//! `ENOSPC`: the file system filled up between two samples, or faster than the limit allows for), and
+//! stays raised until that write went through and free space is back above the limit.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,7 +68,13 @@ impl Limits {
 }
 
 /// Samples memory and disk until `shutdown`, publishing the alarm state on `tx`.
-pub async fn monitor(data_dir: PathBuf, limits: Arc<Mutex<Limits>>, tx: watch::Sender<AlarmState>, mut shutdown: watch::Receiver<bool>) {
+pub async fn monitor(
+    data_dir: PathBuf,
+    store: warren_store::Store,
+    limits: Arc<Mutex<Limits>>,
+    tx: watch::Sender<AlarmState>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut tick = tokio::time::interval(CHECK_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -84,7 +94,15 @@ pub async fn monitor(data_dir: PathBuf, limits: Arc<Mutex<Limits>>, tx: watch::S
                 tracing::warn!(in_use = rss, limit = limits.memory_bytes, "memory resource limit alarm cleared");
             }
         }
+        let store_full = store.waiting_for_space();
+        if store_full && !state.disk {
+            state.disk = true;
+            tracing::warn!(dir = %data_dir.display(),
+                "disk resource limit alarm set: the message store has no space to write; publishers are blocked \
+                 until free space is back");
+        }
         match free_disk(&data_dir) {
+            Ok(_) if store_full => {}
             Ok(free) => {
                 if !state.disk && free < limits.disk_free_bytes {
                     state.disk = true;

@@ -103,7 +103,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
     let (alarm_tx, alarm_rx) = watch::channel(AlarmState::default());
-    let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
+    let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), broker.store().clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
     let reloader = tokio::spawn(reload_on_sighup(reload, limits, shutdown_rx.clone()));
     let ctx = Arc::new(ServerContext {
         broker: broker.clone(),

@@ -9,6 +9,9 @@
 //!
 //! Reads are not routed: they see the real files, which is what the running system sees either way.
 //!
+//! Writes, file creations, new directories and renames that fail for lack of space (`ENOSPC`,
+//! `EDQUOT`) wait for space and are tried again here (`space`); fsyncs never are.
+//!
 //! ### To ensure correctness
 //! - Open every file the store writes with [`Disk::open`] and change the namespace only with the
 //!   methods here: a write that bypasses the layer is invisible to the power-loss model, which then
@@ -17,8 +20,10 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use crate::space::retry_while_full;
 
 use crate::sim::{SimDisk, SimFile};
 
@@ -71,20 +76,25 @@ impl Disk {
         if direct {
             opts.custom_flags(libc::O_DIRECT);
         }
-        match &self.sim {
-            None => Ok(IoFile { file: opts.open(path)?, sim: None }),
+        let open = || match &self.sim {
+            None => Ok(IoFile { file: opts.open(path)?, sim: None, path: path.to_path_buf() }),
             Some(sim) => {
                 let (file, sim) = sim.open(path, how == Open::CreateTruncate, || opts.open(path))?;
-                Ok(IoFile { file, sim })
+                Ok(IoFile { file, sim, path: path.to_path_buf() })
             }
+        };
+        match how {
+            // Creating (or truncating) again after a failure is harmless.
+            Open::CreateTruncate => retry_while_full("creating", path, open),
+            Open::Existing => open(),
         }
     }
 
     pub(crate) fn create_dir_all(&self, path: &Path) -> io::Result<()> {
-        match &self.sim {
+        retry_while_full("creating", path, || match &self.sim {
             None => std::fs::create_dir_all(path),
             Some(sim) => sim.create_dir_all(path),
-        }
+        })
     }
 
     pub(crate) fn remove_file(&self, path: &Path) -> io::Result<()> {
@@ -103,10 +113,10 @@ impl Disk {
 
     /// Renames `from` to `to` (replacing `to`). Durable once both directories are fsynced.
     pub(crate) fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        match &self.sim {
+        retry_while_full("renaming", from, || match &self.sim {
             None => std::fs::rename(from, to),
             Some(sim) => sim.rename(from, to),
-        }
+        })
     }
 
     /// Fsyncs the directory `path` itself: creations, renames and deletions in it become durable.
@@ -140,15 +150,17 @@ impl Disk {
 pub(crate) struct IoFile {
     file: File,
     sim: Option<SimFile>,
+    /// For the log when a write waits for space.
+    path: PathBuf,
 }
 
 impl IoFile {
-    /// Writes all of `buf` at `offset`.
+    /// Writes all of `buf` at `offset`; on a full disk, waits for space and writes it again.
     pub fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        match &self.sim {
+        retry_while_full("writing", &self.path, || match &self.sim {
             None => self.file.write_all_at(buf, offset),
             Some(s) => s.write_at(buf, offset, || self.file.write_all_at(buf, offset)),
-        }
+        })
     }
 
     pub fn set_len(&self, len: u64) -> io::Result<()> {

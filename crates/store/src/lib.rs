@@ -14,7 +14,7 @@
 //!
 //! Module map: [`format`] (on-disk layouts and crash behaviour), `checkpoint`, `segment` (WAL files),
 //! `qlog` (queue logs), `gone` (which seqs of a queue are gone), `writer` (pending buffer, writer thread),
-//! `recovery`, `store` (the handle), `batch`, `error`. The API contract is `docs/internals/store-api.md`.
+//! `recovery`, `space` (a full disk), `store` (the handle), `batch`, `error`. The API contract is `docs/internals/store-api.md`.
 
 mod batch;
 mod checkpoint;
@@ -27,6 +27,7 @@ mod qlog;
 mod recovery;
 mod segment;
 pub mod sim;
+mod space;
 mod store;
 mod writer;
 

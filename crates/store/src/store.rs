@@ -152,8 +152,8 @@ impl Store {
 
     /// Appends a batch. Enqueues get ids assigned in order. Returns the batch's `SyncTicket`: the batch is
     /// durable once `durable()` has reached it. Cheap: copies the records into the pending write buffer
-    /// under a short lock and wakes the writer thread; never waits for I/O, except as flow control when
-    /// more than 64 MiB are already waiting to be written.
+    /// under a short lock and wakes the writer thread; never waits for I/O, so it may be called on an
+    /// async runtime thread. Flow control is the caller's: see [`Store::is_behind`].
     ///
     /// ### To ensure correctness
     /// - Confirm a publish (or treat an ack as settled on disk) only once `durable()` is `>= ticket`; the
@@ -174,6 +174,27 @@ impl Store {
     /// a batch and copied again. Same contract as [`Store::append`].
     pub fn append_enqueue(&self, queue: u64, seq: u64, timestamp_ms: u64, payload_parts: &[&[u8]]) -> Result<SyncTicket, StoreError> {
         self.inner.shared.append_enqueue(queue, seq, timestamp_ms, payload_parts)
+    }
+
+    /// Whether more than 16 MiB wait to be written (the disk is slower than the appenders, or full).
+    /// Appends still succeed; callers that produce data (publishers) should wait for
+    /// [`Store::caught_up`] before taking more, so that memory stays bounded. One atomic load.
+    pub fn is_behind(&self) -> bool {
+        self.inner.shared.is_behind()
+    }
+
+    /// Returns once the writer has taken the pending buffer and the store is no longer behind (at once
+    /// if it is not behind now). For async callers; it never blocks a thread.
+    pub async fn caught_up(&self) {
+        self.inner.shared.caught_up().await
+    }
+
+    /// Whether a write of the store is waiting for disk space (it failed with `ENOSPC` or `EDQUOT` and
+    /// is retried after a pause; nothing becomes durable meanwhile). The server raises its disk alarm.
+    /// [`Store::close`] waits up to 5 s more for space, then the writer stops the process (what it
+    /// could not write was never confirmed).
+    pub fn waiting_for_space(&self) -> bool {
+        self.inner.shared.space.waiting.load(Ordering::Relaxed)
     }
 
     /// The durable watermark: a `tokio::sync::watch::Receiver<u64>` whose value is the highest SyncTicket

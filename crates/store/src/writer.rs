@@ -12,9 +12,15 @@
 //! ### To ensure correctness
 //! - The watermark is published only after the fsync that covers it returned; a ticket is never reported
 //!   durable otherwise.
-//! - A failed `write` or `fsync` aborts the process: after a failed fsync the kernel may have dropped the
-//!   dirty pages and cleared the error, so a retry can "succeed" without the data ever reaching disk (the
-//!   PostgreSQL fsync-gate). Recovery from the files is the only safe continuation.
+//! - A failed `fsync` aborts the process: the kernel may have dropped the dirty pages and cleared the
+//!   error, so a retry can "succeed" without the data ever reaching disk (the PostgreSQL fsync-gate).
+//!   Recovery from the files is the only safe continuation. So does a failed `write`, except for lack of
+//!   space: that write did not happen, and it waits for space and is tried again (`space`), with
+//!   nothing confirmed meanwhile.
+//! - `append` never waits: a runtime thread must not block on the disk. When more than
+//!   `MAX_PENDING_BYTES` wait to be written the store is "behind" ([`Shared::is_behind`]); the server
+//!   then stops reading from publishers' sockets until the writer has taken the buffer, so memory stays
+//!   bounded by TCP back-pressure instead of by blocking threads.
 //! - A WAL segment is fsynced before the next one is created, so only the newest can have a torn tail.
 //! - A checkpoint is written only after `syncfs` made the queue files it describes durable, and the WAL
 //!   before it is deleted only after the checkpoint is durable.
@@ -23,7 +29,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,9 +49,14 @@ use crate::segment;
 use crate::store::SyncPolicy;
 use crate::SyncTicket;
 
-/// Above this many pending bytes `append` waits for the writer (the disk cannot keep up): memory stays
-/// bounded instead of growing with the backlog.
+/// Above this many pending bytes the store is behind (the disk cannot keep up): publishers are asked to
+/// wait (see `Shared::is_behind`), so memory stays bounded instead of growing with the backlog. A soft
+/// cap: `append` itself never waits, so what publishers had already read still goes in.
 pub(crate) const MAX_PENDING_BYTES: usize = 16 << 20;
+/// Test-only fault hook: every fsync of the writer (WAL `fdatasync`, checkpoint `syncfs`) first sleeps
+/// this many milliseconds, to show that a slow disk stalls only what waits for it. Never set it in
+/// production.
+const FSYNC_DELAY_ENV: &str = "WARREN_TEST_FSYNC_DELAY_MS";
 /// Capacity of a new group buffer: a full pending buffer, a large batch on top and the seed.
 const GROUP_BUFFER_CAPACITY: usize = MAX_PENDING_BYTES + (4 << 20);
 /// Group buffers kept for reuse after a checkpoint (a busy store cycles through about
@@ -135,8 +146,13 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Wakes the writer (work arrived, or closing).
     work: Condvar,
-    /// Wakes appenders waiting for `pending` to drain.
-    space: Condvar,
+    /// `pending` is over `MAX_PENDING_BYTES` (set by appenders, cleared by the writer when it takes it).
+    behind: AtomicBool,
+    /// Times the writer took the pending buffer while `behind` was set; wakes async waiters.
+    catch_ups: AtomicU64,
+    caught_up: tokio::sync::Notify,
+    /// Whether a write waits for disk space (see `space`).
+    pub space: Arc<crate::space::SpaceWatch>,
     durable: Mutex<Durable>,
     durable_cv: Condvar,
     durable_tx: watch::Sender<u64>,
@@ -185,7 +201,10 @@ impl Shared {
                 closing: false,
             }),
             work: Condvar::new(),
-            space: Condvar::new(),
+            behind: AtomicBool::new(false),
+            catch_ups: AtomicU64::new(0),
+            caught_up: tokio::sync::Notify::new(),
+            space: Arc::default(),
             durable: Mutex::new(Durable { pos: start.pos, writer_stopped: false }),
             durable_cv: Condvar::new(),
             durable_tx: watch::Sender::new(start.pos),
@@ -224,12 +243,10 @@ impl Shared {
     }
 
     /// Copies encoded records (`first`, then `rest`) into the pending buffer under the lock, rolling to a
-    /// new WAL segment first if the current one is full; wakes the writer. Returns the ticket.
+    /// new WAL segment first if the current one is full; wakes the writer. Returns the ticket. Never
+    /// waits for the writer, however full the buffer (see `is_behind`).
     fn write_pending(&self, first: &[u8], rest: &[&[u8]]) -> Result<SyncTicket, StoreError> {
         let mut guard = self.state.lock();
-        while guard.pending.len() > MAX_PENDING_BYTES && !guard.closing {
-            self.space.wait(&mut guard);
-        }
         if guard.closing {
             return Err(StoreError::Closed);
         }
@@ -249,9 +266,42 @@ impl Shared {
             st.pos += piece.len() as u64;
         }
         let ticket = st.pos;
+        if st.pending.len() > MAX_PENDING_BYTES && !self.behind.load(Ordering::Relaxed) {
+            self.behind.store(true, Ordering::Relaxed);
+        }
         drop(guard);
         self.work.notify_one();
         Ok(ticket)
+    }
+
+    /// Whether more than `MAX_PENDING_BYTES` wait to be written: the disk is slower than the appenders
+    /// (or full). Cheap: one load of a flag that changes only when the state does.
+    pub fn is_behind(&self) -> bool {
+        self.behind.load(Ordering::Relaxed)
+    }
+
+    /// Returns once the writer has taken the pending buffer (at once if the store is not behind now).
+    /// Not "once it is no longer behind": busy publishers fill it again at once, and a waiter must not
+    /// starve; each waiter gets one turn per buffer the writer takes.
+    pub async fn caught_up(&self) {
+        let seen = self.catch_ups.load(Ordering::Acquire);
+        loop {
+            let notified = self.caught_up.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if !self.is_behind() || self.catch_ups.load(Ordering::Acquire) != seen {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Clears `behind` once the writer took the pending buffer: waiting publishers go on.
+    fn took_pending(&self) {
+        if self.behind.swap(false, Ordering::Relaxed) {
+            self.catch_ups.fetch_add(1, Ordering::Release);
+            self.caught_up.notify_waiters();
+        }
     }
 
     pub fn subscribe(&self) -> watch::Receiver<u64> {
@@ -272,8 +322,11 @@ impl Shared {
     /// Asks the writer to flush everything and stop; new appends fail from now on.
     pub fn request_close(&self) {
         self.state.lock().closing = true;
+        self.space.closing.store(true, Ordering::Relaxed);
         self.work.notify_one();
-        self.space.notify_all();
+        // Appends fail from now on: nobody needs to wait for the buffer to drain.
+        self.behind.store(false, Ordering::Relaxed);
+        self.caught_up.notify_waiters();
     }
 
     pub fn durable_pos(&self) -> u64 {
@@ -284,6 +337,21 @@ impl Shared {
         self.durable.lock().pos = pos;
         self.durable_cv.notify_all();
         self.durable_tx.send_replace(pos);
+    }
+}
+
+/// The test-only fsync delay from the environment (`FSYNC_DELAY_ENV`), announced loudly when set.
+fn fsync_delay_for_tests() -> Option<Duration> {
+    let ms: u64 = std::env::var(FSYNC_DELAY_ENV).ok()?.trim().parse().ok().filter(|ms| *ms > 0)?;
+    tracing::warn!(delay_ms = ms, "{FSYNC_DELAY_ENV} is set: every fsync of the message store is delayed (a test-only fault hook)");
+    Some(Duration::from_millis(ms))
+}
+
+impl Writer {
+    fn delay_fsync(&self) {
+        if let Some(d) = self.fsync_delay {
+            std::thread::sleep(d);
+        }
     }
 }
 
@@ -316,7 +384,9 @@ struct StopGuard<'a>(&'a Shared);
 impl Drop for StopGuard<'_> {
     fn drop(&mut self) {
         self.0.state.lock().closing = true;
-        self.0.space.notify_all();
+        // Appends fail from now on: publishers waiting for the buffer to drain go on (and fail).
+        self.0.behind.store(false, Ordering::Relaxed);
+        self.0.caught_up.notify_waiters();
         self.0.durable.lock().writer_stopped = true;
         self.0.durable_cv.notify_all();
     }
@@ -346,6 +416,8 @@ pub(crate) struct Writer {
     prev_enqueue: Option<(u64, u64)>,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
+    /// The test-only fsync delay (`FSYNC_DELAY_ENV`).
+    fsync_delay: Option<Duration>,
 }
 
 impl Writer {
@@ -366,6 +438,7 @@ impl Writer {
             punched: HashMap::new(),
             last_checkpoint_pos: start.checkpoint_pos,
             last_checkpoint: Instant::now(),
+            fsync_delay: fsync_delay_for_tests(),
             shared,
         }
     }
@@ -375,6 +448,7 @@ impl Writer {
         let shared = self.shared.clone();
         let _stopped = StopGuard(&shared);
         STOP_INSTEAD_OF_ABORT.with(|c| c.set(shared.disk.is_simulated()));
+        crate::space::report_on_this_thread(self.shared.space.clone());
         let interval = match self.shared.sync {
             SyncPolicy::EveryBatch => None,
             SyncPolicy::IntervalMs(ms) => Some(Duration::from_millis(ms)),
@@ -418,7 +492,7 @@ impl Writer {
                 st.lead = self.seed(&mut st.pending);
                 (st.pos, st.closing)
             };
-            self.shared.space.notify_all();
+            self.shared.took_pending();
             if self.buf.len() > self.lead {
                 self.last_group_len = self.buf.len();
                 // Bytes of the log in the buffer: without the seed and the filler before rolls.
@@ -559,6 +633,7 @@ impl Writer {
     }
 
     fn sync_data(&mut self) {
+        self.delay_fsync();
         if let Err(e) = self.file.sync_data() {
             fatal("fdatasync", &segment::path(&self.shared.wal, self.base), &e);
         }
@@ -646,6 +721,7 @@ impl Writer {
         if quiet {
             self.spare.clear();
         }
+        self.delay_fsync();
         if let Err(e) = shared.disk.syncfs(&shared.dir) {
             fatal("syncfs", &shared.dir, &e);
         }

@@ -94,17 +94,68 @@ fn a_failed_fsync_never_confirms_and_what_it_covered_may_be_gone_after_restart()
     }
 }
 
-/// A failed write is the same: nothing written after it is confirmed.
+/// A failed write is the same: nothing written after it is confirmed. (A full disk is not a failure:
+/// see `a_full_disk_waits_for_space_then_confirms`.)
 #[test]
 fn a_failed_write_never_confirms() {
     let root = tempfile::tempdir().unwrap();
     let sim = SimDisk::new(root.path()).unwrap();
     let dir = root.path().join("store");
     let (store, _) = open_on(&sim, &dir, opts()).unwrap();
-    sim.fault_on(OpKind::Write, 0, Fault::Error(libc::ENOSPC));
+    sim.fault_on(OpKind::Write, 0, Fault::Error(libc::EIO));
     let mut b = Batch::new();
     b.enqueue(1, 0, 0, &[&payload(1, 0, 100)]);
     let t = store.append(&mut b).unwrap();
     assert!(matches!(store.wait_durable(t), Err(StoreError::Closed)));
     assert!(store.stats().durable < t);
+}
+
+/// A write that fails with ENOSPC did not happen: the store waits for space and writes it again. Meanwhile
+/// nothing is confirmed, appends still return at once (they never block a caller), the store says it is
+/// behind and waiting for space; once space is back everything becomes durable, with nothing lost even
+/// if the power goes right after.
+#[test]
+fn a_full_disk_waits_for_space_then_confirms() {
+    let root = tempfile::tempdir().unwrap();
+    let sim = SimDisk::new(root.path()).unwrap();
+    let dir = root.path().join("store");
+    let (store, _) = open_on(&sim, &dir, opts()).unwrap();
+    let mut b = Batch::new();
+    b.enqueue(1, 0, 0, &[&payload(1, 0, 100)]);
+    let before = store.append(&mut b).unwrap();
+    store.wait_durable(before).unwrap();
+
+    sim.set_full(true);
+    const N: u64 = 300; // 64 KiB each: more than the pending buffer's 16 MiB
+    let append = |seq: u64| {
+        let mut b = Batch::new();
+        b.enqueue(1, seq, 0, &[&payload(1, seq, 64 << 10)]);
+        store.append(&mut b).unwrap()
+    };
+    append(1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !store.waiting_for_space() {
+        assert!(std::time::Instant::now() < deadline, "the store reports that it waits for space");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let started = std::time::Instant::now();
+    let last = (2..=N).map(append).last().unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(5), "appends do not wait for the disk");
+    assert!(store.is_behind(), "over 16 MiB wait to be written: publishers are asked to wait");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(!store.is_durable(last) && store.stats().durable < last, "nothing is confirmed while the disk is full");
+
+    sim.set_full(false);
+    store.wait_durable(last).unwrap();
+    assert!(!store.waiting_for_space());
+    sim.cut_power();
+    drop(store);
+    sim.power_loss(Loss::Unsynced).unwrap();
+    let (store, _) = open_on(&sim, &dir, opts()).unwrap();
+    let got = read_all(&store, 1);
+    assert_eq!(got.len(), N as usize + 1);
+    for (i, (seq, p)) in got.iter().enumerate() {
+        assert_eq!(*seq, i as u64);
+        assert_eq!(*p, payload(1, *seq, if *seq == 0 { 100 } else { 64 << 10 }));
+    }
 }

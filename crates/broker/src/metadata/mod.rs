@@ -93,12 +93,11 @@ impl State {
                 v.bindings.retain(|_, b| b.source != name && !(b.destination_type == "exchange" && b.destination == name));
             }
             Op::QueueDeclared { vhost, queue } => {
-                // Saturating: a damaged record may hold any id, u64::MAX included.
-                self.next_queue_id = self.next_queue_id.max(queue.id.saturating_add(1));
+                self.next_queue_id = self.next_queue_id.max(queue.id + 1);
                 self.vhosts.entry(vhost).or_default().queues.insert(queue.name.clone(), queue);
             }
             Op::QueueDeleted { vhost, name, id } => {
-                self.next_queue_id = self.next_queue_id.max(id.saturating_add(1));
+                self.next_queue_id = self.next_queue_id.max(id + 1);
                 let v = self.vhosts.entry(vhost.clone()).or_default();
                 if v.queues.get(&name).is_some_and(|q| q.id == id) {
                     v.queues.remove(&name);

@@ -8,7 +8,7 @@ use bytes::{Bytes, BytesMut};
 use std::sync::Arc;
 use warren_broker::direct_reply;
 use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
-use warren_broker::{BrokerError, Channel, Message, Scope, Settle};
+use warren_broker::{BrokerError, Channel, GetWait, Got, Message, Queue, Scope, Settle};
 use warren_protocol::constants as c;
 use warren_protocol::frame::ContentHeader;
 use warren_protocol::method::*;
@@ -28,6 +28,14 @@ struct PendingPublish {
 const TX_MAX_OPS: usize = 100_000;
 /// Most bytes of published messages a transaction may buffer (or `max-message-size`, if larger).
 const TX_MAX_BYTES: usize = 128 << 20;
+
+/// A basic.get whose queue asked to wait (see `ChannelHandler::get`).
+pub struct WaitingGet {
+    pub channel: u16,
+    pub queue: Arc<Queue>,
+    pub no_ack: bool,
+    pub wait: GetWait,
+}
 
 /// An operation buffered by a transaction until tx.commit.
 enum TxOp {
@@ -281,9 +289,7 @@ impl ChannelHandler {
             }
             Method::BasicGet(m) => {
                 let queue = vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
-                if !queue.get(&self.channel, m.no_ack) {
-                    self.reply(conn, Method::BasicGetEmpty(BasicGetEmpty { reserved_1: String::new() }));
-                }
+                self.get(queue, m.no_ack, conn);
             }
             Method::BasicPublish(m) => {
                 if m.immediate {
@@ -338,6 +344,16 @@ impl ChannelHandler {
             }
         }
         Ok(())
+    }
+
+    /// basic.get: answers now, or leaves a [`WaitingGet`] for the connection, which awaits what the
+    /// queue needs (off the runtime's threads' time) and calls this again before reading on.
+    pub fn get(&mut self, queue: Arc<Queue>, no_ack: bool, conn: &ConnectionShared) {
+        match queue.get(&self.channel, no_ack) {
+            Got::Message => {}
+            Got::Empty => self.reply(conn, Method::BasicGetEmpty(BasicGetEmpty { reserved_1: String::new() })),
+            Got::Later(wait) => *conn.waiting_get.lock() = Some(WaitingGet { channel: self.number, queue, no_ack, wait }),
+        }
     }
 
     fn basic_consume(&mut self, m: BasicConsume, conn: &ConnectionShared) -> Handled {
@@ -627,6 +643,9 @@ impl ChannelHandler {
         let outcome = conn.vhost.publish(exchange, message, self.confirm || self.tx.is_some())?;
         if let Some(queue) = &outcome.slow_queue {
             *conn.slowed_by.lock() = Some(queue.clone());
+        }
+        if outcome.store_behind {
+            conn.store_behind.store(true, std::sync::atomic::Ordering::Relaxed);
         }
         if !outcome.routed {
             if let Some((exchange, routing_key, properties, body)) = returned {

@@ -90,6 +90,12 @@ pub struct ConnectionShared {
     /// A queue this connection published to asks publishers to pause (a slow no-ack consumer): the
     /// reader waits for it before reading more.
     pub slowed_by: parking_lot::Mutex<Option<Arc<warren_broker::Queue>>>,
+    /// A basic.get waits for its queue (see `ChannelHandler::get`): nothing more is read or handled
+    /// until it is answered, so replies keep their order.
+    pub waiting_get: parking_lot::Mutex<Option<channel::WaitingGet>>,
+    /// A publish of this connection went to the store while it was behind (a slow or full disk): the
+    /// reader waits for `Store::caught_up` before handling or reading more.
+    pub store_behind: std::sync::atomic::AtomicBool,
 }
 
 /// Serves one accepted socket until it closes.
@@ -174,6 +180,8 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
             max_message_size: ctx.config.max_message_size as u64,
             consumer_timeout_ms: ctx.config.consumer_timeout,
             slowed_by: parking_lot::Mutex::new(None),
+            waiting_get: parking_lot::Mutex::new(None),
+            store_behind: std::sync::atomic::AtomicBool::new(false),
         },
         channels: HashMap::new(),
         frame_max: negotiated.frame_max,
@@ -182,6 +190,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         connection_blocked: negotiated.connection_blocked,
         publisher: false,
         alarms: ctx.alarms.clone(),
+        store: ctx.broker.store().clone(),
     };
     let mut shutdown = ctx.shutdown.clone();
     let ended = conn.run(&mut reader, &mut shutdown).await;
@@ -238,6 +247,9 @@ struct Connection {
     /// This connection has published: alarms block it.
     publisher: bool,
     alarms: watch::Receiver<crate::alarms::AlarmState>,
+    /// The message store: while it is behind (the disk is slower than the publishers), publishers that
+    /// write to it are not read.
+    store: warren_store::Store,
 }
 
 impl Connection {
@@ -270,6 +282,23 @@ impl Connection {
         Ok(true)
     }
 
+    /// Answers a basic.get that had to wait (for the disk), waiting as long as its queue asks.
+    /// Ok(true) if it waited.
+    async fn finish_waiting_get(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<bool, ConnError> {
+        let mut waited = false;
+        loop {
+            let Some(waiting) = self.shared.waiting_get.lock().take() else { return Ok(waited) };
+            waited = true;
+            tokio::select! {
+                _ = waiting.queue.wait_for(waiting.wait) => {}
+                _ = shutdown.changed() => return Err(forced()),
+            }
+            if let Some(ch) = self.channels.get_mut(&waiting.channel) {
+                ch.get(waiting.queue, waiting.no_ack, &self.shared);
+            }
+        }
+    }
+
     async fn run(&mut self, reader: &mut FrameReader, shutdown: &mut watch::Receiver<bool>) -> Ended {
         // RabbitMQ drops a peer after two missed heartbeats.
         let read_timeout = (self.heartbeat > 0).then(|| Duration::from_secs(self.heartbeat as u64 * 2));
@@ -277,19 +306,46 @@ impl Connection {
         let mut read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
         let mut ack_check = ack_timeout_checks(self.shared.consumer_timeout_ms);
         loop {
+            // Frames are left in the buffer while something is awaited below; handled before reading more.
+            let mut paused = false;
             loop {
                 match reader.try_next(self.frame_max) {
-                    Ok(Some(frame)) => match self.handle_frame(frame) {
-                        Ok(true) => {}
-                        Ok(false) => return Ended::ClientClosed,
-                        Err(e) => return Ended::Error(e),
-                    },
+                    Ok(Some(frame)) => {
+                        let get = matches!(&frame, Frame::Method { method: Method::BasicGet(_), .. });
+                        match self.handle_frame(frame) {
+                            Ok(true) => {}
+                            Ok(false) => return Ended::ClientClosed,
+                            Err(e) => return Ended::Error(e),
+                        }
+                        if (get && self.shared.waiting_get.lock().is_some()) || self.shared.store_behind.load(Ordering::Relaxed) {
+                            paused = true;
+                            break;
+                        }
+                    }
                     Ok(None) => break,
                     Err(e) => return Ended::Error(e),
                 }
             }
             if *shutdown.borrow() {
                 return Ended::Error(forced());
+            }
+            // Not reading while we wait for the disk is our doing, not a missed heartbeat.
+            match self.finish_waiting_get(shutdown).await {
+                Err(e) => return Ended::Error(e),
+                Ok(true) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
+                Ok(false) => {}
+            }
+            // The store is behind (a slow or full disk): publishers to it wait until its writer took the
+            // pending buffer, so memory stays bounded by TCP back-pressure; no thread blocks.
+            if self.shared.store_behind.swap(false, Ordering::Relaxed) {
+                tokio::select! {
+                    _ = self.store.caught_up() => {}
+                    _ = shutdown.changed() => return Ended::Error(forced()),
+                }
+                read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
+            }
+            if paused {
+                continue;
             }
             match self.wait_while_blocked(shutdown).await {
                 Err(e) => return Ended::Error(e),

@@ -69,10 +69,6 @@ const DELIVERY_BYTES_LIMIT: usize = 1 << 20;
 /// Bytes waiting for the socket (or for the disk, for confirms) above which the reader stops reading.
 pub const OUTGOING_BYTES_LIMIT: usize = 4 << 20;
 
-/// Bytes waiting for the socket above which direct replies to this connection (pushed by other
-/// connections, so not held back by this one's reader) are dropped, as replies to a client that is gone.
-const REPLY_DROP_BYTES: usize = 4 * OUTGOING_BYTES_LIMIT;
-
 pub struct Outbox {
     items: Mutex<Vec<Outgoing>>,
     notify: Notify,
@@ -185,10 +181,6 @@ impl ClientSink for Outbox {
 
     fn has_room(&self) -> bool {
         self.delivery_bytes.load(Ordering::SeqCst) < DELIVERY_BYTES_LIMIT
-    }
-
-    fn overloaded(&self) -> bool {
-        self.outgoing_bytes.load(Ordering::Acquire) >= REPLY_DROP_BYTES
     }
 
     fn wake_when_room(&self, channel: Weak<Channel>) {
