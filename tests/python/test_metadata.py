@@ -68,6 +68,39 @@ def test_a_declare_that_cannot_be_made_durable_fails_with_541_and_no_declare_ok(
     broker.connection().channel().queue_declare(name, passive=True)
 
 
+def test_a_bind_or_delete_that_cannot_be_made_durable_changes_nothing(broker, name):
+    ch = broker.connection().channel()
+    ch.confirm_delivery()
+    ch.exchange_declare(name + "-ex", "direct", durable=True)
+    ch.queue_declare(name, durable=True)
+    for i in range(5):
+        ch.basic_publish("", name, f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+    files = metadata_files(broker)
+    if not all(chattr("+i", f) for f in files):
+        pytest.skip("chattr +i is not supported on this filesystem")
+    try:
+        for attempt in ("bind", "delete"):
+            ch = broker.connection().channel()
+            with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as e:
+                if attempt == "bind":
+                    ch.queue_bind(name, name + "-ex", "k")
+                else:
+                    ch.queue_delete(name)
+            assert e.value.reply_code == 541, e.value.reply_text
+            assert "metadata log" in e.value.reply_text and "nothing was changed" in e.value.reply_text
+    finally:
+        for f in files:
+            chattr("-i", f)
+    # The queue is still there with its messages, and no binding was made.
+    ch = broker.connection().channel()
+    assert ch.queue_declare(name, passive=True).method.message_count == 5
+    ch.basic_publish(name + "-ex", "k", b"unroutable")
+    assert ch.queue_declare(name, passive=True).method.message_count == 5
+    broker.restart()
+    ch = broker.connection().channel()
+    assert ch.queue_declare(name, passive=True).method.message_count == 5
+
+
 def test_messages_of_a_queue_missing_from_the_metadata_are_kept_aside_not_deleted(broker, name, tmp_path):
     conn = broker.connection()
     ch = conn.channel()
