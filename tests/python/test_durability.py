@@ -193,3 +193,50 @@ def test_a_deferred_message_taken_by_get_and_requeued_survives_a_restart(broker,
     assert got == [b"first", b"second"]
     assert "out of seq order" not in broker.log_text() and "below one already stored" not in broker.log_text()
     c.close()
+
+
+def test_confirmed_messages_for_a_no_ack_consumer_are_stored_or_written_to_its_socket(broker, name):
+    """A confirm promises the message is on disk or consumed, and a no-ack delivery is consumed once it
+    is written to the consumer's socket (RabbitMQ's "consumed from all queues"). Confirmed persistent
+    messages used to skip the store when a no-ack consumer could take them, and were confirmed while
+    still in the consumer connection's outbox: kill -9 lost them."""
+    import struct
+    from rawamqp import FRAME_BODY, RawConnection, method_frame, shortstr, table
+    c = broker.connection()
+    ch = c.channel()
+    ch.queue_declare(name, durable=True)
+    # A no-ack consumer that never reads its socket: deliveries back up in its outbox.
+    stalled = RawConnection(broker.host, broker.port)
+    stalled.handshake()
+    stalled.open_channel(1)
+    stalled.send(method_frame(1, 60, 20, struct.pack(">H", 0) + shortstr(name) + shortstr("") + b"\x02" + table()))
+    stalled.expect(60, 21)
+    ch.confirm_delivery()
+    confirmed = []
+    for i in range(4000):
+        ch.basic_publish("", name, body(i) + b"x" * 2000, pika.BasicProperties(delivery_mode=2))
+        confirmed.append(i)
+    broker.kill9()
+    # What the broker wrote to the consumer's socket before it died was consumed: read it all back.
+    delivered = set()
+    stalled.sock.settimeout(5)
+    try:
+        while True:
+            f = stalled.read_frame()
+            if f.kind == FRAME_BODY:
+                delivered.add(int(f.payload[:8]))
+    except (ConnectionError, OSError):
+        pass
+    broker.start()
+    c = broker.connection()
+    ch = c.channel()
+    stored = set()
+    while True:
+        m, _, b = ch.basic_get(name, auto_ack=True)
+        if m is None:
+            break
+        stored.add(int(b[:8]))
+    lost = sorted(set(confirmed) - delivered - stored)
+    assert not lost, f"{len(lost)} confirmed messages neither stored nor delivered, e.g. {lost[:5]} " \
+                     f"({len(delivered)} delivered, {len(stored)} stored)"
+    c.close()

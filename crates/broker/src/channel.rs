@@ -19,15 +19,53 @@ use warren_store::{Batch, SyncTicket};
 /// What a channel hands to its connection to be written to the socket.
 #[derive(Debug)]
 pub enum Delivery {
-    Deliver { channel: u16, consumer_tag: Arc<str>, delivery_tag: u64, redelivered: bool, message: MessageRef },
-    GetOk { channel: u16, delivery_tag: u64, redelivered: bool, message_count: u32, message: MessageRef },
+    Deliver {
+        channel: u16,
+        consumer_tag: Arc<str>,
+        delivery_tag: u64,
+        redelivered: bool,
+        message: MessageRef,
+        ack_when_written: Option<AckWhenWritten>,
+    },
+    GetOk {
+        channel: u16,
+        delivery_tag: u64,
+        redelivered: bool,
+        message_count: u32,
+        message: MessageRef,
+        ack_when_written: Option<AckWhenWritten>,
+    },
     /// A server-sent basic.cancel (the queue was deleted under the consumer).
     Cancel { channel: u16, consumer_tag: Arc<str> },
+}
+
+/// The store ack of a no-ack delivery of a message the store holds. Such a delivery is consumed once
+/// the connection has written it to the consumer's socket (RabbitMQ's "consumed"), not when it is
+/// queued for writing: a crash in between must leave the message in the store, since its publisher
+/// may have been confirmed. The connection appends this ack after the write (or when it gives up on
+/// writing: the connection is gone, and a no-ack consumer's messages go with it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckWhenWritten {
+    pub queue: u64,
+    pub seq: u64,
+    pub stored_bytes: u64,
+}
+
+impl AckWhenWritten {
+    fn of(queue: &Queue, entry: &Entry) -> Option<AckWhenWritten> {
+        (entry.stored_bytes > 0).then_some(AckWhenWritten { queue: queue.id, seq: entry.seq, stored_bytes: entry.stored_bytes })
+    }
+
+    pub fn add_to(&self, acks: &mut Batch) {
+        acks.ack(self.queue, self.seq, self.stored_bytes);
+    }
 }
 
 /// Implemented by the connection that owns a channel: queues push deliveries through it.
 /// Must not block: it only appends to the connection's outgoing buffer.
 pub trait ClientSink: Send + Sync {
+    /// Queues a delivery for the socket. A delivery's `ack_when_written` (see [`AckWhenWritten`])
+    /// becomes the sink's to append to the store once the delivery is written or dropped.
     fn send(&self, delivery: Delivery);
 
     /// Whether the connection can take more deliveries now. A connection whose socket is slower than
@@ -48,6 +86,14 @@ impl Delivery {
         match self {
             Delivery::Deliver { message, .. } | Delivery::GetOk { message, .. } => message.memory_bytes(),
             Delivery::Cancel { .. } => 64,
+        }
+    }
+
+    /// The store ack the sink appends once this delivery is written (see [`AckWhenWritten`]).
+    pub fn ack_when_written(&self) -> Option<AckWhenWritten> {
+        match self {
+            Delivery::Deliver { ack_when_written, .. } | Delivery::GetOk { ack_when_written, .. } => *ack_when_written,
+            Delivery::Cancel { .. } => None,
         }
     }
 }
@@ -184,7 +230,8 @@ impl Channel {
     }
 
     /// Called by a queue, under its lock, to hand a message to one of this channel's consumers.
-    /// Gives the entry back if the channel cannot take it (closed, flow off, no credit).
+    /// Gives the entry back if the channel cannot take it (closed, flow off, no credit). `Ok(Some)`:
+    /// delivered to a no-ack consumer, so settled (the sink acks it in the store once written).
     pub fn try_deliver(&self, consumer: &Arc<Consumer>, entry: Entry) -> std::result::Result<Option<Entry>, Entry> {
         let mut st = self.state.lock();
         if st.closed || !st.flow_active {
@@ -207,9 +254,10 @@ impl Channel {
             delivery_tag: tag,
             redelivered: entry.redelivered,
             message: entry.message.clone(),
+            ack_when_written: if consumer.no_ack { AckWhenWritten::of(&consumer.queue, &entry) } else { None },
         });
         if consumer.no_ack {
-            // Settled on delivery: the queue acks it in the store.
+            // Settled on delivery; the sink acks it in the store once written (`AckWhenWritten`).
             return Ok(Some(entry));
         }
         consumer.unacked.fetch_add(1, Ordering::Relaxed);
@@ -219,7 +267,7 @@ impl Channel {
         Ok(None)
     }
 
-    /// basic.get-ok. Returns the entry when no_ack (already settled, the queue acks it in the store).
+    /// basic.get-ok. Returns the entry when no_ack (settled; the sink acks it in the store once written).
     pub fn deliver_get(&self, queue: &Arc<Queue>, entry: Entry, no_ack: bool, message_count: u32) -> Option<Entry> {
         let mut st = self.state.lock();
         let tag = st.next_tag;
@@ -230,6 +278,7 @@ impl Channel {
             redelivered: entry.redelivered,
             message_count,
             message: entry.message.clone(),
+            ack_when_written: if no_ack { AckWhenWritten::of(queue, &entry) } else { None },
         });
         if no_ack {
             return Some(entry);
@@ -301,7 +350,7 @@ impl Channel {
         let Some(consumer_tag) = st.reply.as_ref().map(|r| r.tag.clone()) else { return false };
         let delivery_tag = st.next_tag;
         st.next_tag += 1;
-        self.sink.send(Delivery::Deliver { channel: self.number, consumer_tag, delivery_tag, redelivered: false, message });
+        self.sink.send(Delivery::Deliver { channel: self.number, consumer_tag, delivery_tag, redelivered: false, message, ack_when_written: None });
         true
     }
 

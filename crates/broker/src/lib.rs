@@ -24,7 +24,7 @@ pub mod routing;
 pub mod vhost;
 
 pub use broker::{Broker, BrokerOptions, User};
-pub use channel::{Channel, ClientSink, Consumer, Delivery, Settle};
+pub use channel::{AckWhenWritten, Channel, ClientSink, Consumer, Delivery, Settle};
 pub use consumers::ConsumerArgs;
 pub use error::{BrokerError, Scope};
 pub use exchange::Exchange;

@@ -308,15 +308,13 @@ impl Queue {
             st.next_seq += 1;
             let must_be_durable = self.durable && message.persistent;
             let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_mem >= window_bytes();
-            // A message that goes straight to a no-ack consumer is settled the moment it is sent: writing
-            // it to disk first would buy nothing (RabbitMQ skips such writes too). If the delivery does not
-            // happen after all, it is stored below, before the publish is confirmed.
+            // Without a confirm (`lazy_ok`), a message for no-ack consumers is written only if it is still
+            // waiting at the next tick (see above). A confirmed one is always written before it is
+            // confirmed: a delivery is only queued for the consumer's socket here, and a crash before it is
+            // written would lose a message the publisher was told is safe.
             let all_no_ack = !st.consumers.is_empty() && st.consumers.receivers().all(|c| c.no_ack);
-            let skip_store = must_be_durable
-                && !paged
-                && self.args.retention_ms == 0
-                && ((lazy_ok && all_no_ack) || (st.ready.is_empty() && self.next_consumer_takes_without_ack(&st)));
-            let mut ticket = None;
+            let skip_store = must_be_durable && !paged && self.args.retention_ms == 0 && lazy_ok && all_no_ack;
+            let ticket;
             let stored_bytes = if (must_be_durable && !skip_store) || paged || self.args.retention_ms > 0 {
                 // The store takes a queue's seqs in increasing order: deferred ones go first.
                 if st.has_deferred {
@@ -326,6 +324,7 @@ impl Queue {
                 ticket = must_be_durable.then_some(t);
                 (stored_header.len() + message.body.len()) as u64
             } else {
+                ticket = None;
                 0
             };
             if paged {
@@ -343,13 +342,8 @@ impl Queue {
             }
             self.drop_head_over_limit(&mut st, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
-            if skip_store && lazy_ok {
-                if st.ready.back().is_some_and(|e| e.seq == seq && e.stored_bytes == 0) {
-                    st.has_deferred = true;
-                }
-            } else if skip_store && st.ready.iter().any(|e| e.seq == seq) {
-                // Not delivered after all: stored (with any deferred ones before it) before the confirm.
-                ticket = self.store_deferred_locked(&mut st, now_ms);
+            if skip_store && st.ready.back().is_some_and(|e| e.seq == seq && e.stored_bytes == 0) {
+                st.has_deferred = true;
             }
             // TTL 0 (or an already past expiry): what no consumer took right now expires now.
             self.expire_locked(&mut st, now_ms, true, &mut after);
@@ -383,12 +377,6 @@ impl Queue {
     /// store yet (see `store_deferred_locked`).
     fn head_is_deferred(&self, st: &QueueState) -> bool {
         self.durable && st.ready.front().is_some_and(|e| e.stored_bytes == 0 && e.message.persistent)
-    }
-
-    /// Whether a delivery now would go to a no-ack consumer: every consumer is no-ack (so whichever the
-    /// round robin picks, the message is settled on delivery) and one of them can take it.
-    fn next_consumer_takes_without_ack(&self, st: &QueueState) -> bool {
-        st.consumers.receivers().all(|c| c.no_ack) && st.consumers.receivers().any(|c| c.channel.has_credit())
     }
 
     /// Takes over what the store held for this queue at startup: every live message is in the span,
@@ -536,7 +524,8 @@ impl Queue {
                 }
                 let Some(entry) = pop_ready(st) else { return };
                 match consumer.channel.try_deliver(&consumer, entry) {
-                    Ok(Some(settled)) => settled.settle_in_store(self.id, &mut after.acks),
+                    // A no-ack delivery: its connection acks it in the store once written (`AckWhenWritten`).
+                    Ok(Some(_consumed)) => {}
                     Ok(None) => st.unacked += 1,
                     Err(entry) => {
                         push_ready_front(st, entry);
@@ -659,7 +648,7 @@ impl Queue {
     }
 
     /// Writes the persistent messages of a durable queue that wait in the window without being in the
-    /// store (`publish` with `lazy_ok`, or one that went straight to a no-ack consumer's turn), in seq
+    /// store (`publish` with `lazy_ok`, while every consumer is no-ack), in seq
     /// order. Invariant: such messages are only ever in the window, never unacked (`dispatch_locked` and
     /// `get` write them before an ack-mode consumer or basic.get takes one: a requeued one would come
     /// back below seqs stored meanwhile), and they are written before any later seq is, since the store
@@ -778,7 +767,8 @@ impl Queue {
                 Some(entry) => {
                     let remaining = ready_count(&st).min(u32::MAX as u64) as u32;
                     match channel.deliver_get(self, entry, no_ack, remaining) {
-                        Some(settled) => settled.settle_in_store(self.id, &mut after.acks),
+                        // no-ack: the connection acks it in the store once written (`AckWhenWritten`).
+                        Some(_consumed) => {}
                         None => st.unacked += 1,
                     }
                     Got::Message

@@ -161,7 +161,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
     let id = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
     tracing::info!(%peer, connection = id, user = %negotiated.user.name, vhost = %negotiated.vhost.name,
         client = %negotiated.client_name, "connection opened");
-    let outbox = Arc::new(Outbox::default());
+    let outbox = Arc::new(Outbox::new(ctx.broker.store().clone()));
     let writer_config = Arc::new(parking_lot::Mutex::new(writer::WriterConfig {
         frame_max: negotiated.frame_max,
         heartbeat_every: (negotiated.heartbeat > 0).then(|| Duration::from_millis(negotiated.heartbeat as u64 * 500)),

@@ -18,7 +18,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use warren_broker::{Channel, ClientSink, Delivery, MessageRef};
 use warren_protocol::method::Method;
-use warren_store::SyncTicket;
+use warren_store::{Batch, Store, SyncTicket};
 
 #[derive(Debug)]
 pub enum Outgoing {
@@ -82,10 +82,12 @@ pub struct Outbox {
     reader_wake: Notify,
     /// The writer task ended (socket error, write timeout, close): nothing more can be sent.
     writer_stopped: AtomicBool,
+    /// Where the store acks of written no-ack deliveries go (`Delivery::ack_when_written`).
+    store: Store,
 }
 
-impl Default for Outbox {
-    fn default() -> Self {
+impl Outbox {
+    pub fn new(store: Store) -> Outbox {
         Outbox {
             items: Mutex::new(Vec::new()),
             notify: Notify::new(),
@@ -94,11 +96,23 @@ impl Default for Outbox {
             waiting: Mutex::new(Vec::new()),
             reader_wake: Notify::new(),
             writer_stopped: AtomicBool::new(false),
+            store,
         }
     }
-}
 
-impl Outbox {
+    /// Appends the store acks of no-ack deliveries that were written to the socket (or that never will
+    /// be: the connection is gone), and clears `acks`.
+    pub fn ack_written(&self, acks: &mut Batch) {
+        if acks.is_empty() {
+            return;
+        }
+        match self.store.append(acks) {
+            // Shutting down: those messages come back after the restart, as after a crash.
+            Ok(_) | Err(warren_store::StoreError::Closed) => {}
+            Err(e) => tracing::warn!(error = %e, "could not record consumed no-ack deliveries in the store"),
+        }
+        acks.clear();
+    }
     pub fn push(&self, item: Outgoing) {
         self.outgoing_bytes.fetch_add(item.cost(), Ordering::Relaxed);
         self.items.lock().push(item);
@@ -188,5 +202,21 @@ impl ClientSink for Outbox {
         if !waiting.iter().any(|w| w.ptr_eq(&channel)) {
             waiting.push(channel);
         }
+    }
+}
+
+impl Drop for Outbox {
+    /// No-ack deliveries never written (the connection went first) are consumed all the same: their store
+    /// acks are appended here, so their messages do not linger in the store.
+    fn drop(&mut self) {
+        let mut acks = Batch::new();
+        for item in self.items.get_mut().iter() {
+            if let Outgoing::Delivery(d) = item {
+                if let Some(ack) = d.ack_when_written() {
+                    ack.add_to(&mut acks);
+                }
+            }
+        }
+        self.ack_written(&mut acks);
     }
 }

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use warren_broker::Delivery;
 use warren_protocol::frame;
 use warren_protocol::method::{BasicCancel, BasicNack, Method};
-use warren_store::SyncTicket;
+use warren_store::{Batch, SyncTicket};
 
 /// How long a writer must have had nothing to write before it frees its buffers.
 const RELEASE_BUFFERS_AFTER: Duration = Duration::from_secs(1);
@@ -77,6 +77,8 @@ async fn write_loop(
     let mut items = Vec::new();
     let mut buf = BytesMut::new();
     let mut pending: HashMap<u16, VecDeque<PendingDurable>> = HashMap::new();
+    // Store acks of the no-ack deliveries in `buf`, appended once it is written (see `AckWhenWritten`).
+    let mut acks = Batch::new();
     let mut closing = false;
     loop {
         let (heartbeat_every, frame_max, cancel_notify, write_timeout, connection) = {
@@ -125,7 +127,12 @@ async fn write_loop(
             }
             match item {
                 Outgoing::Method { channel, method } => frame::write_method(&mut buf, channel, &method),
-                Outgoing::Delivery(d) => write_delivery(&mut buf, d, frame_max, cancel_notify),
+                Outgoing::Delivery(d) => {
+                    if let Some(ack) = d.ack_when_written() {
+                        ack.add_to(&mut acks);
+                    }
+                    write_delivery(&mut buf, d, frame_max, cancel_notify)
+                }
                 Outgoing::Return { channel, reply_code, reply_text, message } => frame::write_basic_return(
                     &mut buf,
                     channel,
@@ -162,7 +169,10 @@ async fn write_loop(
             frame::write_heartbeat(&mut buf);
         }
         if !buf.is_empty() {
-            match write_all(&mut socket, &buf, write_timeout).await {
+            let written = write_all(&mut socket, &buf, write_timeout).await;
+            // Written, or never will be (the connection is gone, and a no-ack consumer's messages with it).
+            outbox.ack_written(&mut acks);
+            match written {
                 Ok(()) => {}
                 Err(WriteFailed::Gone) => return,
                 Err(WriteFailed::TimedOut) => {
@@ -186,7 +196,7 @@ async fn write_loop(
 
 fn write_delivery(buf: &mut BytesMut, d: Delivery, frame_max: u32, cancel_notify: bool) {
     match d {
-        Delivery::Deliver { channel, consumer_tag, delivery_tag, redelivered, message } => frame::write_basic_deliver(
+        Delivery::Deliver { channel, consumer_tag, delivery_tag, redelivered, message, .. } => frame::write_basic_deliver(
             buf,
             channel,
             &consumer_tag,
@@ -198,7 +208,7 @@ fn write_delivery(buf: &mut BytesMut, d: Delivery, frame_max: u32, cancel_notify
             &message.body,
             frame_max,
         ),
-        Delivery::GetOk { channel, delivery_tag, redelivered, message_count, message } => frame::write_basic_get_ok(
+        Delivery::GetOk { channel, delivery_tag, redelivered, message_count, message, .. } => frame::write_basic_get_ok(
             buf,
             channel,
             delivery_tag,
