@@ -8,6 +8,7 @@ acked before must stay gone.
 import random
 import re
 import struct
+import subprocess
 import threading
 import time
 import zlib
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import eventually
+from conftest import BIN, eventually
 from rawamqp import FRAME_BODY, FRAME_HEADER, RawConnection, frame, method_frame, publish_frames, shortstr, table
 
 pytestmark = pytest.mark.needs_process
@@ -169,6 +170,29 @@ def files(root, ext):
     return sorted(Path(root).rglob(f"*.{ext}"))
 
 
+def checkpoint_offset(data_dir, wal):
+    """The file offset in WAL segment `wal` of the store's last checkpoint (0 if it is before the
+    segment): bytes before it were fsynced, so damage there is never a torn tail."""
+    cp = Path(data_dir) / "store" / "checkpoint"
+    if not cp.exists():
+        return 0
+    wal_pos = struct.unpack_from("<Q", cp.read_bytes(), 6)[0]
+    return max(0, wal_pos - int(wal.stem))
+
+
+def wal_records(data):
+    """(offset, length) of each record of an undamaged WAL segment's bytes (`len u32 | crc u32 | body`),
+    up to the zero padding at its end."""
+    out, off = [], 32
+    while off + 8 <= len(data):
+        n = struct.unpack_from("<I", data, off)[0]
+        if n == 0 or off + 8 + n > len(data):
+            break
+        out.append((off, 8 + n))
+        off += 8 + n
+    return out
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garble"])
 def test_damaged_wal_tail_node_starts_keeps_a_prefix_and_logs_the_drop(broker, damage):
     rng = random.Random(hash(damage) & 0xFFFF)
@@ -176,7 +200,8 @@ def test_damaged_wal_tail_node_starts_keeps_a_prefix_and_logs_the_drop(broker, d
     broker.kill9()  # the newest records are in the WAL, maybe not yet checkpointed
     wal = files(broker.data_dir, "wlog")[-1]
     size = wal.stat().st_size
-    cut = rng.randrange(33, size)
+    # A torn tail is damage after the last checkpoint with nothing valid after it.
+    cut = rng.randrange(max(33, checkpoint_offset(broker.data_dir, wal)), size)
     data = bytearray(wal.read_bytes())
     if damage == "truncate":
         data = data[:cut]
@@ -189,7 +214,47 @@ def test_damaged_wal_tail_node_starts_keeps_a_prefix_and_logs_the_drop(broker, d
     seqs = [parse_body(b)[2] for b in bodies]
     assert seqs == list(range(len(seqs))), "an in-order prefix, nothing corrupt"
     if len(seqs) < 500:
-        assert re.search(r"torn tail|torn header", broker.log_text()), "the log says what was dropped"
+        assert re.search(r"torn tail", broker.log_text()), "the log says what was dropped"
+        assert list((Path(broker.data_dir) / "store" / "damaged").iterdir()), "the cut bytes are kept"
+
+
+def test_corruption_in_the_middle_of_the_wal_refuses_to_start_until_the_operator_skips_it(broker):
+    publish_confirmed(broker, 500)
+    broker.kill9()
+    wal = files(broker.data_dir, "wlog")[-1]
+    data = bytearray(wal.read_bytes())
+    after = checkpoint_offset(broker.data_dir, wal)
+    records = [r for r in wal_records(data) if r[0] >= after]
+    assert len(records) > 10, "enough records after the last checkpoint"
+    bad, length = records[len(records) // 2]  # valid records follow it
+    data[bad + length - 10] ^= 0x40  # inside the message body: the record's CRC no longer matches
+    wal.write_bytes(bytes(data))
+
+    # The default mode refuses, naming the file and the offset, and changes nothing.
+    log_before = len(broker.log_text())
+    with open(broker.log_path, "ab") as log:
+        refused = subprocess.run(
+            [BIN, "server", "--amqp-port", str(broker.port), "--http-port", str(broker.http_port),
+             "--data-dir", str(broker.data_dir)], stdout=log, stderr=subprocess.STDOUT, timeout=20)
+    assert refused.returncode != 0
+    refusal = broker.log_text()[log_before:]
+    assert str(wal) in refusal and f"offset {bad}" in refusal, refusal
+    assert "--recovery-mode tolerate-any-corruption" in refusal, "the error says what to do"
+    assert wal.read_bytes() == bytes(data), "a refusal changes nothing"
+
+    # On request, the damaged record is skipped and the segment kept aside.
+    broker.extra_args = ["--recovery-mode", "tolerate-any-corruption"]
+    broker.start()
+    seqs = sorted(parse_body(b)[2] for b in drain(broker))
+    assert len(seqs) == 499 and len(set(seqs)) == 499, "only the damaged message is lost"
+    kept = Path(broker.data_dir) / "store" / "damaged" / f"{wal.name}.{bad}"
+    assert kept.read_bytes() == bytes(data), "the damaged segment is kept whole, never deleted"
+    assert "skipped" in broker.log_text()
+
+    # The next start, in the default mode, finds nothing wrong.
+    broker.extra_args = []
+    broker.restart()
+    assert drain(broker) == []
 
 
 def test_damaged_queue_segment_tail_is_detected_and_skipped(broker):
@@ -210,6 +275,8 @@ def test_damaged_queue_segment_tail_is_detected_and_skipped(broker):
     assert 0 < len(seqs) < 400
     assert seqs == list(range(len(seqs)))
     assert "damaged record in a queue segment" in broker.log_text()
+    kept = list((Path(broker.data_dir) / "store" / "damaged").glob("queue-*.qseg.*"))
+    assert kept, "the damaged part of the queue segment is kept before the segment can be deleted"
     assert broker.alive()
 
 

@@ -20,6 +20,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
+pub use warren_store::RecoveryMode;
 
 /// The flags of `warren server`. Each has an environment variable of the same name (`WARREN_*`),
 /// which it overrides; both override the configuration file.
@@ -45,6 +46,13 @@ pub struct ServerArgs {
     /// and its unacked messages requeued; 0 disables [env: WARREN_CONSUMER_TIMEOUT] [default: 1800000]
     #[arg(long, value_name = "MS")]
     pub consumer_timeout: Option<u64>,
+
+    /// What startup does with damaged store files: tolerate-tail-corruption (a torn tail is cut, other
+    /// damage refuses to start), absolute-consistency (any damage refuses) or tolerate-any-corruption
+    /// (damaged bytes are skipped and kept in <data-dir>/store/damaged) [env: WARREN_RECOVERY_MODE]
+    /// [default: tolerate-tail-corruption]
+    #[arg(long, value_name = "MODE")]
+    pub recovery_mode: Option<RecoveryMode>,
 
     /// TOML configuration file; every key is listed in config/warren.toml [env: WARREN_CONFIG]
     #[arg(long, value_name = "FILE")]
@@ -163,6 +171,9 @@ pub struct Config {
     pub sync: SyncMode,
     /// Size (bytes) at which the store starts a new segment file.
     pub segment_size: u64,
+    /// What startup does with damaged store files.
+    #[serde(with = "recovery_mode_text")]
+    pub recovery_mode: RecoveryMode,
     /// Memory alarm threshold: a fraction of the machine's RAM ("0.4") or a size ("2GiB").
     pub memory_high_watermark: String,
     /// Disk alarm threshold: free space (a size, "1GiB") below which publishers are blocked.
@@ -193,6 +204,7 @@ impl Default for Config {
             write_timeout: 30,
             sync: SyncMode::EveryBatch,
             segment_size: 32 << 20,
+            recovery_mode: RecoveryMode::TolerateTailCorruption,
             memory_high_watermark: "0.4".to_owned(),
             disk_free_limit: "1GiB".to_owned(),
             consumer_timeout: 1_800_000,
@@ -272,6 +284,7 @@ const KEYS: &[(&str, &str)] = &[
     ("write-timeout", "a number of seconds (1-3600)"),
     ("sync", SYNC_EXPECTED),
     ("segment-size", "a size in bytes (at least 4096)"),
+    ("recovery-mode", "\"tolerate-tail-corruption\", \"absolute-consistency\" or \"tolerate-any-corruption\""),
     ("memory-high-watermark", "a fraction of RAM such as \"0.4\", or a size such as \"2GiB\""),
     ("disk-free-limit", "a size such as \"1GiB\", \"500MB\" or a number of bytes"),
     ("consumer-timeout", "a number of milliseconds (0 disables the timeout)"),
@@ -486,6 +499,10 @@ impl Config {
             config.max_message_size = n;
             flag("max-message-size", "--max-message-size");
         }
+        if let Some(mode) = args.recovery_mode {
+            config.recovery_mode = mode;
+            flag("recovery-mode", "--recovery-mode");
+        }
 
         config.check().map_err(|(key, problem)| ConfigError::Invalid {
             key,
@@ -608,7 +625,7 @@ impl Config {
         format!(
             "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
-             max-message-size={} max-connections={} handshake-timeout={}s write-timeout={}s sync={} segment-size={} \
+             max-message-size={} max-connections={} handshake-timeout={}s write-timeout={}s sync={} segment-size={} recovery-mode={} \
              memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}",
             self.amqp_addr(),
             self.http_port,
@@ -625,11 +642,26 @@ impl Config {
             self.write_timeout,
             self.sync,
             self.segment_size,
+            self.recovery_mode,
             self.memory_high_watermark,
             self.disk_free_limit,
             self.consumer_timeout,
             self.log,
         )
+    }
+}
+
+/// `recovery-mode` in TOML: the mode's name.
+mod recovery_mode_text {
+    use super::RecoveryMode;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(mode: &RecoveryMode, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(mode.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<RecoveryMode, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -683,6 +715,7 @@ mod tests {
         assert_eq!(c.sync, SyncMode::EveryBatch);
         assert_eq!(c.sync_interval_ms(), 0);
         assert_eq!(c.segment_size, 32 * 1024 * 1024);
+        assert_eq!(c.recovery_mode, RecoveryMode::TolerateTailCorruption);
         assert_eq!(c.log, "info");
         c.validate().expect("defaults are valid");
     }
@@ -770,6 +803,23 @@ mod tests {
     }
 
     #[test]
+    fn recovery_mode_from_file_env_and_flag() {
+        let f = file_with("recovery-mode = \"absolute-consistency\"\n");
+        let c = Config::load_from(&args_with_file(&f), &no_env).expect("load");
+        assert_eq!(c.recovery_mode, RecoveryMode::AbsoluteConsistency);
+        let env = env_of(&[("WARREN_RECOVERY_MODE", "tolerate-any-corruption")]);
+        let c = Config::load_from(&args_with_file(&f), &env).expect("load");
+        assert_eq!(c.recovery_mode, RecoveryMode::TolerateAnyCorruption);
+        let args = ServerArgs { recovery_mode: Some(RecoveryMode::TolerateTailCorruption), ..args_with_file(&f) };
+        let c = Config::load_from(&args, &env).expect("load");
+        assert_eq!(c.recovery_mode, RecoveryMode::TolerateTailCorruption);
+        let err = Config::load_from(&ServerArgs::default(), &env_of(&[("WARREN_RECOVERY_MODE", "skip")]))
+            .expect_err("an unknown mode is refused")
+            .to_string();
+        assert!(err.contains("WARREN_RECOVERY_MODE=skip") && err.contains("tolerate-any-corruption"), "{err}");
+    }
+
+    #[test]
     fn empty_loopback_users_variable_means_no_loopback_restriction() {
         let c = Config::load_from(&ServerArgs::default(), &env_of(&[("WARREN_LOOPBACK_USERS", "")])).expect("load");
         assert!(c.loopback_users.is_empty());
@@ -794,6 +844,7 @@ mod tests {
             max_connections: Some(7),
             channel_max: Some(8),
             max_message_size: Some(9),
+            ..ServerArgs::default()
         };
         let env = |name: &str| match name {
             "WARREN_MAX_CONNECTIONS" | "WARREN_CHANNEL_MAX" | "WARREN_MAX_MESSAGE_SIZE" => Some("100".to_owned()),
@@ -818,6 +869,7 @@ mod tests {
         let cli = Cli::try_parse_from([
             "warren", "--amqp-port", "1", "--http-port", "2", "--bind", "::", "--data-dir", "d", "--config", "c.toml",
             "--consumer-timeout", "60000",
+            "--recovery-mode", "tolerate-any-corruption",
         ])
         .expect("flags parse");
         assert_eq!(cli.args.amqp_port, Some(1));
@@ -826,6 +878,8 @@ mod tests {
         assert_eq!(cli.args.data_dir, Some(PathBuf::from("d")));
         assert_eq!(cli.args.config, Some(PathBuf::from("c.toml")));
         assert_eq!(cli.args.consumer_timeout, Some(60000));
+        assert_eq!(cli.args.recovery_mode, Some(RecoveryMode::TolerateAnyCorruption));
+        assert!(Cli::try_parse_from(["warren", "--recovery-mode", "skip"]).is_err());
         let none = Cli::try_parse_from(["warren"]).expect("no flags parse");
         assert!(none.args.amqp_port.is_none() && none.args.config.is_none());
         assert!(Cli::try_parse_from(["warren", "--amqp-port", "70000"]).is_err());

@@ -61,6 +61,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
             0 => SyncPolicy::EveryBatch,
             ms => SyncPolicy::IntervalMs(ms),
         },
+        recovery_mode: config.recovery_mode,
         ..StoreOptions::default()
     };
     if config.sync_interval_ms() > 0 {

@@ -1,5 +1,6 @@
-//! The store's error type. Corruption found during recovery is not an error (it is repaired or isolated and
-//! reported in [`Recovery`](crate::Recovery)); these are the failures the caller has to handle.
+//! The store's error type: the failures the caller has to handle. Damage found during recovery is an
+//! error ([`StoreError::Corrupt`]) only where the recovery mode refuses it; otherwise it is repaired or
+//! isolated and reported in [`Recovery`](crate::Recovery).
 
 use std::io;
 use std::path::PathBuf;
@@ -29,6 +30,15 @@ pub enum StoreError {
     /// A message payload is larger than one record may be.
     #[error("message of {len} bytes is larger than the {max} byte record limit")]
     RecordTooLarge { len: usize, max: usize },
+    /// Recovery found damage its recovery mode does not accept: the store refuses to open and changes
+    /// nothing (see `RecoveryMode`).
+    #[error("{path} is damaged at offset {offset}: {reason}; {advice}")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        reason: String,
+        advice: String,
+    },
     /// The store was closed; nothing more can be appended, and what was not durable will not become so.
     #[error("the message store is closed")]
     Closed,

@@ -10,6 +10,7 @@
 //!                                        endless logical log (a `SyncTicket` is a position in it)
 //! queues/<queue id>/NNNNNNNNNNNNNNNNNNNN.qseg
 //!                                        a queue's messages in order; the number is the first seq
+//! damaged/<file name>.<offset>           what recovery cut or skipped, kept (never read back)
 //! ```
 //! A queue's segments are its own `.qseg` files and extents: byte ranges of WAL segments that hold
 //! (nearly only) its enqueues, listed in the checkpoint. A WAL segment an extent is in is kept.
@@ -40,12 +41,15 @@
 //! length fits in the file and is at most [`MAX_BODY_LEN`], the CRC32C of the body matches, and the kind is
 //! known and well formed.
 //! - **WAL**: a WAL segment is fsynced before the next one is created, so only the newest one can have a
-//!   torn tail: it is truncated to the last valid record (logged with `tracing::warn!`). A bad record in an
-//!   older segment is real corruption: the records before it are kept, the rest of that segment skipped
-//!   (`tracing::error!`), and the node starts.
+//!   torn tail, and only after the last checkpoint. Damage there with no valid record anywhere after it
+//!   is a torn tail (bytes written after the last fsync, never confirmed): it is cut, and the cut bytes
+//!   kept in `damaged/`. Any other damage is corruption in the middle: recovery refuses to start with an
+//!   error naming the file and offset, unless the recovery mode says to skip it (`recovery.rs`).
 //! - **Queue segments** are not fsynced on the commit path: what the checkpoint lists was made durable
 //!   (with `syncfs`) before the checkpoint was written, and everything after it is rebuilt from the WAL.
-//!   A bad record found later when reading a queue segment is logged and the rest of that segment skipped.
+//!   A file shorter than the checkpoint recorded refuses to start (as corruption in the middle). A bad
+//!   record found later when reading a queue segment is logged, the rest of that segment copied into
+//!   `damaged/` and skipped.
 
 use thiserror::Error;
 
@@ -223,6 +227,27 @@ fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
         kind => return Err(Damage::UnknownKind { kind }),
     };
     Ok((record, RECORD_HEADER_SIZE + len))
+}
+
+/// The offset of the first valid record that starts at or after `from` in `buf`, if any: how recovery
+/// tells corruption in the middle of a WAL segment (valid records follow the damage) from a torn tail
+/// (nothing valid does). Each candidate offset is checked for a plausible length and kind before its
+/// CRC is computed, so scanning garbage costs little.
+pub fn find_record(buf: &[u8], from: usize) -> Option<usize> {
+    let last = buf.len().checked_sub(RECORD_HEADER_SIZE + 1)?;
+    (from..=last).find(|&at| {
+        let len = u32::from_le_bytes(array(buf, at)) as usize;
+        let fits = len <= buf.len() - at - RECORD_HEADER_SIZE;
+        let plausible = fits
+            && match buf[at + RECORD_HEADER_SIZE] {
+                KIND_ENQUEUE => len >= ENQUEUE_FIXED_LEN,
+                KIND_ACKS => len >= ACKS_FIXED_LEN && (len - ACKS_FIXED_LEN).is_multiple_of(16),
+                KIND_DROP => len == DROP_LEN,
+                KIND_DELIVERED => len == DELIVERED_LEN,
+                _ => false,
+            };
+        plausible && decode_record(&buf[at..]).is_ok()
+    })
 }
 
 /// Appends a complete enqueue record; the payload is given in parts to avoid a concatenation copy.

@@ -18,6 +18,7 @@
 
 mod batch;
 mod checkpoint;
+mod damaged;
 mod direct;
 mod error;
 pub mod format;
@@ -36,7 +37,8 @@ pub use error::StoreError;
 pub use format::Damage;
 pub use io::Disk;
 pub use qlog::{ReadBatch, StoredMessage};
-pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, TornTail};
+pub use damaged::damaged_dir;
+pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, RecoveryMode, TornTail};
 pub use store::{Store, StoreOptions, StoreStats, SyncPolicy};
 
 /// A position in the logical WAL. A batch is durable once the durable watermark is at or past its ticket.

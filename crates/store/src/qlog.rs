@@ -496,7 +496,9 @@ impl QueueLog {
                     Err(damage) => {
                         let lost_from = seq.max(out.next_seq);
                         let lost = seg.end_seq.saturating_sub(lost_from).saturating_sub(self.gone.count_in(lost_from, seg.end_seq));
-                        tracing::error!(queue = self.id, segment = first, offset = offset + pos as u64, %damage, lost,
+                        let at = offset + pos as u64;
+                        let kept = self.keep_damaged(&seg, at);
+                        tracing::error!(queue = self.id, segment = first, offset = at, %damage, lost, kept = %kept,
                             "damaged record in a queue segment; the rest of the segment is skipped");
                         self.gone.insert(lost_from, seg.end_seq);
                         out.lost += lost;
@@ -527,6 +529,32 @@ impl QueueLog {
             }
         }
         Ok(out)
+    }
+
+    /// Copies the bytes of `seg` from the damaged record at `offset` on into `damaged/`, before the
+    /// segment is let go with its seqs counted as gone. Returns where (or why not) for the log.
+    fn keep_damaged(&mut self, seg: &QSeg, offset: u64) -> String {
+        let (path, name) = match seg.wal {
+            Some(base) => {
+                let path = crate::segment::path(&self.wal_dir, base);
+                let name = crate::damaged::aside_name(&path, offset);
+                (path, name)
+            }
+            None => {
+                let path = seg_path(&self.dir, seg.first_seq);
+                let name = format!("queue-{}-{}", self.id, crate::damaged::aside_name(&path, offset));
+                (path, name)
+            }
+        };
+        let root = self.wal_dir.parent().map(Path::to_path_buf).unwrap_or_default();
+        let result = crate::direct::open_reader(&path)
+            .and_then(|f| crate::direct::read_range(&f, offset, seg.len.saturating_sub(offset) as usize))
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| crate::damaged::copy_aside(&self.disk, &root, &name, &bytes).map_err(|e| e.to_string()));
+        match result {
+            Ok(kept) => kept.display().to_string(),
+            Err(e) => format!("not kept: {e}"),
+        }
     }
 
     fn pread(&mut self, seg: &QSeg, offset: u64, len: usize) -> std::io::Result<Bytes> {
@@ -580,7 +608,14 @@ impl QueueLog {
 
     /// Restores a log from its checkpointed state: files are cut back to what the checkpoint made durable,
     /// files written after it are removed (the WAL replay writes them again).
-    pub fn restore(disk: &Disk, root: &Path, state: crate::checkpoint::QueueState) -> std::io::Result<QueueLog> {
+    /// Damage found here (a file shorter than the checkpoint recorded, a WAL segment holding extents
+    /// missing) is pushed onto `lost` as (file, offset, what): recovery decides whether to go on.
+    pub fn restore(
+        disk: &Disk,
+        root: &Path,
+        state: crate::checkpoint::QueueState,
+        lost: &mut Vec<(PathBuf, u64, String)>,
+    ) -> std::io::Result<QueueLog> {
         let mut log = QueueLog::new(disk, root, state.id);
         log.next_seq = state.next_seq;
         log.file_next_seq = state.next_seq;
@@ -601,8 +636,7 @@ impl QueueLog {
                 if path.exists() {
                     log.segments.insert(seg.first_seq, seg);
                 } else {
-                    tracing::error!(file = %path.display(), queue = state.id, first_seq = seg.first_seq,
-                        end_seq = seg.end_seq, "WAL segment holding queue messages is missing; they are lost");
+                    lost.push((path, seg.start, format!("the WAL segment holding messages {}..{} of queue {} is missing", seg.first_seq, seg.end_seq, state.id)));
                     log.gone.insert(seg.first_seq, seg.end_seq);
                 }
                 continue;
@@ -612,8 +646,7 @@ impl QueueLog {
                 continue; // deleted after the checkpoint: every seq in it was gone
             };
             if meta.len() < seg.len {
-                tracing::error!(file = %path.display(), expected = seg.len, found = meta.len(),
-                    "queue segment is shorter than the checkpoint recorded; messages in the missing part are lost");
+                lost.push((path.clone(), meta.len(), format!("queue segment is {} bytes, shorter than the {} the checkpoint recorded; messages in the missing part are lost", meta.len(), seg.len)));
             }
             if meta.len() != seg.len.min(meta.len()) {
                 disk.open(&path, Open::Existing, false)?.set_len(seg.len)?;

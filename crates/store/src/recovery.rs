@@ -1,17 +1,31 @@
 //! Recovery: restores the queue logs from the checkpoint, replays the WAL after it into them, repairs a
-//! torn WAL tail, isolates corruption, writes a fresh checkpoint, and reports each queue's live range.
-//! Work is proportional to the WAL after the last checkpoint (at most `checkpoint_bytes` plus one group),
-//! not to the backlog: a queue's messages stay in its files until it reads them.
+//! torn WAL tail, refuses or isolates corruption (per [`RecoveryMode`]), and reports each queue's live
+//! range. Work is proportional to the WAL after the last checkpoint (at most `checkpoint_bytes` plus one
+//! group), not to the backlog: a queue's messages stay in its files until it reads them.
 //!
-//! It never refuses to start because of damaged data (see `format` for what is trusted); only I/O errors,
-//! a locked directory, a file from a newer format version or a damaged checkpoint stop it.
+//! A torn tail and corruption in the middle are told apart (see `format` for what is trusted):
+//! - a **torn tail** is damage in the newest WAL segment, after the checkpoint, with no valid record
+//!   anywhere after it: only bytes written after the last fsync can be there, none of them confirmed.
+//!   It is cut (the cut bytes kept in `damaged/`), unless the mode is `AbsoluteConsistency`.
+//! - **corruption in the middle** is any other damage: valid records follow it, or it is in an older
+//!   segment (each is fsynced before the next one is created), or before the checkpoint (which was
+//!   written after everything before it was durable). Recovery refuses to start with an error naming
+//!   the file and offset, unless the mode is `TolerateAnyCorruption`: then the damaged bytes are skipped,
+//!   the valid records after them replayed, a checkpoint is written, and the damaged file is moved into
+//!   `damaged/` (never deleted).
+//!
+//! ### To ensure correctness
+//! - Decide before changing the WAL: every segment is scanned and judged before records are applied or
+//!   files cut, so a refusal leaves the damaged files as they were (queue files are only cut back to
+//!   the lengths the checkpoint recorded, which the replay rewrites anyway).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use crate::checkpoint;
+use crate::damaged::{aside_name, copy_aside, damaged_dir, move_aside};
 use crate::direct::Appender;
 use crate::error::StoreError;
 use crate::format::{self, Damage, Record, HEADER_SIZE, VERSION, WAL_MAGIC};
@@ -19,6 +33,51 @@ use crate::io::{Disk, Open};
 use crate::qlog::{QueueLog, QueueLogs};
 use crate::segment;
 use crate::writer::Start;
+
+/// What recovery does with damaged data, in the spirit of raft-engine's recovery modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RecoveryMode {
+    /// A torn tail of the newest WAL segment (what a crash leaves) is cut; corruption in the middle
+    /// refuses to start. The default.
+    #[default]
+    TolerateTailCorruption,
+    /// Any damage refuses to start, a torn tail included (as raft-engine's `AbsoluteConsistency`): after
+    /// a power loss an operator has to look every time.
+    AbsoluteConsistency,
+    /// Damaged bytes are skipped and the valid records around them recovered; the damaged files are kept
+    /// in `damaged/`. What the damaged bytes held is lost (an ack lost this way brings a message back).
+    TolerateAnyCorruption,
+}
+
+impl RecoveryMode {
+    /// The name used in configuration: `tolerate-tail-corruption`, `absolute-consistency`,
+    /// `tolerate-any-corruption`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecoveryMode::TolerateTailCorruption => "tolerate-tail-corruption",
+            RecoveryMode::AbsoluteConsistency => "absolute-consistency",
+            RecoveryMode::TolerateAnyCorruption => "tolerate-any-corruption",
+        }
+    }
+}
+
+impl std::fmt::Display for RecoveryMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for RecoveryMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        [RecoveryMode::TolerateTailCorruption, RecoveryMode::AbsoluteConsistency, RecoveryMode::TolerateAnyCorruption]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                format!("unknown recovery mode {s:?} (tolerate-tail-corruption, absolute-consistency or tolerate-any-corruption)")
+            })
+    }
+}
 
 /// A queue with messages in the store when it was last running.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,34 +100,81 @@ pub struct Recovery {
     pub queues: Vec<RecoveredQueue>,
     /// The torn tail cut off the newest WAL segment, if there was one (also logged with `tracing::warn!`).
     pub truncated: Option<TornTail>,
-    /// Older WAL segments with a bad record: the records from `offset` on were skipped (logged with
-    /// `tracing::error!`). What they held is lost; everything else was recovered.
+    /// Damage skipped under `RecoveryMode::TolerateAnyCorruption` (logged with `tracing::error!`): what
+    /// those bytes held is lost; everything around them was recovered.
     pub corrupted: Vec<CorruptSegment>,
     /// WAL bytes replayed after the checkpoint.
     pub replayed_bytes: u64,
 }
 
-/// The damaged end of the newest WAL segment, dropped by recovery.
+/// The damaged end of the newest WAL segment, cut by recovery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TornTail {
     pub segment: PathBuf,
-    /// File offset of the first bad byte: the file now ends here (0: the whole file was removed).
+    /// File offset of the first bad byte: the file now ends here (0: the whole file was moved aside).
     pub offset: u64,
     pub dropped_bytes: u64,
     pub reason: Damage,
+    /// Where the cut bytes were kept (`damaged/<segment name>.<offset>`).
+    pub kept: PathBuf,
 }
 
-/// A bad record found in a WAL segment that is not the newest.
+/// Damaged bytes skipped under `RecoveryMode::TolerateAnyCorruption`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CorruptSegment {
     pub segment: PathBuf,
     pub offset: u64,
     pub skipped_bytes: u64,
-    pub reason: Damage,
+    pub reason: String,
+    /// Where the damaged file (or its damaged bytes) now is, in `damaged/`.
+    pub kept: PathBuf,
+}
+
+/// One WAL segment, scanned: where its valid records are and where it is damaged.
+struct Scan {
+    /// `[start, end)` of each valid record, in order.
+    records: Vec<(usize, usize)>,
+    /// Damaged ranges: start, the next valid record after it (`None`: nothing valid follows), why.
+    damage: Vec<(usize, Option<usize>, Damage)>,
+    /// End of the last valid record (or of the header).
+    valid_end: usize,
+}
+
+fn scan(data: &[u8]) -> Scan {
+    let mut out = Scan { records: Vec::new(), damage: Vec::new(), valid_end: HEADER_SIZE.min(data.len()) };
+    let mut off = HEADER_SIZE;
+    if let Err(reason) = format::decode_header(data, WAL_MAGIC) {
+        let next = format::find_record(data, HEADER_SIZE);
+        out.damage.push((0, next, reason));
+        out.valid_end = 0;
+        match next {
+            Some(n) => off = n,
+            None => return out,
+        }
+    }
+    while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
+        match format::decode_record(rest) {
+            Ok((_, n)) => {
+                out.records.push((off, off + n));
+                off += n;
+                out.valid_end = off;
+            }
+            Err(_) if crate::direct::is_padding(rest) => break,
+            Err(reason) => {
+                let next = format::find_record(data, off + 1);
+                out.damage.push((off, next, reason));
+                match next {
+                    Some(n) => off = n,
+                    None => break,
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Restores the store in `dir`; returns where the WAL writer starts, the queue logs, and the report.
-pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64) -> Result<(Start, QueueLogs, Recovery), StoreError> {
+pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: RecoveryMode) -> Result<(Start, QueueLogs, Recovery), StoreError> {
     let started = Instant::now();
     let wal = segment::wal_dir(dir);
     refuse_old_layout(dir)?;
@@ -89,10 +195,12 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64) -> Resul
         }
     };
     let logs = QueueLogs::new(disk);
-    let known: std::collections::HashSet<u64> = cp.queues.iter().map(|q| q.id).collect();
+    let known: HashSet<u64> = cp.queues.iter().map(|q| q.id).collect();
+    // Queue data the checkpoint promised but the files no longer hold: (file, offset, what).
+    let mut lost: Vec<(PathBuf, u64, String)> = Vec::new();
     for state in cp.queues {
         let id = state.id;
-        let log = QueueLog::restore(disk, dir, state).map_err(StoreError::io("restoring", crate::qlog::queue_dir(dir, id)))?;
+        let log = QueueLog::restore(disk, dir, state, &mut lost).map_err(StoreError::io("restoring", crate::qlog::queue_dir(dir, id)))?;
         logs.insert(log);
     }
     // Queue directories the checkpoint does not know were created after it: the replay recreates them.
@@ -106,11 +214,34 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64) -> Resul
     }
 
     let mut out = Recovery::default();
+    if let Some((path, offset, what)) = lost.first().filter(|_| mode != RecoveryMode::TolerateAnyCorruption) {
+        return Err(StoreError::Corrupt {
+            path: path.clone(),
+            offset: *offset,
+            reason: what.clone(),
+            advice: refusal_advice(dir, mode),
+        });
+    }
+    for (path, offset, what) in lost {
+        tracing::error!(file = %path.display(), offset, "{what}; going on (recovery mode tolerate-any-corruption)");
+    }
+    let extent_bases: HashSet<u64> = logs.all().iter().flat_map(|l| l.lock().extents().map(|(b, _, _)| b).collect::<Vec<_>>()).collect();
     let bases = segment::list(&wal)?;
+
+    // First judge every segment to replay, before anything is changed.
+    struct Judged {
+        base: u64,
+        path: PathBuf,
+        data: Vec<u8>,
+        scan: Scan,
+        /// Damage skipped (tolerate-any-corruption): the file goes aside once a checkpoint covers it.
+        skipped: bool,
+        /// The torn tail to cut: the offset it starts at.
+        cut: Option<(usize, Damage)>,
+    }
+    let mut judged = Vec::new();
     let mut wal_bases: VecDeque<u64> = VecDeque::new();
     let mut end_pos = cp.wal_pos;
-    let mut active: Option<(u64, usize)> = None;
-    let now = crate::now_ms();
     for (i, &base) in bases.iter().enumerate() {
         let newest = i + 1 == bases.len();
         let path = segment::path(&wal, base);
@@ -123,57 +254,123 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64) -> Resul
             continue;
         }
         let data = fs::read(&path).map_err(StoreError::io("reading", &path))?;
-        let disk_len = data.len() as u64;
-        end_pos = end_pos.max(base);
-        match format::decode_header(&data, WAL_MAGIC) {
-            Ok(_) => {}
-            Err(Damage::UnsupportedVersion { version }) => {
-                return Err(StoreError::UnsupportedVersion { path, version, supported: VERSION });
-            }
-            Err(reason) if newest => {
-                // Created by a roll just before the crash: nothing in it was ever confirmed.
-                tracing::warn!(file = %path.display(), offset = 0, dropped_bytes = disk_len, %reason,
-                    "newest WAL segment has a torn header; removing it");
-                disk.remove_file(&path).map_err(StoreError::io("removing", &path))?;
-                segment::sync_dir(disk, &wal)?;
-                out.truncated = Some(TornTail { segment: path, offset: 0, dropped_bytes: disk_len, reason });
-                continue;
-            }
-            Err(reason) => {
-                tracing::error!(file = %path.display(), offset = 0, skipped_bytes = disk_len, %reason,
-                    "corrupt WAL segment header; skipping the whole segment");
-                out.corrupted.push(CorruptSegment { segment: path, offset: 0, skipped_bytes: disk_len, reason });
-                wal_bases.push_back(base);
-                end_pos = end_pos.max(base + disk_len);
-                continue;
-            }
+        if let Err(Damage::UnsupportedVersion { version }) = format::decode_header(&data, WAL_MAGIC) {
+            return Err(StoreError::UnsupportedVersion { path, version, supported: VERSION });
         }
-        wal_bases.push_back(base);
-        let (valid_len, damage) = replay(&data, base, cp.wal_pos, dir, &logs, queue_segment_size, now, &mut out)?;
-        let mut kept_len = disk_len;
-        if let Some(reason) = damage {
-            let dropped = disk_len - valid_len as u64;
-            if newest {
-                tracing::warn!(file = %path.display(), offset = valid_len, dropped_bytes = dropped, %reason,
-                    "torn tail in the newest WAL segment; truncating to the last valid record");
-                truncate(disk, &path, valid_len as u64)?;
-                kept_len = valid_len as u64;
-                out.truncated = Some(TornTail { segment: path, offset: valid_len as u64, dropped_bytes: dropped, reason });
+        let scan = scan(&data);
+        let mut skipped = false;
+        let mut cut = None;
+        for (offset, next, reason) in &scan.damage {
+            // Only bytes written after the last fsync can be torn: the newest segment's, after the
+            // checkpoint, with nothing valid after them.
+            let torn = newest && next.is_none() && base + *offset as u64 >= cp.wal_pos;
+            let refuse = match mode {
+                RecoveryMode::AbsoluteConsistency => true,
+                RecoveryMode::TolerateTailCorruption => !torn,
+                RecoveryMode::TolerateAnyCorruption => false,
+            };
+            if refuse {
+                let what = if torn {
+                    format!("{reason}: a torn tail (nothing valid follows; recovery mode {mode} refuses even this)")
+                } else if next.is_some() {
+                    format!("{reason}, and valid records follow at offset {}: this is not a torn write", next.unwrap_or(0))
+                } else if !newest {
+                    format!("{reason}, in a WAL segment that is not the newest (it was fsynced whole): this is not a torn write")
+                } else {
+                    format!("{reason}, before the last checkpoint (it was fsynced): this is not a torn write")
+                };
+                return Err(StoreError::Corrupt { path, offset: *offset as u64, reason: what, advice: refusal_advice(dir, mode) });
+            }
+            if torn {
+                cut = Some((*offset, reason.clone()));
             } else {
-                tracing::error!(file = %path.display(), offset = valid_len, skipped_bytes = dropped, %reason,
-                    "corrupt record in an older WAL segment; keeping the records before it, skipping the rest");
-                out.corrupted.push(CorruptSegment { segment: path, offset: valid_len as u64, skipped_bytes: dropped, reason });
+                skipped = true;
             }
         }
-        end_pos = end_pos.max(base + kept_len);
+        judged.push(Judged { base, path, data, scan, skipped, cut });
+    }
+
+    // Then replay.
+    let now = crate::now_ms();
+    let damaged = damaged_dir(dir);
+    let mut active: Option<(u64, usize)> = None;
+    let mut set_aside: Vec<(PathBuf, u64, u64)> = Vec::new();
+    let newest_base = bases.last().copied();
+    for j in &judged {
+        end_pos = end_pos.max(j.base);
+        for &(start, end) in &j.scan.records {
+            if j.base + start as u64 >= cp.wal_pos {
+                replay(&j.data[start..end], dir, &logs, queue_segment_size, now, &mut out)?;
+            }
+        }
+        let disk_len = j.data.len() as u64;
+        if j.skipped {
+            for (offset, next, reason) in &j.scan.damage {
+                let skipped_bytes = next.unwrap_or(j.data.len()) as u64 - *offset as u64;
+                tracing::error!(file = %j.path.display(), offset, skipped_bytes, %reason,
+                    "damaged bytes in a WAL segment skipped (recovery mode tolerate-any-corruption)");
+                let kept = damaged.join(aside_name(&j.path, j.scan.damage[0].0 as u64));
+                out.corrupted.push(CorruptSegment { segment: j.path.clone(), offset: *offset as u64, skipped_bytes, reason: reason.to_string(), kept });
+            }
+            // Past its whole length: a new segment starts after it, and the checkpoint covers it.
+            end_pos = end_pos.max(j.base + disk_len);
+            set_aside.push((j.path.clone(), j.base, j.scan.damage[0].0 as u64));
+            wal_bases.push_back(j.base);
+            continue;
+        }
+        let mut kept_len = disk_len;
+        if let Some((offset, reason)) = &j.cut {
+            let dropped = disk_len - *offset as u64;
+            let kept = if *offset == 0 {
+                // Nothing valid in it at all (a roll just before the crash): the whole file goes aside.
+                move_aside(disk, dir, &j.path, &aside_name(&j.path, 0))?
+            } else {
+                let kept = copy_aside(disk, dir, &aside_name(&j.path, *offset as u64), &j.data[*offset..])?;
+                truncate(disk, &j.path, *offset as u64)?;
+                kept
+            };
+            tracing::warn!(file = %j.path.display(), offset, dropped_bytes = dropped, %reason, kept = %kept.display(),
+                "torn tail in the newest WAL segment (unconfirmed bytes written before a crash); cut, and kept aside");
+            out.truncated = Some(TornTail { segment: j.path.clone(), offset: *offset as u64, dropped_bytes: dropped, reason: reason.clone(), kept });
+            if *offset == 0 {
+                continue;
+            }
+            kept_len = *offset as u64;
+        }
+        wal_bases.push_back(j.base);
+        let valid_len = j.scan.valid_end.min(kept_len as usize);
+        end_pos = end_pos.max(j.base + kept_len);
         // Appending after a cut below the checkpoint would put new records where extents expect old ones.
-        if newest && base + valid_len as u64 >= cp.wal_pos {
-            active = Some((base, valid_len));
+        if Some(j.base) == newest_base && j.base + valid_len as u64 >= cp.wal_pos {
+            active = Some((j.base, valid_len));
         }
     }
     for log in logs.all() {
         let mut log = log.lock();
         log.flush().map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, log.id)))?;
+    }
+    let mut checkpoint_pos = cp.wal_pos;
+    if !set_aside.is_empty() {
+        // The records around the damage are in the queue files now: make them and a checkpoint covering
+        // the damaged segments durable, then those segments are no longer needed where they are.
+        disk.syncfs(dir).map_err(StoreError::io("syncfs", dir))?;
+        let queues = logs.all().iter().map(|l| checkpoint::QueueState::of(&l.lock())).collect();
+        checkpoint::write(disk, dir, &checkpoint::Checkpoint { wal_pos: end_pos, queues })
+            .map_err(StoreError::io("writing", dir.join(checkpoint::FILE)))?;
+        checkpoint_pos = end_pos;
+        for (path, base, offset) in set_aside {
+            if Some(base) == newest_base {
+                active = None; // never append after damage: the next start would judge it in the middle
+            }
+            if extent_bases.contains(&base) {
+                // Queues' messages are in it: it stays; its damaged bytes are kept aside too.
+                let data = fs::read(&path).map_err(StoreError::io("reading", &path))?;
+                copy_aside(disk, dir, &aside_name(&path, offset), data.get(offset as usize..).unwrap_or_default())?;
+            } else {
+                move_aside(disk, dir, &path, &aside_name(&path, offset))?;
+                wal_bases.retain(|&b| b != base);
+            }
+        }
     }
 
     // Appends continue in the newest segment if it survived intact up to its valid end; otherwise in a
@@ -218,46 +415,34 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64) -> Resul
         elapsed_ms = started.elapsed().as_millis() as u64,
         "message store recovered"
     );
-    Ok((Start { file, base, pos, wal_bases, checkpoint_pos: cp.wal_pos }, logs, out))
+    Ok((Start { file, base, pos, wal_bases, checkpoint_pos }, logs, out))
 }
 
-/// Applies the records of one WAL segment at or after `from_pos` to the queue logs. Returns the end of
-/// the valid prefix and, if the scan stopped early, why.
-#[allow(clippy::too_many_arguments)]
-fn replay(
-    data: &[u8],
-    base: u64,
-    from_pos: u64,
-    dir: &Path,
-    logs: &QueueLogs,
-    queue_segment_size: u64,
-    now_ms: u64,
-    out: &mut Recovery,
-) -> Result<(usize, Option<Damage>), StoreError> {
-    let mut off = HEADER_SIZE;
-    while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
-        let (record, n) = match format::decode_record(rest) {
-            Ok(r) => r,
-            Err(_) if crate::direct::is_padding(rest) => return Ok((off, None)),
-            Err(damage) => return Ok((off, Some(damage))),
-        };
-        if base + off as u64 >= from_pos {
-            out.replayed_bytes += n as u64;
-            match record {
-                Record::Enqueue { queue, seq, timestamp_ms, payload } => {
-                    let log = logs.get_or_create(dir, queue);
-                    let mut log = log.lock();
-                    log.append(&rest[..n], seq, timestamp_ms, payload.len(), queue_segment_size)
-                        .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))?;
-                }
-                record @ (Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. }) => {
-                    logs.apply_gone(record, now_ms, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
-                }
-            }
+/// Applies one valid WAL record to the queue logs.
+fn replay(record: &[u8], dir: &Path, logs: &QueueLogs, queue_segment_size: u64, now_ms: u64, out: &mut Recovery) -> Result<(), StoreError> {
+    let Ok((decoded, _)) = format::decode_record(record) else { return Ok(()) };
+    out.replayed_bytes += record.len() as u64;
+    match decoded {
+        Record::Enqueue { queue, seq, timestamp_ms, payload } => {
+            let log = logs.get_or_create(dir, queue);
+            let mut log = log.lock();
+            log.append(record, seq, timestamp_ms, payload.len(), queue_segment_size)
+                .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))
         }
-        off += n;
+        other @ (Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. }) => {
+            logs.apply_gone(other, now_ms, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
+            Ok(())
+        }
     }
-    Ok((off, None))
+}
+
+/// What a refusal tells the operator to do.
+fn refusal_advice(dir: &Path, mode: RecoveryMode) -> String {
+    format!(
+        "recovery mode {mode} refuses to start on it; to skip the damaged bytes (what they held is lost) and keep them in {}, \
+         start once with --recovery-mode tolerate-any-corruption",
+        damaged_dir(dir).display()
+    )
 }
 
 /// Creates the store's subdirectories that are missing and makes their names durable: a WAL segment

@@ -13,7 +13,7 @@ use crate::batch::Batch;
 use crate::error::StoreError;
 use crate::io::Disk;
 use crate::qlog::ReadBatch;
-use crate::recovery::{self, Recovery};
+use crate::recovery::{self, Recovery, RecoveryMode};
 use crate::writer::{Shared, Sizes, Writer};
 use crate::SyncTicket;
 
@@ -48,6 +48,8 @@ pub struct StoreOptions {
     /// this long: deleting and recreating it at every checkpoint of a busy queue costs file-system work.
     pub active_segment_idle_ms: u64,
     pub sync: SyncPolicy,
+    /// What recovery does with damaged data (see [`RecoveryMode`]).
+    pub recovery_mode: RecoveryMode,
 }
 
 impl Default for StoreOptions {
@@ -59,6 +61,7 @@ impl Default for StoreOptions {
             checkpoint_idle_ms: 1000,
             active_segment_idle_ms: 10_000,
             sync: SyncPolicy::EveryBatch,
+            recovery_mode: RecoveryMode::default(),
         }
     }
 }
@@ -125,7 +128,7 @@ impl Store {
         }
         let lock = lock_dir(dir)?;
         let queue_segment_size = opts.queue_segment_size.max(4096);
-        let (start, logs, recovery) = recovery::recover(&disk, dir, queue_segment_size)?;
+        let (start, logs, recovery) = recovery::recover(&disk, dir, queue_segment_size, opts.recovery_mode)?;
         let sizes = Sizes {
             segment_size: opts.segment_size.max(4096),
             queue_segment_size,

@@ -17,6 +17,7 @@ fn opts() -> StoreOptions {
         checkpoint_idle_ms: 3_600_000,
         active_segment_idle_ms: 0,
         sync: SyncPolicy::EveryBatch,
+        ..StoreOptions::default()
     }
 }
 

@@ -1,0 +1,222 @@
+//! Recovery modes: a torn tail is cut, corruption in the middle refuses to start (naming the file and
+//! the offset) unless the operator asks to skip it, and whatever is cut or skipped is kept in
+//! `damaged/`, never deleted.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use warren_store::sim::{Loss, SimDisk};
+use warren_store::{Batch, Disk, RecoveryMode, Store, StoreError, StoreOptions};
+
+const LEN: usize = 700;
+/// Bytes of one enqueue record with a `LEN`-byte payload: record header, fixed fields, payload.
+const RECORD: u64 = 8 + 25 + LEN as u64;
+const HEADER: u64 = 32;
+
+fn opts(mode: RecoveryMode) -> StoreOptions {
+    StoreOptions {
+        segment_size: 1 << 30,
+        queue_segment_size: 16 << 10,
+        checkpoint_bytes: 1 << 40,
+        checkpoint_idle_ms: 3_600_000,
+        active_segment_idle_ms: 0,
+        recovery_mode: mode,
+        ..StoreOptions::default()
+    }
+}
+
+fn payload(queue: u64, seq: u64) -> Vec<u8> {
+    let mut p = format!("q{queue}-m{seq:06}-").into_bytes();
+    p.resize(LEN, b'x');
+    p
+}
+
+/// A store directory as a power loss leaves it: `count` messages of queue 1 confirmed one by one, no
+/// checkpoint since. Returns the simulator (root) and the store directory.
+fn crashed_store(count: u64, o: StoreOptions) -> (tempfile::TempDir, PathBuf) {
+    let root = tempfile::tempdir().unwrap();
+    let sim: Arc<SimDisk> = SimDisk::new(root.path()).unwrap();
+    let dir = root.path().join("store");
+    let (store, _) = Store::open_on(&dir, o, Disk::simulated(sim.clone())).unwrap();
+    for seq in 0..count {
+        let mut b = Batch::new();
+        b.enqueue(1, seq, seq, &[&payload(1, seq)]);
+        let t = store.append(&mut b).unwrap();
+        store.wait_durable(t).unwrap();
+    }
+    sim.cut_power();
+    drop(store);
+    sim.power_loss(Loss::Unsynced).unwrap();
+    (root, dir)
+}
+
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    out.sort();
+    out
+}
+
+fn flip(path: &Path, at: u64) {
+    let mut data = std::fs::read(path).unwrap();
+    data[at as usize] ^= 0x40;
+    std::fs::write(path, data).unwrap();
+}
+
+fn live(store: &Store, queue: u64) -> Vec<u64> {
+    let mut out = Vec::new();
+    let mut seq = 0;
+    loop {
+        let b = store.read(queue, seq, 100, 1 << 20).unwrap();
+        if b.messages.is_empty() {
+            return out;
+        }
+        for m in &b.messages {
+            assert_eq!(m.payload[..], payload(queue, m.seq)[..], "seq {}", m.seq);
+        }
+        out.extend(b.messages.iter().map(|m| m.seq));
+        seq = b.next_seq;
+    }
+}
+
+#[test]
+fn corruption_in_the_middle_of_the_newest_segment_refuses_to_start_and_can_be_skipped_on_request() {
+    let (_root, dir) = crashed_store(60, opts(RecoveryMode::default()));
+    let wal = files(&dir.join("wal")).remove(0);
+    let bad = HEADER + 10 * RECORD;
+    flip(&wal, bad + 40); // inside record 10's payload: records 11.. are still valid
+    let before = std::fs::read(&wal).unwrap();
+    for mode in [RecoveryMode::TolerateTailCorruption, RecoveryMode::AbsoluteConsistency] {
+        match Store::open(&dir, opts(mode)) {
+            Err(StoreError::Corrupt { path, offset, .. }) => {
+                assert_eq!((path.as_path(), offset), (wal.as_path(), bad), "{mode}");
+            }
+            other => panic!("{mode}: expected a refusal, got {other:?}"),
+        }
+        assert_eq!(std::fs::read(&wal).unwrap(), before, "{mode}: a refusal changes nothing");
+    }
+    let err = Store::open(&dir, opts(RecoveryMode::default())).unwrap_err().to_string();
+    assert!(err.contains(&wal.display().to_string()) && err.contains(&format!("offset {bad}")), "{err}");
+    assert!(err.contains("tolerate-any-corruption"), "the error says what to do: {err}");
+
+    let (store, rec) = Store::open(&dir, opts(RecoveryMode::TolerateAnyCorruption)).unwrap();
+    let expect: Vec<u64> = (0..60).filter(|&s| s != 10).collect();
+    assert_eq!(live(&store, 1), expect, "only the damaged record is lost");
+    assert_eq!(rec.corrupted.len(), 1);
+    assert_eq!((rec.corrupted[0].offset, rec.corrupted[0].skipped_bytes), (bad, RECORD));
+    let kept = &rec.corrupted[0].kept;
+    assert_eq!(std::fs::read(kept).unwrap(), before, "the damaged segment is kept whole in damaged/");
+    assert!(!wal.exists(), "and no longer in the WAL");
+    let mut b = Batch::new();
+    b.enqueue(1, 60, 60, &[&payload(1, 60)]);
+    store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    drop(store);
+    // The next start, in the default mode, finds nothing wrong.
+    let (store, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    assert!(rec.corrupted.is_empty() && rec.truncated.is_none());
+    assert_eq!(live(&store, 1), expect.iter().copied().chain([60]).collect::<Vec<_>>());
+}
+
+#[test]
+fn damage_in_an_older_segment_refuses_to_start_and_can_be_skipped_on_request() {
+    let o = |mode| StoreOptions { segment_size: 16 << 10, ..opts(mode) };
+    let (_root, dir) = crashed_store(100, o(RecoveryMode::default()));
+    let segments = files(&dir.join("wal"));
+    assert!(segments.len() >= 3, "{segments:?}");
+    let first = &segments[0];
+    // The segment rolled after the record that took it past 16 KiB (zero padding follows).
+    let records = (1..).find(|n| HEADER + n * RECORD >= 16 << 10).unwrap();
+    // Damage the segment's last record: nothing valid follows inside it, but it is not the newest.
+    let bad = HEADER + (records - 1) * RECORD;
+    flip(first, bad + 8);
+    match Store::open(&dir, o(RecoveryMode::TolerateTailCorruption)) {
+        Err(StoreError::Corrupt { path, offset, reason, .. }) => {
+            assert_eq!((path.as_path(), offset), (first.as_path(), bad));
+            assert!(reason.contains("not the newest"), "{reason}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let (store, rec) = Store::open(&dir, o(RecoveryMode::TolerateAnyCorruption)).unwrap();
+    let lost = records - 1;
+    let expect: Vec<u64> = (0..100).filter(|&s| s != lost).collect();
+    assert_eq!(live(&store, 1), expect);
+    assert_eq!(rec.corrupted.len(), 1);
+    assert!(rec.corrupted[0].kept.exists());
+    drop(store);
+    let (store, rec) = Store::open(&dir, o(RecoveryMode::default())).unwrap();
+    assert!(rec.corrupted.is_empty());
+    assert_eq!(live(&store, 1), expect);
+}
+
+#[test]
+fn a_torn_tail_is_cut_and_kept_aside_but_absolute_consistency_refuses_it() {
+    let (_root, dir) = crashed_store(20, opts(RecoveryMode::default()));
+    let wal = files(&dir.join("wal")).remove(0);
+    let cut = HEADER + 15 * RECORD + 100;
+    std::fs::OpenOptions::new().write(true).open(&wal).unwrap().set_len(cut).unwrap();
+    match Store::open(&dir, opts(RecoveryMode::AbsoluteConsistency)) {
+        Err(StoreError::Corrupt { path, offset, reason, .. }) => {
+            assert_eq!((path.as_path(), offset), (wal.as_path(), HEADER + 15 * RECORD));
+            assert!(reason.contains("torn tail"), "{reason}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let tail = std::fs::read(&wal).unwrap()[(HEADER + 15 * RECORD) as usize..].to_vec();
+    let (store, rec) = Store::open(&dir, opts(RecoveryMode::TolerateTailCorruption)).unwrap();
+    assert_eq!(live(&store, 1), (0..15).collect::<Vec<_>>());
+    let torn = rec.truncated.expect("reported");
+    assert_eq!(torn.offset, HEADER + 15 * RECORD);
+    assert_eq!(std::fs::read(&torn.kept).unwrap(), tail, "the cut bytes are kept in damaged/");
+}
+
+#[test]
+fn a_queue_segment_shorter_than_the_checkpoint_says_refuses_to_start() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    {
+        let (store, _) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+        // Two queues written in turn: their messages are copied into their own files at the checkpoint.
+        for seq in 0..30 {
+            let mut b = Batch::new();
+            b.enqueue(1, seq, seq, &[&payload(1, seq)]);
+            b.enqueue(2, seq, seq, &[&payload(2, seq)]);
+            store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let qseg = files(&dir.join("queues").join("1")).remove(0);
+    let len = std::fs::metadata(&qseg).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&qseg).unwrap().set_len(len / 2).unwrap();
+    match Store::open(&dir, opts(RecoveryMode::default())) {
+        Err(StoreError::Corrupt { path, offset, .. }) => assert_eq!((path, offset), (qseg.clone(), len / 2)),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let (store, _) = Store::open(&dir, opts(RecoveryMode::TolerateAnyCorruption)).unwrap();
+    assert_eq!(live(&store, 2).len(), 30, "the other queue is whole");
+}
+
+#[test]
+fn a_damaged_queue_segment_found_while_reading_is_kept_aside_before_it_can_be_deleted() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    {
+        let (store, _) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+        for seq in 0..10 {
+            let mut b = Batch::new();
+            b.enqueue(1, seq, seq, &[&payload(1, seq)]);
+            b.enqueue(2, seq, seq, &[&payload(2, seq)]);
+            store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+        }
+        store.close().unwrap();
+    }
+    let qseg = files(&dir.join("queues").join("1")).remove(0);
+    flip(&qseg, HEADER + 5 * RECORD + 50);
+    let (store, _) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    let b = store.read(1, 0, 100, 1 << 20).unwrap();
+    assert_eq!(b.messages.len(), 5);
+    assert_eq!(b.lost, 5);
+    let kept = files(&warren_store::damaged_dir(&dir));
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(name.starts_with("queue-1-") && name.ends_with(&format!(".{}", HEADER + 5 * RECORD)), "{name}");
+    assert_eq!(std::fs::read(&kept[0]).unwrap()[..], std::fs::read(&qseg).unwrap()[(HEADER + 5 * RECORD) as usize..]);
+}
