@@ -192,8 +192,11 @@ def test_transactions_are_bounded(broker, name):
 
 
 def read_delivery(r):
-    """A basic.deliver with its content: (delivery_tag, body size)."""
-    f = r.expect(60, 60)
+    """A basic.deliver with its content: (channel, delivery_tag, body size); skips basic.consume-ok."""
+    f = r.read_method()
+    while f.method == (60, 21):
+        f = r.read_method()
+    assert f.method == (60, 60), f"expected basic.deliver, got {f}"
     n = f.payload[4]
     tag = struct.unpack(">Q", f.payload[5 + n:13 + n])[0]
     header = r.read_frame()
@@ -202,13 +205,24 @@ def read_delivery(r):
     got = 0
     while got < size:
         got += len(r.read_frame().payload)
-    return tag, size
+    return f.channel, tag, size
 
 
-def test_unacked_bytes_per_channel_are_bounded_without_prefetch(broker, name):
-    """A consumer with no prefetch limit that does not ack gets deliveries up to 64 MiB of unacked
-    messages, then no more until it acks; after the ack the rest arrive."""
-    n = 100
+def read_until_quiet(r, got):
+    """Reads deliveries until none comes for the socket's timeout; appends (channel, tag) to `got`."""
+    try:
+        while True:
+            channel, tag, _ = read_delivery(r)
+            got.append((channel, tag))
+    except socket.timeout:
+        pass
+
+
+def test_unacked_bytes_per_connection_are_bounded_without_prefetch(broker, name):
+    """Consumers with no prefetch limit that do not ack get deliveries up to 128 MiB of unacked
+    messages per connection (its three channels together), then no more until some are acked; acks let
+    them go on, and everything arrives in the end."""
+    n = 160
     with broker.connection() as c:
         ch = c.channel()
         ch.queue_declare(name)
@@ -216,21 +230,62 @@ def test_unacked_bytes_per_channel_are_bounded_without_prefetch(broker, name):
             ch.basic_publish("", name, b"u" * MB)
     r = RawConnection(broker.host, broker.port, timeout=3)
     r.handshake()
-    r.open_channel(1)
-    r.send(method_frame(1, 60, 20, struct.pack(">H", 0) + shortstr(name) + shortstr("") + b"\x00" + table()))
-    r.expect(60, 21)
-    tags = []
-    try:
-        while True:
-            tags.append(read_delivery(r)[0])
-    except socket.timeout:
-        pass
-    assert 60 <= len(tags) <= 70, f"{len(tags)} MB delivered and unacked (limit 64 MiB)"
-    r.sock.settimeout(30)
-    r.send(method_frame(1, 60, 80, struct.pack(">QB", tags[-1], 1)))  # ack all so far
-    for _ in range(n - len(tags)):
-        tags.append(read_delivery(r)[0])
-    r.send(method_frame(1, 60, 80, struct.pack(">QB", tags[-1], 1)))
+    channels = (1, 2, 3)
+    for channel in channels:
+        r.open_channel(channel)
+    for channel in channels:
+        r.send(method_frame(channel, 60, 20, struct.pack(">H", 0) + shortstr(name) + shortstr("") + b"\x00" + table()))
+    got = []
+    read_until_quiet(r, got)
+    assert 124 <= len(got) <= 132, f"{len(got)} MB delivered and unacked (limit 128 MiB per connection)"
+    assert {c for c, _ in got} == set(channels)
+    first_round = len(got)
+    acked_up_to = {c: 0 for c in channels}
+
+    def ack_all():
+        for channel, tag in got:
+            if tag > acked_up_to[channel]:
+                acked_up_to[channel] = tag
+                r.send(method_frame(channel, 60, 80, struct.pack(">QB", tag, 1)))
+
+    while len(got) < n:
+        ack_all()
+        before = len(got)
+        read_until_quiet(r, got)
+        assert len(got) > before, f"no delivery after acking {len(got)} of {n}"
+    ack_all()
+    r.sock.settimeout(10)
+    r.send(method_frame(1, 60, 10, struct.pack(">IHB", 0, 0, 0)))  # basic.qos: a round trip, acks processed
+    r.expect(60, 11)
     r.close()
+    assert first_round < n
     with broker.connection() as c:
         assert eventually(lambda: c.channel().queue_declare(name, passive=True).method.message_count == 0)
+
+
+def test_direct_replies_to_a_client_that_never_reads_are_bounded(broker, name):
+    """Direct reply-to replies are pushed by the replier's connection into the requester's outbox: a
+    requester that stops reading must not make the broker buffer them without bound. Replies it cannot
+    take are dropped, as replies to a requester that is gone."""
+    import pika
+    base = rss_mb(broker)
+    requester = broker.connection()
+    rch = requester.channel()
+    rch.queue_declare(name)
+    rch.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True)
+    rch.basic_publish("", name, b"request", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
+    # From here on the requester reads nothing.
+    with broker.connection() as server:
+        sch = server.channel()
+        method, props, _ = eventually(lambda: (lambda r: r if r[0] else None)(sch.basic_get(name, auto_ack=True)))
+        peak = 0
+        for i in range(400):
+            sch.basic_publish("", props.reply_to, b"p" * MB)
+            if i % 20 == 0:
+                sch.queue_declare(name, passive=True)  # a round trip: the replies were routed
+                peak = max(peak, rss_mb(broker))
+                assert peak < base + 300, f"RSS {peak:.0f} MB after {i} MB of replies to a client that does not read"
+        sch.queue_declare(name, passive=True)
+        peak = max(peak, rss_mb(broker))
+    assert peak < base + 300, f"RSS grew from {base:.0f} to {peak:.0f} MB"
+    check_healthy(broker, name)

@@ -78,6 +78,23 @@ pub trait ClientSink: Send + Sync {
 
     /// Asks to have `channel`'s consumers dispatched again once `has_room` turns true.
     fn wake_when_room(&self, _channel: Weak<Channel>) {}
+
+    /// Whether so much already waits for the client's socket that what cannot wait (a direct reply,
+    /// pushed by another connection) must be dropped instead of buffered.
+    fn overloaded(&self) -> bool {
+        false
+    }
+
+    /// The connection's channels took (`hold`) or settled (`release`) unacknowledged messages of this
+    /// many bytes (`Message::memory_bytes`). When a release brings the total below
+    /// [`UNACKED_BYTES_LIMIT`], the channels that asked with `wake_when_room` are dispatched again.
+    fn hold_unacked(&self, _bytes: usize) {}
+    fn release_unacked(&self, _bytes: usize) {}
+
+    /// Whether the connection holds [`UNACKED_BYTES_LIMIT`] or more of unacknowledged messages.
+    fn unacked_full(&self) -> bool {
+        false
+    }
 }
 
 impl Delivery {
@@ -127,18 +144,17 @@ struct Unacked {
     seen_ms: u64,
 }
 
-/// Memory (`Message::memory_bytes`) of delivered, unacknowledged messages a channel may hold before its
-/// ack-mode consumers get no more (and basic.get answers get-empty) until some are settled. Without
-/// it a consumer with no prefetch limit makes the broker hold a whole backlog in memory. One message
-/// always fits, however large.
-pub const UNACKED_BYTES_LIMIT: usize = 64 << 20;
+/// Memory (`Message::memory_bytes`) of delivered, unacknowledged messages a connection (all its
+/// channels) may hold before its ack-mode consumers get no more (and basic.get answers get-empty) until
+/// some are settled. Without it a consumer with no prefetch limit makes the broker hold a whole
+/// backlog in memory. One message always fits, however large. Counted by the connection's
+/// [`ClientSink`].
+pub const UNACKED_BYTES_LIMIT: usize = 128 << 20;
 
 struct ChannelState {
     next_tag: u64,
     /// Ordered by delivery tag.
     unacked: VecDeque<Unacked>,
-    /// Memory of the messages in `unacked`.
-    unacked_bytes: usize,
     consumers: HashMap<Arc<str>, Arc<Consumer>>,
     /// basic.qos global=true: limit for the whole channel; 0 = unlimited.
     global_prefetch: u32,
@@ -187,7 +203,6 @@ impl Channel {
             state: Mutex::new(ChannelState {
                 next_tag: 1,
                 unacked: VecDeque::new(),
-                unacked_bytes: 0,
                 consumers: HashMap::new(),
                 global_prefetch: 0,
                 consumer_prefetch: 0,
@@ -205,13 +220,23 @@ impl Channel {
         !st.closed
             && st.flow_active
             && (st.global_prefetch == 0 || (st.unacked.len() as u32) < st.global_prefetch)
-            && st.unacked_bytes < UNACKED_BYTES_LIMIT
+            && !self.sink.unacked_full()
             && self.sink.has_room()
     }
 
-    /// Whether the channel holds as many unacknowledged bytes as it may (see `UNACKED_BYTES_LIMIT`).
+    /// Whether the connection holds as many unacknowledged bytes as it may (see `UNACKED_BYTES_LIMIT`).
     pub fn unacked_full(&self) -> bool {
-        self.state.lock().unacked_bytes >= UNACKED_BYTES_LIMIT
+        self.sink.unacked_full()
+    }
+
+    /// Whether the connection may hold another unacknowledged message; if not, asks to be woken when
+    /// it can (checking again after asking, so a release between the two cannot be missed).
+    fn unacked_room_or_wake(&self) -> bool {
+        if !self.sink.unacked_full() {
+            return true;
+        }
+        self.sink.wake_when_room(self.me.clone());
+        !self.sink.unacked_full()
     }
 
     /// Whether the connection can take more deliveries now (its outgoing buffer is not full).
@@ -238,8 +263,7 @@ impl Channel {
             return Err(entry);
         }
         if !consumer.no_ack
-            && ((st.global_prefetch != 0 && st.unacked.len() as u32 >= st.global_prefetch)
-                || st.unacked_bytes >= UNACKED_BYTES_LIMIT)
+            && ((st.global_prefetch != 0 && st.unacked.len() as u32 >= st.global_prefetch) || !self.unacked_room_or_wake())
         {
             return Err(entry);
         }
@@ -262,7 +286,7 @@ impl Channel {
         }
         consumer.unacked.fetch_add(1, Ordering::Relaxed);
         st.queue_timeouts |= consumer.queue.args.consumer_timeout_ms.is_some();
-        st.unacked_bytes += entry.message.memory_bytes();
+        self.sink.hold_unacked(entry.message.memory_bytes());
         st.unacked.push_back(Unacked { tag, queue: consumer.queue.clone(), entry, consumer: Some(consumer.clone()), seen_ms: 0 });
         Ok(None)
     }
@@ -284,7 +308,7 @@ impl Channel {
             return Some(entry);
         }
         st.queue_timeouts |= queue.args.consumer_timeout_ms.is_some();
-        st.unacked_bytes += entry.message.memory_bytes();
+        self.sink.hold_unacked(entry.message.memory_bytes());
         st.unacked.push_back(Unacked { tag, queue: queue.clone(), entry, consumer: None, seen_ms: 0 });
         None
     }
@@ -344,7 +368,7 @@ impl Channel {
     /// is none any more.
     pub fn deliver_reply(&self, message: MessageRef) -> bool {
         let mut st = self.state.lock();
-        if st.closed {
+        if st.closed || self.sink.overloaded() {
             return false;
         }
         let Some(consumer_tag) = st.reply.as_ref().map(|r| r.tag.clone()) else { return false };
@@ -421,20 +445,14 @@ impl Channel {
     pub fn settle(&self, delivery_tag: u64, multiple: bool, how: Settle) -> Result<Option<SyncTicket>> {
         let taken = {
             let mut st = self.state.lock();
-            let taken = take_unacked(&mut st.unacked, delivery_tag, multiple)?;
-            release_bytes(&mut st, &taken);
-            taken
+            take_unacked(&mut st.unacked, delivery_tag, multiple)?
         };
         Ok(self.finish_settle(taken, how))
     }
 
     /// basic.recover: every unacknowledged message goes back to its queue, redelivered.
     pub fn recover(&self) {
-        let taken: Vec<Unacked> = {
-            let mut st = self.state.lock();
-            st.unacked_bytes = 0;
-            st.unacked.drain(..).collect()
-        };
+        let taken: Vec<Unacked> = self.state.lock().unacked.drain(..).collect();
         self.finish_settle(taken, Settle::Reject { requeue: true });
     }
 
@@ -445,7 +463,6 @@ impl Channel {
             st.closed = true;
             Self::stop_reply_consumer(&mut st);
             let consumers: Vec<_> = st.consumers.drain().map(|(_, c)| c).collect();
-            st.unacked_bytes = 0;
             (st.unacked.drain(..).collect::<Vec<_>>(), consumers)
         };
         for c in &consumers {
@@ -490,11 +507,15 @@ impl Channel {
         if taken.is_empty() {
             return None;
         }
+        let mut released = 0;
         for u in &taken {
             if let Some(c) = &u.consumer {
                 c.unacked.fetch_sub(1, Ordering::Relaxed);
             }
+            released += u.entry.message.memory_bytes();
         }
+        // No lock is held here: the release may dispatch the connection's other channels.
+        self.sink.release_unacked(released);
         // Group by queue, keeping tag order, so each queue is locked once.
         let mut by_queue: Vec<(Arc<Queue>, Vec<Entry>)> = Vec::new();
         for u in taken {
@@ -536,11 +557,6 @@ impl Channel {
             q.dispatch();
         }
     }
-}
-
-fn release_bytes(st: &mut ChannelState, taken: &[Unacked]) {
-    let bytes: usize = taken.iter().map(|u| u.entry.message.memory_bytes()).sum();
-    st.unacked_bytes = st.unacked_bytes.saturating_sub(bytes);
 }
 
 /// Removes the entries a settlement names from the ordered unacked list.

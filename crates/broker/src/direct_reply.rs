@@ -2,7 +2,9 @@
 //! pseudo-queue `amq.rabbitmq.reply-to` and publishes requests with `reply_to` set to that name; the
 //! broker rewrites it to `amq.rabbitmq.reply-to.<token>`, and a reply published to the default exchange
 //! with that routing key goes straight to the client's channel: no queue, nothing stored, nothing to
-//! ack. A reply to a consumer that is gone is dropped (a mandatory one is returned).
+//! ack. A reply to a consumer that is gone is dropped (a mandatory one is returned), and so is one to
+//! a consumer whose connection has 16 MiB waiting for its socket (`ClientSink::overloaded`): the
+//! requester stopped reading, and the broker must not buffer for it without bound.
 //!
 //! The token is random (22 URL-safe base64 characters) and names one consumer of one channel; the
 //! registry is per virtual host.

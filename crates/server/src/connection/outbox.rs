@@ -16,6 +16,7 @@ use std::sync::Weak;
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
+use warren_broker::channel::UNACKED_BYTES_LIMIT;
 use warren_broker::{Channel, ClientSink, Delivery, MessageRef};
 use warren_protocol::method::Method;
 use warren_store::{Batch, Store, SyncTicket};
@@ -69,6 +70,10 @@ const DELIVERY_BYTES_LIMIT: usize = 1 << 20;
 /// Bytes waiting for the socket (or for the disk, for confirms) above which the reader stops reading.
 pub const OUTGOING_BYTES_LIMIT: usize = 4 << 20;
 
+/// Bytes waiting for the socket above which direct replies to this connection (pushed by other
+/// connections, so not held back by this one's reader) are dropped, as replies to a client that is gone.
+const REPLY_DROP_BYTES: usize = 4 * OUTGOING_BYTES_LIMIT;
+
 pub struct Outbox {
     items: Mutex<Vec<Outgoing>>,
     notify: Notify,
@@ -78,6 +83,8 @@ pub struct Outbox {
     outgoing_bytes: AtomicUsize,
     /// Channels that found the outbox full; their consumers are dispatched again when the writer takes.
     waiting: Mutex<Vec<Weak<Channel>>>,
+    /// Memory of the messages the connection's channels hold delivered and unacknowledged.
+    unacked_bytes: AtomicUsize,
     /// Wakes the reader: outgoing bytes fell below the limit, or the writer stopped.
     reader_wake: Notify,
     /// The writer task ended (socket error, write timeout, close): nothing more can be sent.
@@ -93,6 +100,7 @@ impl Outbox {
             notify: Notify::new(),
             delivery_bytes: AtomicUsize::new(0),
             outgoing_bytes: AtomicUsize::new(0),
+            unacked_bytes: AtomicUsize::new(0),
             waiting: Mutex::new(Vec::new()),
             reader_wake: Notify::new(),
             writer_stopped: AtomicBool::new(false),
@@ -128,6 +136,11 @@ impl Outbox {
     pub fn take(&self, spare: &mut Vec<Outgoing>) {
         std::mem::swap(&mut *self.items.lock(), spare);
         self.delivery_bytes.store(0, Ordering::SeqCst);
+        self.kick_waiting();
+    }
+
+    /// Dispatches again the channels that found no room (outbox or unacknowledged bytes).
+    fn kick_waiting(&self) {
         let waiting = std::mem::take(&mut *self.waiting.lock());
         for channel in waiting.iter().filter_map(Weak::upgrade) {
             channel.kick_consumers();
@@ -195,6 +208,25 @@ impl ClientSink for Outbox {
 
     fn has_room(&self) -> bool {
         self.delivery_bytes.load(Ordering::SeqCst) < DELIVERY_BYTES_LIMIT
+    }
+
+    fn overloaded(&self) -> bool {
+        self.outgoing_bytes.load(Ordering::Acquire) >= REPLY_DROP_BYTES
+    }
+
+    fn hold_unacked(&self, bytes: usize) {
+        self.unacked_bytes.fetch_add(bytes, Ordering::AcqRel);
+    }
+
+    fn release_unacked(&self, bytes: usize) {
+        let before = self.unacked_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        if before >= UNACKED_BYTES_LIMIT && before - bytes < UNACKED_BYTES_LIMIT {
+            self.kick_waiting();
+        }
+    }
+
+    fn unacked_full(&self) -> bool {
+        self.unacked_bytes.load(Ordering::Acquire) >= UNACKED_BYTES_LIMIT
     }
 
     fn wake_when_room(&self, channel: Weak<Channel>) {
