@@ -358,3 +358,117 @@ def test_direct_reply_to_cancel_then_consume_again(conn, ch, name):
     ch.basic_publish("", props.reply_to, b"answer")
     wait_for(conn, lambda: replies)
     assert replies == [b"answer"]
+
+
+# ---- priority queues ---------------------------------------------------------------------------------
+
+
+def publish_prioritised(ch, queue, pairs, persistent=False, body_pad=b""):
+    """Publishes (priority, label) pairs; priority None sends no priority property."""
+    for priority, label in pairs:
+        props = pika.BasicProperties(priority=priority, delivery_mode=2 if persistent else None)
+        ch.basic_publish("", queue, label.encode() + body_pad, props)
+
+
+def drain_get(ch, queue, n):
+    bodies = []
+    for _ in range(n):
+        m, _, body = ch.basic_get(queue, auto_ack=True)
+        assert m is not None, f"only {len(bodies)} of {n} messages"
+        bodies.append(body)
+    return bodies
+
+
+def test_priority_queue_delivers_highest_first_fifo_within_a_priority(ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={"x-max-priority": 10})
+    pairs = [(1, "a1"), (5, "a5"), (None, "n0"), (5, "b5"), (10, "a10"), (0, "a0"), (200, "over"), (1, "b1")]
+    publish_prioritised(ch, name, pairs)
+    eventually(lambda: ch.queue_declare(name, passive=True).method.message_count == len(pairs))
+    # Above x-max-priority counts as the maximum; no priority as 0.
+    assert drain_get(ch, name, len(pairs)) == [b"a10", b"over", b"a5", b"b5", b"a1", b"b1", b"n0", b"a0"]
+
+
+def test_priority_queue_consumer_gets_the_highest_waiting(conn, ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={"x-max-priority": 3})
+    publish_prioritised(ch, name, [(0, "low"), (2, "mid"), (3, "high"), (2, "mid2")])
+    eventually(lambda: ch.queue_declare(name, passive=True).method.message_count == 4)
+    ch.basic_qos(prefetch_count=1)
+    got = []
+    ch.basic_consume(name, lambda c, m, p, b: (got.append(b), c.basic_ack(m.delivery_tag)))
+    wait_for(conn, lambda: len(got) == 4)
+    assert got == [b"high", b"mid", b"mid2", b"low"]
+
+
+def test_priority_queue_requeued_message_goes_back_to_its_priority(ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={"x-max-priority": 5})
+    publish_prioritised(ch, name, [(1, "low"), (4, "high"), (4, "high2")])
+    eventually(lambda: ch.queue_declare(name, passive=True).method.message_count == 3)
+    m, _, body = ch.basic_get(name)
+    assert body == b"high"
+    ch.basic_nack(m.delivery_tag, requeue=True)
+    m, _, body = ch.basic_get(name, auto_ack=True)
+    assert body == b"high" and m.redelivered
+    assert drain_get(ch, name, 2) == [b"high2", b"low"]
+
+
+def test_priority_queue_backlog_beyond_the_window_stays_in_order(ch, name):
+    ch.queue_declare(name, auto_delete=True, arguments={"x-max-priority": 3})
+    ch.confirm_delivery()
+    n = 4000  # 1,000 per level: more than a lane's window, so every level pages to disk
+    pad = b"x" * 1000
+    publish_prioritised(ch, name, [(i % 4, "%d-%05d" % (i % 4, i)) for i in range(n)], body_pad=pad)
+    assert ch.queue_declare(name, passive=True).method.message_count == n
+    bodies = [b[:7] for b in drain_get(ch, name, n)]
+    expected = sorted(("%d-%05d" % (i % 4, i)).encode() for i in range(n))
+    expected = sorted(expected, key=lambda b: -int(b[:1]))  # stable: FIFO within a priority
+    assert bodies == expected
+
+
+def test_invalid_max_priority_is_406(ch, name):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, arguments={"x-max-priority": 256})
+    assert e.value.reply_code == 406
+    ch = ch.connection.channel()
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, arguments={"x-max-priority": "high"})
+    assert e.value.reply_code == 406
+
+
+@pytest.mark.needs_process
+def test_priority_queue_keeps_priorities_across_a_restart(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(name, durable=True, arguments={"x-max-priority": 9})
+    ch.confirm_delivery()
+    pairs = [((i * 7) % 10, "%d-%04d" % ((i * 7) % 10, i)) for i in range(3000)]
+    publish_prioritised(ch, name, pairs, persistent=True, body_pad=b"y" * 500)
+    # Take a few (and ack them) so some levels are partly consumed before the restart.
+    for _ in range(5):
+        m, _, _ = ch.basic_get(name)
+        ch.basic_ack(m.delivery_tag)
+    conn.close()
+    broker.restart()
+    conn = broker.connection()
+    ch = conn.channel()
+    assert ch.queue_declare(name, durable=True, arguments={"x-max-priority": 9}).method.message_count == 2995
+    bodies = [b[:6] for b in drain_get(ch, name, 2995)]
+    expected = sorted((label.encode() for _, label in pairs), key=lambda b: -int(b[:1]))[5:]
+    assert bodies == expected
+    conn.close()
+
+
+@pytest.mark.needs_process
+def test_priority_queue_consumed_messages_stay_consumed_after_a_restart(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(name, durable=True, arguments={"x-max-priority": 4})
+    ch.confirm_delivery()
+    publish_prioritised(ch, name, [(i % 5, "m%d" % i) for i in range(300)], persistent=True)
+    got = []
+    ch.basic_consume(name, lambda c, m, p, b: got.append(b), auto_ack=True)  # settled by no-ack
+    wait_for(conn, lambda: len(got) == 300)
+    pump(conn, 0.5)
+    conn.close()
+    broker.restart()
+    ch = broker.connection().channel()
+    assert ch.queue_declare(name, passive=True).method.message_count == 0

@@ -100,13 +100,29 @@ impl Broker {
         }
         let mut report = RecoveryReport::default();
         let mut by_id = HashMap::new();
+        let mut restored = Vec::new();
         for name in names {
             let vhost = broker.add_vhost(&name);
-            for q in definitions::restore(&vhost, &metadata.vhost(&name)) {
-                by_id.insert(q.id, q);
+            restored.extend(definitions::restore(&vhost, &metadata.vhost(&name)));
+        }
+        report.queues = restored.len();
+        for q in &restored {
+            by_id.insert(q.id, q.clone());
+            next_queue_id.fetch_max(q.store_ids().end() + 1, std::sync::atomic::Ordering::Relaxed);
+        }
+        // A priority queue's other levels are store queues of their own, numbered after its id (see
+        // `lane`). A queue declared by a version without priority queues reserved only its own id.
+        for q in &restored {
+            for store_id in q.store_ids().skip(1) {
+                match by_id.get(&store_id) {
+                    Some(other) if !Arc::ptr_eq(other, q) => tracing::error!(queue = %q.name, other = %other.name, store_id,
+                        "a priority level's store id belongs to another queue (declared by an older version); not restoring that level"),
+                    _ => {
+                        by_id.insert(store_id, q.clone());
+                    }
+                }
             }
         }
-        report.queues = by_id.len();
         let mut orphans = Batch::new();
         for rec in &recovery.queues {
             match by_id.get(&rec.queue) {
@@ -136,8 +152,8 @@ impl Broker {
                 next_queue_id.fetch_max(rec.queue + 1, std::sync::atomic::Ordering::Relaxed);
             }
         }
-        for q in by_id.values().filter(|q| q.args.retention_ms > 0) {
-            store.set_retention(q.id, q.args.retention_ms);
+        for (store_id, q) in by_id.iter().filter(|(_, q)| q.args.retention_ms > 0) {
+            store.set_retention(*store_id, q.args.retention_ms);
         }
         if !orphans.is_empty() {
             let ticket = store.append(&mut orphans)?;

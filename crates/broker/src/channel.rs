@@ -53,7 +53,7 @@ pub struct AckWhenWritten {
 
 impl AckWhenWritten {
     fn of(queue: &Queue, entry: &Entry) -> Option<AckWhenWritten> {
-        (entry.stored_bytes > 0).then_some(AckWhenWritten { queue: queue.id, seq: entry.seq, stored_bytes: entry.stored_bytes })
+        (entry.stored_bytes > 0).then(|| AckWhenWritten { queue: queue.store_id_of(entry), seq: entry.seq, stored_bytes: entry.stored_bytes })
     }
 
     pub fn add_to(&self, acks: &mut Batch) {

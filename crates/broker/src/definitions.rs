@@ -169,6 +169,15 @@ fn bytes_from_json(v: &Value) -> Bytes {
     }
 }
 
+impl QueueDef {
+    /// The last store queue id this queue uses: a priority queue has one per level after its own id
+    /// (see `lane`).
+    pub fn last_store_id(&self) -> u64 {
+        let max_priority = table_from_json(&self.arguments).get("x-max-priority").and_then(|v| v.as_i64()).unwrap_or(0);
+        self.id.saturating_add(max_priority.clamp(0, 255) as u64)
+    }
+}
+
 pub fn table_from_json(v: &Value) -> FieldTable {
     let mut t = FieldTable::new();
     if let Value::Array(pairs) = v {

@@ -16,6 +16,7 @@ pub mod direct_reply;
 pub mod definitions;
 pub mod error;
 pub mod exchange;
+mod lane;
 pub mod message;
 pub mod metadata;
 pub mod queue;

@@ -13,13 +13,15 @@
 
 use crate::channel::{Channel, Consumer, Settle};
 use crate::consumers::Consumers;
+use crate::lane::{Lane, Levels};
+use crate::message::Message;
+use warren_protocol::properties::PropertiesView;
 use crate::deadletter::{DeadLetter, DeathReason};
 use crate::error::{BrokerError, Result};
 use crate::message::{decode_stored, MessageRef};
 use crate::queue_args::{Overflow, QueueArgs};
 use crate::vhost::VHost;
 use parking_lot::Mutex;
-use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use warren_protocol::field::FieldTable;
 use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
@@ -103,29 +105,10 @@ pub enum GetWait {
 }
 
 struct QueueState {
-    /// The in-memory window of ready messages.
-    ready: VecDeque<Entry>,
-    /// Body bytes of the window (for `x-max-length-bytes`, as RabbitMQ counts).
-    ready_bytes: u64,
-    /// Memory the window's messages hold (`Message::memory_bytes`): what the window is bounded by.
-    ready_mem: u64,
-    next_seq: u64,
-    /// Ready messages that are only in the store: `span_count` live ones from `span_from` on.
-    span_from: u64,
-    span_count: u64,
-    /// Their body bytes (for `x-max-length-bytes`; an estimate after a restart) and store bytes.
-    span_bytes: u64,
-    span_store_bytes: u64,
-    /// Seqs below this were in the store when the node started.
-    recovered_until: u64,
-    /// Of those, seqs below this may have been delivered before the restart (the store's delivered mark):
-    /// they come back redelivered, the others not.
-    redelivered_below: u64,
-    /// The delivered mark: stored persistent messages below `mark_durable` may be delivered (the store
-    /// has it durably), so that a crash never brings back a delivered message as new; the next mark,
-    /// appended and waiting for its fsync, is `mark_pending` (mark, ticket).
-    mark_durable: u64,
-    mark_pending: Option<(u64, SyncTicket)>,
+    /// The current lane (a classic queue's only one); `QueueState` reads as it (`Deref`).
+    lane: Lane,
+    /// A priority queue's other lanes (see `lane`).
+    levels: Levels,
     /// A task waits for the mark's fsync to resume dispatching.
     mark_waiter: bool,
     /// Consumers with credit could not take more because their connections' outgoing buffers are
@@ -137,12 +120,6 @@ struct QueueState {
     /// A publisher waited the longest pause and the consumers made no progress: they are stalled, not
     /// slow, and publishers go on (the queue keeps the messages) until a delivery succeeds again.
     consumers_stalled: bool,
-    /// Persistent messages taken into the window without being stored yet (published without confirms
-    /// while every consumer is no-ack): written at the next `tick` if still here (see `publish`).
-    has_deferred: bool,
-    /// Seq after the last enqueue this queue appended to the store. The store keeps a queue's messages
-    /// in seq order and cannot take a lower seq after a higher one (see `store_message`).
-    stored_until: u64,
     /// Who gets the next message: priorities, round-robin, single active consumer (`consumers`).
     consumers: Consumers,
     unacked: u64,
@@ -152,7 +129,33 @@ struct QueueState {
     deleted: bool,
 }
 
+impl std::ops::Deref for QueueState {
+    type Target = Lane;
+    fn deref(&self) -> &Lane {
+        &self.lane
+    }
+}
+
+impl std::ops::DerefMut for QueueState {
+    fn deref_mut(&mut self) -> &mut Lane {
+        &mut self.lane
+    }
+}
+
 impl QueueState {
+    /// Makes `level` the current lane (a priority queue; nothing for a classic one).
+    fn select(&mut self, level: usize) {
+        self.levels.select(&mut self.lane, level);
+    }
+
+    /// Makes the highest lane holding ready messages current.
+    fn select_highest(&mut self) {
+        let highest = self.levels.non_empty_desc(&self.lane).next();
+        if let Some(level) = highest {
+            self.select(level);
+        }
+    }
+
     /// Whether publishers to this queue should pause: its consumers could take more but their
     /// connections cannot (a no-ack consumer whose socket is slower than the publishers), they are not
     /// stalled, and a good part of the window is waiting. RabbitMQ's credit flow has the same effect:
@@ -210,6 +213,7 @@ impl Queue {
     ) -> Arc<Queue> {
         QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let consumers = Consumers::new(args.single_active_consumer);
+        let (lane, levels) = Levels::new(id, args.max_priority);
         Arc::new(Queue {
             name,
             id,
@@ -221,24 +225,12 @@ impl Queue {
             vhost,
             store,
             state: Mutex::new(QueueState {
-                ready: VecDeque::new(),
-                ready_bytes: 0,
-                ready_mem: 0,
-                next_seq: 0,
-                span_from: 0,
-                span_count: 0,
-                span_bytes: 0,
-                span_store_bytes: 0,
-                recovered_until: 0,
-                redelivered_below: 0,
-                mark_durable: 0,
-                mark_pending: None,
+                lane,
+                levels,
                 mark_waiter: false,
                 held_back: false,
                 publisher_waiting: false,
                 consumers_stalled: false,
-                has_deferred: false,
-                stored_until: 0,
                 consumers,
                 unacked: 0,
                 had_consumers: false,
@@ -251,7 +243,7 @@ impl Queue {
 
     pub fn message_count(&self) -> u32 {
         let st = self.state.lock();
-        (st.ready.len() as u64 + st.span_count).min(u32::MAX as u64) as u32
+        ready_count(&st).min(u32::MAX as u64) as u32
     }
 
     pub fn consumer_count(&self) -> u32 {
@@ -295,6 +287,8 @@ impl Queue {
             if st.deleted {
                 return Ok(Enqueued::Accepted { ticket: None, slow_publishers: false, store_behind: false });
             }
+            let level = self.level_of(message);
+            st.select(level);
             if self.args.overflow != Overflow::DropHead && self.is_full(&st, message.body_len() as u64) {
                 if self.args.overflow == Overflow::RejectPublishDlx {
                     let entry = Entry { message: message.clone(), seq: 0, stored_bytes: 0, expires_at_ms: None, redelivered: false };
@@ -307,7 +301,8 @@ impl Queue {
             let seq = st.next_seq;
             st.next_seq += 1;
             let must_be_durable = self.durable && message.persistent;
-            let paged = st.span_count > 0 || st.ready.len() >= WINDOW_MESSAGES || st.ready_mem >= window_bytes();
+            let (window_messages, window_bytes) = self.window();
+            let paged = st.span_count > 0 || st.ready.len() >= window_messages || st.ready_mem >= window_bytes;
             // Without a confirm (`lazy_ok`), a message for no-ack consumers is written only if it is still
             // waiting at the next tick (see above). A confirmed one is always written before it is
             // confirmed: a delivery is only queued for the consumer's socket here, and a crash before it is
@@ -320,7 +315,8 @@ impl Queue {
                 if st.has_deferred {
                     self.store_deferred_locked(&mut st, now_ms);
                 }
-                let t = self.store_message(&mut st.stored_until, seq, now_ms, stored_header, message)?;
+                let store_id = st.store_id;
+                let t = self.store_message(store_id, &mut st.stored_until, seq, now_ms, stored_header, message)?;
                 ticket = must_be_durable.then_some(t);
                 (stored_header.len() + message.body.len()) as u64
             } else {
@@ -342,6 +338,7 @@ impl Queue {
             }
             self.drop_head_over_limit(&mut st, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
+            st.select(level);
             if skip_store && st.ready.back().is_some_and(|e| e.seq == seq && e.stored_bytes == 0) {
                 st.has_deferred = true;
             }
@@ -358,7 +355,8 @@ impl Queue {
     /// is the seq after the last one appended): a lower one would be refused by the store and lost on
     /// restart, so it is refused here, loudly, as the bug it is (a deferred message not written before a
     /// later one; see `store_deferred_locked`).
-    fn store_message(&self, stored_until: &mut u64, seq: u64, now_ms: u64, stored_header: &[u8], message: &MessageRef) -> Result<SyncTicket> {
+    #[allow(clippy::too_many_arguments)]
+    fn store_message(&self, store_id: u64, stored_until: &mut u64, seq: u64, now_ms: u64, stored_header: &[u8], message: &MessageRef) -> Result<SyncTicket> {
         if seq < *stored_until {
             tracing::error!(queue = %self.name, seq, stored_until = *stored_until, "message not stored: its seq is below one already stored (a bug)");
             debug_assert!(false, "queue {}: seq {seq} stored after seq {}", self.name, *stored_until - 1);
@@ -368,7 +366,7 @@ impl Queue {
                 *stored_until - 1
             )));
         }
-        let ticket = self.store.append_enqueue(self.id, seq, now_ms, &[stored_header, &message.body]).map_err(store_error)?;
+        let ticket = self.store.append_enqueue(store_id, seq, now_ms, &[stored_header, &message.body]).map_err(store_error)?;
         *stored_until = seq + 1;
         Ok(ticket)
     }
@@ -384,6 +382,8 @@ impl Queue {
     /// redelivered.
     pub fn restore(&self, recovered: &RecoveredQueue) {
         let mut st = self.state.lock();
+        // A priority queue's levels are store queues `id`, `id` + 1, ... (see `lane`).
+        st.select(recovered.queue.saturating_sub(self.id) as usize);
         st.next_seq = recovered.next_seq;
         st.stored_until = recovered.next_seq;
         st.recovered_until = recovered.next_seq;
@@ -398,11 +398,11 @@ impl Queue {
 
     /// Reads the next part of the span into the window when the window runs low.
     fn refill_locked(&self, st: &mut QueueState, after: &mut AfterUnlock) {
-        let window = window_bytes();
-        while st.span_count > 0 && st.ready.len() < WINDOW_MESSAGES / 2 && st.ready_mem < window / 2 {
-            let want = WINDOW_MESSAGES - st.ready.len();
+        let (window_messages, window) = self.window();
+        while st.span_count > 0 && st.ready.len() < window_messages / 2 && st.ready_mem < window / 2 {
+            let want = window_messages - st.ready.len();
             let budget = (window - st.ready_mem) as usize;
-            let batch = match self.store.read(self.id, st.span_from, want, budget) {
+            let batch = match self.store.read(st.store_id, st.span_from, want, budget) {
                 Ok(b) => b,
                 Err(e) => {
                     tracing::error!(queue = %self.name, error = %e, "could not read messages back from the store");
@@ -420,7 +420,7 @@ impl Queue {
                 let stored_bytes = m.payload.len() as u64;
                 let Some(stored) = decode_stored(&m.payload) else {
                     tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
-                    after.acks.ack(self.id, m.seq, stored_bytes);
+                    after.acks.ack(st.store_id, m.seq, stored_bytes);
                     continue;
                 };
                 let message = Arc::new(stored.message);
@@ -428,7 +428,7 @@ impl Queue {
                 let recovered = m.seq < st.recovered_until;
                 if recovered && !(self.durable && message.persistent) {
                     // A transient message paged out before a restart: it does not survive one.
-                    after.acks.ack(self.id, m.seq, stored_bytes);
+                    after.acks.ack(st.store_id, m.seq, stored_bytes);
                     continue;
                 }
                 let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
@@ -444,9 +444,62 @@ impl Queue {
         }
     }
 
+    /// The store queue ids this queue's messages are written under: one per lane (see `lane`).
+    pub fn store_ids(&self) -> std::ops::RangeInclusive<u64> {
+        self.id..=self.id + self.args.max_priority as u64
+    }
+
+    /// The level (lane) of a message: its priority property, capped at `x-max-priority`; 0 in a classic
+    /// queue. Messages without a priority have priority 0, as in RabbitMQ.
+    fn level_of(&self, message: &Message) -> usize {
+        if self.args.max_priority == 0 {
+            return 0;
+        }
+        let priority = PropertiesView::new(&message.properties).ok().and_then(|v| v.priority()).unwrap_or(0);
+        priority.min(self.args.max_priority) as usize
+    }
+
+    /// The store queue id an entry of this queue is written under.
+    pub(crate) fn store_id_of(&self, entry: &Entry) -> u64 {
+        self.id + self.level_of(&entry.message) as u64
+    }
+
+    /// A lane's window (messages, bytes): a priority queue's lanes share the budget of one classic
+    /// queue (each at least 16 messages and 16 KiB), so memory stays bounded whatever the levels.
+    fn window(&self) -> (usize, u64) {
+        let bytes = window_bytes();
+        if self.args.max_priority == 0 {
+            return (WINDOW_MESSAGES, bytes);
+        }
+        let lanes = self.args.max_priority as u64 + 1;
+        ((WINDOW_MESSAGES / lanes as usize).max(16), (bytes / lanes).max(16 << 10))
+    }
+
+    /// Makes the lane to deliver from current (the highest priority holding ready messages), with its
+    /// window refilled and expired messages dropped (`inclusive`: see `expire_locked`). Returns whether
+    /// it has a message to deliver.
+    fn select_head(&self, st: &mut QueueState, now_ms: u64, inclusive: bool, after: &mut AfterUnlock) -> bool {
+        if !st.levels.is_priority() {
+            self.refill_locked(st, after);
+            self.expire_locked(st, now_ms, inclusive, after);
+            return !st.ready.is_empty();
+        }
+        // A lane whose span is not readable yet (the store writer is a moment behind) is passed over.
+        let levels: Vec<usize> = st.levels.non_empty_desc(&st.lane).collect();
+        for level in levels {
+            st.select(level);
+            self.refill_locked(st, after);
+            self.expire_locked(st, now_ms, inclusive, after);
+            if !st.ready.is_empty() {
+                return true;
+            }
+        }
+        false
+    }
+
     fn is_full(&self, st: &QueueState, incoming_bytes: u64) -> bool {
         self.args.max_length.is_some_and(|max| ready_count(st) >= max)
-            || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes + st.span_bytes + incoming_bytes > max)
+            || self.args.max_length_bytes.is_some_and(|max| ready_bytes(st) + incoming_bytes > max)
     }
 
     fn drop_head_over_limit(&self, st: &mut QueueState, after: &mut AfterUnlock) {
@@ -455,10 +508,12 @@ impl Queue {
         }
         loop {
             let over = self.args.max_length.is_some_and(|max| ready_count(st) > max)
-                || self.args.max_length_bytes.is_some_and(|max| st.ready_bytes + st.span_bytes > max);
+                || self.args.max_length_bytes.is_some_and(|max| ready_bytes(st) > max);
             if !over {
                 break;
             }
+            // The head: of the highest priority, in a priority queue (as RabbitMQ drops).
+            st.select_highest();
             self.refill_locked(st, after);
             let Some(entry) = pop_ready(st) else { break };
             self.dead_letter_into(after, entry, DeathReason::MaxLen);
@@ -484,7 +539,7 @@ impl Queue {
 
     /// Either dead-letters an entry (if the queue has a DLX) or just drops it; both settle it in the store.
     fn dead_letter_into(&self, after: &mut AfterUnlock, entry: Entry, reason: DeathReason) {
-        entry.settle_in_store(self.id, &mut after.acks);
+        entry.settle_in_store(self.store_id_of(&entry), &mut after.acks);
         if let Some(exchange) = &self.args.dead_letter_exchange {
             after.dead.push(DeadLetter {
                 message: entry.message,
@@ -503,9 +558,7 @@ impl Queue {
             if st.consumers.is_empty() {
                 return;
             }
-            self.refill_locked(st, after);
-            self.expire_locked(st, now_ms, false, after);
-            if st.ready.is_empty() {
+            if !self.select_head(st, now_ms, false, after) {
                 return;
             }
             let mut delivered = false;
@@ -585,7 +638,7 @@ impl Queue {
         }
         if st.mark_pending.is_none() && seq + MARK_STEP / 2 >= st.mark_durable {
             let mut batch = Batch::new();
-            batch.delivered(self.id, seq + MARK_STEP);
+            batch.delivered(st.store_id, seq + MARK_STEP);
             match self.store.append(&mut batch) {
                 Ok(ticket) => st.mark_pending = Some((seq + MARK_STEP, ticket)),
                 Err(e) => tracing::error!(queue = %self.name, error = %e, "could not record deliveries in the store"),
@@ -633,11 +686,18 @@ impl Queue {
             if st.deleted {
                 return false;
             }
-            self.refill_locked(&mut st, &mut after);
-            self.expire_locked(&mut st, now_ms, true, &mut after);
+            let lanes = st.levels.lane_count();
+            for level in 0..lanes {
+                st.select(level);
+                self.refill_locked(&mut st, &mut after);
+                self.expire_locked(&mut st, now_ms, true, &mut after);
+            }
             self.dispatch_locked(&mut st, now_ms, &mut after);
-            if st.has_deferred {
-                self.store_deferred_locked(&mut st, now_ms);
+            for level in 0..lanes {
+                st.select(level);
+                if st.has_deferred {
+                    self.store_deferred_locked(&mut st, now_ms);
+                }
             }
             self.args.expires_ms.is_some_and(|ttl| {
                 st.consumers.is_empty() && now_ms.saturating_sub(st.last_used_ms) >= ttl
@@ -660,11 +720,11 @@ impl Queue {
         }
         let mut header = bytes::BytesMut::new();
         let mut ticket = None;
-        let QueueState { ready, stored_until, .. } = st;
+        let Lane { ready, stored_until, store_id, .. } = &mut st.lane;
         for entry in ready.iter_mut().filter(|e| e.stored_bytes == 0 && e.message.persistent) {
             header.clear();
             crate::message::encode_header(&entry.message, Some(now_ms), &mut header);
-            match self.store_message(stored_until, entry.seq, now_ms, &header, &entry.message) {
+            match self.store_message(*store_id, stored_until, entry.seq, now_ms, &header, &entry.message) {
                 Ok(t) => {
                     entry.stored_bytes = (header.len() + entry.message.body.len()) as u64;
                     ticket = Some(t);
@@ -682,7 +742,10 @@ impl Queue {
     pub fn store_lazy(&self) {
         let mut st = self.state.lock();
         if !st.deleted {
-            self.store_deferred_locked(&mut st, crate::now_ms());
+            for level in 0..st.levels.lane_count() {
+                st.select(level);
+                self.store_deferred_locked(&mut st, crate::now_ms());
+            }
         }
     }
 
@@ -746,8 +809,7 @@ impl Queue {
             let mut st = self.state.lock();
             let now = crate::now_ms();
             st.last_used_ms = now;
-            self.refill_locked(&mut st, &mut after);
-            self.expire_locked(&mut st, now, true, &mut after);
+            self.select_head(&mut st, now, true, &mut after);
             if !no_ack && self.head_is_deferred(&st) {
                 // It becomes unacked: it must be in the store before anything could requeue it (see
                 // `store_deferred_locked`), and then it needs its delivered mark too.
@@ -800,10 +862,11 @@ impl Queue {
             for entry in entries {
                 match how {
                     _ if st.deleted => {} // the queue's files went with it
-                    Settle::Ack => entry.settle_in_store(self.id, acks),
+                    Settle::Ack => entry.settle_in_store(self.store_id_of(&entry), acks),
                     Settle::Reject { requeue: true } => {
                         let mut entry = entry;
                         entry.redelivered = true;
+                        st.select(self.level_of(&entry.message));
                         push_ready_sorted(&mut st, entry);
                     }
                     Settle::Reject { requeue: false } => self.dead_letter_into(&mut after, entry, DeathReason::Rejected),
@@ -821,7 +884,7 @@ impl Queue {
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = self.state.lock();
-            drain_ready(&mut st, self.id, &mut after.acks)
+            drain_ready(&mut st, &mut after.acks)
         };
         self.append_acks(&mut after.acks);
         n
@@ -834,10 +897,12 @@ impl Queue {
             let mut st = self.state.lock();
             st.deleted = true;
             let mut acks = Batch::new();
-            let n = drain_ready(&mut st, self.id, &mut acks);
+            let n = drain_ready(&mut st, &mut acks);
             // Everything the store holds for this queue goes at once, acked or not.
             acks.clear();
-            acks.drop_queue(self.id);
+            for store_id in self.store_ids() {
+                acks.drop_queue(store_id);
+            }
             (n, st.consumers.take_all(), acks)
         };
         self.append_acks(&mut acks);
@@ -897,26 +962,41 @@ fn store_error(e: warren_store::StoreError) -> BrokerError {
     BrokerError::internal(format!("the message store refused the write: {e}"))
 }
 
-/// Ready messages: the window and the span.
+/// Ready messages: the window and the span, of every lane.
 fn ready_count(st: &QueueState) -> u64 {
-    st.ready.len() as u64 + st.span_count
+    let others = if st.levels.is_priority() { st.levels.count_and_bytes().0 } else { 0 };
+    st.lane.count() + others
 }
 
-/// Empties the window and the span, collecting store acks; returns how many messages they held.
-fn drain_ready(st: &mut QueueState, queue: u64, acks: &mut Batch) -> u32 {
+/// Body bytes of the ready messages of every lane.
+fn ready_bytes(st: &QueueState) -> u64 {
+    let others = if st.levels.is_priority() { st.levels.count_and_bytes().1 } else { 0 };
+    st.lane.bytes() + others
+}
+
+/// Empties every lane, collecting store acks; returns how many messages they held.
+fn drain_ready(st: &mut QueueState, acks: &mut Batch) -> u32 {
     let n = ready_count(st).min(u32::MAX as u64) as u32;
-    for entry in st.ready.drain(..) {
-        entry.settle_in_store(queue, acks);
+    drain_lane(&mut st.lane, acks);
+    for lane in st.levels.others_mut() {
+        drain_lane(lane, acks);
     }
-    st.ready_bytes = 0;
-    st.ready_mem = 0;
-    if st.span_count > 0 {
-        acks.ack_range(queue, st.span_from, st.next_seq, st.span_store_bytes);
-    }
-    st.span_count = 0;
-    st.span_bytes = 0;
-    st.span_store_bytes = 0;
     n
+}
+
+/// Empties a lane's window and span, collecting store acks.
+fn drain_lane(lane: &mut Lane, acks: &mut Batch) {
+    for entry in lane.ready.drain(..) {
+        entry.settle_in_store(lane.store_id, acks);
+    }
+    lane.ready_bytes = 0;
+    lane.ready_mem = 0;
+    if lane.span_count > 0 {
+        acks.ack_range(lane.store_id, lane.span_from, lane.next_seq, lane.span_store_bytes);
+    }
+    lane.span_count = 0;
+    lane.span_bytes = 0;
+    lane.span_store_bytes = 0;
 }
 
 fn pop_ready(st: &mut QueueState) -> Option<Entry> {

@@ -34,6 +34,8 @@ pub struct QueueArgs {
     /// `x-consumer-timeout`: this queue's delivery acknowledgement timeout in ms, instead of the node's
     /// `consumer-timeout` (see `Channel::ack_timed_out`).
     pub consumer_timeout_ms: Option<u64>,
+    /// `x-max-priority`: 1..255 makes a priority queue (see `lane`); 0 (or absent) a classic one.
+    pub max_priority: u8,
 }
 
 /// The `x-` queue arguments Warren accepts. The last three change nothing on a single node and are
@@ -52,6 +54,7 @@ pub const SUPPORTED: &[&str] = &[
     "x-retention-seconds",
     "x-single-active-consumer",
     "x-consumer-timeout",
+    "x-max-priority",
     "x-queue-mode",
     "x-queue-master-locator",
     "x-queue-leader-locator",
@@ -134,6 +137,10 @@ impl QueueArgs {
                 Some(v) => v.as_bool().ok_or_else(|| invalid("x-single-active-consumer", "{unacceptable_type,expected a boolean}"))?,
             },
             consumer_timeout_ms: non_negative("x-consumer-timeout")?,
+            max_priority: match non_negative("x-max-priority")? {
+                None => 0,
+                Some(n) => u8::try_from(n).map_err(|_| invalid("x-max-priority", &format!("{{max_value_exceeded,{n}}} (at most 255)")))?,
+            },
         };
         if parsed.expires_ms == Some(0) {
             return Err(invalid("x-expires", "{value_zero,0}"));

@@ -339,10 +339,12 @@ impl VHost {
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
         // Exclusive queues live and die with their connection, so they are never durable.
         let durable = d.durable && !d.exclusive;
+        // A priority queue takes one store queue id per level (see `lane`).
+        let ids = 1 + args.max_priority as u64;
         let id = if durable {
-            self.next_queue_id.fetch_add(1, Ordering::Relaxed)
+            self.next_queue_id.fetch_add(ids, Ordering::Relaxed)
         } else {
-            NEXT_TRANSIENT_QUEUE_ID.fetch_add(1, Ordering::Relaxed)
+            NEXT_TRANSIENT_QUEUE_ID.fetch_add(ids, Ordering::Relaxed)
         };
         let queue = Queue::new(
             name.clone(),
@@ -361,7 +363,9 @@ impl VHost {
             self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
         }
         if queue.args.retention_ms > 0 {
-            self.store.set_retention(id, queue.args.retention_ms);
+            for store_id in queue.store_ids() {
+                self.store.set_retention(store_id, queue.args.retention_ms);
+            }
         }
         // Every queue is bound to the default exchange by its name (routing does that directly).
         self.queues.write().insert(name.clone(), queue.clone());

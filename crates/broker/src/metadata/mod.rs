@@ -93,7 +93,9 @@ impl State {
                 v.bindings.retain(|_, b| b.source != name && !(b.destination_type == "exchange" && b.destination == name));
             }
             Op::QueueDeclared { vhost, queue } => {
-                self.next_queue_id = self.next_queue_id.max(queue.id + 1);
+                // Saturating: a damaged record may hold any id, u64::MAX included. A priority queue uses
+                // one store id per level after its own.
+                self.next_queue_id = self.next_queue_id.max(queue.last_store_id().saturating_add(1));
                 self.vhosts.entry(vhost).or_default().queues.insert(queue.name.clone(), queue);
             }
             Op::QueueDeleted { vhost, name, id } => {
