@@ -1,5 +1,6 @@
 """Publisher confirms and transactions."""
 import struct
+import time
 
 import pytest
 from pika.exceptions import ChannelClosedByBroker, NackError
@@ -149,3 +150,41 @@ def test_confirms_do_not_leak_across_a_reopened_channel(broker, name):
         ch = c.channel()
         eventually(lambda: ch.queue_declare(name, passive=True).method.message_count == n + 2)
         ch.queue_delete(name)
+
+
+@pytest.mark.needs_process
+def test_confirms_pending_at_close_are_never_sent_with_a_slow_disk(tmp_path, monkeypatch, name):
+    """The same as above, made deterministic with the test-only fault hook WARREN_TEST_FSYNC_DELAY_MS:
+    every fsync takes 500 ms, so every confirm is still pending when channel.close is read. None may
+    follow close-ok, and the reopened channel's confirms start at tag 1, alone."""
+    from conftest import Broker
+    monkeypatch.setenv("WARREN_TEST_FSYNC_DELAY_MS", "500")
+    broker = Broker(tmp_path / "data", tmp_path / "warren.log")
+    broker.start()
+    try:
+        r = RawConnection(broker.host, broker.port, timeout=30)
+        r.handshake()
+        r.open_channel(1)
+        r.send(queue_declare_frame(1, name))
+        r.expect(50, 11)
+        r.send(method_frame(1, 85, 10, b"\x00"))
+        r.expect(85, 11)
+        r.send(publish_frames(1, name, b"old") * 50
+               + method_frame(1, 20, 40, struct.pack(">H", 200) + shortstr("bye") + struct.pack(">HH", 0, 0)))
+        f = r.read_method()
+        assert f.method == (20, 41), f"expected channel.close-ok first (every confirm waits for a slow fsync), got {f}"
+        time.sleep(1.5)  # the old publishes become durable meanwhile: their confirms must stay unsent
+        r.send(method_frame(1, 20, 10, shortstr("")))
+        f = r.read_method()
+        assert f.method == (20, 11), f"after close-ok only open-ok may come on channel 1, got {f}"
+        r.send(method_frame(1, 85, 10, b"\x00"))
+        r.expect(85, 11)
+        for tag in (1, 2):
+            r.send(publish_frames(1, name, b"new"))
+            f = r.read_method()
+            assert f.method == (60, 80), f"expected basic.ack, got {f}"
+            assert ack_fields(f) == (tag, False), f"the new channel's publish {tag} got {ack_fields(f)}"
+        r.close()
+    finally:
+        broker.proc.kill()
+        broker.proc.wait(10)
