@@ -251,3 +251,40 @@ def test_a_long_dead_letter_chain_is_followed_without_recursion(broker, ch, name
     assert broker.alive()
     for i in range(n + 1):
         ch.queue_delete(f"{name}-{i}")
+
+
+@pytest.mark.warren_only
+def test_a_dead_letter_routing_key_longer_than_a_short_string_is_406(ch, name):
+    # Dead letters are published with it as their routing key: an AMQP short string (<= 255 bytes).
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "é" * 128})
+    assert e.value.reply_code == 406
+    assert "x-dead-letter-routing-key" in e.value.reply_text and "255" in e.value.reply_text
+
+
+@pytest.mark.needs_process
+def test_dead_letters_with_a_255_byte_routing_key_page_to_disk_and_survive_a_restart(broker, name):
+    key = "é" * 127 + "x"  # 255 bytes, 128 characters
+    c = broker.connection()
+    ch = c.channel()
+    ch.queue_declare(key, durable=True)
+    ch.queue_declare(name, durable=True,
+                     arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": key, "x-message-ttl": 0})
+    n = 3000  # more than a queue's in-memory window: the rest is read back from the store
+    for i in range(n):
+        ch.basic_publish("", name, b"%06d" % i, pika.BasicProperties(delivery_mode=2))
+    eventually(lambda: ch.queue_declare(key, durable=True, passive=True).method.message_count == n)
+    c.close()
+    assert broker.terminate() == 0
+    broker.start()
+    c = broker.connection()
+    ch = c.channel()
+    got = []
+    while True:
+        m, props, body = ch.basic_get(key, auto_ack=True)
+        if m is None:
+            break
+        assert m.routing_key == key and props.headers["x-death"][0]["queue"] == name
+        got.append(int(body))
+    assert got == list(range(n))
+    c.close()

@@ -36,28 +36,34 @@ impl Message {
     }
 }
 
-/// Layout of a message in the store (version 1):
-/// `version u8 | expires_at_ms u64 (0 = none) | exchange len u8 | exchange | routing key len u8 |
+/// Layout of a message in the store, version 2 (written):
+/// `version u8 | expires_at_ms u64 (0 = none) | exchange len u32 | exchange | routing key len u32 |
 ///  routing key | properties len u32 | properties | body`.
 /// The header part is built by `encode_header`; the body is handed to the store as a separate
 /// part so it is copied once, into the log's write buffer.
-pub const STORED_MESSAGE_VERSION: u8 = 1;
+///
+/// Version 1 (still read) had u8 lengths for the exchange and the routing key and cut longer ones
+/// at 255 bytes, possibly inside a UTF-8 character: a dead letter's routing key comes from
+/// `x-dead-letter-routing-key`, which nothing bounded, and such a message could not be decoded
+/// after paging and was dropped. Version 2 stores any length; version 1 names are decoded lossily
+/// (a cut character becomes U+FFFD) rather than dropping the message.
+pub const STORED_MESSAGE_VERSION: u8 = 2;
+const STORED_MESSAGE_VERSION_1: u8 = 1;
 
 pub fn encode_header(msg: &Message, expires_at_ms: Option<u64>, out: &mut BytesMut) {
-    out.reserve(16 + msg.exchange.len() + msg.routing_key.len() + msg.properties.len());
+    out.reserve(21 + msg.exchange.len() + msg.routing_key.len() + msg.properties.len());
     out.put_u8(STORED_MESSAGE_VERSION);
     out.put_u64(expires_at_ms.unwrap_or(0));
-    put_short(out, &msg.exchange);
-    put_short(out, &msg.routing_key);
+    put_string(out, &msg.exchange);
+    put_string(out, &msg.routing_key);
     out.put_u32(msg.properties.len() as u32);
     out.put_slice(&msg.properties);
 }
 
-fn put_short(out: &mut BytesMut, s: &str) {
-    // Exchange names and routing keys are AMQP short strings: at most 255 bytes by construction.
-    let len = s.len().min(255);
-    out.put_u8(len as u8);
-    out.put_slice(&s.as_bytes()[..len]);
+fn put_string(out: &mut BytesMut, s: &str) {
+    // Names are far below 4 GiB: a message is at most `Batch::max_payload()`, and properties are a frame.
+    out.put_u32(s.len() as u32);
+    out.put_slice(s.as_bytes());
 }
 
 /// A message read back from the store, with its absolute expiry (if any).
@@ -66,16 +72,21 @@ pub struct StoredMessage {
     pub expires_at_ms: Option<u64>,
 }
 
-/// Decodes a stored payload. Returns `None` for anything malformed: the store's CRC already
-/// guards against torn writes, so this only trips on a format bug, and the caller drops the record.
+/// Decodes a stored payload (version 2, or version 1 from older releases). Returns `None` for
+/// anything malformed: the store's CRC already guards against torn writes, so this only trips on a
+/// format bug, and the caller drops the record (and logs it).
 pub fn decode_stored(payload: &Bytes) -> Option<StoredMessage> {
     let mut buf = payload.clone();
-    if buf.remaining() < 1 + 8 || buf.get_u8() != STORED_MESSAGE_VERSION {
+    if buf.remaining() < 1 + 8 {
         return None;
     }
+    let version = buf.get_u8();
     let expires = buf.get_u64();
-    let exchange = get_short(&mut buf)?;
-    let routing_key = get_short(&mut buf)?;
+    let (exchange, routing_key) = match version {
+        STORED_MESSAGE_VERSION => (get_string(&mut buf)?, get_string(&mut buf)?),
+        STORED_MESSAGE_VERSION_1 => (get_short_v1(&mut buf)?, get_short_v1(&mut buf)?),
+        _ => return None,
+    };
     if buf.remaining() < 4 {
         return None;
     }
@@ -93,7 +104,19 @@ pub fn decode_stored(payload: &Bytes) -> Option<StoredMessage> {
     })
 }
 
-fn get_short(buf: &mut Bytes) -> Option<String> {
+fn get_string(buf: &mut Bytes) -> Option<String> {
+    if buf.remaining() < 4 {
+        return None;
+    }
+    let len = buf.get_u32() as usize;
+    if buf.remaining() < len {
+        return None;
+    }
+    String::from_utf8(buf.split_to(len).to_vec()).ok()
+}
+
+/// A version 1 name: u8 length; a name cut at 255 bytes may end inside a character.
+fn get_short_v1(buf: &mut Bytes) -> Option<String> {
     if buf.remaining() < 1 {
         return None;
     }
@@ -101,7 +124,7 @@ fn get_short(buf: &mut Bytes) -> Option<String> {
     if buf.remaining() < len {
         return None;
     }
-    String::from_utf8(buf.split_to(len).to_vec()).ok()
+    Some(String::from_utf8_lossy(&buf.split_to(len)).into_owned())
 }
 
 /// The `expiration` property is a string holding a non-negative integer of milliseconds.
@@ -141,5 +164,79 @@ mod tests {
         assert_eq!(back.message.properties, msg.properties);
         assert!(back.message.persistent);
         assert_eq!(back.message.expiration_ms, Some(500));
+    }
+
+    fn message(exchange: &str, routing_key: &str) -> Message {
+        let mut props = BytesMut::new();
+        warren_protocol::properties::BasicProperties { delivery_mode: Some(2), ..Default::default() }.encode(&mut props);
+        Message {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            properties: props.freeze(),
+            body: Bytes::from_static(b"body"),
+            persistent: true,
+            expiration_ms: None,
+        }
+    }
+
+    #[test]
+    fn names_of_any_length_and_any_characters_round_trip() {
+        // Version 1 cut these at 255 bytes, the second inside a two-byte character.
+        for key in ["k".repeat(70_000), "é".repeat(200), String::new()] {
+            let msg = message(&"x".repeat(255), &key);
+            let mut out = BytesMut::new();
+            encode_header(&msg, None, &mut out);
+            out.extend_from_slice(&msg.body);
+            let back = decode_stored(&out.freeze()).expect("decodes");
+            assert_eq!(back.message.routing_key, key);
+            assert_eq!(back.message.exchange, msg.exchange);
+            assert_eq!(back.message.body, msg.body);
+            assert_eq!(back.expires_at_ms, None);
+        }
+    }
+
+    /// A record as version 1 wrote it.
+    fn encode_v1(msg: &Message, expires_at_ms: u64, cut: usize) -> Bytes {
+        let mut out = BytesMut::new();
+        out.put_u8(1);
+        out.put_u64(expires_at_ms);
+        for s in [&msg.exchange, &msg.routing_key] {
+            let len = s.len().min(cut);
+            out.put_u8(len as u8);
+            out.put_slice(&s.as_bytes()[..len]);
+        }
+        out.put_u32(msg.properties.len() as u32);
+        out.put_slice(&msg.properties);
+        out.put_slice(&msg.body);
+        out.freeze()
+    }
+
+    #[test]
+    fn version_1_records_still_decode_even_when_cut_inside_a_character() {
+        let msg = message("ex", "rk");
+        let back = decode_stored(&encode_v1(&msg, 77, 255)).expect("decodes");
+        assert_eq!((back.message.exchange.as_str(), back.message.routing_key.as_str()), ("ex", "rk"));
+        assert_eq!((back.expires_at_ms, back.message.body.as_ref()), (Some(77), &b"body"[..]));
+        assert!(back.message.persistent);
+        // 200 two-byte characters cut at 255 bytes: 127 of them and half of one.
+        let msg = message("ex", &"é".repeat(200));
+        let back = decode_stored(&encode_v1(&msg, 0, 255)).expect("a cut name no longer drops the message");
+        assert_eq!(back.message.routing_key, format!("{}\u{FFFD}", "é".repeat(127)));
+        assert_eq!(back.message.body, msg.body);
+    }
+
+    #[test]
+    fn unknown_versions_and_short_records_are_refused() {
+        let msg = message("ex", "rk");
+        let mut out = BytesMut::new();
+        encode_header(&msg, None, &mut out);
+        let good = out.freeze();
+        let mut bad = good.to_vec();
+        bad[0] = 3;
+        assert!(decode_stored(&Bytes::from(bad)).is_none());
+        // Cut before the end of the properties: never decodes (and never panics).
+        for n in 0..good.len() - msg.properties.len() {
+            assert!(decode_stored(&good.slice(..n)).is_none(), "{n}");
+        }
     }
 }

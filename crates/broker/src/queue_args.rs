@@ -82,7 +82,16 @@ impl QueueArgs {
                 unsupported_hint(arg)
             )));
         }
-        Self::parse_known(queue, vhost, args)
+        let parsed = Self::parse_known(queue, vhost, args)?;
+        if let Some(key) = parsed.dead_letter_routing_key.as_deref().filter(|k| k.len() > 255) {
+            // Dead letters are published with it as their routing key, an AMQP short string. (Checked at
+            // declare only: a queue restored from older metadata keeps its key; the store takes any length.)
+            return Err(BrokerError::precondition_failed(format!(
+                "invalid arg 'x-dead-letter-routing-key' for queue '{queue}' in vhost '{vhost}': {} bytes, but a routing key is a short string of at most 255 bytes",
+                key.len()
+            )));
+        }
+        Ok(parsed)
     }
 
     /// Parses the arguments of a queue restored from the metadata log: one declared by an older
