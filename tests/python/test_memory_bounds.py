@@ -289,3 +289,41 @@ def test_direct_replies_to_a_client_that_never_reads_are_bounded(broker, name):
         peak = max(peak, rss_mb(broker))
     assert peak < base + 300, f"RSS grew from {base:.0f} to {peak:.0f} MB"
     check_healthy(broker, name)
+
+
+def test_unfinished_messages_are_bounded_per_connection(tmp_path, monkeypatch, name):
+    """Each channel may hold a message half received (up to max-message-size), but all of a connection's
+    channels together at most twice max-message-size: 2,047 channels x 128 MiB would be 256 GiB. Here
+    max-message-size is 4 MB: three channels with 3.5 MB each received, the third is closed with 406."""
+    monkeypatch.setenv("WARREN_MAX_MESSAGE_SIZE", str(4_000_000))
+    broker = Broker(tmp_path / "data", tmp_path / "warren.log")
+    broker.start()
+    try:
+        r = RawConnection(broker.host, broker.port, timeout=10)
+        r.handshake()
+        for ch in (1, 2, 3):
+            r.open_channel(ch)
+        r.send(queue_declare_frame(1, name, durable=False))
+        r.expect(50, 11)
+        part = b"p" * 100_000
+        for ch in (1, 2, 3):
+            r.send(method_frame(ch, 60, 40, struct.pack(">H", 0) + shortstr("") + shortstr(name) + b"\x00")
+                   + frame(FRAME_HEADER, ch, struct.pack(">HHQH", 60, 0, 4_000_000, 0)))
+        for _ in range(35):  # 3.5 MB on each channel, interleaved
+            r.send(b"".join(frame(FRAME_BODY, ch, part) for ch in (1, 2, 3)))
+        f = r.expect(20, 40)
+        code, text = f.close_reply()
+        assert f.channel == 3 and code == 406 and "unfinished messages" in text, (f.channel, code, text)
+        # The others go on: channel 1 finishes its message.
+        r.send(frame(FRAME_BODY, 1, part) * 5)
+        r.send(method_frame(1, 50, 10, struct.pack(">H", 0) + shortstr(name) + b"\x01" + table()))  # passive
+        f = r.read_method()
+        while f.method == (20, 41) or f.channel != 1:
+            f = r.read_method()
+        assert f.method == (50, 11), f
+        n = f.payload[4]
+        assert struct.unpack(">I", f.payload[5 + n:9 + n])[0] == 1, "channel 1's message was routed"
+        r.close()
+    finally:
+        broker.proc.kill()
+        broker.proc.wait(10)

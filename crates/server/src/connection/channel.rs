@@ -5,6 +5,7 @@ use super::error::ConnError;
 use super::outbox::{DurableAction, Outgoing};
 use super::ConnectionShared;
 use bytes::{Bytes, BytesMut};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use warren_broker::direct_reply;
 use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
@@ -22,6 +23,41 @@ struct PendingPublish {
     body: BytesMut,
     /// The body when it came in exactly one frame (no copy).
     single: Option<Bytes>,
+    /// What `body` holds, counted against the connection's bound on unfinished messages (only once
+    /// a body takes more than one frame).
+    unfinished: Option<Unfinished>,
+}
+
+/// A publish's share of its connection's unfinished content (`ConnectionShared::unfinished_content`),
+/// given back when the publish completes or is dropped. The bound is twice `max-message-size` for all
+/// the connection's channels together: each may hold a message half received, but 2,047 channels of
+/// 128 MiB each would be 256 GiB.
+struct Unfinished {
+    total: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Unfinished {
+    fn new(total: &Arc<AtomicU64>) -> Self {
+        Unfinished { total: total.clone(), bytes: 0 }
+    }
+
+    /// Counts `more` bytes, or says how many the connection already holds if that would pass `max`.
+    fn add(&mut self, more: u64, max: u64) -> Result<(), u64> {
+        let before = self.total.fetch_add(more, Ordering::AcqRel);
+        if before + more > max {
+            self.total.fetch_sub(more, Ordering::AcqRel);
+            return Err(before);
+        }
+        self.bytes += more;
+        Ok(())
+    }
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        self.total.fetch_sub(self.bytes, Ordering::AcqRel);
+    }
 }
 
 /// Most operations (publishes and settlements) a transaction may buffer until tx.commit.
@@ -295,7 +331,14 @@ impl ChannelHandler {
                 if m.immediate {
                     return Err(BrokerError::not_implemented("immediate=true").into());
                 }
-                self.pending = Some(PendingPublish { publish: m, header: None, body_size: 0, body: BytesMut::new(), single: None });
+                self.pending = Some(PendingPublish {
+                    publish: m,
+                    header: None,
+                    body_size: 0,
+                    body: BytesMut::new(),
+                    single: None,
+                    unfinished: None,
+                });
             }
             Method::BasicAck(m) => self.settle(m.delivery_tag, m.multiple, Settle::Ack, conn)?,
             Method::BasicNack(m) => self.settle(m.delivery_tag, m.multiple, Settle::Reject { requeue: m.requeue }, conn)?,
@@ -527,6 +570,20 @@ impl ChannelHandler {
         if received == 0 && payload.len() as u64 == pending.body_size {
             pending.single = Some(payload);
         } else {
+            let max = 2 * conn.max_message_size;
+            let unfinished = pending.unfinished.get_or_insert_with(|| Unfinished::new(&conn.unfinished_content));
+            if let Err(held) = unfinished.add(payload.len() as u64, max) {
+                self.fail(
+                    BrokerError::precondition_failed(format!(
+                        "{held} bytes of unfinished messages on this connection's channels, at most {max} \
+                         (twice max-message-size); send each message's frames together"
+                    )),
+                    c::CLASS_BASIC,
+                    40,
+                    conn,
+                );
+                return Ok(());
+            }
             if let Some(first) = pending.single.take() {
                 pending.body.extend_from_slice(&first);
             }

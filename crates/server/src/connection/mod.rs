@@ -96,6 +96,8 @@ pub struct ConnectionShared {
     /// A publish of this connection went to the store while it was behind (a slow or full disk): the
     /// reader waits for `Store::caught_up` before handling or reading more.
     pub store_behind: std::sync::atomic::AtomicBool,
+    /// Bytes of message bodies received and not yet complete, on all channels (see `channel::Unfinished`).
+    pub unfinished_content: Arc<AtomicU64>,
 }
 
 /// Serves one accepted socket until it closes.
@@ -182,6 +184,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
             slowed_by: parking_lot::Mutex::new(None),
             waiting_get: parking_lot::Mutex::new(None),
             store_behind: std::sync::atomic::AtomicBool::new(false),
+            unfinished_content: Arc::new(AtomicU64::new(0)),
         },
         channels: HashMap::new(),
         frame_max: negotiated.frame_max,
