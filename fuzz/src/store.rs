@@ -42,6 +42,7 @@ const OPS: usize = 5;
 
 /// The options every store here is built and opened with: small segments, so a small store has
 /// several of each; checkpoints only at open and close, so the files do not depend on timing.
+#[allow(clippy::needless_update)] // the default fills options added later (recovery modes, ...)
 pub fn options(base: usize) -> StoreOptions {
     let small = base == 0;
     StoreOptions {
@@ -193,7 +194,7 @@ pub fn parse_input(input: &[u8]) -> (u8, Vec<Edit>) {
 }
 
 /// Applies `edits` to `files` (in memory; `None` = removed).
-fn apply(files: &mut Vec<(PathBuf, Option<Vec<u8>>)>, edits: &[Edit]) {
+fn apply(files: &mut [(PathBuf, Option<Vec<u8>>)], edits: &[Edit]) {
     for e in edits {
         let idx = usize::from(e.op) / OPS % files.len();
         let file = &mut files[idx].1;
