@@ -797,6 +797,9 @@ impl Writer {
                 let block = BLOCK as u64;
                 let mut from = 0u64;
                 for &(s, e) in covered.iter().chain(std::iter::once(&(len, len))) {
+                    // Within the file: a damaged checkpoint can claim an extent ending anywhere, and
+                    // rounding that up overflowed (in release, to a hole over the whole segment).
+                    let (s, e) = (s.min(len), e.min(len));
                     // Whole blocks strictly between the extents only.
                     let (a, b) = (from.div_ceil(block) * block, s / block * block);
                     if b > a {
