@@ -548,7 +548,12 @@ impl QueueLog {
         };
         let root = self.wal_dir.parent().map(Path::to_path_buf).unwrap_or_default();
         let result = crate::direct::open_reader(&path)
-            .and_then(|f| crate::direct::read_range(&f, offset, seg.len.saturating_sub(offset) as usize))
+            .and_then(|f| {
+                // Only what the file holds: the segment's recorded end can lie past it (a file cut short,
+                // a damaged checkpoint claiming any length), and read_range allocates what it is asked.
+                let end = seg.len.min(f.metadata()?.len());
+                crate::direct::read_range(&f, offset, end.saturating_sub(offset) as usize)
+            })
             .map_err(|e| e.to_string())
             .and_then(|bytes| crate::damaged::copy_aside(&self.disk, &root, &name, &bytes).map_err(|e| e.to_string()));
         match result {
