@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Runs Warren's cargo-fuzz targets (fuzz/) one after another, SECONDS each (default 30), and prints
+# Runs Warren's cargo-fuzz targets (fuzz/) one after another, SECONDS each (default 25), and prints
 # each one's figures. Fails if a target finds a crash (the input is saved under
 # fuzz/artifacts/<target>/) or if the tools are missing: cargo-fuzz needs the nightly toolchain, and a
 # machine without it fails here loudly rather than skipping the fuzzing.
 #
-#   scripts/fuzz.sh                  # every target, 30 s each (what `make test` runs)
+#   scripts/fuzz.sh                  # every target, 25 s each (what `make test` runs)
 #   scripts/fuzz.sh 600 frames       # one target, 10 minutes
 #
 # The seeds in fuzz/corpus/<target>/ are read, never written: inputs a run finds are kept in
 # fuzz/target/corpus/<target>/ (not in git) and reused by the next run on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-seconds=${1:-30}
+seconds=${1:-25}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(frames methods properties field_tables store_recovery)
+  targets=(frames methods properties field_tables store_recovery metadata_recovery)
 fi
 
 if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then

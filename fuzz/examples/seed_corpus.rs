@@ -3,7 +3,7 @@
 //! same on every build (so a crash input reproduces in another process).
 //! `cargo run --manifest-path fuzz/Cargo.toml --example seed_corpus` (stable is enough).
 
-use warren_fuzz::{protocol, seeds, store};
+use warren_fuzz::{metadata, protocol, seeds, store};
 
 fn main() {
     let again = [store::build_base(0), store::build_base(1)];
@@ -15,12 +15,14 @@ fn main() {
     }
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     let mut count = 0;
-    for (target, name, bytes) in seeds::protocol_seeds().into_iter().chain(seeds::store_seeds()) {
+    let meta = metadata::seeds().into_iter().map(|(name, bytes)| ("metadata_recovery", name, bytes));
+    for (target, name, bytes) in seeds::protocol_seeds().into_iter().chain(seeds::store_seeds()).chain(meta) {
         match target {
             "frames" => protocol::check_frame_stream(&bytes),
             "methods" => protocol::check_method(&bytes),
             "properties" => protocol::check_properties(&bytes),
             "field_tables" => protocol::check_field_table(&bytes),
+            "metadata_recovery" => metadata::check_metadata(&bytes),
             _ => store::check_recovery(&bytes),
         }
         let dir = root.join(target);

@@ -99,7 +99,7 @@ impl State {
                 self.vhosts.entry(vhost).or_default().queues.insert(queue.name.clone(), queue);
             }
             Op::QueueDeleted { vhost, name, id } => {
-                self.next_queue_id = self.next_queue_id.max(id + 1);
+                self.next_queue_id = self.next_queue_id.max(id.saturating_add(1));
                 let v = self.vhosts.entry(vhost.clone()).or_default();
                 if v.queues.get(&name).is_some_and(|q| q.id == id) {
                     v.queues.remove(&name);

@@ -262,3 +262,16 @@ fn definitions_json_is_imported_once_and_kept() {
     assert!(report.migrated_from.is_none());
     assert_eq!(again.vhost("/"), defs);
 }
+
+/// Found with the metadata_recovery fuzz target: a record whose checksum is valid but whose queue id
+/// is u64::MAX (damage the CRC missed, or a forged file) overflowed the next queue id: a panic where
+/// overflow is checked, a next id wrapped to 0 (ids handed out again) where it is not.
+#[test]
+fn a_queue_id_of_u64_max_does_not_overflow_the_next_queue_id() {
+    let mut s = State::default();
+    s.apply(queue("/", "q", 5));
+    s.apply(queue("/", "far", u64::MAX));
+    assert_eq!(s.next_queue_id, u64::MAX);
+    s.apply(Op::QueueDeleted { vhost: "/".into(), name: "far".into(), id: u64::MAX });
+    assert_eq!(s.next_queue_id, u64::MAX);
+}
