@@ -70,7 +70,8 @@ impl Broker {
     /// what the store still held for it.
     pub fn open(data_dir: &Path, opts: BrokerOptions) -> Result<(Arc<Broker>, RecoveryReport), OpenError> {
         let started = Instant::now();
-        std::fs::create_dir_all(data_dir)
+        // Durably: the metadata log and the store are fsynced inside it.
+        warren_store::create_dir_durably(data_dir)
             .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
         let (store, recovery) = Store::open(&data_dir.join("store"), opts.store)?;
         let (metadata, opened) = Metadata::open(data_dir, opts.metadata_on_corruption)?;

@@ -41,6 +41,13 @@ pub use damaged::damaged_dir;
 pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, RecoveryMode, TornTail};
 pub use store::{Store, StoreOptions, StoreStats, SyncPolicy};
 
+/// Creates directory `path` and any missing parents durably: the parent of each directory created is
+/// fsynced, so that files fsynced inside it cannot vanish with its entry at a power loss. For the data
+/// directory around the store.
+pub fn create_dir_durably(path: &std::path::Path) -> std::io::Result<()> {
+    segment::create_dirs_durably(&io::Disk::real(), path)
+}
+
 /// A position in the logical WAL. A batch is durable once the durable watermark is at or past its ticket.
 pub type SyncTicket = u64;
 

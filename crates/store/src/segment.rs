@@ -66,3 +66,19 @@ pub(crate) fn create_empty(disk: &Disk, wal: &Path, base: u64) -> Result<Appende
 pub(crate) fn sync_dir(disk: &Disk, dir: &Path) -> Result<(), StoreError> {
     disk.sync_dir(dir).map_err(StoreError::io("fsyncing directory", dir))
 }
+
+/// Creates `path` and any missing parents, and fsyncs the parent of each directory it created:
+/// a file fsynced inside a directory whose own entry was never fsynced can vanish with it.
+pub(crate) fn create_dirs_durably(disk: &Disk, path: &Path) -> std::io::Result<()> {
+    let missing: Vec<&Path> = path.ancestors().take_while(|a| !a.as_os_str().is_empty() && !a.exists()).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    disk.create_dir_all(path)?;
+    for dir in missing.iter().rev() {
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            disk.sync_dir(parent)?;
+        }
+    }
+    Ok(())
+}

@@ -119,13 +119,8 @@ impl Store {
 
     /// [`Store::open`] on a given [`Disk`]: tests pass a simulated one (see [`crate::sim`]).
     pub fn open_on(dir: &Path, opts: StoreOptions, disk: Disk) -> Result<(Store, Recovery), StoreError> {
-        if !dir.exists() {
-            disk.create_dir_all(dir).map_err(StoreError::io("creating", dir))?;
-            // The new directory's own entry must survive a crash too, or the whole store could vanish.
-            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-                crate::segment::sync_dir(&disk, parent)?;
-            }
-        }
+        // The new directories' own entries must survive a crash too, or the whole store could vanish.
+        crate::segment::create_dirs_durably(&disk, dir).map_err(StoreError::io("creating", dir))?;
         let lock = lock_dir(dir)?;
         let queue_segment_size = opts.queue_segment_size.max(4096);
         let (start, logs, recovery) = recovery::recover(&disk, dir, queue_segment_size, opts.recovery_mode)?;

@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use warren_store::sim::{Fault, Loss, OpKind, SimDisk};
-use warren_store::{Batch, Disk, Store, StoreError, StoreOptions};
+use warren_store::{Batch, Disk, Store, StoreError, StoreOptions, SyncPolicy};
 
 fn opts() -> StoreOptions {
     StoreOptions {
@@ -130,9 +130,9 @@ const MID: usize = 12 << 10;
 /// consumed, 3 with delivered marks; queue 4 is created and dropped; queue 1 gets a dense 640 KiB
 /// backlog (an extent of the WAL) that is consumed at the end, after several checkpoints, segment
 /// rolls and a clean restart. Returns the durable facts and whether it ran to the end.
-fn workload(sim: &Arc<SimDisk>, dir: &Path) -> (Durable, bool) {
+fn workload(sim: &Arc<SimDisk>, dir: &Path, o: &StoreOptions) -> (Durable, bool) {
     let mut d = Durable::default();
-    let open = || Store::open_on(dir, opts(), Disk::simulated(sim.clone())).ok().map(|(s, _)| s);
+    let open = || Store::open_on(dir, o.clone(), Disk::simulated(sim.clone())).ok().map(|(s, _)| s);
     let Some(mut store) = open() else { return (d, false) };
     let mut ok = true;
     // Each entry is one step, or several appended without waiting.
@@ -253,6 +253,7 @@ fn read_all(store: &Store, queue: u64) -> Vec<(u64, Vec<u8>)> {
 
 /// Recovers after the power loss and checks the durable facts; `what` names the crash point.
 fn check(sim: &Arc<SimDisk>, dir: &Path, d: &Durable, what: &str) {
+    // Recovery in the default options: a store written with any sync policy opens with them.
     let (store, rec) = match Store::open_on(dir, opts(), Disk::simulated(sim.clone())) {
         Ok(r) => r,
         Err(e) => panic!("{what}: recovery failed after a power loss: {e}"),
@@ -310,11 +311,23 @@ fn sample(ops: &[warren_store::sim::Op], per_kind: usize) -> Vec<(OpKind, u64)> 
 
 #[test]
 fn every_kind_of_file_operation_survives_a_power_loss_at_it() {
+    crash_at_every_kind(&opts(), 30);
+}
+
+/// With fsyncs on an interval several groups are written before one fsync covers them all: a torn
+/// tail can be long, and a WAL roll syncs groups nobody waits for yet.
+#[test]
+fn every_kind_of_file_operation_survives_a_power_loss_with_interval_fsyncs() {
+    crash_at_every_kind(&StoreOptions { sync: SyncPolicy::IntervalMs(2), ..opts() }, 3);
+}
+
+fn crash_at_every_kind(o: &StoreOptions, per_kind: usize) {
+    let o = o.clone();
     // A clean run: the workload completes and its operations are listed.
     let root = tempfile::tempdir().unwrap();
     let sim = SimDisk::new(root.path()).unwrap();
     let dir = root.path().join("store");
-    let (d, completed) = workload(&sim, &dir);
+    let (d, completed) = workload(&sim, &dir, &o);
     assert!(completed, "the workload runs to the end without faults");
     let ops = sim.ops();
     let kinds: BTreeSet<OpKind> = ops.iter().map(|o| o.kind).collect();
@@ -327,7 +340,7 @@ fn every_kind_of_file_operation_survives_a_power_loss_at_it() {
     sim.power_loss(Loss::Unsynced).unwrap();
     check(&sim, &dir, &d, "after a clean run");
 
-    let points = sample(&ops, 30);
+    let points = sample(&ops, per_kind);
     let mut crashed_at: BTreeMap<OpKind, usize> = BTreeMap::new();
     let started = std::time::Instant::now();
     for (i, &(kind, nth)) in points.iter().enumerate() {
@@ -336,7 +349,7 @@ fn every_kind_of_file_operation_survives_a_power_loss_at_it() {
             let sim = SimDisk::new(root.path()).unwrap();
             let dir = root.path().join("store");
             sim.fault_on(kind, nth, Fault::PowerCut);
-            let (d, _) = workload(&sim, &dir);
+            let (d, _) = workload(&sim, &dir, &o);
             let fired = sim.is_powered_off();
             let what = format!("power cut at {kind:?} number {nth}, {loss:?}");
             sim.power_loss(loss).unwrap();
@@ -361,9 +374,10 @@ fn every_kind_of_file_operation_survives_a_power_loss_at_it() {
 /// and what was confirmed before survives a power loss right after.
 #[test]
 fn a_failed_write_or_fsync_anywhere_never_confirms_what_it_covered() {
+    let o = opts();
     let root = tempfile::tempdir().unwrap();
     let sim = SimDisk::new(root.path()).unwrap();
-    let (_, completed) = workload(&sim, &root.path().join("store"));
+    let (_, completed) = workload(&sim, &root.path().join("store"), &o);
     assert!(completed);
     let ops = sim.ops();
     let failing: Vec<(OpKind, u64)> = sample(&ops, 6)
@@ -375,7 +389,7 @@ fn a_failed_write_or_fsync_anywhere_never_confirms_what_it_covered() {
         let sim = SimDisk::new(root.path()).unwrap();
         let dir = root.path().join("store");
         sim.fault_on(kind, nth, Fault::Error(libc::EIO));
-        let (d, _) = workload(&sim, &dir);
+        let (d, _) = workload(&sim, &dir, &o);
         // The failed operation stopped the writer (or the workload's final close): the power goes off
         // now, before anything else could make up for it.
         sim.cut_power();

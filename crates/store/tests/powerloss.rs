@@ -68,6 +68,26 @@ fn a_fresh_store_keeps_what_it_confirmed_through_a_power_loss() {
     assert_eq!(read_all(&store, 1), vec![(0, payload(1, 0, 100))]);
 }
 
+/// The same for directories created above the store: each new one's entry is fsynced in its parent.
+#[test]
+fn a_fresh_store_in_new_nested_directories_keeps_what_it_confirmed_through_a_power_loss() {
+    let root = tempfile::tempdir().unwrap();
+    let sim = SimDisk::new(root.path()).unwrap();
+    let dir = root.path().join("a").join("b").join("store");
+    {
+        let (store, _) = open_on(&sim, &dir, opts()).unwrap();
+        let mut b = Batch::new();
+        b.enqueue(1, 0, 0, &[&payload(1, 0, 100)]);
+        let t = store.append(&mut b).unwrap();
+        store.wait_durable(t).unwrap();
+        sim.cut_power();
+        drop(store);
+    }
+    sim.power_loss(Loss::Unsynced).unwrap();
+    let (store, _) = open_on(&sim, &dir, opts()).unwrap();
+    assert_eq!(read_all(&store, 1), vec![(0, payload(1, 0, 100))]);
+}
+
 /// A failed fsync never advances the durable watermark: the writer stops (on the simulated disk; in
 /// production it aborts the process) and every waiter gets `Closed`, never a confirm.
 #[test]
