@@ -216,6 +216,22 @@ impl SimDisk {
         self.state.lock().powered_off = true;
     }
 
+    /// Damages a file as the disk holds it (the media, not a write of the store): writes `bytes` at
+    /// `offset` of `path`, in the real file and in its durable state. Not counted as an operation.
+    pub fn damage(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let mut st = self.state.lock();
+        let Some(Node::File(ino)) = st.current.get(path).copied() else {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("{} is not a file the simulated disk knows", path.display())));
+        };
+        std::fs::OpenOptions::new().write(true).open(path)?.write_all_at(bytes, offset)?;
+        let op = DataOp::Write { off: offset, data: bytes.to_vec() };
+        if let Some(inode) = st.inodes.get_mut(&ino) {
+            apply_data(&mut inode.durable, &op);
+        }
+        Ok(())
+    }
+
     /// Rewrites the files under the root to what survives a power loss (see [`Loss`]) and turns the
     /// power back on, with nothing pending. Call it only once no store is open on this disk.
     pub fn power_loss(&self, loss: Loss) -> io::Result<()> {
