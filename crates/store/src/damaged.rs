@@ -30,14 +30,36 @@ fn ready(disk: &Disk, dir: &Path) -> Result<PathBuf, StoreError> {
     Ok(damaged)
 }
 
-/// Keeps `bytes` in `damaged/<name>`, durably (before the original is cut or deleted).
-pub(crate) fn copy_aside(disk: &Disk, dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf, StoreError> {
+/// Room the file system must keep after a copy aside.
+const COPY_MARGIN: u64 = 64 << 20;
+
+/// Whether the file system holding `dir` has room for `bytes` more and a margin. A copy aside is a
+/// courtesy (the bytes it keeps were never confirmed, or stay where they are too): it must not wait
+/// for space the way the store's own writes do (`space`), on a full disk it is skipped.
+fn has_room(dir: &Path, bytes: usize) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let Ok(c) = std::ffi::CString::new(dir.as_os_str().as_bytes()) else { return false };
+    // SAFETY: statvfs writes into the zeroed struct we pass, for a NUL-terminated path we own.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    (st.f_bavail as u64).saturating_mul(st.f_frsize as u64) >= bytes as u64 + COPY_MARGIN
+}
+
+/// Keeps `bytes` in `damaged/<name>`, durably (before the original is cut or deleted). `None` if the
+/// file system is too full for it (see `has_room`; logged).
+pub(crate) fn copy_aside(disk: &Disk, dir: &Path, name: &str, bytes: &[u8]) -> Result<Option<PathBuf>, StoreError> {
+    if !has_room(dir, bytes.len()) {
+        tracing::warn!(dir = %dir.display(), name, bytes = bytes.len(), "no room to keep damaged bytes aside; not kept");
+        return Ok(None);
+    }
     let to = ready(disk, dir)?.join(name);
     let f = disk.open(&to, Open::CreateTruncate, false).map_err(StoreError::io("creating", &to))?;
     f.write_all_at(bytes, 0).map_err(StoreError::io("writing", &to))?;
     f.sync_data().map_err(StoreError::io("fsyncing", &to))?;
     segment::sync_dir(disk, &damaged_dir(dir))?;
-    Ok(to)
+    Ok(Some(to))
 }
 
 /// Moves `path` to `damaged/<name>`, durably: the new name first, then the old one's removal.

@@ -557,7 +557,8 @@ impl QueueLog {
             .map_err(|e| e.to_string())
             .and_then(|bytes| crate::damaged::copy_aside(&self.disk, &root, &name, &bytes).map_err(|e| e.to_string()));
         match result {
-            Ok(kept) => kept.display().to_string(),
+            Ok(Some(kept)) => kept.display().to_string(),
+            Ok(None) => "not kept: no room".to_owned(),
             Err(e) => format!("not kept: {e}"),
         }
     }

@@ -115,8 +115,9 @@ pub struct TornTail {
     pub offset: u64,
     pub dropped_bytes: u64,
     pub reason: Damage,
-    /// Where the cut bytes were kept (`damaged/<segment name>.<offset>`).
-    pub kept: PathBuf,
+    /// Where the cut bytes were kept (`damaged/<segment name>.<offset>`); `None` if the disk had no
+    /// room for them (they were never confirmed, so the cut goes ahead).
+    pub kept: Option<PathBuf>,
 }
 
 /// Damaged bytes skipped under `RecoveryMode::TolerateAnyCorruption`.
@@ -323,13 +324,13 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
             let dropped = disk_len - *offset as u64;
             let kept = if *offset == 0 {
                 // Nothing valid in it at all (a roll just before the crash): the whole file goes aside.
-                move_aside(disk, dir, &j.path, &aside_name(&j.path, 0))?
+                Some(move_aside(disk, dir, &j.path, &aside_name(&j.path, 0))?)
             } else {
                 let kept = copy_aside(disk, dir, &aside_name(&j.path, *offset as u64), &j.data[*offset..])?;
                 truncate(disk, &j.path, *offset as u64)?;
                 kept
             };
-            tracing::warn!(file = %j.path.display(), offset, dropped_bytes = dropped, %reason, kept = %kept.display(),
+            tracing::warn!(file = %j.path.display(), offset, dropped_bytes = dropped, %reason, kept = ?kept,
                 "torn tail in the newest WAL segment (unconfirmed bytes written before a crash); cut, and kept aside");
             out.truncated = Some(TornTail { segment: j.path.clone(), offset: *offset as u64, dropped_bytes: dropped, reason: reason.clone(), kept });
             if *offset == 0 {
