@@ -9,6 +9,7 @@ import time
 import pika
 import pytest
 
+from conftest import BIN
 from rawamqp import RawConnection, method_frame, shortstr, table
 
 pytestmark = [pytest.mark.needs_process, pytest.mark.warren_only]
@@ -138,6 +139,54 @@ def test_messages_of_a_queue_missing_from_the_metadata_are_kept_aside_not_delete
         _, _, body = ch.basic_get(name, auto_ack=True)
         bodies.append(body.decode())
     assert bodies == [f"kept-{i}" for i in range(50)]
+
+
+def frame_offsets(path):
+    """Byte offsets of the frames of a metadata.log (16-byte header, then len u32 | crc u32 | payload)."""
+    data = path.read_bytes()
+    offsets, pos = [], 16
+    while pos + 8 <= len(data):
+        offsets.append(pos)
+        (length,) = struct.unpack("<I", data[pos:pos + 4])
+        pos += 8 + length
+    return offsets
+
+
+def test_a_corrupt_metadata_log_refuses_to_start_unless_the_recovery_mode_skips_it(broker, name):
+    ch = broker.connection().channel()
+    for q in ("a", "b", "c"):
+        ch.queue_declare(f"{name}-{q}", durable=True)
+    assert broker.terminate() == 0
+    log = broker.data_dir / "metadata.log"
+    offsets = frame_offsets(log)
+    data = bytearray(log.read_bytes())
+    bad = offsets[-2]  # b's declaration, with c's after it: corruption in the middle, not a torn tail
+    data[bad + 20] ^= 0xFF
+    log.write_bytes(bytes(data))
+
+    refused = subprocess.run(
+        [BIN, "server", "--amqp-port", str(broker.port), "--http-port", str(broker.http_port),
+         "--data-dir", str(broker.data_dir)], capture_output=True, timeout=60)
+    output = (refused.stdout + refused.stderr).decode(errors="replace")
+    assert refused.returncode != 0, output
+    assert f"metadata.log: corrupt record at byte offset {bad}" in output, output
+    assert "--recovery-mode tolerate-any-corruption" in output
+    assert log.read_bytes() == bytes(data), "a refused start changes nothing"
+
+    broker.extra_args = ["--recovery-mode", "tolerate-any-corruption"]
+    broker.start()
+    ch = broker.connection().channel()
+    ch.queue_declare(f"{name}-a", passive=True)
+    ch.queue_declare(f"{name}-c", passive=True)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker):
+        ch.queue_declare(f"{name}-b", passive=True)
+    kept = broker.data_dir / "damaged" / f"metadata.log.{bad}"
+    assert kept.read_bytes() == bytes(data[bad:offsets[-1]])
+
+    # The log was rewritten clean: a normal start works again.
+    broker.extra_args = []
+    broker.restart()
+    broker.connection().channel().queue_declare(f"{name}-c", passive=True)
 
 
 def bytes_written(pid):

@@ -25,9 +25,8 @@ pub struct BrokerOptions {
     pub default_user: String,
     pub default_pass: String,
     pub loopback_users: Vec<String>,
+    /// `store.recovery_mode` also decides what opening the metadata log does about damage.
     pub store: StoreOptions,
-    /// What opening the metadata log does about corruption in its middle.
-    pub metadata_on_corruption: OnCorruption,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +37,8 @@ pub enum OpenError {
     Store(#[from] warren_store::StoreError),
     #[error("cannot open the metadata log: {0}")]
     Metadata(#[from] MetadataError),
+    #[error("the metadata log holds a durable queue id up to {0}, in the range of transient queue ids (2^63 and up); it is damaged")]
+    QueueIds(u64),
 }
 
 pub struct Broker {
@@ -73,10 +74,15 @@ impl Broker {
         // Durably: the metadata log and the store are fsynced inside it.
         warren_store::create_dir_durably(data_dir)
             .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
+        let metadata_mode = OnCorruption::from(opts.store.recovery_mode);
         let (store, recovery) = Store::open(&data_dir.join("store"), opts.store)?;
-        let (metadata, opened) = Metadata::open(data_dir, opts.metadata_on_corruption)?;
+        let (metadata, opened) = Metadata::open(data_dir, metadata_mode)?;
         if let Some(offset) = opened.torn_tail_at {
             tracing::warn!(offset, "the metadata log had a torn tail (an unacknowledged change a crash interrupted); it was cut and kept aside");
+        }
+        if metadata.next_queue_id() >= TRANSIENT_QUEUE_IDS {
+            // Only a damaged or forged log gets here; handing out such ids would mix queues.
+            return Err(OpenError::QueueIds(metadata.next_queue_id()));
         }
         let metadata = Arc::new(metadata);
         let next_queue_id = Arc::new(AtomicU64::new(metadata.next_queue_id().max(1)));

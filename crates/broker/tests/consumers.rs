@@ -41,7 +41,6 @@ fn setup(arguments: FieldTable) -> Setup {
         default_pass: "guest".into(),
         loopback_users: Vec::new(),
         store: StoreOptions::default(),
-        metadata_on_corruption: Default::default(),
     };
     let broker = Broker::open(dir.path(), opts).unwrap().0;
     let vhost = broker.vhost("/").unwrap();

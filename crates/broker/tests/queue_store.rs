@@ -24,7 +24,6 @@ fn open(dir: &Path) -> Arc<Broker> {
         default_pass: "guest".into(),
         loopback_users: Vec::new(),
         store: StoreOptions::default(),
-        metadata_on_corruption: Default::default(),
     };
     Broker::open(dir, opts).expect("open the broker").0
 }

@@ -14,7 +14,6 @@ fn open(dir: &Path) -> Arc<Broker> {
         default_pass: "guest".into(),
         loopback_users: vec![],
         store: Default::default(),
-        metadata_on_corruption: Default::default(),
     };
     Broker::open(dir, opts).expect("open").0
 }

@@ -78,7 +78,6 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
             default_pass: config.default_pass.clone(),
             loopback_users: config.loopback_users.clone(),
             store,
-            metadata_on_corruption: Default::default(),
         },
     )?;
     tracing::info!(

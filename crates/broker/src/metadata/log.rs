@@ -13,11 +13,11 @@
 //!
 //! Opening tells a torn tail from corruption. A bad frame (short, zero length, wrong checksum)
 //! followed by no valid frame is a torn tail (an append the crash interrupted, never
-//! acknowledged): its bytes are copied to `<log>.torn-<offset>` and the file is cut there. A bad
-//! frame followed by a valid one is corruption in the middle: opening fails naming the file and
-//! offset, unless the caller tolerates it ([`OnCorruption::Skip`]), in which case the bad bytes
-//! are skipped, a copy of the whole file is kept as `<log>.corrupt-<offset>`, and the frames
-//! found are returned (the caller then rewrites the log).
+//! acknowledged): the file is cut there. A bad frame followed by a valid one is corruption in the
+//! middle: opening fails naming the file and offset, unless the caller tolerates it
+//! ([`OnCorruption::Skip`]), in which case the bad bytes are skipped and the frames found are
+//! returned (the caller then rewrites the log). Nothing is deleted: bytes cut or skipped are kept
+//! in `damaged/<log file name>.<offset>` beside the log, as the store keeps its own.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Write};
@@ -31,14 +31,27 @@ const FRAME_HEADER: usize = 8;
 /// No single change comes near this; a larger length field is damage.
 pub const MAX_RECORD: usize = 64 << 20;
 
-/// What to do about a bad frame that valid frames follow.
+/// What opening does about damage (the store's `RecoveryMode`, for this log).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnCorruption {
-    /// Refuse to open, naming the file and offset (the default).
+    /// A torn tail is cut; corruption in the middle refuses to open, naming the file and offset
+    /// (`tolerate-tail-corruption`, the default).
     #[default]
     Refuse,
-    /// Skip the damaged bytes (a copy of the file is kept aside first).
+    /// Damaged bytes are skipped, the valid frames around them read (`tolerate-any-corruption`).
     Skip,
+    /// Any damage refuses to open, a torn tail too (`absolute-consistency`).
+    RefuseAll,
+}
+
+impl From<warren_store::RecoveryMode> for OnCorruption {
+    fn from(mode: warren_store::RecoveryMode) -> Self {
+        match mode {
+            warren_store::RecoveryMode::TolerateTailCorruption => OnCorruption::Refuse,
+            warren_store::RecoveryMode::TolerateAnyCorruption => OnCorruption::Skip,
+            warren_store::RecoveryMode::AbsoluteConsistency => OnCorruption::RefuseAll,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -51,10 +64,16 @@ pub enum LogError {
     Version { path: String, version: u32 },
     #[error(
         "{path}: corrupt record at byte offset {offset}, and valid records follow it (not a torn tail); \
-         refusing to start. Restore the file from a backup, or start in the recovery mode that tolerates \
-         corruption, which copies the file aside and skips the damaged bytes (docs/internals/metadata.md)"
+         refusing to start. Restore the file from a backup, or start once with --recovery-mode \
+         tolerate-any-corruption to skip the damaged bytes (kept in damaged/ beside it; what they held is lost)"
     )]
     Corrupt { path: String, offset: u64 },
+    #[error(
+        "{path}: torn tail at byte offset {offset} (an interrupted, unacknowledged append); refusing to start \
+         under --recovery-mode absolute-consistency. Start with tolerate-tail-corruption to cut it (the bytes \
+         are kept in damaged/ beside the log)"
+    )]
+    TornTail { path: String, offset: u64 },
 }
 
 /// What opening the log found.
@@ -64,9 +83,9 @@ pub struct Replayed {
     pub records: Vec<(u64, Vec<u8>)>,
     /// A torn tail was cut at this offset; its bytes were kept in this file.
     pub torn: Option<(u64, PathBuf)>,
-    /// Damaged byte ranges skipped (only with [`OnCorruption::Skip`]); the original was kept here.
+    /// Damaged byte ranges (offset, length) skipped (only with [`OnCorruption::Skip`]), each kept
+    /// in `damaged/`.
     pub skipped: Vec<(u64, u64)>,
-    pub kept_copy: Option<PathBuf>,
 }
 
 pub struct RecordLog {
@@ -104,22 +123,20 @@ impl RecordLog {
             }
             match next_valid_frame(&bytes, pos + 1) {
                 Some(next) => {
-                    if on_corruption == OnCorruption::Refuse {
+                    if on_corruption != OnCorruption::Skip {
                         return Err(LogError::Corrupt { path: path.display().to_string(), offset: pos as u64 });
                     }
-                    if out.kept_copy.is_none() {
-                        let copy = suffixed(path, &format!("corrupt-{pos}"));
-                        fs::copy(path, &copy).map_err(io_err)?;
-                        out.kept_copy = Some(copy);
-                    }
-                    tracing::error!(file = %path.display(), offset = pos, bytes = next - pos,
-                        "skipping a corrupt metadata record (recovery mode tolerates corruption)");
+                    let aside = keep_damaged(path, pos, &bytes[pos..next]).map_err(io_err)?;
+                    tracing::error!(file = %path.display(), offset = pos, bytes = next - pos, kept = %aside.display(),
+                        "skipping a corrupt metadata record (recovery mode tolerate-any-corruption); what it held is lost");
                     out.skipped.push((pos as u64, (next - pos) as u64));
                     pos = next;
                 }
                 None => {
-                    let aside = suffixed(path, &format!("torn-{pos}"));
-                    write_synced(&aside, &bytes[pos..]).map_err(io_err)?;
+                    if on_corruption == OnCorruption::RefuseAll {
+                        return Err(LogError::TornTail { path: path.display().to_string(), offset: pos as u64 });
+                    }
+                    let aside = keep_damaged(path, pos, &bytes[pos..]).map_err(io_err)?;
                     tracing::warn!(file = %path.display(), offset = pos, bytes = bytes.len() - pos, kept = %aside.display(),
                         "cut a torn tail off the metadata log (an append a crash interrupted; it was never acknowledged)");
                     out.torn = Some((pos as u64, aside));
@@ -274,11 +291,20 @@ fn write_snapshot(path: &Path, records: &[Vec<u8>]) -> io::Result<File> {
     Ok(file)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut f = File::create(path)?;
+/// Keeps bytes cut or skipped at `offset` of the log in `damaged/<log file name>.<offset>`.
+fn keep_damaged(log: &Path, offset: usize, bytes: &[u8]) -> io::Result<PathBuf> {
+    let dir = log.parent().unwrap_or(Path::new(".")).join("damaged");
+    fs::create_dir_all(&dir)?;
+    let name = log.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let path = dir.join(format!("{name}.{offset}"));
+    let mut f = File::create(&path)?;
     f.write_all(bytes)?;
     f.sync_all()?;
-    sync_dir(path)
+    sync_dir(&path)?;
+    if let Some(parent) = dir.parent() {
+        File::open(parent)?.sync_all()?;
+    }
+    Ok(path)
 }
 
 pub fn sync_dir(path: &Path) -> io::Result<()> {

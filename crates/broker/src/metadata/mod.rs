@@ -62,8 +62,9 @@ pub enum MetadataError {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct State {
     vhosts: BTreeMap<String, VHostState>,
-    /// Queues deleted since the last start (id -> vhost, name): the store's data for them may go.
-    deleted: BTreeMap<u64, (String, String)>,
+    /// Queues deleted since the last start (id -> vhost, declaration): the store's data for their
+    /// ids (a priority queue has several, see `QueueDef::last_store_id`) may go.
+    deleted: BTreeMap<u64, (String, QueueDef)>,
     next_queue_id: u64,
 }
 
@@ -101,11 +102,15 @@ impl State {
             Op::QueueDeleted { vhost, name, id } => {
                 self.next_queue_id = self.next_queue_id.max(id.saturating_add(1));
                 let v = self.vhosts.entry(vhost.clone()).or_default();
-                if v.queues.get(&name).is_some_and(|q| q.id == id) {
-                    v.queues.remove(&name);
-                    v.bindings.retain(|_, b| !(b.destination_type == "queue" && b.destination == name));
-                }
-                self.deleted.insert(id, (vhost, name));
+                let def = match v.queues.get(&name) {
+                    Some(q) if q.id == id => {
+                        v.bindings.retain(|_, b| !(b.destination_type == "queue" && b.destination == name));
+                        v.queues.remove(&name)
+                    }
+                    _ => None,
+                };
+                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]) });
+                self.deleted.insert(id, (vhost, def));
             }
             Op::Bound { vhost, binding } => {
                 self.vhosts.entry(vhost).or_default().bindings.insert(binding_key(&binding), binding);
@@ -120,8 +125,10 @@ impl State {
     /// The shortest list of changes that builds this state from nothing.
     pub fn snapshot_ops(&self) -> Vec<Op> {
         let mut ops = vec![Op::NextQueueId { value: self.next_queue_id }];
-        for (id, (vhost, name)) in &self.deleted {
-            ops.push(Op::QueueDeleted { vhost: vhost.clone(), name: name.clone(), id: *id });
+        // Declared then deleted, so that replaying keeps which store ids the deleted queue had.
+        for (id, (vhost, def)) in &self.deleted {
+            ops.push(Op::QueueDeclared { vhost: vhost.clone(), queue: def.clone() });
+            ops.push(Op::QueueDeleted { vhost: vhost.clone(), name: def.name.clone(), id: *id });
         }
         for (vhost, v) in &self.vhosts {
             for e in v.exchanges.values() {
@@ -266,9 +273,11 @@ impl Metadata {
         self.inner.lock().state.next_queue_id
     }
 
-    /// Whether the queue `id` was deleted (so what the store holds for it may be dropped).
+    /// Whether store queue `id` belonged to a deleted queue (so what the store holds for it may go).
     pub fn was_deleted(&self, id: u64) -> bool {
-        self.inner.lock().state.deleted.contains_key(&id)
+        let inner = self.inner.lock();
+        // Deleted queues' id ranges do not overlap: the nearest start at or below `id` decides.
+        inner.state.deleted.range(..=id).next_back().is_some_and(|(_, (_, def))| id <= def.last_store_id())
     }
 
     /// The store no longer holds anything for deleted queues: the next rewrite omits them.

@@ -82,6 +82,21 @@ fn a_frame_is_applied_whole_and_deletes_cascade() {
 }
 
 #[test]
+fn a_deleted_priority_queue_releases_every_store_id_it_had_also_after_compaction() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    let args = json!([["x-max-priority", {"t": "u8", "v": 3}]]);
+    m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "p".into(), id: 10, auto_delete: false, arguments: args } }]).unwrap();
+    m.commit(vec![queue("/", "after", 14)]).unwrap();
+    m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "p".into(), id: 10 }]).unwrap();
+    for m in [open(dir.path()), { m.compact().unwrap(); open(dir.path()) }] {
+        assert!((10..=13).all(|id| m.was_deleted(id)));
+        assert!(!m.was_deleted(9) && !m.was_deleted(14));
+        assert_eq!(m.vhost("/").queues.len(), 1);
+    }
+}
+
+#[test]
 fn a_torn_tail_is_cut_and_kept_aside() {
     for cut in [1usize, 5, 9, 20] {
         let dir = tempfile::tempdir().unwrap();
@@ -95,12 +110,24 @@ fn a_torn_tail_is_cut_and_kept_aside() {
         let defs = m.vhost("/");
         assert_eq!((defs.exchanges.len(), defs.queues.len(), defs.bindings.len()), (1, 1, 0), "cut {cut}");
         assert_eq!(fs::metadata(&path).unwrap().len(), offsets[2]);
-        let aside = dir.path().join(format!("{FILE_NAME}.torn-{}", offsets[2]));
+        let aside = dir.path().join("damaged").join(format!("{FILE_NAME}.{}", offsets[2]));
         assert_eq!(fs::read(aside).unwrap(), &full[offsets[2] as usize..end]);
         // The log goes on from the cut.
         m.commit(vec![queue("/", "after", 9)]).unwrap();
         assert_eq!(open(dir.path()).vhost("/").queues.len(), 2);
     }
+}
+
+#[test]
+fn absolute_consistency_refuses_even_a_torn_tail() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, offsets) = three_frames(dir.path());
+    let path = log_path(dir.path());
+    let full = fs::read(&path).unwrap();
+    fs::write(&path, &full[..offsets[2] as usize + 3]).unwrap();
+    let err = Metadata::open(dir.path(), OnCorruption::RefuseAll).err().expect("must refuse");
+    assert!(err.to_string().contains(&format!("torn tail at byte offset {}", offsets[2])), "{err}");
+    assert_eq!(fs::read(&path).unwrap().len(), offsets[2] as usize + 3, "nothing was cut");
 }
 
 #[test]
@@ -142,7 +169,8 @@ fn a_tolerant_open_skips_the_damage_and_keeps_a_copy() {
     assert_eq!(report.skipped, vec![(offsets[1], offsets[2] - offsets[1])]);
     let defs = m.vhost("/");
     assert_eq!((defs.exchanges.len(), defs.queues.len(), defs.bindings.len()), (1, 0, 1));
-    assert_eq!(fs::read(dir.path().join(format!("{FILE_NAME}.corrupt-{}", offsets[1]))).unwrap(), bytes);
+    let kept = fs::read(dir.path().join("damaged").join(format!("{FILE_NAME}.{}", offsets[1]))).unwrap();
+    assert_eq!(kept, &bytes[offsets[1] as usize..offsets[2] as usize]);
     // The log was rewritten clean: a strict open now succeeds.
     assert_eq!(open(dir.path()).state(), m.state());
 }
