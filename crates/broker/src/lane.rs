@@ -32,6 +32,14 @@ pub(crate) struct Lane {
     /// Ready messages that are only in the store: `span_count` live ones from `span_from` on.
     pub span_from: u64,
     pub span_count: u64,
+    /// A read of the span is under way on a blocking thread, off the queue's lock
+    /// (`Queue::refill_locked`).
+    pub refill_in_flight: bool,
+    /// The last read found nothing yet (the store's writer had not applied those messages): the durable
+    /// watermark before it. No new read until the watermark has moved (or the next tick).
+    pub refill_found_nothing: Option<SyncTicket>,
+    /// Bumped whenever the span is emptied (purge, delete): a read under way is stale then.
+    pub span_epoch: u64,
     /// Their body bytes (for `x-max-length-bytes`; an estimate after a restart) and store bytes.
     pub span_bytes: u64,
     pub span_store_bytes: u64,

@@ -24,7 +24,7 @@ use crate::vhost::VHost;
 use parking_lot::Mutex;
 use std::sync::{Arc, Weak};
 use warren_protocol::field::FieldTable;
-use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
+use warren_store::{Batch, ReadBatch, RecoveredQueue, Store, StoreError, SyncTicket};
 
 /// Most ready messages a queue holds in memory; the rest waits in the store.
 pub const WINDOW_MESSAGES: usize = 2048;
@@ -102,6 +102,9 @@ pub enum Got {
 pub enum GetWait {
     /// The store's durable watermark reaching this ticket (the head's delivered mark).
     Durable(SyncTicket),
+    /// A read of the queue's backlog from the store (every window is empty meanwhile): one more read
+    /// finished than this count of them.
+    Refill(u64),
 }
 
 struct QueueState {
@@ -111,6 +114,8 @@ struct QueueState {
     levels: Levels,
     /// A task waits for the mark's fsync to resume dispatching.
     mark_waiter: bool,
+    /// Reads of a span merged so far (see `refilled_from_store`): what a waiting basic.get watches.
+    refills_done: u64,
     /// Consumers with credit could not take more because their connections' outgoing buffers are
     /// full (a consumer reading slower than publishers write): publishers are slowed (see
     /// `QueueState::publishers_must_wait`).
@@ -184,6 +189,18 @@ pub struct Queue {
     state: Mutex<QueueState>,
     /// Wakes publishers slowed by `held_back` once the window has drained.
     drained: tokio::sync::Notify,
+    /// Wakes basic.gets waiting for a read of a span (`GetWait::Refill`).
+    refilled: tokio::sync::Notify,
+    /// This queue, for the blocking task that reads its spans (`refill_locked`).
+    me: Weak<Queue>,
+}
+
+/// A read of a lane's span, and the store's durable watermark just before it: messages become readable
+/// only after their fsync, so a read that found nothing is worth repeating only once the watermark has
+/// moved past this.
+struct SpanRead {
+    watermark: SyncTicket,
+    read: std::result::Result<ReadBatch, StoreError>,
 }
 
 /// Work found under the queue lock, done after it is released.
@@ -214,7 +231,9 @@ impl Queue {
         QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let consumers = Consumers::new(args.single_active_consumer);
         let (lane, levels) = Levels::new(id, args.max_priority);
-        Arc::new(Queue {
+        Arc::new_cyclic(|me| Queue {
+            me: me.clone(),
+            refilled: tokio::sync::Notify::new(),
             name,
             id,
             durable,
@@ -228,6 +247,7 @@ impl Queue {
                 lane,
                 levels,
                 mark_waiter: false,
+                refills_done: 0,
                 held_back: false,
                 publisher_waiting: false,
                 consumers_stalled: false,
@@ -396,52 +416,108 @@ impl Queue {
         st.span_bytes = recovered.live_bytes;
     }
 
-    /// Reads the next part of the span into the window when the window runs low.
+    /// Tops up the current lane's window from its span when it runs low. The read (up to 4 MiB, and a
+    /// wait for the queue log's lock, which the store's writer holds while a checkpoint copies records
+    /// into the queue's files: on a full disk, until space is back) must hold neither this queue's lock
+    /// nor a runtime thread: on a runtime it runs on a blocking thread and `refilled_from_store` merges
+    /// it under the lock. Without a runtime (startup, tests) it reads here.
     fn refill_locked(&self, st: &mut QueueState, after: &mut AfterUnlock) {
         let (window_messages, window) = self.window();
-        while st.span_count > 0 && st.ready.len() < window_messages / 2 && st.ready_mem < window / 2 {
+        while st.span_count > 0 && st.ready.len() < window_messages / 2 && st.ready_mem < window / 2 && !st.refill_in_flight {
+            if let Some(watermark) = st.refill_found_nothing {
+                if !self.store.is_durable(watermark + 1) {
+                    return; // nothing new can be readable yet
+                }
+                st.refill_found_nothing = None;
+            }
             let want = window_messages - st.ready.len();
             let budget = (window - st.ready_mem) as usize;
-            let batch = match self.store.read(st.store_id, st.span_from, want, budget) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::error!(queue = %self.name, error = %e, "could not read messages back from the store");
-                    return;
-                }
-            };
-            if batch.messages.is_empty() && batch.lost == 0 {
-                // Not copied into the queue's files yet (the writer is a moment behind): later.
+            let (store_id, from, epoch) = (st.store_id, st.span_from, st.span_epoch);
+            if let (Ok(rt), Some(me)) = (tokio::runtime::Handle::try_current(), self.me.upgrade()) {
+                st.refill_in_flight = true;
+                rt.spawn_blocking(move || {
+                    let read = me.read_span(store_id, from, want, budget);
+                    me.refilled_from_store(store_id, from, epoch, read);
+                });
                 return;
             }
-            st.span_from = batch.next_seq;
-            st.span_count = st.span_count.saturating_sub(batch.messages.len() as u64 + batch.lost);
-            for m in batch.messages {
-                st.span_store_bytes = st.span_store_bytes.saturating_sub(m.payload.len() as u64);
-                let stored_bytes = m.payload.len() as u64;
-                let Some(stored) = decode_stored(&m.payload) else {
-                    tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
-                    after.acks.ack(st.store_id, m.seq, stored_bytes);
-                    continue;
-                };
-                let message = Arc::new(stored.message);
-                st.span_bytes = st.span_bytes.saturating_sub(message.body_len() as u64);
-                let recovered = m.seq < st.recovered_until;
-                if recovered && !(self.durable && message.persistent) {
-                    // A transient message paged out before a restart: it does not survive one.
-                    after.acks.ack(st.store_id, m.seq, stored_bytes);
-                    continue;
-                }
-                let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
-                st.ready_bytes += message.body_len() as u64;
-                st.ready_mem += message.memory_bytes() as u64;
-                let redelivered = m.seq < st.redelivered_below;
-                st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered });
-            }
-            if st.span_count == 0 {
-                st.span_bytes = 0;
-                st.span_store_bytes = 0;
+            let read = self.read_span(store_id, from, want, budget);
+            if !self.take_read(st, after, read) {
+                return;
             }
         }
+    }
+
+    /// Reads a lane's span from `from`, with the durable watermark from before the read (`SpanRead`).
+    fn read_span(&self, store_id: u64, from: u64, want: usize, budget: usize) -> SpanRead {
+        let watermark = self.store.stats().durable;
+        SpanRead { watermark, read: self.store.read(store_id, from, want, budget) }
+    }
+
+    /// Merges a read of a lane's span made off the lock (see `refill_locked`), unless the span changed
+    /// meanwhile (purged, deleted: the read is dropped), then delivers.
+    fn refilled_from_store(self: &Arc<Self>, store_id: u64, from: u64, epoch: u64, read: SpanRead) {
+        let mut after = AfterUnlock::default();
+        {
+            let mut st = self.state.lock();
+            st.refills_done += 1;
+            if !st.deleted {
+                st.select(store_id.saturating_sub(self.id) as usize);
+                st.refill_in_flight = false;
+                if st.span_epoch == epoch && st.span_from == from && self.take_read(&mut st, &mut after, read) {
+                    self.drop_head_over_limit(&mut st, &mut after);
+                }
+                self.dispatch_locked(&mut st, crate::now_ms(), &mut after);
+            }
+        }
+        self.refilled.notify_waiters();
+        self.finish(after);
+    }
+
+    /// Puts what a read of the current lane's span returned into its window. False if it found nothing
+    /// (an error, or the store's writer has not applied those messages yet: a later read gets them).
+    fn take_read(&self, st: &mut QueueState, after: &mut AfterUnlock, read: SpanRead) -> bool {
+        let batch = match read.read {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(queue = %self.name, error = %e, "could not read messages back from the store");
+                st.refill_found_nothing = Some(read.watermark);
+                return false;
+            }
+        };
+        if batch.messages.is_empty() && batch.lost == 0 {
+            st.refill_found_nothing = Some(read.watermark);
+            return false;
+        }
+        st.span_from = batch.next_seq;
+        st.span_count = st.span_count.saturating_sub(batch.messages.len() as u64 + batch.lost);
+        for m in batch.messages {
+            st.span_store_bytes = st.span_store_bytes.saturating_sub(m.payload.len() as u64);
+            let stored_bytes = m.payload.len() as u64;
+            let Some(stored) = decode_stored(&m.payload) else {
+                tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
+                after.acks.ack(st.store_id, m.seq, stored_bytes);
+                continue;
+            };
+            let message = Arc::new(stored.message);
+            st.span_bytes = st.span_bytes.saturating_sub(message.body_len() as u64);
+            let recovered = m.seq < st.recovered_until;
+            if recovered && !(self.durable && message.persistent) {
+                // A transient message paged out before a restart: it does not survive one.
+                after.acks.ack(st.store_id, m.seq, stored_bytes);
+                continue;
+            }
+            let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
+            st.ready_bytes += message.body_len() as u64;
+            st.ready_mem += message.memory_bytes() as u64;
+            let redelivered = m.seq < st.redelivered_below;
+            st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered });
+        }
+        if st.span_count == 0 {
+            st.span_bytes = 0;
+            st.span_store_bytes = 0;
+        }
+        true
     }
 
     /// The store queue ids this queue's messages are written under: one per lane (see `lane`).
@@ -689,6 +765,8 @@ impl Queue {
             let lanes = st.levels.lane_count();
             for level in 0..lanes {
                 st.select(level);
+                // A read that found nothing is tried again at least once per tick.
+                st.refill_found_nothing = None;
                 self.refill_locked(&mut st, &mut after);
                 self.expire_locked(&mut st, now_ms, true, &mut after);
             }
@@ -824,6 +902,13 @@ impl Queue {
                     return Got::Later(GetWait::Durable(ticket));
                 }
             }
+            if st.ready.is_empty() && (st.refill_in_flight || st.levels.others_mut().any(|l| l.refill_in_flight)) {
+                // The next messages are being read from the store (`refill_locked`).
+                let done = st.refills_done;
+                drop(st);
+                self.finish(after);
+                return Got::Later(GetWait::Refill(done));
+            }
             match pop_ready(&mut st) {
                 None => Got::Empty,
                 Some(entry) => {
@@ -848,6 +933,19 @@ impl Queue {
                 let mut durable = self.store.durable();
                 let _ = durable.wait_for(|&d| d >= ticket).await;
             }
+            GetWait::Refill(done) => loop {
+                let notified = self.refilled.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                let finished = {
+                    let st = self.state.lock();
+                    st.refills_done != done || st.deleted
+                };
+                if finished {
+                    return;
+                }
+                notified.await;
+            },
         }
     }
 
@@ -986,6 +1084,7 @@ fn drain_ready(st: &mut QueueState, acks: &mut Batch) -> u32 {
 
 /// Empties a lane's window and span, collecting store acks.
 fn drain_lane(lane: &mut Lane, acks: &mut Batch) {
+    lane.span_epoch += 1; // a read of the span under way is stale now
     for entry in lane.ready.drain(..) {
         entry.settle_in_store(lane.store_id, acks);
     }
@@ -1018,4 +1117,94 @@ fn push_ready_sorted(st: &mut QueueState, entry: Entry) {
     st.ready_mem += entry.message.memory_bytes() as u64;
     let pos = st.ready.partition_point(|e| e.seq < entry.seq);
     st.ready.insert(pos, entry);
+}
+
+#[cfg(test)]
+mod refill_tests {
+    use super::*;
+    use crate::channel::{ClientSink, Delivery};
+    use std::time::{Duration, Instant};
+    use warren_store::sim::SimDisk;
+    use warren_store::{Disk, StoreOptions};
+
+    /// Keeps the seqs of what basic.get handed out (the body holds the seq).
+    #[derive(Default)]
+    struct Gets(parking_lot::Mutex<Vec<u64>>);
+
+    impl ClientSink for Gets {
+        fn send(&self, delivery: Delivery) {
+            if let Delivery::GetOk { message, .. } = delivery {
+                self.0.lock().push(std::str::from_utf8(&message.body).unwrap().parse().unwrap());
+            }
+        }
+    }
+
+    /// The store's writer holds a queue log's lock while a checkpoint copies records into the queue's
+    /// files; on a full disk that lasts until space comes back. A refill used to read the store under
+    /// the queue's lock on the calling (runtime) thread, so basic.get, publishes and dispatch of that
+    /// queue, and the runtime threads they ran on, waited for the disk. Now the read runs on a
+    /// blocking thread: gets from the window go on, and the backlog arrives once the disk has room.
+    #[test]
+    fn a_refill_waiting_for_the_disk_holds_neither_the_queue_nor_the_caller() {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _in_runtime = rt.enter();
+        let root = tempfile::tempdir().unwrap();
+        let sim = SimDisk::new(root.path()).unwrap();
+        let opts = StoreOptions { checkpoint_idle_ms: 50, ..StoreOptions::default() };
+        let (store, _) = Store::open_on(&root.path().join("store"), opts, Disk::simulated(sim.clone())).unwrap();
+        // Not durable: its gets need no delivered mark (which could not become durable on a full disk);
+        // what does not fit in its window is still paged to the store.
+        let queue = Queue::new("q".into(), 1, false, None, false, FieldTable::default(), QueueArgs::default(), Weak::new(), store.clone(), 0);
+        let total = WINDOW_MESSAGES as u64 + 300;
+        for seq in 0..total {
+            let message = Arc::new(crate::Message {
+                exchange: String::new(),
+                routing_key: "q".into(),
+                properties: bytes::Bytes::from_static(&[0x10, 0x00, 0x02]),
+                body: bytes::Bytes::from(seq.to_string()),
+                persistent: true,
+                expiration_ms: None,
+            });
+            let mut header = bytes::BytesMut::new();
+            crate::message::encode_header(&message, None, &mut header);
+            assert!(matches!(queue.publish(&message, &header, 0, false).unwrap(), Enqueued::Accepted { .. }));
+        }
+        let mut sync = Batch::new();
+        sync.delivered(7, 1); // any record: once it is durable, the paged messages before it are too
+        store.wait_durable(store.append(&mut sync).unwrap()).unwrap();
+        assert_eq!(queue.state.lock().span_count, 300, "the last 300 wait in the store");
+
+        // The next quiet checkpoint copies the 300 (a short run) into the queue's own file: it cannot.
+        sim.set_full(true);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !store.waiting_for_space() {
+            assert!(Instant::now() < deadline, "the checkpoint's write waits for space");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let sink = Arc::new(Gets::default());
+        let channel = Channel::new(1, 1, sink.clone());
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let (q, ch, handle) = (queue.clone(), channel.clone(), rt.handle().clone());
+        let getter = std::thread::spawn(move || {
+            let _in_runtime = handle.enter();
+            for _ in 0..1100 {
+                assert_eq!(q.get(&ch, true), Got::Message);
+            }
+            done_tx.send(()).unwrap();
+        });
+        let _ = getter;
+        let prompt = done_rx.recv_timeout(Duration::from_secs(5)).is_ok();
+        sim.set_full(false);
+        assert!(prompt, "basic.get waited for a refill that waits for the disk");
+
+        loop {
+            match queue.get(&channel, true) {
+                Got::Message => {}
+                Got::Empty => break,
+                Got::Later(wait) => rt.block_on(queue.wait_for(wait)),
+            }
+        }
+        let seqs = sink.0.lock().clone();
+        assert_eq!(seqs, (0..total).collect::<Vec<_>>(), "every message once, in order");
+    }
 }
