@@ -6,6 +6,7 @@ use crate::connection::{self, ServerContext};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
+use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::watch;
 use crate::alarms::{self, AlarmState, Limits};
 use warren_broker::{Broker, BrokerOptions};
@@ -55,6 +56,10 @@ impl StoreActivity {
 pub type Reload = Box<dyn Fn() -> Result<Config, crate::config::ConfigError> + Send + Sync>;
 
 pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::error::Error>> {
+    // Installed before anything else: a SIGTERM, SIGINT or SIGHUP that comes during recovery or just
+    // after the listener binds is then handled, instead of killing the process (their default action).
+    let stop_signals = ShutdownSignals::install().map_err(|e| format!("cannot handle SIGTERM/SIGINT: {e}"))?;
+    let hangup = signal(SignalKind::hangup()).map_err(|e| format!("cannot handle SIGHUP: {e}"))?;
     let store = StoreOptions {
         segment_size: config.segment_size,
         sync: match config.sync_interval_ms() {
@@ -104,7 +109,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
     let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
     let (alarm_tx, alarm_rx) = watch::channel(AlarmState::default());
     let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), broker.store().clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
-    let reloader = tokio::spawn(reload_on_sighup(reload, limits, shutdown_rx.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits, shutdown_rx.clone()));
     let ctx = Arc::new(ServerContext {
         broker: broker.clone(),
         config: config.clone(),
@@ -134,7 +139,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
     };
 
     let mut connections = tokio::task::JoinSet::new();
-    let signal = shutdown_signal();
+    let signal = stop_signals.received();
     tokio::pin!(signal);
     loop {
         tokio::select! {
@@ -171,9 +176,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
 }
 
 /// On SIGHUP, re-reads the configuration and applies what can change while running: the alarm limits.
-async fn reload_on_sighup(reload: Reload, limits: Arc<parking_lot::Mutex<Limits>>, mut shutdown: watch::Receiver<bool>) {
-    use tokio::signal::unix::{signal, SignalKind};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else { return };
+async fn reload_on_sighup(mut hup: Signal, reload: Reload, limits: Arc<parking_lot::Mutex<Limits>>, mut shutdown: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = hup.recv() => {}
@@ -191,14 +194,22 @@ async fn reload_on_sighup(reload: Reload, limits: Arc<parking_lot::Mutex<Limits>
     }
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+/// SIGTERM and SIGINT, which stop the server cleanly.
+struct ShutdownSignals {
+    term: Signal,
+    int: Signal,
+}
+
+impl ShutdownSignals {
+    fn install() -> std::io::Result<Self> {
+        Ok(ShutdownSignals { term: signal(SignalKind::terminate())?, int: signal(SignalKind::interrupt())? })
+    }
+
+    /// Completes when either signal has come (also one that came before this was first polled).
+    async fn received(mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
     }
 }
