@@ -35,14 +35,17 @@ pub(crate) struct Lane {
     /// A read of the span is under way on a blocking thread, off the queue's lock
     /// (`Queue::refill_locked`).
     pub refill_in_flight: bool,
-    /// The last read found nothing yet (the store's writer had not applied those messages): the durable
-    /// watermark before it. No new read until the watermark has moved (or the next tick).
+    /// The last read found nothing yet (the store's writer had not applied those messages): the store's
+    /// readable watermark before it. No new read until the watermark has moved (or the next tick).
     pub refill_found_nothing: Option<SyncTicket>,
     /// Bumped whenever the span is emptied (purge, delete): a read under way is stale then.
     pub span_epoch: u64,
     /// Their body bytes (for `x-max-length-bytes`; an estimate after a restart) and store bytes.
     pub span_bytes: u64,
     pub span_store_bytes: u64,
+    /// Ticket of the last append of a span message: the store's `read` sees the whole span once its
+    /// readable watermark has reached it (the writer copies appends into the queue logs a moment later).
+    pub span_ticket: SyncTicket,
     /// Seqs below this were in the store when the node started.
     pub recovered_until: u64,
     /// Of those, seqs below this may have been delivered before the restart (the store's delivered mark):

@@ -105,6 +105,24 @@ pub enum GetWait {
     /// A read of the queue's backlog from the store (every window is empty meanwhile): one more read
     /// finished than this count of them.
     Refill(u64),
+    /// The store's readable watermark reaching this ticket: the head is in the store, appended a
+    /// moment ago, and not yet visible to `Store::read` (the writer applies appends after their fsync).
+    Readable(SyncTicket),
+}
+
+/// What `Queue::select_head` found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Head {
+    /// The current lane's window holds the message to deliver next.
+    Ready,
+    /// No ready message.
+    Empty,
+    /// The next messages (of the highest level holding any) are being read from the store
+    /// (`refill_locked`); the read's merge delivers them.
+    Refilling,
+    /// The next message (of the highest level holding any) is in the store but not readable yet; it
+    /// is once the store's readable watermark reaches this ticket.
+    Unreadable(SyncTicket),
 }
 
 struct QueueState {
@@ -114,6 +132,8 @@ struct QueueState {
     levels: Levels,
     /// A task waits for the mark's fsync to resume dispatching.
     mark_waiter: bool,
+    /// A task waits for the store to make the head readable to resume dispatching.
+    readable_waiter: bool,
     /// Reads of a span merged so far (see `refilled_from_store`): what a waiting basic.get watches.
     refills_done: u64,
     /// Consumers with credit could not take more because their connections' outgoing buffers are
@@ -247,6 +267,7 @@ impl Queue {
                 lane,
                 levels,
                 mark_waiter: false,
+                readable_waiter: false,
                 refills_done: 0,
                 held_back: false,
                 publisher_waiting: false,
@@ -337,6 +358,9 @@ impl Queue {
                 }
                 let store_id = st.store_id;
                 let t = self.store_message(store_id, &mut st.stored_until, seq, now_ms, stored_header, message)?;
+                if paged {
+                    st.span_ticket = t;
+                }
                 ticket = must_be_durable.then_some(t);
                 (stored_header.len() + message.body.len()) as u64
             } else {
@@ -425,7 +449,7 @@ impl Queue {
         let (window_messages, window) = self.window();
         while st.span_count > 0 && st.ready.len() < window_messages / 2 && st.ready_mem < window / 2 && !st.refill_in_flight {
             if let Some(watermark) = st.refill_found_nothing {
-                if !self.store.is_durable(watermark + 1) {
+                if !self.store.is_readable(watermark + 1) {
                     return; // nothing new can be readable yet
                 }
                 st.refill_found_nothing = None;
@@ -448,9 +472,10 @@ impl Queue {
         }
     }
 
-    /// Reads a lane's span from `from`, with the durable watermark from before the read (`SpanRead`).
+    /// Reads a lane's span from `from`, with the readable watermark from before the read (`SpanRead`):
+    /// the read saw everything appended up to it, so reading again finds more only once it moved.
     fn read_span(&self, store_id: u64, from: u64, want: usize, budget: usize) -> SpanRead {
-        let watermark = self.store.stats().durable;
+        let watermark = *self.store.readable().borrow();
         SpanRead { watermark, read: self.store.read(store_id, from, want, budget) }
     }
 
@@ -552,25 +577,40 @@ impl Queue {
     }
 
     /// Makes the lane to deliver from current (the highest priority holding ready messages), with its
-    /// window refilled and expired messages dropped (`inclusive`: see `expire_locked`). Returns whether
-    /// it has a message to deliver.
-    fn select_head(&self, st: &mut QueueState, now_ms: u64, inclusive: bool, after: &mut AfterUnlock) -> bool {
+    /// window refilled and expired messages dropped (`inclusive`: see `expire_locked`). A lane whose
+    /// next messages are being read, or not readable yet (the store writer is a moment behind:
+    /// `Store::readable`), is waited for, never passed over: a get-empty or a lower priority first
+    /// would be a lie.
+    fn select_head(&self, st: &mut QueueState, now_ms: u64, inclusive: bool, after: &mut AfterUnlock) -> Head {
         if !st.levels.is_priority() {
-            self.refill_locked(st, after);
-            self.expire_locked(st, now_ms, inclusive, after);
-            return !st.ready.is_empty();
+            return self.lane_head(st, now_ms, inclusive, after).unwrap_or(Head::Empty);
         }
-        // A lane whose span is not readable yet (the store writer is a moment behind) is passed over.
         let levels: Vec<usize> = st.levels.non_empty_desc(&st.lane).collect();
         for level in levels {
             st.select(level);
-            self.refill_locked(st, after);
-            self.expire_locked(st, now_ms, inclusive, after);
-            if !st.ready.is_empty() {
-                return true;
+            if let Some(head) = self.lane_head(st, now_ms, inclusive, after) {
+                return head;
             }
         }
-        false
+        Head::Empty
+    }
+
+    /// The current lane's head, refilled and expired; None if the lane has nothing to deliver.
+    fn lane_head(&self, st: &mut QueueState, now_ms: u64, inclusive: bool, after: &mut AfterUnlock) -> Option<Head> {
+        self.refill_locked(st, after);
+        self.expire_locked(st, now_ms, inclusive, after);
+        if !st.ready.is_empty() {
+            return Some(Head::Ready);
+        }
+        if st.span_count == 0 {
+            return None;
+        }
+        if st.refill_in_flight {
+            return Some(Head::Refilling);
+        }
+        // A span the store had made readable and a read still did not give back is not there (lost):
+        // passed over rather than waited for forever.
+        (!self.store.is_readable(st.span_ticket)).then_some(Head::Unreadable(st.span_ticket))
     }
 
     fn is_full(&self, st: &QueueState, incoming_bytes: u64) -> bool {
@@ -634,8 +674,14 @@ impl Queue {
             if st.consumers.is_empty() {
                 return;
             }
-            if !self.select_head(st, now_ms, false, after) {
-                return;
+            match self.select_head(st, now_ms, false, after) {
+                Head::Ready => {}
+                // The read's merge (`refilled_from_store`) dispatches.
+                Head::Empty | Head::Refilling => return,
+                Head::Unreadable(ticket) => {
+                    self.resume_when_readable(st, ticket);
+                    return;
+                }
             }
             let mut delivered = false;
             let mut candidates = st.consumers.candidates();
@@ -736,6 +782,22 @@ impl Queue {
         rt.spawn(async move {
             let _ = durable.wait_for(|&d| d >= ticket).await;
             queue.state.lock().mark_waiter = false;
+            queue.dispatch();
+        });
+    }
+
+    /// Dispatches again once the store can read the head back (see `Head::Unreadable`).
+    fn resume_when_readable(self: &Arc<Self>, st: &mut QueueState, ticket: SyncTicket) {
+        if st.readable_waiter {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        st.readable_waiter = true;
+        let queue = self.clone();
+        let mut readable = self.store.readable();
+        rt.spawn(async move {
+            let _ = readable.wait_for(|&r| r >= ticket).await;
+            queue.state.lock().readable_waiter = false;
             queue.dispatch();
         });
     }
@@ -887,7 +949,17 @@ impl Queue {
             let mut st = self.state.lock();
             let now = crate::now_ms();
             st.last_used_ms = now;
-            self.select_head(&mut st, now, true, &mut after);
+            let wait = match self.select_head(&mut st, now, true, &mut after) {
+                Head::Ready | Head::Empty => None,
+                // The next messages are being read from the store (`refill_locked`).
+                Head::Refilling => Some(GetWait::Refill(st.refills_done)),
+                Head::Unreadable(ticket) => Some(GetWait::Readable(ticket)),
+            };
+            if let Some(wait) = wait {
+                drop(st);
+                self.finish(after);
+                return Got::Later(wait);
+            }
             if !no_ack && self.head_is_deferred(&st) {
                 // It becomes unacked: it must be in the store before anything could requeue it (see
                 // `store_deferred_locked`), and then it needs its delivered mark too.
@@ -901,13 +973,6 @@ impl Queue {
                     self.finish(after);
                     return Got::Later(GetWait::Durable(ticket));
                 }
-            }
-            if st.ready.is_empty() && (st.refill_in_flight || st.levels.others_mut().any(|l| l.refill_in_flight)) {
-                // The next messages are being read from the store (`refill_locked`).
-                let done = st.refills_done;
-                drop(st);
-                self.finish(after);
-                return Got::Later(GetWait::Refill(done));
             }
             match pop_ready(&mut st) {
                 None => Got::Empty,
@@ -946,6 +1011,10 @@ impl Queue {
                 }
                 notified.await;
             },
+            GetWait::Readable(ticket) => {
+                let mut readable = self.store.readable();
+                let _ = readable.wait_for(|&r| r >= ticket).await;
+            }
         }
     }
 

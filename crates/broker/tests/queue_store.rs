@@ -108,8 +108,16 @@ fn get(queue: &Arc<Queue>, ch: &Channel, store: &Store, no_ack: bool) -> Got {
     loop {
         match queue.get(ch, no_ack) {
             Got::Later(GetWait::Durable(ticket)) => store.wait_durable(ticket).unwrap(),
+            Got::Later(GetWait::Readable(ticket)) => wait_readable(store, ticket),
             got => return got,
         }
+    }
+}
+
+/// Waits until what the batch of `ticket` enqueued is visible to `Store::read`.
+fn wait_readable(store: &Store, ticket: u64) {
+    while !store.is_readable(ticket) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
@@ -300,4 +308,118 @@ fn after_a_crash_delivered_messages_come_back_redelivered_and_undelivered_ones_n
     assert_eq!(untouched.len(), 6);
     assert!(untouched.iter().all(|(_, _, redelivered)| !redelivered), "never delivered: not flagged");
     b.close();
+}
+
+/// A broker whose store writer applies appends to the queue logs (what `Store::read` sees) only every
+/// `apply_every_ms` (the interval sync policy applies a group after its fsync): a store "behind" its
+/// readers for as long as a test needs, which a loaded machine produces for a moment at random.
+fn open_behind(dir: &Path, apply_every_ms: u64) -> Arc<Broker> {
+    let opts = BrokerOptions {
+        default_vhost: "/".into(),
+        default_user: "guest".into(),
+        default_pass: "guest".into(),
+        loopback_users: Vec::new(),
+        store: StoreOptions { sync: warren_store::SyncPolicy::IntervalMs(apply_every_ms), ..StoreOptions::default() },
+    };
+    Broker::open(dir, opts).expect("open the broker").0
+}
+
+/// A transient queue (`max_priority` 0: classic) and transient messages, as the wire test has them.
+fn declare_transient(vhost: &VHost, name: &str, max_priority: u8) -> Arc<Queue> {
+    let mut args = FieldTable::new();
+    if max_priority > 0 {
+        args.insert("x-max-priority".into(), warren_protocol::field::FieldValue::I32(max_priority as i32));
+    }
+    let d = QueueDeclare { name, passive: false, durable: false, exclusive: false, auto_delete: false, arguments: &args, connection_id: CONN };
+    vhost.queue_declare(&d).expect("declare");
+    vhost.queue(name, CONN).expect("queue")
+}
+
+fn publish_transient(vhost: &VHost, queue: &str, body: &str, priority: Option<u8>) {
+    let mut props = BytesMut::new();
+    BasicProperties { priority, ..Default::default() }.encode(&mut props);
+    let m = Message {
+        exchange: String::new(),
+        routing_key: queue.into(),
+        properties: props.freeze(),
+        body: Bytes::copy_from_slice(body.as_bytes()),
+        persistent: false,
+        expiration_ms: None,
+    };
+    vhost.publish("", m, false).expect("publish");
+}
+
+/// basic.get no-ack until it does not answer with a message; returns what it got and how it stopped.
+fn get_until_not_a_message(q: &Arc<Queue>, ch: &Channel, sink: &Sink, store: &Store) -> (Vec<String>, Got) {
+    let stopped = loop {
+        match q.get(ch, true) {
+            Got::Message => {}
+            other => break other,
+        }
+    };
+    let bodies = sink
+        .write(store)
+        .into_iter()
+        .filter_map(|d| match d {
+            Delivery::GetOk { message, .. } => Some(String::from_utf8_lossy(&message.body).into_owned()),
+            _ => None,
+        })
+        .collect();
+    (bodies, stopped)
+}
+
+#[test]
+fn a_get_waits_for_a_backlog_the_store_cannot_read_back_yet_instead_of_answering_empty() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = open_behind(dir.path(), 3_000);
+    let v = vhost(&broker);
+    let q = declare_transient(&v, "q", 0);
+    let n = warren_broker::queue::WINDOW_MESSAGES + 500; // the last 500 are paged to the store
+    for i in 0..n {
+        publish_transient(&v, "q", &format!("m{i:05}"), None);
+    }
+    let (ch, sink) = channel(1);
+    let (got, stopped) = get_until_not_a_message(&q, &ch, &sink, broker.store());
+    assert!(
+        matches!(stopped, Got::Later(GetWait::Readable(_))),
+        "after {} of {n} messages the get answered {stopped:?}: get-empty while the queue holds messages",
+        got.len()
+    );
+    let Got::Later(GetWait::Readable(ticket)) = stopped else { unreachable!() };
+    wait_readable(broker.store(), ticket);
+    let mut all = got;
+    all.extend(drain(&broker, "q").into_iter().map(|(b, _, _)| b));
+    let expected: Vec<String> = (0..n).map(|i| format!("m{i:05}")).collect();
+    assert_eq!(all, expected);
+    broker.close();
+}
+
+#[test]
+fn a_priority_queue_waits_for_a_higher_backlog_the_store_cannot_read_back_yet_instead_of_delivering_a_lower_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = open_behind(dir.path(), 3_000);
+    let v = vhost(&broker);
+    let q = declare_transient(&v, "pq", 3);
+    let n = warren_broker::queue::WINDOW_MESSAGES; // a lane's window is a quarter of that: the rest is paged
+    for i in 0..n {
+        publish_transient(&v, "pq", &format!("3-{i:05}"), Some(3));
+    }
+    publish_transient(&v, "pq", "0-low", Some(0));
+    let (ch, sink) = channel(1);
+    let (got, stopped) = get_until_not_a_message(&q, &ch, &sink, broker.store());
+    assert!(
+        got.iter().all(|b| b.starts_with("3-")),
+        "priority 0 delivered while {} priority-3 messages were ready",
+        n - got.iter().filter(|b| b.starts_with("3-")).count()
+    );
+    let Got::Later(GetWait::Readable(ticket)) = stopped else {
+        panic!("after {} of {} messages the get answered {stopped:?}", got.len(), n + 1)
+    };
+    wait_readable(broker.store(), ticket);
+    let mut all = got;
+    all.extend(drain(&broker, "pq").into_iter().map(|(b, _, _)| b));
+    let mut expected: Vec<String> = (0..n).map(|i| format!("3-{i:05}")).collect();
+    expected.push("0-low".into());
+    assert_eq!(all, expected);
+    broker.close();
 }

@@ -206,6 +206,18 @@ impl Store {
         self.inner.shared.durable_pos() >= ticket
     }
 
+    /// The readable watermark: the highest SyncTicket whose enqueues [`Store::read`] sees. It trails
+    /// `durable()` a little (the writer copies a group into the queue logs after its fsync), so a reader
+    /// that found nothing where the caller knows it appended something waits for its ticket here.
+    pub fn readable(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.shared.subscribe_applied()
+    }
+
+    /// Whether what the batch of `ticket` enqueued is visible to [`Store::read`] now.
+    pub fn is_readable(&self, ticket: SyncTicket) -> bool {
+        self.inner.shared.applied_pos() >= ticket
+    }
+
     /// Blocks the calling (non-async) thread until `ticket` is durable. For tests and shutdown.
     /// Fails with `Closed` if the writer stopped before the ticket became durable.
     pub fn wait_durable(&self, ticket: SyncTicket) -> Result<(), StoreError> {
@@ -242,7 +254,7 @@ impl Store {
     /// Reads queue `queue`'s live messages from `from_seq` on, in order: at most `max_count` and about
     /// `max_bytes` of payload (at least one message if there is one). Only what the writer has already
     /// copied into the queue's files is visible: a message appended a moment ago may show up only on a
-    /// later read. Gone seqs are skipped; `next_seq` says where to continue.
+    /// later read, once [`Store::readable`] has reached its ticket. Gone seqs are skipped; `next_seq` says where to continue.
     pub fn read(&self, queue: u64, from_seq: u64, max_count: usize, max_bytes: usize) -> Result<ReadBatch, StoreError> {
         let Some(log) = self.inner.shared.logs.get(queue) else {
             return Ok(ReadBatch { next_seq: from_seq, ..Default::default() });

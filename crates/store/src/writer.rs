@@ -156,6 +156,9 @@ pub(crate) struct Shared {
     durable: Mutex<Durable>,
     durable_cv: Condvar,
     durable_tx: watch::Sender<u64>,
+    /// Position up to which records were applied to the queue logs: what [`crate::Store::read`] sees.
+    /// Trails `durable_tx` by the time the writer takes to apply a group after its fsync.
+    applied_tx: watch::Sender<u64>,
     pub logs: QueueLogs,
     pub counters: Counters,
 }
@@ -208,6 +211,7 @@ impl Shared {
             durable: Mutex::new(Durable { pos: start.pos, writer_stopped: false }),
             durable_cv: Condvar::new(),
             durable_tx: watch::Sender::new(start.pos),
+            applied_tx: watch::Sender::new(start.pos),
             logs,
             counters: Counters::default(),
         }
@@ -329,6 +333,14 @@ impl Shared {
         self.caught_up.notify_waiters();
     }
 
+    pub fn subscribe_applied(&self) -> watch::Receiver<u64> {
+        self.applied_tx.subscribe()
+    }
+
+    pub fn applied_pos(&self) -> u64 {
+        *self.applied_tx.borrow()
+    }
+
     pub fn durable_pos(&self) -> u64 {
         self.durable.lock().pos
     }
@@ -389,6 +401,8 @@ impl Drop for StopGuard<'_> {
         self.0.caught_up.notify_waiters();
         self.0.durable.lock().writer_stopped = true;
         self.0.durable_cv.notify_all();
+        // Nothing more becomes readable either: readers waiting for a ticket go on (and read what is there).
+        self.0.applied_tx.send_replace(u64::MAX);
     }
 }
 
@@ -516,6 +530,7 @@ impl Writer {
                         self.apply(group);
                     }
                     self.applied = pos;
+                    self.shared.applied_tx.send_replace(pos);
                 }
             }
             let quiet_due = self.last_checkpoint.elapsed() >= self.shared.checkpoint_idle
