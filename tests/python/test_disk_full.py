@@ -66,6 +66,9 @@ class ConfirmingPublisher:
         self.confirmed = set()
         self.nacked = set()
         self.events = []
+        # How many messages were confirmed when each event arrived: the broker confirms only what it
+        # read before it blocked the connection, so at most `window` more after "blocked".
+        self.confirmed_at = {}
         self.stop = False
         self.error = None
         self.sender = threading.Thread(target=self._send, daemon=True)
@@ -104,10 +107,11 @@ class ConfirmingPublisher:
                         target.update(self.base + t - 1 for t in range(first, tag + 1))  # delivery tag t: seq base+t-1
                         self.acked_up_to = max(self.acked_up_to, tag)
                         self.lock.notify_all()
-                elif f.method == (10, 60):
-                    self.events.append("blocked")
-                elif f.method == (10, 61):
-                    self.events.append("unblocked")
+                elif f.method in ((10, 60), (10, 61)):
+                    kind = "blocked" if f.method == (10, 60) else "unblocked"
+                    with self.lock:
+                        self.confirmed_at.setdefault(kind, len(self.confirmed))
+                    self.events.append(kind)
                 else:
                     raise AssertionError(f"unexpected {f}")
         except (OSError, ConnectionError, struct.error) as e:
@@ -116,6 +120,20 @@ class ConfirmingPublisher:
     def confirmed_count(self):
         with self.lock:
             return len(self.confirmed)
+
+    def settle(self, quiet=1.0, timeout=30):
+        """Waits until no confirm arrived for `quiet` seconds: the broker confirmed what it had read
+        (on a loaded machine that can take longer than `quiet`). Returns the confirmed set."""
+        last = [self.snapshot(), time.monotonic()]
+
+        def quiet_for_a_while():
+            now = self.snapshot()
+            if now != last[0]:
+                last[:] = [now, time.monotonic()]
+            return time.monotonic() - last[1] >= quiet
+
+        eventually(quiet_for_a_while, timeout=timeout)
+        return last[0]
 
     def snapshot(self):
         with self.lock:
@@ -127,6 +145,17 @@ class ConfirmingPublisher:
             self.lock.notify_all()
         self.sender.join(10)
         self.r.close()
+
+
+@pytest.fixture
+def print_log_on_failure(request):
+    """Brokers registered here have their log printed if the test fails."""
+    brokers = []
+    yield brokers.append
+    failed = getattr(request.node, "rep_call", None)
+    if failed is not None and failed.failed:
+        for b in brokers:
+            print(f"---- warren log {b.log_path} ----\n" + b.log_text()[-30000:])
 
 
 @pytest.fixture
@@ -205,20 +234,23 @@ def check_consumable(broker, confirmed):
     return seqs
 
 
-def wait_for_event(pub, kind, timeout=15):
+def wait_for_event(pub, kind, timeout=30):
     eventually(lambda: kind in pub.events, timeout=timeout)
 
 
-def test_disk_alarm_below_the_limit_blocks_confirming_publishers(tmp_path, small_disk):
+def test_disk_alarm_below_the_limit_blocks_confirming_publishers(tmp_path, small_disk, print_log_on_failure):
     b = start_broker(tmp_path, small_disk)
+    print_log_on_failure(b)
     try:
         pub = ConfirmingPublisher(b)
         eventually(lambda: pub.confirmed_count() >= 2000, timeout=30)
         ballast = small_disk / "ballast"
         fill(ballast, leave_free=150 << 20)
         wait_for_event(pub, "blocked")
-        time.sleep(1.0)
-        during = pub.confirmed_count()
+        # What the broker read before it blocked the connection (at most a window) is still confirmed;
+        # then nothing more is.
+        during = len(pub.settle())
+        assert during - pub.confirmed_at["blocked"] <= pub.window, "a blocked publisher's messages are not read"
         time.sleep(1.0)
         assert pub.confirmed_count() == during, "a blocked publisher's messages are not read, so not confirmed"
         ballast.unlink()
@@ -234,19 +266,21 @@ def test_disk_alarm_below_the_limit_blocks_confirming_publishers(tmp_path, small
         b.proc.wait(10)
 
 
-def test_writes_that_hit_enospc_wait_for_space_and_confirm_nothing_meanwhile(tmp_path, small_disk):
+def test_writes_that_hit_enospc_wait_for_space_and_confirm_nothing_meanwhile(tmp_path, small_disk, print_log_on_failure):
     b = start_broker(tmp_path, small_disk)
+    print_log_on_failure(b)
     try:
         pub = ConfirmingPublisher(b)
         eventually(lambda: pub.confirmed_count() >= 2000, timeout=30)
         ballast = small_disk / "ballast"
         fill(ballast, leave_free=0)
         wait_for_event(pub, "blocked")
-        eventually(lambda: "no space left" in b.log_text().lower() or "waits for space" in b.log_text(), timeout=15)
+        eventually(lambda: "no space left" in b.log_text().lower() or "waits for space" in b.log_text(), timeout=30)
         assert b.alive(), "the broker did not abort on ENOSPC"
-        # Nothing more is confirmed while the store cannot write: the watermark does not move.
-        time.sleep(1.5)
-        frozen = pub.snapshot()
+        # Nothing more is confirmed while the store cannot write: the watermark does not move (confirms
+        # the broker sent before its write failed may still be on their way: let them arrive).
+        frozen = pub.settle()
+        assert len(frozen) - pub.confirmed_at["blocked"] <= pub.window, "a blocked publisher's messages are not read"
         time.sleep(1.5)
         assert pub.snapshot() == frozen, "nothing is confirmed while the disk is full"
 
