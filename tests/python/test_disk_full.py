@@ -50,12 +50,13 @@ class ConfirmingPublisher:
     """Publishes persistent messages (seq in the body) with confirms, at most `window` unconfirmed, on a
     raw socket; a reader thread records confirms and connection.blocked/unblocked."""
 
-    def __init__(self, broker, base=0, window=200):
+    def __init__(self, broker, base=0, window=200, queue=QUEUE):
         self.base = base
+        self.queue = queue
         self.r = RawConnection(broker.host, broker.port, timeout=120)
         handshake(self.r)
         self.r.open_channel(1)
-        self.r.send(method_frame(1, 50, 10, struct.pack(">H", 0) + shortstr(QUEUE) + b"\x02" + struct.pack(">I", 0)))
+        self.r.send(method_frame(1, 50, 10, struct.pack(">H", 0) + shortstr(queue) + b"\x02" + struct.pack(">I", 0)))
         self.r.expect(50, 11)
         self.r.send(method_frame(1, 85, 10, b"\x00"))
         self.r.expect(85, 11)
@@ -77,7 +78,7 @@ class ConfirmingPublisher:
         self.reader.start()
 
     def _send(self):
-        publish = method_frame(1, 60, 40, struct.pack(">H", 0) + shortstr("") + shortstr(QUEUE) + b"\x00")
+        publish = method_frame(1, 60, 40, struct.pack(">H", 0) + shortstr("") + shortstr(self.queue) + b"\x00")
         header = frame(FRAME_HEADER, 1, struct.pack(">HHQH", 60, 0, SIZE, 0x1000) + b"\x02")
         try:
             while True:
@@ -275,6 +276,10 @@ def test_writes_that_hit_enospc_wait_for_space_and_confirm_nothing_meanwhile(tmp
         ballast = small_disk / "ballast"
         fill(ballast, leave_free=0)
         wait_for_event(pub, "blocked")
+        # A store write after the disk is full, whatever the alarm blocked first: a new connection's
+        # first publish is read (it is blocked only once it has published).
+        probe = ConfirmingPublisher(b, window=1, queue="disk-full-probe")
+        wait_for_event(probe, "blocked")
         eventually(lambda: "no space left" in b.log_text().lower() or "waits for space" in b.log_text(), timeout=30)
         assert b.alive(), "the broker did not abort on ENOSPC"
         # Nothing more is confirmed while the store cannot write: the watermark does not move (confirms
@@ -283,11 +288,14 @@ def test_writes_that_hit_enospc_wait_for_space_and_confirm_nothing_meanwhile(tmp
         assert len(frozen) - pub.confirmed_at["blocked"] <= pub.window, "a blocked publisher's messages are not read"
         time.sleep(1.5)
         assert pub.snapshot() == frozen, "nothing is confirmed while the disk is full"
+        assert probe.confirmed_count() == 0, "a message published while the disk is full is not confirmed"
 
         # Space comes back: the broker carries on without a restart.
         ballast.unlink()
         wait_for_event(pub, "unblocked", timeout=30)
         eventually(lambda: pub.confirmed_count() >= len(frozen) + 2000, timeout=60)
+        eventually(lambda: probe.confirmed_count() >= 1, timeout=30)
+        probe.close()
         assert "disk space is back" in b.log_text()
         pub.close()
         seqs = check_consumable(b, pub.snapshot())
