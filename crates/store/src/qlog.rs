@@ -199,7 +199,8 @@ impl QueueLog {
             self.gone.insert(self.next_seq, seq);
         }
         self.next_seq = seq + 1;
-        self.live_bytes += payload_len as u64;
+        // Saturating: the count starts from the checkpoint, whose damage the CRC may have missed.
+        self.live_bytes = self.live_bytes.saturating_add(payload_len as u64);
         self.dirty = true;
         self.last_enqueue_ms = now_ms;
         Ok(())

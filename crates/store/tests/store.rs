@@ -859,3 +859,35 @@ fn an_extent_ending_past_the_file_in_the_checkpoint_punches_no_hole_over_the_wal
     assert_eq!(all.len(), 700, "queue 1's messages are still on disk");
     assert!(all.iter().enumerate().all(|(i, (seq, p))| *seq == i as u64 && *p == payload(1, i as u64, 1000)));
 }
+
+/// Found by the store_recovery fuzz target: a checkpoint (checksum valid: damage the CRC missed, or a
+/// forged file) with a queue's live bytes near u64::MAX overflowed when the WAL after it was replayed: a
+/// panic with overflow checks, a count wrapped to a few bytes without. The count now saturates.
+#[test]
+fn live_bytes_from_a_damaged_checkpoint_saturate_instead_of_wrapping() {
+    let original = tempfile::tempdir().unwrap();
+    let crashed = tempfile::tempdir().unwrap();
+    {
+        let (store, _) = open(original.path(), opts());
+        put(&store, 1, 0..3, 100);
+        store.close().unwrap();
+        drop(store);
+        let (store, _) = open(original.path(), opts());
+        put(&store, 1, 3..5, 100); // only in the WAL, after the checkpoint
+        copy_dir(original.path(), crashed.path()); // the files as a crash leaves them
+        store.close().unwrap();
+    }
+    // The checkpoint's first queue (queue 1): id at byte 18, then next_seq, floor, live_bytes.
+    let cp_path = crashed.path().join("checkpoint");
+    let mut cp = std::fs::read(&cp_path).unwrap();
+    assert_eq!(u64::from_le_bytes(cp[18..26].try_into().unwrap()), 1);
+    cp[42..50].copy_from_slice(&(u64::MAX - 10).to_le_bytes());
+    let body = cp.len() - 4;
+    let crc = crc32c::crc32c(&cp[..body]);
+    cp[body..].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&cp_path, cp).unwrap();
+
+    let (store, rec) = open(crashed.path(), opts());
+    assert_eq!(queue(&rec, 1).live_bytes, u64::MAX);
+    assert_eq!(read_all(&store, 1, 0, 5).len(), 5);
+}
