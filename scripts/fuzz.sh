@@ -37,7 +37,7 @@ for t in "${targets[@]}"; do
   if ! nice -n 10 cargo +nightly fuzz run "$t" "$corpus" "fuzz/corpus/$t" -- \
       -max_total_time="$seconds" -timeout=10 -print_final_stats=1 >"$log" 2>&1; then
     tail -n 60 "$log" >&2
-    echo "fuzz.sh: $t FAILED: see $log and the input under fuzz/artifacts/$t/" >&2
+    echo "fuzz.sh: $t FAILED (a crash or hang: the input is under fuzz/artifacts/$t/; or a build error): see $log" >&2
     exit 1
   fi
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")

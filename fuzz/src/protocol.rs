@@ -170,6 +170,13 @@ pub fn check_properties(input: &[u8]) {
             assert_eq!(v.timestamp(), p.timestamp);
             let view_headers = v.headers().map(|h| encode_table(&h.expect("headers the decoder accepted")));
             assert_eq!(view_headers, p.headers.as_ref().map(encode_table));
+            assert_eq!(v.reply_to(), p.reply_to.as_deref().map(str::as_bytes));
+            // Direct reply-to rewrites the property in the raw bytes: the rest must stay as it was.
+            if let Some(rewritten) = v.with_reply_to(input, "amq.rabbitmq.reply-to.fuzz") {
+                let q = BasicProperties::decode(&rewritten).expect("rewritten properties decode");
+                let want = BasicProperties { reply_to: Some("amq.rabbitmq.reply-to.fuzz".into()), ..p.clone() };
+                assert_eq!(format!("{q:?}"), format!("{want:?}"), "with_reply_to changed more than reply-to");
+            }
             let once = encode_props(p);
             let again = BasicProperties::decode(&once).expect("re-decode");
             assert_eq!(format!("{again:?}"), format!("{p:?}"));
