@@ -28,6 +28,13 @@ if ! command -v cargo-fuzz >/dev/null; then
   exit 1
 fi
 
+# FUZZ_SEED fixes libFuzzer's random seed (what `make test` does), so a CI run explores the same
+# inputs as a run of the same length here and is reproducible; unset, every run explores anew.
+seed_arg=()
+if [ -n "${FUZZ_SEED:-}" ]; then
+  seed_arg=(-seed="$FUZZ_SEED")
+fi
+
 cargo +nightly fuzz build
 for t in "${targets[@]}"; do
   corpus=fuzz/target/corpus/$t
@@ -35,7 +42,7 @@ for t in "${targets[@]}"; do
   mkdir -p "$corpus"
   # -timeout: an input that takes 10 s is a hang (a loop that never ends), reported like a crash.
   if ! nice -n 10 cargo +nightly fuzz run "$t" "$corpus" "fuzz/corpus/$t" -- \
-      -max_total_time="$seconds" -timeout=10 -print_final_stats=1 >"$log" 2>&1; then
+      -max_total_time="$seconds" -timeout=10 -print_final_stats=1 "${seed_arg[@]}" >"$log" 2>&1; then
     tail -n 60 "$log" >&2
     echo "fuzz.sh: $t FAILED (a crash or hang: the input is under fuzz/artifacts/$t/; or a build error): see $log" >&2
     exit 1
