@@ -21,7 +21,31 @@ BIN = os.environ.get("WARREN_BIN", str(ROOT / "target" / "release" / "warren"))
 EXTERNAL = os.environ.get("WARREN_TEST_EXTERNAL_URL")
 
 
+def stale_binary_reason():
+    """Why the default binary is older than the sources it is built from, or None. A helper worktree
+    starts with a copy of another checkout's `target/`: its `warren` can predate features the tests
+    check (every single-active-consumer test then fails as if the broker ignored the argument)."""
+    binary = Path(BIN)
+    dep_info = binary.with_suffix(".d")
+    if not binary.exists() or not dep_info.exists():
+        return None
+    built = binary.stat().st_mtime
+    # Cargo's dep-info lists every source file the binary was built from, with the absolute paths of
+    # the checkout that built it: look at the same files in this one.
+    for path in dep_info.read_text().split(":", 1)[-1].split():
+        if "/crates/" not in path:
+            continue
+        source = ROOT / "crates" / path.split("/crates/", 1)[1]
+        if source.exists() and source.stat().st_mtime > built:
+            return f"{binary} is older than {source.relative_to(ROOT)}: run `cargo build --release` first (or set WARREN_BIN)"
+    return None
+
+
 def pytest_configure(config):
+    if not EXTERNAL and "WARREN_BIN" not in os.environ:
+        reason = stale_binary_reason()
+        if reason:
+            raise pytest.UsageError(reason)
     config.addinivalue_line("markers", "needs_process: kills or restarts the broker process")
     config.addinivalue_line("markers", "warren_only: Warren-specific behaviour")
 
