@@ -106,7 +106,7 @@ struct Inner {
     shared: Arc<Shared>,
     writer: Mutex<Option<JoinHandle<()>>>,
     /// Holds the `flock` on the directory's LOCK file until the store is closed.
-    lock: Mutex<Option<File>>,
+    lock: Mutex<Option<DirLock>>,
 }
 
 impl Store {
@@ -348,7 +348,7 @@ fn disk_usage(shared: &Shared) -> (u64, u64) {
 }
 
 /// Takes an exclusive `flock` on `dir/LOCK`: two stores appending to one log would interleave records.
-fn lock_dir(dir: &Path) -> Result<File, StoreError> {
+fn lock_dir(dir: &Path) -> Result<DirLock, StoreError> {
     let path: PathBuf = dir.join("LOCK");
     let file = OpenOptions::new()
         .create(true)
@@ -371,5 +371,18 @@ fn lock_dir(dir: &Path) -> Result<File, StoreError> {
             source: err,
         });
     }
-    Ok(file)
+    Ok(DirLock(file))
+}
+
+/// The store directory's `flock`, released explicitly when dropped. Closing the descriptor is not
+/// enough: a process another thread is spawning holds a copy of it between its fork and its exec
+/// (close-on-exec acts only at the exec), and the lock would stay until then, so a store reopened
+/// right after `close` could be refused as `Locked`.
+struct DirLock(File);
+
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        // SAFETY: flock on the descriptor this value owns; it is closed right after.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
 }

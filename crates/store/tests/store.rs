@@ -22,7 +22,7 @@ fn opts() -> StoreOptions {
 }
 
 fn open(dir: &Path, o: StoreOptions) -> (Store, warren_store::Recovery) {
-    Store::open(dir, o).expect("open")
+    Store::open(dir, o).unwrap_or_else(|e| panic!("open: {e:?}"))
 }
 
 fn payload(queue: u64, seq: u64, len: usize) -> Vec<u8> {
@@ -366,6 +366,51 @@ fn close_flushes_and_later_appends_fail_and_second_open_is_refused() {
     assert!(matches!(store.append(&mut b), Err(StoreError::Closed)));
     let (_s, rec) = open(dir.path(), opts());
     assert_eq!(queue(&rec, 1).live_count, 1);
+}
+
+/// A process started by another thread holds copies of every descriptor between its fork and its exec
+/// (close-on-exec acts only at the exec). Closing must release the directory lock all the same, or
+/// reopening right after fails with `Locked` whenever a spawn is in flight (seen under load in this
+/// very file, where the kill -9 test spawns children while other tests close and reopen stores).
+#[test]
+fn close_releases_the_lock_while_a_forked_child_still_holds_its_descriptor() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), opts());
+    let mut fds = [0; 2];
+    // SAFETY: a plain pipe(2) into a two-element array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    let (forked_r, forked_w) = (fds[0], fds[1]);
+    let (release_r, release_w) = {
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        (fds[0], fds[1])
+    };
+    let spawner = std::thread::spawn(move || {
+        let mut cmd = std::process::Command::new("true");
+        // SAFETY: only async-signal-safe calls between fork and exec: says it is forked, then waits
+        // until the test has closed and reopened the store.
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::write(forked_w, b"x".as_ptr().cast(), 1);
+                let mut b = 0u8;
+                libc::read(release_r, (&mut b as *mut u8).cast(), 1);
+                Ok(())
+            });
+        }
+        cmd.status().unwrap()
+    });
+    let mut b = 0u8;
+    // SAFETY: reads one byte into a local.
+    assert_eq!(unsafe { libc::read(forked_r, (&mut b as *mut u8).cast(), 1) }, 1);
+    store.close().unwrap();
+    let reopened = Store::open(dir.path(), opts());
+    // SAFETY: writes one byte from a static.
+    unsafe { libc::write(release_w, b"x".as_ptr().cast(), 1) };
+    assert!(spawner.join().unwrap().success());
+    for fd in [forked_r, forked_w, release_r, release_w] {
+        unsafe { libc::close(fd) };
+    }
+    assert!(reopened.is_ok(), "reopen after close: {:?}", reopened.err());
 }
 
 #[test]
