@@ -404,19 +404,7 @@ impl ChannelHandler {
             return self.reply_consume(m, conn);
         }
         let queue = conn.vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
-        let tag = if m.consumer_tag.is_empty() {
-            warren_broker::vhost::generated_name("amq.ctag-")
-        } else {
-            m.consumer_tag.clone()
-        };
-        if self.channel.has_consumer(&tag) {
-            return Err(Failure::Connection(ConnError::new(
-                c::NOT_ALLOWED,
-                format!("NOT_ALLOWED - attempt to reuse consumer tag '{tag}'"),
-                c::CLASS_BASIC,
-                20,
-            )));
-        }
+        let tag = self.new_consumer_tag(&m.consumer_tag)?;
         let args = warren_broker::ConsumerArgs::parse(&queue.name, &m.arguments)?;
         let consumer = self.channel.new_consumer(tag.clone().into(), queue.clone(), m.no_ack, m.exclusive, args);
         let outbox = conn.outbox.clone();
@@ -433,9 +421,10 @@ impl ChannelHandler {
         Ok(())
     }
 
-    /// basic.consume from `amq.rabbitmq.reply-to` (direct reply-to).
-    fn reply_consume(&mut self, m: BasicConsume, conn: &ConnectionShared) -> Handled {
-        let tag = if m.consumer_tag.is_empty() { warren_broker::vhost::generated_name("amq.ctag-") } else { m.consumer_tag };
+    /// The tag a basic.consume asked for (generated if empty); reusing one of the channel's is a
+    /// connection error, as in RabbitMQ.
+    fn new_consumer_tag(&self, given: &str) -> Result<String, Failure> {
+        let tag = if given.is_empty() { warren_broker::vhost::generated_name("amq.ctag-") } else { given.to_owned() };
         if self.channel.has_consumer(&tag) {
             return Err(Failure::Connection(ConnError::new(
                 c::NOT_ALLOWED,
@@ -444,6 +433,12 @@ impl ChannelHandler {
                 20,
             )));
         }
+        Ok(tag)
+    }
+
+    /// basic.consume from `amq.rabbitmq.reply-to` (direct reply-to).
+    fn reply_consume(&mut self, m: BasicConsume, conn: &ConnectionShared) -> Handled {
+        let tag = self.new_consumer_tag(&m.consumer_tag)?;
         warren_broker::ConsumerArgs::parse(direct_reply::PSEUDO_QUEUE, &m.arguments)?;
         self.channel.start_reply_consumer(&conn.vhost.replies, tag.as_str().into(), m.no_ack)?;
         if !m.nowait {

@@ -5,13 +5,9 @@
 
 use super::error::ConnError;
 use bytes::BytesMut;
-use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::net::tcp::OwnedReadHalf;
 use warren_protocol::frame::{parse_frame, Frame};
-
-/// How long a connection must have been idle before its read buffer is freed.
-const RELEASE_BUFFER_AFTER: Duration = Duration::from_secs(1);
 
 pub struct FrameReader {
     socket: OwnedReadHalf,
@@ -32,7 +28,7 @@ impl FrameReader {
     pub async fn fill(&mut self) -> Result<(), ConnError> {
         if self.buf.is_empty() {
             if self.buf.capacity() > 0
-                && tokio::time::timeout(RELEASE_BUFFER_AFTER, self.socket.readable()).await.is_err()
+                && tokio::time::timeout(super::RELEASE_BUFFERS_AFTER, self.socket.readable()).await.is_err()
             {
                 self.buf = BytesMut::new();
             }

@@ -32,6 +32,9 @@ use warren_protocol::frame::{self, Frame};
 use warren_protocol::method::*;
 
 const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long a connection's reader or writer must have been idle before it frees its buffers: ten
+/// thousand idle connections must not keep 64 KiB each.
+const RELEASE_BUFFERS_AFTER: Duration = Duration::from_secs(1);
 
 static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -306,7 +309,8 @@ impl Connection {
         // RabbitMQ drops a peer after two missed heartbeats.
         let read_timeout = (self.heartbeat > 0).then(|| Duration::from_secs(self.heartbeat as u64 * 2));
         // Reset whenever the socket gives data; other wake-ups (the ack-timeout check) must not reset it.
-        let mut read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
+        let fresh_deadline = || read_timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut read_deadline = fresh_deadline();
         let mut ack_check = ack_timeout_checks(self.shared.consumer_timeout_ms);
         loop {
             // Frames are left in the buffer while something is awaited below; handled before reading more.
@@ -335,7 +339,7 @@ impl Connection {
             // Not reading while we wait for the disk is our doing, not a missed heartbeat.
             match self.finish_waiting_get(shutdown).await {
                 Err(e) => return Ended::Error(e),
-                Ok(true) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
+                Ok(true) => read_deadline = fresh_deadline(),
                 Ok(false) => {}
             }
             // The store is behind (a slow or full disk): publishers to it wait until its writer took the
@@ -345,7 +349,7 @@ impl Connection {
                     _ = self.store.caught_up() => {}
                     _ = shutdown.changed() => return Ended::Error(forced()),
                 }
-                read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
+                read_deadline = fresh_deadline();
             }
             if paused {
                 continue;
@@ -353,7 +357,7 @@ impl Connection {
             match self.wait_while_blocked(shutdown).await {
                 Err(e) => return Ended::Error(e),
                 // Not reading was our doing, not a missed heartbeat.
-                Ok(true) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
+                Ok(true) => read_deadline = fresh_deadline(),
                 Ok(false) => {}
             }
             // TCP back-pressure: while too much waits for the socket (a client that does not read what
@@ -376,7 +380,7 @@ impl Connection {
                     _ = queue.wait_until_drained(FLOW_WAIT) => {}
                     _ = shutdown.changed() => return Ended::Error(forced()),
                 }
-                read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t);
+                read_deadline = fresh_deadline();
             }
             // A publisher waiting for input is also woken by an alarm, to be blocked at once.
             let mut alarms = self.alarms.clone();
@@ -396,7 +400,7 @@ impl Connection {
             tokio::select! {
                 r = fill => match r {
                     Err(e) => return Ended::Error(e),
-                    Ok(_) => read_deadline = read_timeout.map(|t| tokio::time::Instant::now() + t),
+                    Ok(_) => read_deadline = fresh_deadline(),
                 },
                 _ = shutdown.changed() => return Ended::Error(forced()),
                 _ = alarms.changed(), if publisher => {}

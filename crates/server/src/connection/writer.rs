@@ -20,9 +20,6 @@ use warren_protocol::frame;
 use warren_protocol::method::{BasicCancel, BasicNack, Method};
 use warren_store::{Batch, SyncTicket};
 
-/// How long a writer must have had nothing to write before it frees its buffers.
-const RELEASE_BUFFERS_AFTER: Duration = Duration::from_secs(1);
-
 pub struct WriterConfig {
     pub frame_max: u32,
     /// Send a heartbeat after this long without writing anything (None: heartbeats off).
@@ -97,7 +94,7 @@ async fn write_loop(
         let holds_memory = buf.capacity() > 0 || items.capacity() > 0;
         let release = async {
             match holds_memory {
-                true => tokio::time::sleep(RELEASE_BUFFERS_AFTER).await,
+                true => tokio::time::sleep(super::RELEASE_BUFFERS_AFTER).await,
                 false => std::future::pending().await,
             }
         };
