@@ -585,8 +585,12 @@ impl Queue {
         if !st.levels.is_priority() {
             return self.lane_head(st, now_ms, inclusive, after).unwrap_or(Head::Empty);
         }
-        let levels: Vec<usize> = st.levels.non_empty_desc(&st.lane).collect();
-        for level in levels {
+        // Highest first, without collecting the levels: this runs once per message dispatched.
+        let mut below = st.levels.lane_count();
+        loop {
+            let next = st.levels.non_empty_desc(&st.lane).find(|&level| level < below);
+            let Some(level) = next else { break };
+            below = level;
             st.select(level);
             if let Some(head) = self.lane_head(st, now_ms, inclusive, after) {
                 return head;
