@@ -95,6 +95,10 @@ pub trait ClientSink: Send + Sync {
     fn unacked_full(&self) -> bool {
         false
     }
+
+    /// A quorum queue resolved operations of the connection's publisher session
+    /// (`crate::publisher`): confirms waiting for them may go out now.
+    fn confirms_changed(&self) {}
 }
 
 impl Delivery {

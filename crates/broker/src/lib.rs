@@ -20,6 +20,7 @@ mod lane;
 pub mod message;
 pub mod metadata;
 pub mod queue;
+pub mod publisher;
 pub mod queue_args;
 pub mod routing;
 pub mod vhost;
@@ -30,6 +31,7 @@ pub use consumers::ConsumerArgs;
 pub use error::{BrokerError, Scope};
 pub use exchange::Exchange;
 pub use message::{Message, MessageRef};
+pub use publisher::{Publisher, PublisherSession};
 pub use queue::{GetWait, Got, Queue};
 pub use vhost::{PublishOutcome, VHost};
 

@@ -8,6 +8,7 @@ use crate::error::{BrokerError, Result};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
 use crate::metadata::{Metadata, Op};
+use crate::publisher::Publisher;
 use crate::queue::{Enqueued, Queue};
 use crate::queue_args::{first_difference, QueueArgs, EQUIVALENCE_KEYS};
 use bytes::BytesMut;
@@ -515,6 +516,13 @@ impl VHost {
     /// `confirmed`: the publisher waits for the message to be durable (publisher confirms or a
     /// transaction); if not, queues may defer writing it (see `Queue::publish`).
     pub fn publish(&self, exchange: &str, message: Message, confirmed: bool) -> Result<PublishOutcome> {
+        self.publish_by(exchange, message, confirmed, None)
+    }
+
+    /// [`VHost::publish`] by a connection's publisher session (`crate::publisher`): quorum queues the
+    /// message reaches tell the session once their group applied (or refused) it, and the confirm
+    /// waits for that as well as for the store ticket of the classic queues it reached.
+    pub fn publish_by(&self, exchange: &str, message: Message, confirmed: bool, publisher: Option<Publisher>) -> Result<PublishOutcome> {
         let ex = self.exchange(exchange)?;
         if ex.internal {
             return Err(BrokerError::access_refused(format!(
@@ -529,10 +537,10 @@ impl VHost {
         }
         let mut queues = Vec::new();
         self.route(&ex, &message, &mut queues);
-        self.deliver_to_queues(Arc::new(message), &queues, !confirmed)
+        self.deliver_to_queues(Arc::new(message), &queues, !confirmed, publisher)
     }
 
-    fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>], lazy_ok: bool) -> Result<PublishOutcome> {
+    fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>], lazy_ok: bool, publisher: Option<Publisher>) -> Result<PublishOutcome> {
         let mut outcome = PublishOutcome { routed: !queues.is_empty(), ..Default::default() };
         if queues.is_empty() {
             return Ok(outcome);
@@ -543,7 +551,7 @@ impl VHost {
         let mut header = BytesMut::new();
         encode_header(&message, Some(now), &mut header);
         for q in queues {
-            match q.publish(&message, &header, now, lazy_ok)? {
+            match q.publish(&message, &header, now, lazy_ok, publisher)? {
                 Enqueued::Accepted { ticket, slow_publishers, store_behind } => {
                     outcome.store_behind |= store_behind;
                     if let Some(t) = ticket {
@@ -669,7 +677,7 @@ impl VHost {
             }
             !cycle
         });
-        if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false) {
+        if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false, None) {
             tracing::warn!(error = %e, "could not dead-letter a message");
         }
     }

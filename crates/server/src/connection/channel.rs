@@ -478,18 +478,24 @@ impl ChannelHandler {
             return Err(BrokerError::precondition_failed("channel is not transactional").into());
         };
         self.tx_bytes = 0;
-        let mut last_ticket = None;
+        let (mut last_ticket, mut last_seq) = (None, 0);
         for op in ops {
             let ticket = match op {
-                TxOp::Publish { exchange, mandatory, message } => self.route(conn, &exchange, mandatory, message)?,
+                TxOp::Publish { exchange, mandatory, message } => {
+                    let (ticket, seq) = self.route(conn, &exchange, mandatory, message)?;
+                    last_seq = last_seq.max(seq);
+                    ticket
+                }
                 TxOp::Settle { delivery_tag, multiple, how } => self.channel.settle(delivery_tag, multiple, how)?,
             };
             last_ticket = last_ticket.max(ticket);
         }
-        // commit-ok once everything the transaction published, and the acks of what it settled, are on disk.
+        // commit-ok once everything the transaction published, and the acks of what it settled, are on
+        // disk (classic queues) or applied by their groups (quorum queues).
         conn.outbox.push(Outgoing::WhenDurable {
             channel: self.number,
             ticket: last_ticket,
+            seq: last_seq,
             action: DurableAction::Method(Method::TxCommitOk(TxCommitOk {})),
         });
         Ok(())
@@ -689,10 +695,14 @@ impl ChannelHandler {
     }
 
     /// Publishes into the vhost; queues basic.return and the confirm as needed. Returns the
-    /// store ticket the message must reach to be durable.
-    fn route(&mut self, conn: &ConnectionShared, exchange: &str, mandatory: bool, message: Message) -> Result<Option<u64>, Failure> {
+    /// store ticket the message must reach to be durable, and its pub seq in the connection's publisher
+    /// session (0 when nothing waits for it), which quorum queues resolve once applied.
+    fn route(&mut self, conn: &ConnectionShared, exchange: &str, mandatory: bool, message: Message) -> Result<(Option<u64>, u64), Failure> {
         let returned = mandatory.then(|| (message.exchange.clone(), message.routing_key.clone(), message.properties.clone(), message.body.clone()));
-        let outcome = conn.vhost.publish(exchange, message, self.confirm || self.tx.is_some())?;
+        let waits = self.confirm || self.tx.is_some();
+        let seq = if waits { conn.session.next_seq() } else { 0 };
+        let publisher = waits.then_some(warren_broker::Publisher { session: &conn.session, seq });
+        let outcome = conn.vhost.publish_by(exchange, message, waits, publisher)?;
         if let Some(queue) = &outcome.slow_queue {
             *conn.slowed_by.lock() = Some(queue.clone());
         }
@@ -710,8 +720,8 @@ impl ChannelHandler {
             self.next_publish_tag += 1;
             let action = if outcome.rejected { DurableAction::Nack { delivery_tag } } else { DurableAction::Ack { delivery_tag } };
             let ticket = if outcome.rejected { None } else { outcome.ticket };
-            conn.outbox.push(Outgoing::WhenDurable { channel: self.number, ticket, action });
+            conn.outbox.push(Outgoing::WhenDurable { channel: self.number, ticket, seq, action });
         }
-        Ok(outcome.ticket)
+        Ok((outcome.ticket, seq))
     }
 }

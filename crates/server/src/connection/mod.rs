@@ -101,6 +101,8 @@ pub struct ConnectionShared {
     pub store_behind: std::sync::atomic::AtomicBool,
     /// Bytes of message bodies received and not yet complete, on all channels (see `channel::Unfinished`).
     pub unfinished_content: Arc<AtomicU64>,
+    /// What the connection's confirmed and transactional operations wait for in quorum queues.
+    pub session: Arc<warren_broker::PublisherSession>,
 }
 
 /// Serves one accepted socket until it closes.
@@ -174,7 +176,9 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         write_timeout: Duration::from_secs(ctx.config.write_timeout as u64),
         connection: id,
     }));
-    let writer = tokio::spawn(writer::run(write, outbox.clone(), ctx.broker.store().durable(), writer_config));
+    let sink: std::sync::Weak<dyn warren_broker::ClientSink> = Arc::downgrade(&outbox) as _;
+    let session = Arc::new(warren_broker::PublisherSession::new(sink));
+    let writer = tokio::spawn(writer::run(write, outbox.clone(), ctx.broker.store().durable(), session.clone(), writer_config));
 
     let mut conn = Connection {
         shared: ConnectionShared {
@@ -188,6 +192,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
             waiting_get: parking_lot::Mutex::new(None),
             store_behind: std::sync::atomic::AtomicBool::new(false),
             unfinished_content: Arc::new(AtomicU64::new(0)),
+            session,
         },
         channels: HashMap::new(),
         frame_max: negotiated.frame_max,

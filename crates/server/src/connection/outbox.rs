@@ -26,9 +26,11 @@ pub enum Outgoing {
     Method { channel: u16, method: Method },
     Delivery(Delivery),
     Return { channel: u16, reply_code: u16, reply_text: &'static str, message: MessageRef },
-    /// Sent once the store has made `ticket` durable, in the order pushed per channel:
-    /// publisher confirms, and tx.commit-ok.
-    WhenDurable { channel: u16, ticket: Option<SyncTicket>, action: DurableAction },
+    /// Sent once the store has made `ticket` durable and the connection's publisher session has
+    /// every operation up to `seq` resolved by the quorum queues it went to (0: none), in the order
+    /// pushed per channel: publisher confirms, and tx.commit-ok. An ack whose `seq` a quorum queue
+    /// refused becomes a basic.nack.
+    WhenDurable { channel: u16, ticket: Option<SyncTicket>, seq: u64, action: DurableAction },
     /// The channel's last frame (the channel.close-ok we answer with, or the channel.close we send):
     /// confirms of the channel that are durable by then go out before it, the rest are dropped, and
     /// nothing queued before it for the channel can follow it. A channel opened again on the same
@@ -227,6 +229,10 @@ impl ClientSink for Outbox {
 
     fn unacked_full(&self) -> bool {
         self.unacked_bytes.load(Ordering::Acquire) >= UNACKED_BYTES_LIMIT
+    }
+
+    fn confirms_changed(&self) {
+        self.notify.notify_one();
     }
 
     fn wake_when_room(&self, channel: Weak<Channel>) {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::watch;
-use warren_broker::Delivery;
+use warren_broker::{Delivery, PublisherSession};
 use warren_protocol::frame;
 use warren_protocol::method::{BasicCancel, BasicNack, Method};
 use warren_store::{Batch, SyncTicket};
@@ -33,6 +33,8 @@ pub struct WriterConfig {
 
 struct PendingDurable {
     ticket: SyncTicket,
+    /// The publisher session's operation this waits for (see `warren_broker::publisher`).
+    seq: u64,
     action: DurableAction,
 }
 
@@ -40,9 +42,10 @@ pub async fn run(
     socket: OwnedWriteHalf,
     outbox: Arc<Outbox>,
     durable: watch::Receiver<u64>,
+    session: Arc<PublisherSession>,
     config: Arc<parking_lot::Mutex<WriterConfig>>,
 ) {
-    write_loop(socket, &outbox, durable, config).await;
+    write_loop(socket, &outbox, durable, &session, config).await;
     outbox.writer_ended();
 }
 
@@ -69,6 +72,7 @@ async fn write_loop(
     mut socket: OwnedWriteHalf,
     outbox: &Outbox,
     mut durable: watch::Receiver<u64>,
+    session: &PublisherSession,
     config: Arc<parking_lot::Mutex<WriterConfig>>,
 ) {
     let mut items = Vec::new();
@@ -141,14 +145,14 @@ async fn write_loop(
                     &message.body,
                     frame_max,
                 ),
-                Outgoing::WhenDurable { channel, ticket, action } => {
-                    pending.entry(channel).or_default().push_back(PendingDurable { ticket: ticket.unwrap_or(0), action });
+                Outgoing::WhenDurable { channel, ticket, seq, action } => {
+                    pending.entry(channel).or_default().push_back(PendingDurable { ticket: ticket.unwrap_or(0), seq, action });
                 }
                 Outgoing::ChannelEnd { channel, method } => {
                     // Confirms are per channel incarnation: what is not durable now is never sent.
                     if let Some(mut queue) = pending.remove(&channel) {
                         cost += queue.len() * CONFIRM_COST;
-                        write_ready_confirms(&mut buf, channel, &mut queue, *durable.borrow());
+                        write_ready_confirms(&mut buf, channel, &mut queue, *durable.borrow(), session);
                     }
                     frame::write_method(&mut buf, channel, &method);
                 }
@@ -158,7 +162,7 @@ async fn write_loop(
         let on_disk = *durable.borrow_and_update();
         for (channel, queue) in pending.iter_mut() {
             let before = queue.len();
-            write_ready_confirms(&mut buf, *channel, queue, on_disk);
+            write_ready_confirms(&mut buf, *channel, queue, on_disk, session);
             cost += (before - queue.len()) * CONFIRM_COST;
         }
         pending.retain(|_, q| !q.is_empty());
@@ -226,9 +230,10 @@ fn write_delivery(buf: &mut BytesMut, d: Delivery, frame_max: u32, cancel_notify
     }
 }
 
-/// Emits, in order, every pending confirm whose ticket is on disk; consecutive acks are
-/// coalesced into one `basic.ack multiple=true`.
-fn write_ready_confirms(buf: &mut BytesMut, channel: u16, queue: &mut VecDeque<PendingDurable>, on_disk: u64) {
+/// Emits, in order, every pending confirm whose ticket is on disk and whose quorum-queue operations
+/// are resolved; consecutive acks are coalesced into one `basic.ack multiple=true`; an ack a quorum
+/// queue refused (reject-publish, no majority in time) is a `basic.nack`.
+fn write_ready_confirms(buf: &mut BytesMut, channel: u16, queue: &mut VecDeque<PendingDurable>, on_disk: u64, session: &PublisherSession) {
     let mut run: Option<(u64, u32)> = None; // (last tag, count) of consecutive acks
     let flush = |buf: &mut BytesMut, run: &mut Option<(u64, u32)>| {
         if let Some((tag, count)) = run.take() {
@@ -236,11 +241,16 @@ fn write_ready_confirms(buf: &mut BytesMut, channel: u16, queue: &mut VecDeque<P
         }
     };
     while let Some(front) = queue.front() {
-        if front.ticket > on_disk {
+        if front.ticket > on_disk || !session.is_resolved(front.seq) {
             break;
         }
         let Some(p) = queue.pop_front() else { break };
         match p.action {
+            DurableAction::Ack { delivery_tag } if p.seq != 0 && session.take_refused(p.seq) => {
+                flush(buf, &mut run);
+                let m = Method::BasicNack(BasicNack { delivery_tag, multiple: false, requeue: false });
+                frame::write_method(buf, channel, &m);
+            }
             DurableAction::Ack { delivery_tag } => {
                 run = Some(match run {
                     Some((_, n)) => (delivery_tag, n + 1),

@@ -19,6 +19,7 @@ use warren_protocol::properties::PropertiesView;
 use crate::deadletter::{DeadLetter, DeathReason};
 use crate::error::{BrokerError, Result};
 use crate::message::{decode_stored, MessageRef};
+use crate::publisher::Publisher;
 use crate::queue_args::{Overflow, QueueArgs};
 use crate::vhost::VHost;
 use parking_lot::Mutex;
@@ -321,7 +322,16 @@ impl Queue {
     /// not written at once: it is delivered (settled) in a moment, usually before a write would even have
     /// reached the disk, and written by the next `tick` (100 ms) if it is still waiting, or on close.
     /// RabbitMQ's message store also skips writes of messages consumed before they are flushed.
-    pub fn publish(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64, lazy_ok: bool) -> Result<Enqueued> {
+    pub fn publish(
+        self: &Arc<Self>,
+        message: &MessageRef,
+        stored_header: &[u8],
+        now_ms: u64,
+        lazy_ok: bool,
+        publisher: Option<Publisher>,
+    ) -> Result<Enqueued> {
+        // A classic queue's confirm needs only the store ticket; `publisher` is for quorum queues.
+        let _ = publisher;
         let mut after = AfterUnlock::default();
         let outcome = {
             let mut st = self.state.lock();
@@ -1240,7 +1250,7 @@ mod refill_tests {
             });
             let mut header = bytes::BytesMut::new();
             crate::message::encode_header(&message, None, &mut header);
-            assert!(matches!(queue.publish(&message, &header, 0, false).unwrap(), Enqueued::Accepted { .. }));
+            assert!(matches!(queue.publish(&message, &header, 0, false, None).unwrap(), Enqueued::Accepted { .. }));
         }
         let mut sync = Batch::new();
         sync.delivered(7, 1); // any record: once it is durable, the paged messages before it are too
