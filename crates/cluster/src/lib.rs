@@ -1,6 +1,7 @@
 //! Warren's cluster: Raft groups (group 0 for metadata, one per quorum queue) through openraft,
 //! their logs in the node's write-ahead log. The plan and the contracts: docs/internals/cluster.md.
 
+pub mod transport;
 pub mod types;
 
 pub use openraft;

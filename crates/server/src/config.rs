@@ -69,6 +69,24 @@ pub struct ServerArgs {
     /// Largest message body in bytes accepted from a publisher [env: WARREN_MAX_MESSAGE_SIZE] [default: 134217728]
     #[arg(long, value_name = "BYTES")]
     pub max_message_size: Option<u32>,
+
+    /// This node's id in the cluster (1 or more; used with --peers) [env: WARREN_NODE_ID]
+    #[arg(long, value_name = "N")]
+    pub node_id: Option<u64>,
+
+    /// Address the cluster port listens on, HOST:PORT [env: WARREN_CLUSTER_ADDR] [default: this node's
+    /// address in --peers]
+    #[arg(long, value_name = "HOST:PORT")]
+    pub cluster_addr: Option<String>,
+
+    /// Every node of the cluster, this one included: ID=HOST:PORT,ID=HOST:PORT,...; without it the
+    /// node runs standalone [env: WARREN_PEERS]
+    #[arg(long, value_name = "ID=HOST:PORT,...", value_delimiter = ',')]
+    pub peers: Option<Vec<String>>,
+
+    /// Shared secret every node of the cluster (and `warren ctl`) must know [env: WARREN_CLUSTER_SECRET]
+    #[arg(long, value_name = "TEXT")]
+    pub cluster_secret: Option<String>,
 }
 
 /// When the store fsyncs, and so how long a publisher confirm can take.
@@ -182,7 +200,41 @@ pub struct Config {
     pub consumer_timeout: u64,
     /// Log filter (tracing `EnvFilter` directives), e.g. `info` or `warn,warren_broker=debug`.
     pub log: String,
+    /// This node's id in the cluster; 0 (with no peers) runs standalone.
+    pub node_id: u64,
+    /// Where the cluster port listens; empty means this node's address in `peers`.
+    pub cluster_addr: String,
+    /// Every node of the cluster as "ID=HOST:PORT"; empty runs standalone, without Raft.
+    pub peers: Vec<String>,
+    /// The secret nodes prove to each other (and `warren ctl` to a node) when they connect.
+    pub cluster_secret: String,
 }
+
+/// The cluster part of the configuration, when the node is a cluster member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterSettings {
+    pub node_id: u64,
+    /// Where to listen for the other nodes.
+    pub listen: SocketAddr,
+    /// Every node (this one included): id and cluster address.
+    pub peers: Vec<(u64, String)>,
+    pub secret: String,
+}
+
+/// Parses one `peers` entry, "ID=HOST:PORT".
+pub fn parse_peer(entry: &str) -> Option<(u64, String)> {
+    let (id, addr) = entry.trim().split_once('=')?;
+    let id: u64 = id.trim().parse().ok().filter(|id| *id > 0)?;
+    let addr = addr.trim();
+    let (host, port) = addr.rsplit_once(':')?;
+    if host.is_empty() || port.parse::<u16>().ok().filter(|p| *p > 0).is_none() {
+        return None;
+    }
+    Some((id, addr.to_owned()))
+}
+
+/// Shortest accepted cluster secret.
+const CLUSTER_SECRET_MIN: usize = 8;
 
 impl Default for Config {
     fn default() -> Self {
@@ -209,6 +261,10 @@ impl Default for Config {
             disk_free_limit: "1GiB".to_owned(),
             consumer_timeout: 1_800_000,
             log: "info".to_owned(),
+            node_id: 0,
+            cluster_addr: String::new(),
+            peers: Vec::new(),
+            cluster_secret: String::new(),
         }
     }
 }
@@ -289,6 +345,10 @@ const KEYS: &[(&str, &str)] = &[
     ("disk-free-limit", "a size such as \"1GiB\", \"500MB\" or a number of bytes"),
     ("consumer-timeout", "a number of milliseconds (0 disables the timeout)"),
     ("log", "a tracing filter such as \"info\" or \"warn,warren_broker=debug\""),
+    ("node-id", "a node id (1 or more; 0 with no peers runs standalone)"),
+    ("cluster-addr", "HOST:PORT to listen on for the other nodes (empty: this node's address in peers)"),
+    ("peers", "a list of \"ID=HOST:PORT\" (in the environment: comma-separated)"),
+    ("cluster-secret", "a shared secret of at least 8 characters"),
 ];
 
 fn expected(key: &str) -> &'static str {
@@ -302,7 +362,7 @@ pub fn env_var_name(key: &str) -> String {
 
 /// A value as shown in an error message; the password never is.
 fn shown(key: &str, value: &str) -> String {
-    if key == "default-pass" {
+    if key == "default-pass" || key == "cluster-secret" {
         "<redacted>".to_owned()
     } else {
         value.to_owned()
@@ -503,6 +563,22 @@ impl Config {
             config.recovery_mode = mode;
             flag("recovery-mode", "--recovery-mode");
         }
+        if let Some(id) = args.node_id {
+            config.node_id = id;
+            flag("node-id", "--node-id");
+        }
+        if let Some(addr) = &args.cluster_addr {
+            config.cluster_addr = addr.clone();
+            flag("cluster-addr", "--cluster-addr");
+        }
+        if let Some(peers) = &args.peers {
+            config.peers = peers.iter().map(|p| p.trim().to_owned()).filter(|p| !p.is_empty()).collect();
+            flag("peers", "--peers");
+        }
+        if let Some(secret) = &args.cluster_secret {
+            config.cluster_secret = secret.clone();
+            flag("cluster-secret", "--cluster-secret");
+        }
 
         config.check().map_err(|(key, problem)| ConfigError::Invalid {
             key,
@@ -606,7 +682,56 @@ impl Config {
         if self.log.trim().is_empty() {
             return Err(("log", "must not be empty; use e.g. \"info\" or \"warn\"".to_owned()));
         }
-        Ok(())
+        self.check_cluster().map(|_| ())
+    }
+
+    /// The cluster settings: `None` when the node runs standalone (no `peers`).
+    pub fn cluster(&self) -> Option<ClusterSettings> {
+        self.check_cluster().ok().flatten()
+    }
+
+    fn check_cluster(&self) -> Result<Option<ClusterSettings>, (&'static str, String)> {
+        if self.peers.is_empty() {
+            if self.node_id != 0 || !self.cluster_addr.is_empty() {
+                return Err((
+                    if self.node_id != 0 { "node-id" } else { "cluster-addr" },
+                    "set without peers: list every node of the cluster in peers (ID=HOST:PORT), or unset it to run standalone".to_owned(),
+                ));
+            }
+            return Ok(None);
+        }
+        let mut peers: Vec<(u64, String)> = Vec::with_capacity(self.peers.len());
+        for entry in &self.peers {
+            let Some((id, addr)) = parse_peer(entry) else {
+                return Err(("peers", format!("\"{entry}\" is not ID=HOST:PORT with an id of 1 or more")));
+            };
+            if peers.iter().any(|(other, _)| *other == id) {
+                return Err(("peers", format!("node id {id} is listed twice")));
+            }
+            peers.push((id, addr));
+        }
+        peers.sort_unstable();
+        if self.node_id == 0 {
+            return Err(("node-id", "must be set (1 or more) when peers is set".to_owned()));
+        }
+        let Some((_, own)) = peers.iter().find(|(id, _)| *id == self.node_id) else {
+            return Err(("node-id", format!("{} is not one of the ids in peers", self.node_id)));
+        };
+        let listen_text = if self.cluster_addr.is_empty() { own.as_str() } else { self.cluster_addr.as_str() };
+        let listen = std::net::ToSocketAddrs::to_socket_addrs(listen_text)
+            .ok()
+            .and_then(|mut a| a.next())
+            .ok_or(("cluster-addr", format!("\"{listen_text}\" is not an address to listen on (HOST:PORT)")))?;
+        if listen.port() != 0 && (listen.port() == self.amqp_port || listen.port() == self.http_port) {
+            return Err(("cluster-addr", format!("port {} is also the AMQP or HTTP port", listen.port())));
+        }
+        if self.cluster_secret.chars().count() < CLUSTER_SECRET_MIN {
+            return Err((
+                "cluster-secret",
+                format!("must be set to at least {CLUSTER_SECRET_MIN} characters, the same on every node, when peers is set"),
+            ));
+        }
+        Ok(Some(ClusterSettings { node_id: self.node_id, listen, peers, secret: self.cluster_secret.clone() }))
     }
 
     /// Where to listen for AMQP connections.
@@ -626,7 +751,7 @@ impl Config {
             "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
              max-message-size={} max-connections={} handshake-timeout={}s write-timeout={}s sync={} segment-size={} recovery-mode={} \
-             memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}",
+             memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}{}",
             self.amqp_addr(),
             self.http_port,
             self.data_dir.display(),
@@ -647,6 +772,15 @@ impl Config {
             self.disk_free_limit,
             self.consumer_timeout,
             self.log,
+            match self.cluster() {
+                None => " cluster=standalone".to_owned(),
+                Some(c) => format!(
+                    " node-id={} cluster-addr={} peers={} cluster-secret=<redacted>",
+                    c.node_id,
+                    c.listen,
+                    self.peers.join(",")
+                ),
+            },
         )
     }
 }
@@ -1056,6 +1190,110 @@ mod tests {
         assert!(s.contains("amqp=127.0.0.1:5672"), "{s}");
         assert!(s.contains("sync=every-batch"), "{s}");
         assert!(!s.contains('\n'), "one line: {s}");
+    }
+
+    #[test]
+    fn standalone_unless_peers_are_set() {
+        let c = Config::default();
+        assert_eq!(c.cluster(), None);
+        assert!(c.summary().contains("cluster=standalone"));
+    }
+
+    #[test]
+    fn cluster_keys_from_file_env_and_flags() {
+        let f = file_with(
+            "node-id = 2\npeers = [\"1=127.0.0.1:25672\", \"2=127.0.0.1:25673\", \"3=node3.example:25674\"]\n\
+             cluster-secret = \"file-secret\"\n",
+        );
+        let c = Config::load_from(&args_with_file(&f), &no_env).expect("load");
+        let cluster = c.cluster().expect("clustered");
+        assert_eq!(cluster.node_id, 2);
+        assert_eq!(cluster.listen, "127.0.0.1:25673".parse::<SocketAddr>().expect("addr"), "own entry in peers");
+        assert_eq!(
+            cluster.peers,
+            vec![(1, "127.0.0.1:25672".into()), (2, "127.0.0.1:25673".into()), (3, "node3.example:25674".into())]
+        );
+        assert_eq!(cluster.secret, "file-secret");
+        let s = c.summary();
+        assert!(s.contains("node-id=2") && s.contains("cluster-secret=<redacted>") && !s.contains("file-secret"), "{s}");
+
+        let env = env_of(&[
+            ("WARREN_NODE_ID", "1"),
+            ("WARREN_PEERS", "1=127.0.0.1:35672, 2=127.0.0.1:35673"),
+            ("WARREN_CLUSTER_SECRET", "env-secret"),
+            ("WARREN_CLUSTER_ADDR", "0.0.0.0:35672"),
+        ]);
+        let c = Config::load_from(&args_with_file(&f), &env).expect("load");
+        let cluster = c.cluster().expect("clustered");
+        assert_eq!((cluster.node_id, cluster.peers.len(), cluster.secret.as_str()), (1, 2, "env-secret"));
+        assert_eq!(cluster.listen, "0.0.0.0:35672".parse::<SocketAddr>().expect("addr"));
+
+        let args = ServerArgs {
+            node_id: Some(3),
+            peers: Some(vec!["3=127.0.0.1:45674".into(), "4=127.0.0.1:45675".into()]),
+            cluster_secret: Some("flag-secret".into()),
+            cluster_addr: Some("127.0.0.1:45674".into()),
+            ..args_with_file(&f)
+        };
+        let cluster = Config::load_from(&args, &env).expect("load").cluster().expect("clustered");
+        assert_eq!((cluster.node_id, cluster.secret.as_str()), (3, "flag-secret"));
+        assert_eq!(cluster.peers, vec![(3, "127.0.0.1:45674".into()), (4, "127.0.0.1:45675".into())]);
+    }
+
+    #[test]
+    fn cluster_flags_parse_with_clap() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ServerArgs,
+        }
+        let cli = Cli::try_parse_from([
+            "warren", "--node-id", "2", "--cluster-addr", "127.0.0.1:2", "--peers", "1=h:1,2=127.0.0.1:2",
+            "--cluster-secret", "xyzxyzxyz",
+        ])
+        .expect("flags parse");
+        assert_eq!(cli.args.node_id, Some(2));
+        assert_eq!(cli.args.peers, Some(vec!["1=h:1".to_owned(), "2=127.0.0.1:2".to_owned()]));
+        assert_eq!(cli.args.cluster_addr.as_deref(), Some("127.0.0.1:2"));
+        assert_eq!(cli.args.cluster_secret.as_deref(), Some("xyzxyzxyz"));
+    }
+
+    #[test]
+    fn cluster_settings_are_checked() {
+        let invalid = |change: fn(&mut Config)| {
+            let mut c = Config {
+                node_id: 1,
+                peers: vec!["1=127.0.0.1:25672".into(), "2=127.0.0.1:25673".into()],
+                cluster_secret: "long-enough".into(),
+                ..Config::default()
+            };
+            c.validate().expect("the base is valid");
+            change(&mut c);
+            c.validate().expect_err("should be invalid").to_string()
+        };
+        assert!(invalid(|c| c.node_id = 0).starts_with("invalid node-id: must be set"));
+        assert!(invalid(|c| c.node_id = 5).starts_with("invalid node-id: 5 is not one of the ids in peers"));
+        assert!(invalid(|c| c.peers.push("2=127.0.0.1:1".into())).contains("node id 2 is listed twice"));
+        for bad in ["x=127.0.0.1:1", "0=127.0.0.1:1", "3=127.0.0.1", "3=:5", "3=h:0", "3"] {
+            let c = Config {
+                node_id: 1,
+                peers: vec!["1=127.0.0.1:25672".into(), bad.into()],
+                cluster_secret: "long-enough".into(),
+                ..Config::default()
+            };
+            let msg = c.validate().expect_err(bad).to_string();
+            assert!(msg.starts_with("invalid peers:") && msg.contains(bad), "{msg}");
+        }
+        assert!(invalid(|c| c.cluster_secret = "short".into()).starts_with("invalid cluster-secret:"));
+        assert!(invalid(|c| c.cluster_addr = "nowhere".into()).starts_with("invalid cluster-addr:"));
+        assert!(invalid(|c| c.cluster_addr = "127.0.0.1:5672".into()).contains("also the AMQP"));
+        let msg = Config { node_id: 1, ..Config::default() }.validate().expect_err("no peers").to_string();
+        assert!(msg.starts_with("invalid node-id: set without peers"), "{msg}");
+        let err = Config::load_from(&ServerArgs::default(), &env_of(&[("WARREN_PEERS", "1=127.0.0.1:25672"), ("WARREN_NODE_ID", "1"), ("WARREN_CLUSTER_SECRET", "tiny")]))
+            .expect_err("short secret")
+            .to_string();
+        assert!(err.starts_with("invalid cluster-secret (from WARREN_CLUSTER_SECRET):") && !err.contains("tiny"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,196 @@
+//! Frames on a cluster connection: a `u32` little-endian length, then the body. Requests and
+//! responses are multiplexed by request id; a request names its group and its RPC.
+//!
+//! ```text
+//! request:   len | 1 | request id u64 | rpc u8 | group u64 | payload
+//! response:  len | 2 | request id u64 | status u8 (0 ok, 1 error: payload is UTF-8 text) | payload
+//! keepalive: len | 3
+//! ```
+
+use std::time::Duration;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use crate::types::GroupId;
+
+/// The largest frame body accepted (and sent): a snapshot or a batch of entries must fit.
+pub const MAX_FRAME: usize = 64 << 20;
+
+/// The RPCs nodes (and `warren ctl`) send each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Rpc {
+    AppendEntries = 1,
+    Vote = 2,
+    PreVote = 3,
+    Snapshot = 4,
+    TransferLeader = 5,
+    /// A client command for a group's leader (forwarding).
+    Propose = 6,
+    /// The failure detector's probe.
+    Ping = 7,
+    /// `warren ctl cluster-status`.
+    Status = 8,
+    /// `warren ctl add-node`, `remove-node`, `transfer-leader`: node-wide membership operations.
+    Admin = 9,
+}
+
+impl Rpc {
+    pub fn from_u8(v: u8) -> Option<Rpc> {
+        Some(match v {
+            1 => Rpc::AppendEntries,
+            2 => Rpc::Vote,
+            3 => Rpc::PreVote,
+            4 => Rpc::Snapshot,
+            5 => Rpc::TransferLeader,
+            6 => Rpc::Propose,
+            7 => Rpc::Ping,
+            8 => Rpc::Status,
+            9 => Rpc::Admin,
+            _ => return None,
+        })
+    }
+}
+
+/// One decoded frame.
+#[derive(Debug)]
+pub enum Frame {
+    Request { id: u64, rpc: Rpc, group: GroupId, payload: Bytes },
+    Response { id: u64, result: Result<Bytes, String> },
+    KeepAlive,
+}
+
+const REQUEST: u8 = 1;
+const RESPONSE: u8 = 2;
+const KEEPALIVE: u8 = 3;
+
+/// Why a connection is dropped.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    #[error("connection closed")]
+    Closed,
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("frame of {0} bytes is over the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+    #[error("malformed frame: {0}")]
+    Malformed(&'static str),
+    #[error("peer silent for {0:?}")]
+    Silent(Duration),
+    #[error("a write failed or made no progress (the peer stopped reading)")]
+    WriteFailed,
+}
+
+pub fn request(id: u64, rpc: Rpc, group: GroupId, payload: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(4 + 18 + payload.len());
+    b.put_u32_le((18 + payload.len()) as u32);
+    b.put_u8(REQUEST);
+    b.put_u64_le(id);
+    b.put_u8(rpc as u8);
+    b.put_u64_le(group);
+    b.put_slice(payload);
+    b.freeze()
+}
+
+pub fn response(id: u64, result: &Result<Bytes, String>) -> Bytes {
+    let (status, payload): (u8, &[u8]) = match result {
+        Ok(b) => (0, b),
+        Err(e) => (1, e.as_bytes()),
+    };
+    let mut b = BytesMut::with_capacity(4 + 10 + payload.len());
+    b.put_u32_le((10 + payload.len()) as u32);
+    b.put_u8(RESPONSE);
+    b.put_u64_le(id);
+    b.put_u8(status);
+    b.put_slice(payload);
+    b.freeze()
+}
+
+pub fn keepalive() -> Bytes {
+    Bytes::from_static(&[1, 0, 0, 0, KEEPALIVE])
+}
+
+/// Reads one frame body of at most `limit` bytes. `idle` bounds the wait for its first byte (a
+/// silent peer), `stall` the time the rest of it may take (a peer that stops mid-frame).
+pub async fn read_body<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limit: usize,
+    idle: Duration,
+    stall: Duration,
+) -> Result<Bytes, FrameError> {
+    let mut len = [0u8; 4];
+    let first = tokio::time::timeout(idle, r.read(&mut len)).await.map_err(|_| FrameError::Silent(idle))??;
+    if first == 0 {
+        return Err(FrameError::Closed);
+    }
+    let body = tokio::time::timeout(stall, async {
+        if first < 4 {
+            r.read_exact(&mut len[first..]).await?;
+        }
+        let n = u32::from_le_bytes(len) as usize;
+        if n > limit {
+            return Err(FrameError::TooLarge(n));
+        }
+        let mut body = vec![0u8; n];
+        r.read_exact(&mut body).await?;
+        Ok(Bytes::from(body))
+    })
+    .await
+    .map_err(|_| FrameError::Silent(stall))??;
+    Ok(body)
+}
+
+/// Parses a frame body.
+pub fn parse(body: Bytes) -> Result<Frame, FrameError> {
+    let Some(&kind) = body.first() else { return Err(FrameError::Malformed("empty frame")) };
+    let u64_at = |at: usize| -> Result<u64, FrameError> {
+        body.get(at..at + 8)
+            .map(|s| u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]))
+            .ok_or(FrameError::Malformed("short header"))
+    };
+    match kind {
+        REQUEST => {
+            let id = u64_at(1)?;
+            let rpc = body.get(9).copied().ok_or(FrameError::Malformed("short header"))?;
+            let rpc = Rpc::from_u8(rpc).ok_or(FrameError::Malformed("unknown rpc"))?;
+            let group = u64_at(10)?;
+            Ok(Frame::Request { id, rpc, group, payload: body.slice(18..) })
+        }
+        RESPONSE => {
+            let id = u64_at(1)?;
+            let status = body.get(9).copied().ok_or(FrameError::Malformed("short header"))?;
+            let payload = body.slice(10..);
+            let result = match status {
+                0 => Ok(payload),
+                1 => Err(String::from_utf8_lossy(&payload).into_owned()),
+                _ => return Err(FrameError::Malformed("unknown response status")),
+            };
+            Ok(Frame::Response { id, result })
+        }
+        KEEPALIVE if body.len() == 1 => Ok(Frame::KeepAlive),
+        _ => Err(FrameError::Malformed("unknown frame kind")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_parse_back() {
+        let f = request(7, Rpc::Vote, 42, b"abc");
+        match parse(f.slice(4..)).expect("parses") {
+            Frame::Request { id, rpc, group, payload } => {
+                assert_eq!((id, rpc, group, &payload[..]), (7, Rpc::Vote, 42, &b"abc"[..]));
+            }
+            other => panic!("{other:?}"),
+        }
+        let f = response(9, &Err("no".into()));
+        assert!(matches!(parse(f.slice(4..)), Ok(Frame::Response { id: 9, result: Err(e) }) if e == "no"));
+        assert!(matches!(parse(keepalive().slice(4..)), Ok(Frame::KeepAlive)));
+        for bad in [&b""[..], &[1, 0, 0], &[1, 0, 0, 0, 0, 0, 0, 0, 0, 99, 0, 0, 0, 0, 0, 0, 0, 0], &[2; 5], &[9]] {
+            assert!(parse(Bytes::copy_from_slice(bad)).is_err(), "{bad:?}");
+        }
+    }
+}
