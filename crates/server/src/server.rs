@@ -102,6 +102,10 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         );
     }
 
+    if let Some(cluster) = config.cluster() {
+        tracing::warn!(node_id = cluster.node_id, "cluster settings are accepted but the cluster node is not started yet (issue 10 in progress): running standalone");
+    }
+
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())
     })?;
