@@ -22,6 +22,7 @@ pub mod metadata;
 pub mod queue;
 pub mod publisher;
 pub mod queue_args;
+pub mod quorum;
 pub mod routing;
 pub mod vhost;
 

@@ -1,0 +1,813 @@
+//! The quorum queue's state machine: the state every replica holds, and [`QuorumMachine::apply`],
+//! which turns one Raft entry into the same state change and the same [`Effect`]s on every replica.
+//!
+//! Deterministic by construction: no clock (time is the `now_ms` carried by `Enqueue`, `Tick` and
+//! `Touch`; the machine's clock is the largest seen), no randomness, no I/O, ordered maps only.
+//! Messages are assigned to consumers here (Ra's model): after every command, ready messages go
+//! head first to the consumers that can take one (credit or room under their prefetch), highest
+//! priority first, round-robin within a priority, only to the active one with single active
+//! consumer. Each replica's wrapper acts on the effects for its own node's consumers and sessions.
+
+use super::codec::DecodeError;
+use super::command::{msg_id, Attach, Command, ConsumerId, Dequeued, EnqueueMsg, MsgId, Refusal, Reply, SessionId};
+use super::ready::{push_id, MsgState, Ready, NEVER};
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+/// What happens when a publish would take the ready messages past `x-max-length(-bytes)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Overflow {
+    /// The oldest ready messages are dropped (dead-lettered `maxlen`).
+    #[default]
+    DropHead,
+    /// The publish is refused (the publisher is nacked).
+    RejectPublish,
+}
+
+/// The queue's settings, from its arguments at declaration; fixed for its life (kept in snapshots).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueConfig {
+    /// `x-max-length`: ready messages.
+    pub max_length: Option<u64>,
+    /// `x-max-length-bytes`: bytes of ready messages (each message's `size`).
+    pub max_length_bytes: Option<u64>,
+    pub overflow: Overflow,
+    /// `x-delivery-limit` (default 20; `None` = unlimited): a message returned more than this many
+    /// times is dead-lettered `delivery_limit` (or dropped).
+    pub delivery_limit: Option<u32>,
+    /// `x-message-ttl`.
+    pub message_ttl_ms: Option<u64>,
+    /// Whether the queue has a dead-letter exchange: removed messages are then [`Effect::DeadLetter`]
+    /// (the wrapper re-publishes them), else [`Effect::Dropped`].
+    pub dead_letter: bool,
+    /// `x-single-active-consumer`.
+    pub single_active_consumer: bool,
+    /// `x-expires`: the queue reports [`Effect::QueueExpired`] once unused this long.
+    pub expires_ms: Option<u64>,
+}
+
+/// RabbitMQ 4's default `x-delivery-limit`.
+pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            max_length: None,
+            max_length_bytes: None,
+            overflow: Overflow::DropHead,
+            delivery_limit: Some(DEFAULT_DELIVERY_LIMIT),
+            message_ttl_ms: None,
+            dead_letter: false,
+            single_active_consumer: false,
+            expires_ms: None,
+        }
+    }
+}
+
+impl QueueConfig {
+    /// The settings of a quorum queue declared with `args` (`x-delivery-limit` is passed apart:
+    /// `Some(n)`, or `None` for unlimited, as RabbitMQ's -1). Arguments a quorum queue does not
+    /// have are refused with the reason.
+    pub fn from_queue_args(args: &crate::queue_args::QueueArgs, delivery_limit: Option<u32>) -> Result<QueueConfig, String> {
+        use crate::queue_args::Overflow as ArgOverflow;
+        let overflow = match args.overflow {
+            ArgOverflow::DropHead => Overflow::DropHead,
+            ArgOverflow::RejectPublish => Overflow::RejectPublish,
+            ArgOverflow::RejectPublishDlx => return Err("x-overflow 'reject-publish-dlx' is not supported by quorum queues".into()),
+        };
+        if args.max_priority > 0 {
+            return Err("x-max-priority is not supported by quorum queues".into());
+        }
+        if args.retention_ms > 0 {
+            return Err("x-retention-seconds is not supported by quorum queues".into());
+        }
+        Ok(QueueConfig {
+            max_length: args.max_length,
+            max_length_bytes: args.max_length_bytes,
+            overflow,
+            delivery_limit,
+            message_ttl_ms: args.message_ttl_ms,
+            dead_letter: args.dead_letter_exchange.is_some(),
+            single_active_consumer: args.single_active_consumer,
+            expires_ms: args.expires_ms,
+        })
+    }
+}
+
+/// Why a message left the queue other than by an ack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Reason {
+    /// Nack/reject without requeue (dead-letter reason `rejected`).
+    Rejected,
+    /// TTL (`expired`).
+    Expired,
+    /// Dropped from the head by `x-max-length(-bytes)` (`maxlen`).
+    MaxLen,
+    /// Returned more than `x-delivery-limit` times (`delivery_limit`).
+    DeliveryLimit,
+    /// Purged (never dead-lettered).
+    Purged,
+}
+
+impl Reason {
+    /// The `x-death` reason RabbitMQ writes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Rejected => "rejected",
+            Reason::Expired => "expired",
+            Reason::MaxLen => "maxlen",
+            Reason::DeliveryLimit => "delivery_limit",
+            Reason::Purged => "purged",
+        }
+    }
+}
+
+/// One message handed to a consumer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivery {
+    pub msg_id: MsgId,
+    /// The message was delivered before (the AMQP `redelivered` flag).
+    pub redelivered: bool,
+    /// Failed deliveries so far (the `x-delivery-count` header; absent when 0).
+    pub delivery_count: u32,
+}
+
+/// Message ids as runs `(first, count)` of consecutive ids.
+pub type IdRuns = Vec<(MsgId, u32)>;
+
+/// Iterates the ids of runs.
+pub fn run_ids(runs: &[(MsgId, u32)]) -> impl Iterator<Item = MsgId> + '_ {
+    runs.iter().flat_map(|&(first, n)| (0..n as u64).map(move |k| first + k))
+}
+
+/// What the replica's wrapper must do after an apply, in order. A message's body is needed from
+/// its `Store` until it leaves by one of: `Release`, `DeadLetter` (after re-publishing it),
+/// `Dropped`, or a `Deliver` with `settled` (after sending it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect {
+    /// A message was accepted: keep its payload (bytes `payload` of the entry) under `msg_id`.
+    Store { msg_id: MsgId, payload: Range<usize> },
+    /// Send these messages to `consumer` (only the consumer's node acts). `settled`: the consumer
+    /// is auto-ack (or it was a no-ack get), the messages are no longer in the queue.
+    Deliver { consumer: ConsumerId, settled: bool, msgs: Vec<Delivery> },
+    /// Acked: forget these messages.
+    Release { msgs: IdRuns },
+    /// Re-publish these messages to the queue's dead-letter exchange with `reason`, then forget them.
+    DeadLetter { reason: Reason, msgs: IdRuns },
+    /// Removed without dead-lettering (no dead-letter exchange, or purged): forget them.
+    Dropped { reason: Reason, msgs: IdRuns },
+    /// To the session's node: every pub seq up to `applied_up_to` is applied; `rejected` (of this
+    /// command) were refused by reject-publish overflow (nack them), the rest are enqueued (ack).
+    Published { session: SessionId, applied_up_to: u64, rejected: Vec<u64> },
+    /// `x-expires` elapsed with the queue unused: delete it (reported once).
+    QueueExpired,
+}
+
+/// Running totals (in snapshots, so they are replica-consistent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub enqueued: u64,
+    pub duplicates: u64,
+    pub rejected: u64,
+    pub delivered: u64,
+    pub acked: u64,
+    pub returned: u64,
+    pub dead_lettered: u64,
+    pub dropped: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// Receives messages.
+    Active,
+    /// Cancelled (basic.cancel) with unacked messages: removed once they are settled.
+    Cancelled,
+    /// Created by a `Dequeue` (basic.get with ack): removed once its messages are settled.
+    Getter,
+}
+
+/// Credit of an auto-ack consumer that was given no limit.
+const UNLIMITED: u32 = u32::MAX;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Consumer {
+    pub priority: i32,
+    /// Acking consumer: unacked messages allowed (0 = unlimited).
+    pub prefetch: u32,
+    pub auto_ack: bool,
+    /// Auto-ack consumer: messages it may still receive ([`UNLIMITED`]: no limit).
+    pub credit: u32,
+    pub status: Status,
+    pub checked_out: BTreeMap<MsgId, MsgState>,
+}
+
+impl Consumer {
+    fn can_take(&self) -> bool {
+        self.status == Status::Active
+            && if self.auto_ack { self.credit > 0 } else { self.prefetch == 0 || self.checked_out.len() < self.prefetch as usize }
+    }
+}
+
+/// Active consumers of one priority, in registration order, with the round-robin cursor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Group {
+    pub priority: i32,
+    pub members: Vec<ConsumerId>,
+    pub next: usize,
+}
+
+/// The effects of one apply, with consecutive deliveries to a consumer gathered in one `Deliver`.
+#[derive(Default)]
+struct Out {
+    effects: Vec<Effect>,
+    pending: Vec<Effect>,
+    pending_at: BTreeMap<ConsumerId, usize>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Gone {
+    Release,
+    DeadLetter(Reason),
+    Dropped(Reason),
+}
+
+impl Out {
+    fn flush(&mut self) {
+        self.effects.append(&mut self.pending);
+        self.pending_at.clear();
+    }
+
+    fn push(&mut self, effect: Effect) {
+        self.flush();
+        self.effects.push(effect);
+    }
+
+    fn deliver(&mut self, consumer: ConsumerId, settled: bool, d: Delivery) {
+        if let Some(&at) = self.pending_at.get(&consumer) {
+            if let Some(Effect::Deliver { settled: s, msgs, .. }) = self.pending.get_mut(at) {
+                if *s == settled {
+                    msgs.push(d);
+                    return;
+                }
+            }
+        }
+        self.pending_at.insert(consumer, self.pending.len());
+        self.pending.push(Effect::Deliver { consumer, settled, msgs: vec![d] });
+    }
+
+    fn gone(&mut self, how: Gone, id: MsgId) {
+        self.flush();
+        let extended = match (self.effects.last_mut(), how) {
+            (Some(Effect::Release { msgs }), Gone::Release) => Some(msgs),
+            (Some(Effect::DeadLetter { reason, msgs }), Gone::DeadLetter(r)) if *reason == r => Some(msgs),
+            (Some(Effect::Dropped { reason, msgs }), Gone::Dropped(r)) if *reason == r => Some(msgs),
+            _ => None,
+        };
+        match extended {
+            Some(msgs) => push_id(msgs, id),
+            None => self.effects.push(match how {
+                Gone::Release => Effect::Release { msgs: vec![(id, 1)] },
+                Gone::DeadLetter(reason) => Effect::DeadLetter { reason, msgs: vec![(id, 1)] },
+                Gone::Dropped(reason) => Effect::Dropped { reason, msgs: vec![(id, 1)] },
+            }),
+        }
+    }
+}
+
+/// A quorum queue's replicated state. See the module doc and docs/internals/cluster.md.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuorumMachine {
+    pub(crate) config: QueueConfig,
+    pub(crate) last_index: Option<u64>,
+    pub(crate) now_ms: u64,
+    /// When the queue was last used (for `x-expires`); set by the first time seen.
+    pub(crate) last_used_ms: Option<u64>,
+    pub(crate) expired_reported: bool,
+    pub(crate) ready: Ready,
+    pub(crate) consumers: BTreeMap<ConsumerId, Consumer>,
+    /// Active consumers by priority, highest first.
+    pub(crate) groups: Vec<Group>,
+    pub(crate) sac_active: Option<ConsumerId>,
+    pub(crate) exclusive: Option<ConsumerId>,
+    /// Each publisher session's last applied pub seq.
+    pub(crate) sessions: BTreeMap<SessionId, u64>,
+    pub(crate) checked_out: u64,
+    pub(crate) counters: Counters,
+}
+
+impl QuorumMachine {
+    pub fn new(config: QueueConfig) -> QuorumMachine {
+        QuorumMachine {
+            ready: Ready::new(config.max_length_bytes.is_some()),
+            config,
+            last_index: None,
+            now_ms: 0,
+            last_used_ms: None,
+            expired_reported: false,
+            consumers: BTreeMap::new(),
+            groups: Vec::new(),
+            sac_active: None,
+            exclusive: None,
+            sessions: BTreeMap::new(),
+            checked_out: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
+    /// The last index applied.
+    pub fn last_index(&self) -> Option<u64> {
+        self.last_index
+    }
+
+    /// The machine's clock: the largest `now_ms` applied.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// Ready messages (basic.get / queue.declare-ok message count).
+    pub fn ready_count(&self) -> u64 {
+        self.ready.len()
+    }
+
+    /// Bytes of ready messages (counted only with `x-max-length-bytes`).
+    pub fn ready_bytes(&self) -> u64 {
+        self.ready.bytes()
+    }
+
+    /// Messages delivered and not yet settled.
+    pub fn checked_out_count(&self) -> u64 {
+        self.checked_out
+    }
+
+    /// Consumers that receive (not cancelled ones waiting for acks, nor basic.get holders).
+    pub fn consumer_count(&self) -> usize {
+        self.consumers.values().filter(|c| c.status == Status::Active).count()
+    }
+
+    /// With single active consumer: the one receiving.
+    pub fn active_consumer(&self) -> Option<ConsumerId> {
+        self.sac_active
+    }
+
+    /// The messages checked out to a consumer, in id order.
+    pub fn checked_out_by(&self, consumer: ConsumerId) -> Vec<MsgId> {
+        self.consumers.get(&consumer).map(|c| c.checked_out.keys().copied().collect()).unwrap_or_default()
+    }
+
+    /// The last pub seq applied for a session.
+    pub fn session_seq(&self, session: SessionId) -> Option<u64> {
+        self.sessions.get(&session).copied()
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Memory entries held: (returned messages, fresh runs, fresh sizes, checked-out messages,
+    /// sessions). See the cost per message in the module doc.
+    pub fn memory_entries(&self) -> (usize, usize, usize, u64, usize) {
+        let (returned, runs, sizes) = self.ready.entries();
+        (returned, runs, sizes, self.checked_out, self.sessions.len())
+    }
+
+    /// Applies the entry at Raft `index`: decodes it and applies its command(s). An undecodable
+    /// entry or a stale index changes nothing and is refused (identically on every replica).
+    pub fn apply(&mut self, index: u64, entry: &[u8]) -> (Vec<Effect>, Reply) {
+        match Command::decode(entry) {
+            Ok(cmd) => self.apply_decoded(index, cmd),
+            Err(_) => {
+                if self.last_index.is_some_and(|l| index <= l) {
+                    return (Vec::new(), Reply::Refused(Refusal::StaleIndex));
+                }
+                self.last_index = Some(index);
+                (Vec::new(), Reply::Refused(Refusal::BadCommand))
+            }
+        }
+    }
+
+    /// Applies an already decoded entry (from [`Command::decode`]).
+    pub fn apply_decoded(&mut self, index: u64, cmd: Command) -> (Vec<Effect>, Reply) {
+        if self.last_index.is_some_and(|l| index <= l) {
+            return (Vec::new(), Reply::Refused(Refusal::StaleIndex));
+        }
+        self.last_index = Some(index);
+        let mut out = Out::default();
+        let mut next_i: u32 = 0;
+        let reply = match cmd {
+            Command::Batch(cmds) => {
+                let mut replies = Vec::with_capacity(cmds.len());
+                for c in cmds {
+                    replies.push(self.apply_one(index, c, &mut next_i, &mut out));
+                }
+                Reply::Batch(replies)
+            }
+            c => self.apply_one(index, c, &mut next_i, &mut out),
+        };
+        out.flush();
+        (out.effects, reply)
+    }
+
+    fn apply_one(&mut self, index: u64, cmd: Command, next_i: &mut u32, out: &mut Out) -> Reply {
+        let reply = match cmd {
+            Command::Enqueue { session, now_ms, msgs } => self.enqueue(index, session, now_ms, msgs, next_i, out),
+            Command::Attach(a) => self.attach(a),
+            Command::Detach { consumer, return_unacked } => {
+                self.detach(consumer, return_unacked, out);
+                Reply::Ok
+            }
+            Command::Settle { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Ack, out),
+            Command::Return { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Requeue, out),
+            Command::Discard { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Reject, out),
+            Command::Credit { consumer, credit } => {
+                if let Some(c) = self.consumers.get_mut(&consumer) {
+                    if c.auto_ack {
+                        c.credit = credit;
+                    } else {
+                        c.prefetch = credit;
+                    }
+                }
+                Reply::Ok
+            }
+            Command::Dequeue { consumer, auto_ack } => self.dequeue(consumer, auto_ack, out),
+            Command::ConsumerDown { node } => {
+                let gone: Vec<ConsumerId> = self.consumers.keys().filter(|c| c.node == node).copied().collect();
+                for c in gone {
+                    self.remove_consumer(c);
+                }
+                Reply::Ok
+            }
+            Command::SessionEnd { session } => {
+                self.sessions.remove(&session);
+                Reply::Ok
+            }
+            Command::Tick { now_ms } => {
+                self.advance(now_ms);
+                self.expire_head(out);
+                self.check_queue_expiry(out);
+                Reply::Ok
+            }
+            Command::Touch { now_ms } => {
+                self.advance(now_ms);
+                self.last_used_ms = Some(self.now_ms);
+                self.expired_reported = false;
+                Reply::Ok
+            }
+            Command::Purge => {
+                let count = self.ready.len();
+                let runs = self.ready.clear();
+                self.counters.dropped += count;
+                if !runs.is_empty() {
+                    out.push(Effect::Dropped { reason: Reason::Purged, msgs: runs });
+                }
+                Reply::Purged { count }
+            }
+            // The decoder refuses nested batches; treat one as refused if built by hand.
+            Command::Batch(_) => Reply::Refused(Refusal::BadCommand),
+        };
+        self.assign(out);
+        reply
+    }
+
+    fn advance(&mut self, now_ms: u64) {
+        self.now_ms = self.now_ms.max(now_ms);
+        if self.last_used_ms.is_none() {
+            self.last_used_ms = Some(self.now_ms);
+        }
+    }
+
+    fn used(&mut self) {
+        self.last_used_ms = Some(self.now_ms);
+        self.expired_reported = false;
+    }
+
+    fn over_limit(&self, extra_count: u64, extra_bytes: u64) -> bool {
+        self.config.max_length.is_some_and(|m| self.ready.len() + extra_count > m)
+            || self.config.max_length_bytes.is_some_and(|m| self.ready.bytes() + extra_bytes > m)
+    }
+
+    fn enqueue(&mut self, index: u64, session: SessionId, now_ms: u64, msgs: Vec<EnqueueMsg>, next_i: &mut u32, out: &mut Out) -> Reply {
+        self.advance(now_ms);
+        let mut last = self.sessions.get(&session).copied();
+        let mut rejected = Vec::new();
+        let limited = self.config.max_length.is_some() || self.config.max_length_bytes.is_some();
+        for m in msgs {
+            // The decoder caps an entry at MAX_MESSAGES_PER_ENTRY (65,535), so `i` fits 16 bits.
+            let id = msg_id(index, (*next_i).min(u16::MAX as u32) as u16);
+            *next_i += 1;
+            if last.is_some_and(|l| m.pub_seq <= l) {
+                self.counters.duplicates += 1;
+                continue;
+            }
+            last = Some(m.pub_seq);
+            if limited && self.config.overflow == Overflow::RejectPublish {
+                if self.over_limit(1, m.size as u64) {
+                    // Consumers with credit may make room first.
+                    self.assign(out);
+                }
+                if self.over_limit(1, m.size as u64) {
+                    self.counters.rejected += 1;
+                    rejected.push(m.pub_seq);
+                    continue;
+                }
+            }
+            let ttl = match (m.ttl_ms, self.config.message_ttl_ms) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let expires_at = ttl.map_or(NEVER, |t| self.now_ms.saturating_add(t).min(NEVER - 1));
+            self.ready.push_fresh(id, m.size, expires_at);
+            self.counters.enqueued += 1;
+            out.push(Effect::Store { msg_id: id, payload: m.payload });
+            if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
+                self.assign(out);
+                while self.over_limit(0, 0) {
+                    let Some((dropped, _)) = self.ready.pop() else { break };
+                    self.remove(out, dropped, Reason::MaxLen);
+                }
+            }
+        }
+        let applied_up_to = last.unwrap_or(0);
+        if let Some(l) = last {
+            self.sessions.insert(session, l);
+        }
+        out.push(Effect::Published { session, applied_up_to, rejected: rejected.clone() });
+        Reply::Enqueued { applied_up_to, rejected }
+    }
+
+    /// A message leaves the queue for `reason`: dead-lettered if the queue has a dead-letter
+    /// exchange (purges never are), else dropped.
+    fn remove(&mut self, out: &mut Out, id: MsgId, reason: Reason) {
+        if self.config.dead_letter && reason != Reason::Purged {
+            self.counters.dead_lettered += 1;
+            out.gone(Gone::DeadLetter(reason), id);
+        } else {
+            self.counters.dropped += 1;
+            out.gone(Gone::Dropped(reason), id);
+        }
+    }
+
+    /// Expires the head while it is past its TTL (messages expire at the head only, as RabbitMQ).
+    fn expire_head(&mut self, out: &mut Out) {
+        while let Some((_, expires_at)) = self.ready.head() {
+            if expires_at == NEVER || expires_at >= self.now_ms {
+                break;
+            }
+            let Some((id, _)) = self.ready.pop() else { break };
+            self.remove(out, id, Reason::Expired);
+        }
+    }
+
+    fn check_queue_expiry(&mut self, out: &mut Out) {
+        let Some(expires) = self.config.expires_ms else { return };
+        if self.expired_reported || self.consumer_count() > 0 {
+            return;
+        }
+        let last_used = self.last_used_ms.unwrap_or(self.now_ms);
+        if self.now_ms >= last_used.saturating_add(expires) {
+            self.expired_reported = true;
+            out.push(Effect::QueueExpired);
+        }
+    }
+
+    fn attach(&mut self, a: Attach) -> Reply {
+        if self.exclusive.is_some_and(|x| x != a.consumer) {
+            return Reply::Refused(Refusal::ExclusiveConsumer);
+        }
+        if a.exclusive && self.consumers.iter().any(|(id, c)| *id != a.consumer && c.status == Status::Active) {
+            return Reply::Refused(Refusal::ExclusiveConsumer);
+        }
+        self.used();
+        let credit = if a.prefetch == 0 { UNLIMITED } else { a.prefetch };
+        let id = a.consumer;
+        match self.consumers.get_mut(&id) {
+            Some(c) => {
+                let was_active = c.status == Status::Active;
+                let old_priority = c.priority;
+                c.priority = a.priority;
+                c.prefetch = a.prefetch;
+                c.auto_ack = a.auto_ack;
+                c.credit = credit;
+                c.status = Status::Active;
+                if !was_active {
+                    self.group_add(id, a.priority);
+                } else if old_priority != a.priority {
+                    self.group_remove(id, old_priority);
+                    self.group_add(id, a.priority);
+                }
+            }
+            None => {
+                self.consumers.insert(
+                    id,
+                    Consumer {
+                        priority: a.priority,
+                        prefetch: a.prefetch,
+                        auto_ack: a.auto_ack,
+                        credit,
+                        status: Status::Active,
+                        checked_out: BTreeMap::new(),
+                    },
+                );
+                self.group_add(id, a.priority);
+            }
+        }
+        if self.config.single_active_consumer && self.sac_active.is_none() {
+            self.sac_active = Some(id);
+        }
+        if a.exclusive {
+            self.exclusive = Some(id);
+        }
+        Reply::Ok
+    }
+
+    fn group_add(&mut self, id: ConsumerId, priority: i32) {
+        match self.groups.iter().position(|g| g.priority <= priority) {
+            Some(i) if self.groups[i].priority == priority => self.groups[i].members.push(id),
+            at => self.groups.insert(at.unwrap_or(self.groups.len()), Group { priority, members: vec![id], next: 0 }),
+        }
+    }
+
+    fn group_remove(&mut self, id: ConsumerId, priority: i32) {
+        let Some(gi) = self.groups.iter().position(|g| g.priority == priority) else { return };
+        let group = &mut self.groups[gi];
+        let Some(mi) = group.members.iter().position(|m| *m == id) else { return };
+        group.members.remove(mi);
+        if mi < group.next {
+            group.next -= 1;
+        }
+        if group.next >= group.members.len() {
+            group.next = 0;
+        }
+        if group.members.is_empty() {
+            self.groups.remove(gi);
+        }
+    }
+
+    /// Stops a consumer receiving (it may keep checked-out messages); hands over single active
+    /// consumer and exclusivity.
+    fn deactivate(&mut self, id: ConsumerId, status: Status) {
+        let Some(c) = self.consumers.get_mut(&id) else { return };
+        let was_active = c.status == Status::Active;
+        c.status = status;
+        let priority = c.priority;
+        if was_active {
+            self.group_remove(id, priority);
+        }
+        if self.exclusive == Some(id) {
+            self.exclusive = None;
+        }
+        if self.sac_active == Some(id) {
+            // Highest priority first, earliest registered within it.
+            self.sac_active = self.groups.first().and_then(|g| g.members.first()).copied();
+        }
+    }
+
+    /// Removes a consumer; its checked-out messages go back to the queue as acquired but not
+    /// failed (their delivery count is unchanged; they are redelivered).
+    fn remove_consumer(&mut self, id: ConsumerId) {
+        self.deactivate(id, Status::Cancelled);
+        self.used();
+        let Some(c) = self.consumers.remove(&id) else { return };
+        self.checked_out -= c.checked_out.len() as u64;
+        for (msg, st) in c.checked_out {
+            self.ready.push_returned(msg, st);
+        }
+    }
+
+    fn detach(&mut self, id: ConsumerId, return_unacked: bool, _out: &mut Out) {
+        let Some(c) = self.consumers.get(&id) else { return };
+        if return_unacked || c.checked_out.is_empty() {
+            self.remove_consumer(id);
+        } else {
+            self.deactivate(id, Status::Cancelled);
+            self.used();
+        }
+    }
+
+    fn settle(&mut self, id: ConsumerId, msg_ids: &[MsgId], how: Settlement, out: &mut Out) -> Reply {
+        let Some(c) = self.consumers.get_mut(&id) else { return Reply::Ok };
+        let mut settled = Vec::with_capacity(msg_ids.len());
+        for msg in msg_ids {
+            if let Some(st) = c.checked_out.remove(msg) {
+                settled.push((*msg, st));
+            }
+        }
+        if c.status != Status::Active && c.checked_out.is_empty() {
+            self.consumers.remove(&id);
+        }
+        self.checked_out -= settled.len() as u64;
+        for (msg, mut st) in settled {
+            match how {
+                Settlement::Ack => {
+                    self.counters.acked += 1;
+                    out.gone(Gone::Release, msg);
+                }
+                Settlement::Reject => self.remove(out, msg, Reason::Rejected),
+                Settlement::Requeue => {
+                    st.delivery_count = st.delivery_count.saturating_add(1);
+                    if self.config.delivery_limit.is_some_and(|limit| st.delivery_count > limit) {
+                        self.remove(out, msg, Reason::DeliveryLimit);
+                    } else {
+                        self.counters.returned += 1;
+                        self.ready.push_returned(msg, st);
+                    }
+                }
+            }
+        }
+        Reply::Ok
+    }
+
+    fn dequeue(&mut self, id: ConsumerId, auto_ack: bool, out: &mut Out) -> Reply {
+        self.used();
+        self.expire_head(out);
+        let Some((msg, mut st)) = self.ready.pop() else { return Reply::Dequeued(None) };
+        let d = Delivery { msg_id: msg, redelivered: st.acquired > 0, delivery_count: st.delivery_count };
+        st.acquired = st.acquired.saturating_add(1);
+        self.counters.delivered += 1;
+        if !auto_ack {
+            let c = self.consumers.entry(id).or_insert_with(|| Consumer {
+                priority: 0,
+                prefetch: 0,
+                auto_ack: false,
+                credit: 0,
+                status: Status::Getter,
+                checked_out: BTreeMap::new(),
+            });
+            c.checked_out.insert(msg, st);
+            self.checked_out += 1;
+        }
+        out.deliver(id, auto_ack, d);
+        Reply::Dequeued(Some(Dequeued {
+            msg_id: msg,
+            redelivered: d.redelivered,
+            delivery_count: d.delivery_count,
+            ready_after: self.ready.len(),
+        }))
+    }
+
+    /// The next consumer to receive a message, advancing the round-robin.
+    fn next_receiver(&mut self) -> Option<ConsumerId> {
+        if self.config.single_active_consumer {
+            let active = self.sac_active?;
+            return self.consumers.get(&active).filter(|c| c.can_take()).map(|_| active);
+        }
+        for group in self.groups.iter_mut() {
+            let n = group.members.len();
+            for t in 0..n {
+                let at = (group.next + t) % n;
+                let id = group.members[at];
+                if self.consumers.get(&id).is_some_and(Consumer::can_take) {
+                    group.next = (at + 1) % n;
+                    return Some(id);
+                }
+            }
+        }
+        None
+    }
+
+    /// Hands ready messages, head first, to consumers that can take them.
+    fn assign(&mut self, out: &mut Out) {
+        loop {
+            self.expire_head(out);
+            if self.ready.is_empty() {
+                return;
+            }
+            let Some(id) = self.next_receiver() else { return };
+            let Some((msg, mut st)) = self.ready.pop() else { return };
+            let Some(c) = self.consumers.get_mut(&id) else { return };
+            let d = Delivery { msg_id: msg, redelivered: st.acquired > 0, delivery_count: st.delivery_count };
+            st.acquired = st.acquired.saturating_add(1);
+            self.counters.delivered += 1;
+            if c.auto_ack {
+                if c.credit != UNLIMITED {
+                    c.credit -= 1;
+                }
+            } else {
+                c.checked_out.insert(msg, st);
+                self.checked_out += 1;
+            }
+            out.deliver(id, c.auto_ack, d);
+        }
+    }
+
+    /// Replaces this machine's state with a snapshot's.
+    pub fn restore(&mut self, snapshot: &[u8]) -> Result<(), DecodeError> {
+        *self = super::snapshot::decode(snapshot)?;
+        Ok(())
+    }
+
+    /// The state without message bodies (see `snapshot`).
+    pub fn snapshot(&self) -> bytes::Bytes {
+        super::snapshot::encode(self)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Settlement {
+    Ack,
+    Requeue,
+    Reject,
+}

@@ -1,0 +1,176 @@
+//! The ready messages of a quorum queue, in msg-id order, kept compact.
+//!
+//! Two parts, as rabbit_fifo's `returns` and `messages`: messages that went back to the queue
+//! (returned, requeued, their consumer gone) with their per-message state, and fresh messages that
+//! were never delivered, as runs of consecutive ids (one run per enqueue entry and expiry: a batch
+//! of a thousand messages costs one run). Every returned id is below every fresh id: deliveries
+//! always take the head, so a message that was ever delivered was older than every message still
+//! fresh. The head of the queue is therefore the first returned message, else the first fresh one,
+//! and a requeued message goes back to its place by id (as a classic queue's requeue).
+//!
+//! Sizes are kept per fresh message only when the queue has `x-max-length-bytes` (4 bytes each).
+
+use super::command::MsgId;
+use std::collections::{BTreeMap, VecDeque};
+
+/// Expiry of a message without TTL.
+pub const NEVER: u64 = u64::MAX;
+
+/// What the queue keeps of a message that is not fresh (returned, or checked out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MsgState {
+    /// Failed deliveries (returned by nack/reject with requeue): the `x-delivery-count`.
+    pub delivery_count: u32,
+    /// Times checked out (whatever the outcome): > 0 means a delivery is a redelivery.
+    pub acquired: u32,
+    /// Bytes counted against `x-max-length-bytes` (0 when the queue does not count them).
+    pub size: u32,
+    /// Absolute expiry in ms ([`NEVER`] without TTL).
+    pub expires_at: u64,
+}
+
+/// Fresh messages `first .. first + count`, enqueued by one entry with one expiry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub first: MsgId,
+    pub count: u32,
+    pub expires_at: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Ready {
+    pub(crate) returned: BTreeMap<MsgId, MsgState>,
+    pub(crate) fresh: VecDeque<Run>,
+    /// Sizes of the fresh messages, in order (only when `track_sizes`).
+    pub(crate) sizes: VecDeque<u32>,
+    pub(crate) track_sizes: bool,
+    count: u64,
+    bytes: u64,
+}
+
+impl Ready {
+    pub fn new(track_sizes: bool) -> Ready {
+        Ready { track_sizes, ..Default::default() }
+    }
+
+    /// Rebuilds from a snapshot's parts (counts recomputed).
+    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>) -> Ready {
+        let count = returned.len() as u64 + fresh.iter().map(|r| r.count as u64).sum::<u64>();
+        let bytes = returned.values().map(|m| m.size as u64).sum::<u64>() + sizes.iter().map(|&s| s as u64).sum::<u64>();
+        Ready { returned, fresh, sizes, track_sizes, count, bytes }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Bytes of the ready messages (0 unless the queue counts them).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// A message just enqueued (its id above every id here).
+    pub fn push_fresh(&mut self, id: MsgId, size: u32, expires_at: u64) {
+        let size = if self.track_sizes { size } else { 0 };
+        match self.fresh.back_mut() {
+            Some(run) if run.first + run.count as u64 == id && run.expires_at == expires_at => run.count += 1,
+            _ => self.fresh.push_back(Run { first: id, count: 1, expires_at }),
+        }
+        if self.track_sizes {
+            self.sizes.push_back(size);
+        }
+        self.count += 1;
+        self.bytes += size as u64;
+    }
+
+    /// A message back from a consumer, to its place by id.
+    pub fn push_returned(&mut self, id: MsgId, state: MsgState) {
+        if self.returned.insert(id, state).is_none() {
+            self.count += 1;
+            self.bytes += state.size as u64;
+        }
+    }
+
+    /// The head's id and expiry.
+    pub fn head(&self) -> Option<(MsgId, u64)> {
+        if let Some((&id, st)) = self.returned.iter().next() {
+            return Some((id, st.expires_at));
+        }
+        self.fresh.front().map(|r| (r.first, r.expires_at))
+    }
+
+    /// Takes the head.
+    pub fn pop(&mut self) -> Option<(MsgId, MsgState)> {
+        let (id, state) = if let Some((id, st)) = self.returned.pop_first() {
+            (id, st)
+        } else {
+            let run = self.fresh.front_mut()?;
+            let id = run.first;
+            let expires_at = run.expires_at;
+            run.first += 1;
+            run.count -= 1;
+            if run.count == 0 {
+                self.fresh.pop_front();
+            }
+            let size = if self.track_sizes { self.sizes.pop_front().unwrap_or(0) } else { 0 };
+            (id, MsgState { delivery_count: 0, acquired: 0, size, expires_at })
+        };
+        self.count -= 1;
+        self.bytes -= state.size as u64;
+        Some((id, state))
+    }
+
+    /// Removes everything; returns the ids removed as runs `(first, count)`, in id order.
+    pub fn clear(&mut self) -> Vec<(MsgId, u32)> {
+        let mut runs: Vec<(MsgId, u32)> = Vec::new();
+        for &id in self.returned.keys() {
+            push_id(&mut runs, id);
+        }
+        for run in &self.fresh {
+            match runs.last_mut() {
+                Some((first, n)) if *first + *n as u64 == run.first => *n += run.count,
+                _ => runs.push((run.first, run.count)),
+            }
+        }
+        *self = Ready::new(self.track_sizes);
+        runs
+    }
+
+    /// Entries of memory held (returned messages + fresh runs + sizes), for the cost figures.
+    pub fn entries(&self) -> (usize, usize, usize) {
+        (self.returned.len(), self.fresh.len(), self.sizes.len())
+    }
+}
+
+/// Appends an id to a list of runs `(first, count)`, extending the last run when consecutive.
+pub fn push_id(runs: &mut Vec<(MsgId, u32)>, id: MsgId) {
+    match runs.last_mut() {
+        Some((first, n)) if *first + *n as u64 == id && *n < u32::MAX => *n += 1,
+        _ => runs.push((id, 1)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn returned_messages_come_first_in_id_order_and_runs_merge() {
+        let mut r = Ready::new(true);
+        for i in 0..3 {
+            r.push_fresh((5 << 16) | i, 10, NEVER);
+        }
+        r.push_fresh(6 << 16, 7, NEVER);
+        assert_eq!(r.fresh.len(), 2);
+        assert_eq!((r.len(), r.bytes()), (4, 37));
+        r.push_returned(9, MsgState { delivery_count: 1, acquired: 1, size: 3, expires_at: NEVER });
+        r.push_returned(4, MsgState { delivery_count: 0, acquired: 1, size: 2, expires_at: NEVER });
+        let order: Vec<MsgId> = std::iter::from_fn(|| r.pop().map(|(id, _)| id)).collect();
+        assert_eq!(order, vec![4, 9, 5 << 16, (5 << 16) | 1, (5 << 16) | 2, 6 << 16]);
+        assert_eq!((r.len(), r.bytes()), (0, 0));
+    }
+}

@@ -1,0 +1,306 @@
+//! The quorum queue's snapshot: the whole machine state without message bodies (the bodies stay
+//! in the node's store under their msg ids). Ready messages are stored as the runs and sparse
+//! per-message state they are kept as in memory, so a snapshot is as compact as the state.
+//!
+//! Layout (version 1; varints, "opt" = 0 none / n + 1): config (max_length opt, max_length_bytes
+//! opt, overflow u8, delivery_limit opt, message_ttl opt, dead_letter u8, sac u8, expires opt),
+//! last_index opt, now_ms, last_used opt, expired_reported u8, counters (8), sessions (count,
+//! node, channel, seq), consumers (count; id, priority zigzag, prefetch, auto_ack u8, credit,
+//! status u8, checkouts (count; id, state)), groups (count; priority zigzag, members (count; id),
+//! next), sac_active opt id, exclusive opt id, returned (count; id, state), fresh runs (count;
+//! first, count, expires opt), sizes (count; size). A message state is delivery_count, acquired,
+//! size, expires opt. Decoding checks the references between parts: a bad snapshot is an error,
+//! never a panic or an inconsistent machine.
+
+use super::codec::{err, put_bool, put_opt, put_var, put_zigzag, DecodeError, Reader};
+use super::command::{ConsumerId, MsgId, SessionId};
+use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Status};
+use super::ready::{MsgState, Ready, Run, NEVER};
+use bytes::{BufMut, Bytes, BytesMut};
+use std::collections::{BTreeMap, VecDeque};
+
+pub const SNAPSHOT_VERSION: u8 = 1;
+
+fn put_id(out: &mut BytesMut, c: ConsumerId) {
+    put_var(out, c.node);
+    put_var(out, c.local);
+}
+
+fn put_expiry(out: &mut BytesMut, expires_at: u64) {
+    put_opt(out, (expires_at != NEVER).then_some(expires_at));
+}
+
+fn put_state(out: &mut BytesMut, st: &MsgState) {
+    put_var(out, st.delivery_count as u64);
+    put_var(out, st.acquired as u64);
+    put_var(out, st.size as u64);
+    put_expiry(out, st.expires_at);
+}
+
+pub fn encode(m: &QuorumMachine) -> Bytes {
+    let mut out = BytesMut::with_capacity(256);
+    out.put_u8(SNAPSHOT_VERSION);
+    let c = &m.config;
+    put_opt(&mut out, c.max_length);
+    put_opt(&mut out, c.max_length_bytes);
+    out.put_u8(match c.overflow {
+        Overflow::DropHead => 0,
+        Overflow::RejectPublish => 1,
+    });
+    put_opt(&mut out, c.delivery_limit.map(u64::from));
+    put_opt(&mut out, c.message_ttl_ms);
+    put_bool(&mut out, c.dead_letter);
+    put_bool(&mut out, c.single_active_consumer);
+    put_opt(&mut out, c.expires_ms);
+
+    put_opt(&mut out, m.last_index);
+    put_var(&mut out, m.now_ms);
+    put_opt(&mut out, m.last_used_ms);
+    put_bool(&mut out, m.expired_reported);
+    let k = &m.counters;
+    for v in [k.enqueued, k.duplicates, k.rejected, k.delivered, k.acked, k.returned, k.dead_lettered, k.dropped] {
+        put_var(&mut out, v);
+    }
+
+    put_var(&mut out, m.sessions.len() as u64);
+    for (s, seq) in &m.sessions {
+        put_var(&mut out, s.node);
+        put_var(&mut out, s.channel);
+        put_var(&mut out, *seq);
+    }
+
+    put_var(&mut out, m.consumers.len() as u64);
+    for (id, c) in &m.consumers {
+        put_id(&mut out, *id);
+        put_zigzag(&mut out, c.priority as i64);
+        put_var(&mut out, c.prefetch as u64);
+        put_bool(&mut out, c.auto_ack);
+        put_var(&mut out, c.credit as u64);
+        out.put_u8(match c.status {
+            Status::Active => 0,
+            Status::Cancelled => 1,
+            Status::Getter => 2,
+        });
+        put_var(&mut out, c.checked_out.len() as u64);
+        for (msg, st) in &c.checked_out {
+            put_var(&mut out, *msg);
+            put_state(&mut out, st);
+        }
+    }
+
+    put_var(&mut out, m.groups.len() as u64);
+    for g in &m.groups {
+        put_zigzag(&mut out, g.priority as i64);
+        put_var(&mut out, g.members.len() as u64);
+        for id in &g.members {
+            put_id(&mut out, *id);
+        }
+        put_var(&mut out, g.next as u64);
+    }
+    for holder in [m.sac_active, m.exclusive] {
+        put_bool(&mut out, holder.is_some());
+        if let Some(id) = holder {
+            put_id(&mut out, id);
+        }
+    }
+
+    put_var(&mut out, m.ready.returned.len() as u64);
+    for (msg, st) in &m.ready.returned {
+        put_var(&mut out, *msg);
+        put_state(&mut out, st);
+    }
+    put_var(&mut out, m.ready.fresh.len() as u64);
+    for run in &m.ready.fresh {
+        put_var(&mut out, run.first);
+        put_var(&mut out, run.count as u64);
+        put_expiry(&mut out, run.expires_at);
+    }
+    put_var(&mut out, m.ready.sizes.len() as u64);
+    for s in &m.ready.sizes {
+        put_var(&mut out, *s as u64);
+    }
+    out.freeze()
+}
+
+fn id(r: &mut Reader) -> Result<ConsumerId, DecodeError> {
+    Ok(ConsumerId { node: r.var()?, local: r.var()? })
+}
+
+fn expiry(r: &mut Reader) -> Result<u64, DecodeError> {
+    match r.opt()? {
+        None => Ok(NEVER),
+        Some(NEVER) => err("expiry out of range"),
+        Some(t) => Ok(t),
+    }
+}
+
+fn state(r: &mut Reader) -> Result<MsgState, DecodeError> {
+    Ok(MsgState { delivery_count: r.var_u32()?, acquired: r.var_u32()?, size: r.var_u32()?, expires_at: expiry(r)? })
+}
+
+fn priority(r: &mut Reader) -> Result<i32, DecodeError> {
+    i32::try_from(r.zigzag()?).or_else(|_| err("priority exceeds 32 bits"))
+}
+
+pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
+    let mut r = Reader::new(bytes);
+    let version = r.u8()?;
+    if version != SNAPSHOT_VERSION {
+        return err(format!("unknown snapshot version {version}"));
+    }
+    let config = QueueConfig {
+        max_length: r.opt()?,
+        max_length_bytes: r.opt()?,
+        overflow: match r.u8()? {
+            0 => Overflow::DropHead,
+            1 => Overflow::RejectPublish,
+            o => return err(format!("unknown overflow {o}")),
+        },
+        delivery_limit: match r.opt()? {
+            None => None,
+            Some(l) => Some(u32::try_from(l).or_else(|_| err("delivery limit exceeds 32 bits"))?),
+        },
+        message_ttl_ms: r.opt()?,
+        dead_letter: r.bool()?,
+        single_active_consumer: r.bool()?,
+        expires_ms: r.opt()?,
+    };
+    let mut m = QuorumMachine::new(config);
+    m.last_index = r.opt()?;
+    m.now_ms = r.var()?;
+    m.last_used_ms = r.opt()?;
+    m.expired_reported = r.bool()?;
+    m.counters = Counters {
+        enqueued: r.var()?,
+        duplicates: r.var()?,
+        rejected: r.var()?,
+        delivered: r.var()?,
+        acked: r.var()?,
+        returned: r.var()?,
+        dead_lettered: r.var()?,
+        dropped: r.var()?,
+    };
+
+    let n = r.count(3)?;
+    for _ in 0..n {
+        let s = SessionId { node: r.var()?, channel: r.var()? };
+        if m.sessions.insert(s, r.var()?).is_some() {
+            return err("duplicate session");
+        }
+    }
+
+    // Every message appears once: checked out by one consumer, or ready.
+    let mut seen: BTreeMap<MsgId, ()> = BTreeMap::new();
+    let n = r.count(9)?;
+    for _ in 0..n {
+        let cid = id(&mut r)?;
+        let priority = priority(&mut r)?;
+        let prefetch = r.var_u32()?;
+        let auto_ack = r.bool()?;
+        let credit = r.var_u32()?;
+        let status = match r.u8()? {
+            0 => Status::Active,
+            1 => Status::Cancelled,
+            2 => Status::Getter,
+            s => return err(format!("unknown consumer status {s}")),
+        };
+        let k = r.count(5)?;
+        let mut checked_out = BTreeMap::new();
+        for _ in 0..k {
+            let msg = r.var()?;
+            let st = state(&mut r)?;
+            if seen.insert(msg, ()).is_some() || checked_out.insert(msg, st).is_some() {
+                return err("message checked out twice");
+            }
+        }
+        m.checked_out += checked_out.len() as u64;
+        if m.consumers.insert(cid, Consumer { priority, prefetch, auto_ack, credit, status, checked_out }).is_some() {
+            return err("duplicate consumer");
+        }
+    }
+
+    let n = r.count(3)?;
+    let mut grouped = 0usize;
+    for _ in 0..n {
+        let priority = priority(&mut r)?;
+        let k = r.count(2)?;
+        let mut members = Vec::with_capacity(k);
+        for _ in 0..k {
+            let cid = id(&mut r)?;
+            match m.consumers.get(&cid) {
+                Some(c) if c.status == Status::Active && c.priority == priority && !members.contains(&cid) => members.push(cid),
+                _ => return err("group member is not an active consumer of its priority"),
+            }
+        }
+        let next = r.var()? as usize;
+        if members.is_empty() || next >= members.len() {
+            return err("bad consumer group");
+        }
+        if m.groups.last().is_some_and(|g: &Group| g.priority <= priority) {
+            return err("consumer groups out of order");
+        }
+        grouped += members.len();
+        m.groups.push(Group { priority, members, next });
+    }
+    if grouped != m.consumer_count() {
+        return err("active consumers missing from their groups");
+    }
+    let holder = |r: &mut Reader, m: &QuorumMachine| -> Result<Option<ConsumerId>, DecodeError> {
+        if !r.bool()? {
+            return Ok(None);
+        }
+        let cid = id(r)?;
+        match m.consumers.get(&cid) {
+            Some(c) if c.status == Status::Active => Ok(Some(cid)),
+            _ => err("single-active or exclusive consumer is not an active consumer"),
+        }
+    };
+    m.sac_active = holder(&mut r, &m)?;
+    m.exclusive = holder(&mut r, &m)?;
+
+    let n = r.count(5)?;
+    let mut returned = BTreeMap::new();
+    for _ in 0..n {
+        let msg = r.var()?;
+        let st = state(&mut r)?;
+        if seen.insert(msg, ()).is_some() || returned.insert(msg, st).is_some() {
+            return err("ready message also checked out or repeated");
+        }
+    }
+    let n = r.count(3)?;
+    let mut fresh = VecDeque::with_capacity(n);
+    let mut fresh_count = 0u64;
+    let mut floor = returned.keys().next_back().copied();
+    for _ in 0..n {
+        let first = r.var()?;
+        let count = r.var_u32()?;
+        let expires_at = expiry(&mut r)?;
+        if count == 0 || floor.is_some_and(|f| first <= f) || first.checked_add(count as u64).is_none() {
+            return err("fresh runs out of order");
+        }
+        floor = Some(first + count as u64 - 1);
+        fresh_count += count as u64;
+        fresh.push_back(Run { first, count, expires_at });
+    }
+    // Checked-out ids may be anywhere below the fresh ones; a fresh id must not be checked out.
+    if let Some(first_fresh) = fresh.front().map(|r| r.first) {
+        if seen.range(first_fresh..).next().is_some_and(|(&id, _)| !returned.contains_key(&id)) {
+            return err("a fresh message is also checked out");
+        }
+    }
+    let n = r.count(1)?;
+    let mut sizes = VecDeque::with_capacity(n);
+    for _ in 0..n {
+        sizes.push_back(r.var_u32()?);
+    }
+    let track_sizes = m.config.max_length_bytes.is_some();
+    if (track_sizes && sizes.len() as u64 != fresh_count) || (!track_sizes && !sizes.is_empty()) {
+        return err("fresh sizes do not match the fresh messages");
+    }
+    if !track_sizes && returned.values().chain(m.consumers.values().flat_map(|c| c.checked_out.values())).any(|s| s.size != 0) {
+        return err("sizes on a queue that does not count them");
+    }
+    r.end()?;
+    m.ready = Ready::from_parts(track_sizes, returned, fresh, sizes);
+    Ok(m)
+}

@@ -1,0 +1,644 @@
+//! Unit tests of the quorum queue machine: the RabbitMQ behaviours it models, determinism,
+//! snapshot + replay equivalence over random command sequences, and garbage input.
+
+use super::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const S1: SessionId = SessionId { node: 1, channel: 7 };
+const C1: ConsumerId = ConsumerId { node: 1, local: 1 };
+const C2: ConsumerId = ConsumerId { node: 2, local: 1 };
+const C3: ConsumerId = ConsumerId { node: 3, local: 1 };
+
+/// A machine and the next Raft index to apply at (indexes skip, as other entries interleave).
+struct Q {
+    m: QuorumMachine,
+    index: u64,
+}
+
+impl Q {
+    fn new(config: QueueConfig) -> Q {
+        Q { m: QuorumMachine::new(config), index: 10 }
+    }
+
+    fn apply(&mut self, build: impl FnOnce(&mut Encoder)) -> (Vec<Effect>, Reply) {
+        let mut e = Encoder::new();
+        build(&mut e);
+        self.index += 2;
+        self.m.apply(self.index, &e.finish())
+    }
+
+    /// Publishes one message per seq in one entry; returns the effects and the single reply.
+    fn publish(&mut self, session: SessionId, now_ms: u64, seqs: std::ops::RangeInclusive<u64>, ttl: Option<u64>) -> (Vec<Effect>, Reply) {
+        let (effects, reply) = self.apply(|e| {
+            e.begin_enqueue(session, now_ms);
+            for s in seqs {
+                e.message(s, 10, ttl, format!("body {s}").as_bytes()).unwrap();
+            }
+        });
+        (effects, single(reply))
+    }
+
+    fn attach(&mut self, consumer: ConsumerId, prefetch: u32, priority: i32) -> Vec<Effect> {
+        let (effects, reply) =
+            self.apply(|e| e.attach(&Attach { consumer, prefetch, auto_ack: false, exclusive: false, priority }));
+        assert_eq!(single(reply), Reply::Ok);
+        effects
+    }
+}
+
+fn single(reply: Reply) -> Reply {
+    match reply {
+        Reply::Batch(mut r) if r.len() == 1 => r.pop().unwrap(),
+        other => panic!("expected one reply, got {other:?}"),
+    }
+}
+
+fn delivered(effects: &[Effect]) -> Vec<(ConsumerId, Vec<Delivery>)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Deliver { consumer, msgs, .. } => Some((*consumer, msgs.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn delivered_ids(effects: &[Effect], to: ConsumerId) -> Vec<MsgId> {
+    delivered(effects).into_iter().filter(|(c, _)| *c == to).flat_map(|(_, m)| m.into_iter().map(|d| d.msg_id)).collect()
+}
+
+fn gone(effects: &[Effect]) -> Vec<(&'static str, Reason, MsgId)> {
+    let mut out = Vec::new();
+    for e in effects {
+        match e {
+            Effect::DeadLetter { reason, msgs } => out.extend(run_ids(msgs).map(|id| ("dlx", *reason, id))),
+            Effect::Dropped { reason, msgs } => out.extend(run_ids(msgs).map(|id| ("drop", *reason, id))),
+            _ => {}
+        }
+    }
+    out
+}
+
+#[test]
+fn message_ids_are_index_and_place_and_enqueue_confirms() {
+    let mut q = Q::new(QueueConfig::default());
+    let (effects, reply) = q.publish(S1, 1000, 1..=3, None);
+    let index = q.index;
+    let stored: Vec<MsgId> = effects.iter().filter_map(|e| match e { Effect::Store { msg_id, .. } => Some(*msg_id), _ => None }).collect();
+    assert_eq!(stored, vec![index << 16, (index << 16) | 1, (index << 16) | 2]);
+    assert_eq!(reply, Reply::Enqueued { applied_up_to: 3, rejected: vec![] });
+    assert!(effects.contains(&Effect::Published { session: S1, applied_up_to: 3, rejected: vec![] }));
+    assert_eq!(q.m.ready_count(), 3);
+}
+
+#[test]
+fn store_effect_names_the_payload_in_the_entry() {
+    let mut e = Encoder::new();
+    e.begin_enqueue(S1, 5);
+    e.message(1, 3, None, b"abc").unwrap();
+    e.message(2, 5, Some(100), b"hello").unwrap();
+    let entry = e.finish();
+    let mut m = QuorumMachine::new(QueueConfig::default());
+    let (effects, _) = m.apply(1, &entry);
+    let payloads: Vec<&[u8]> =
+        effects.iter().filter_map(|e| match e { Effect::Store { payload, .. } => Some(&entry[payload.clone()]), _ => None }).collect();
+    assert_eq!(payloads, vec![&b"abc"[..], &b"hello"[..]]);
+}
+
+#[test]
+fn a_resent_batch_is_not_enqueued_twice() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=5, None);
+    // After a leader change the session re-sends 3..=8: only 6..=8 are new.
+    let (effects, reply) = q.publish(S1, 0, 3..=8, None);
+    assert_eq!(reply, Reply::Enqueued { applied_up_to: 8, rejected: vec![] });
+    assert_eq!(effects.iter().filter(|e| matches!(e, Effect::Store { .. })).count(), 3);
+    assert_eq!(q.m.ready_count(), 8);
+    // The whole batch again: nothing new, still "applied up to 8".
+    let (_, reply) = q.publish(S1, 0, 1..=8, None);
+    assert_eq!(reply, Reply::Enqueued { applied_up_to: 8, rejected: vec![] });
+    assert_eq!(q.m.ready_count(), 8);
+    assert_eq!(q.m.counters().duplicates, 3 + 8);
+    // Another session has its own seqs; an ended session starts over.
+    q.publish(SessionId { node: 2, channel: 7 }, 0, 1..=2, None);
+    assert_eq!(q.m.ready_count(), 10);
+    q.apply(|e| e.session_end(S1));
+    assert_eq!(q.m.session_seq(S1), None);
+}
+
+#[test]
+fn prefetch_is_respected_and_settles_give_credit_back() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=10, None);
+    let effects = q.attach(C1, 3, 0);
+    let first = delivered_ids(&effects, C1);
+    assert_eq!(first.len(), 3);
+    assert_eq!(q.m.checked_out_count(), 3);
+    // More publishes: nothing more for C1 until it settles.
+    let (effects, _) = q.publish(S1, 0, 11..=12, None);
+    assert!(delivered(&effects).is_empty());
+    let (effects, _) = q.apply(|e| e.settle(C1, &first[..2]));
+    assert!(effects.contains(&Effect::Release { msgs: vec![(first[0], 2)] }));
+    let next = delivered_ids(&effects, C1);
+    assert_eq!(next.len(), 2);
+    assert!(next[0] > first[2], "deliveries go head first, in id order");
+    assert_eq!(q.m.checked_out_count(), 3);
+    // Settling ids the consumer does not hold changes nothing.
+    let (effects, _) = q.apply(|e| e.settle(C1, &[first[0], 12345]));
+    assert!(effects.is_empty());
+    assert_eq!(q.m.checked_out_count(), 3);
+}
+
+#[test]
+fn consumers_share_round_robin_and_higher_priority_goes_first() {
+    let mut q = Q::new(QueueConfig::default());
+    q.attach(C1, 0, 0);
+    q.attach(C2, 0, 0);
+    let (effects, _) = q.publish(S1, 0, 1..=4, None);
+    assert_eq!(delivered_ids(&effects, C1).len(), 2);
+    assert_eq!(delivered_ids(&effects, C2).len(), 2);
+    // A higher-priority consumer with room takes everything; once full, the lower ones get the rest.
+    q.attach(C3, 2, 5);
+    let (effects, _) = q.publish(S1, 0, 5..=8, None);
+    assert_eq!(delivered_ids(&effects, C3).len(), 2);
+    assert_eq!(delivered_ids(&effects, C1).len() + delivered_ids(&effects, C2).len(), 2);
+}
+
+#[test]
+fn consumer_down_returns_its_messages_as_redelivered_without_counting_a_failure() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=4, None);
+    let effects = q.attach(C2, 2, 0);
+    let held = delivered_ids(&effects, C2);
+    assert_eq!(held.len(), 2);
+    assert!(delivered(&effects)[0].1.iter().all(|d| !d.redelivered));
+    q.attach(C1, 0, 0); // takes the other two
+    // Node 2 goes: its messages come back at the head and go to C1, flagged redelivered.
+    let (effects, _) = q.apply(|e| e.consumer_down(2));
+    let again = delivered(&effects);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].0, C1);
+    assert_eq!(again[0].1.iter().map(|d| d.msg_id).collect::<Vec<_>>(), held);
+    assert!(again[0].1.iter().all(|d| d.redelivered && d.delivery_count == 0));
+    assert_eq!(q.m.consumer_count(), 1);
+    // Late settles from the removed consumer are ignored.
+    let (effects, _) = q.apply(|e| e.settle(C2, &held));
+    assert!(effects.is_empty());
+    assert_eq!(q.m.checked_out_count(), 4);
+}
+
+#[test]
+fn requeued_messages_go_back_to_the_head_in_id_order() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=5, None);
+    let effects = q.attach(C1, 3, 0);
+    let held = delivered_ids(&effects, C1);
+    // Requeue in reverse order; C1 gets them back in id order, before the fresh ones.
+    let (effects, _) = q.apply(|e| e.return_(C1, &[held[2], held[0]]));
+    let got = delivered(&effects);
+    let ids: Vec<MsgId> = got.iter().flat_map(|(_, m)| m.iter().map(|d| d.msg_id)).collect();
+    assert_eq!(&ids[..2], &[held[0], held[2]]);
+    assert!(got[0].1[..2].iter().all(|d| d.redelivered && d.delivery_count == 1));
+}
+
+#[test]
+fn delivery_limit_dead_letters_the_poison_message() {
+    let mut q = Q::new(QueueConfig { delivery_limit: Some(2), dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 0, 1..=1, None);
+    let effects = q.attach(C1, 1, 0);
+    let id = delivered_ids(&effects, C1)[0];
+    for round in 1..=2 {
+        let (effects, _) = q.apply(|e| e.return_(C1, &[id]));
+        let d = &delivered(&effects)[0].1[0];
+        assert_eq!((d.msg_id, d.redelivered, d.delivery_count), (id, true, round));
+    }
+    // The third failure is one more than the limit allows.
+    let (effects, _) = q.apply(|e| e.return_(C1, &[id]));
+    assert_eq!(gone(&effects), vec![("dlx", Reason::DeliveryLimit, id)]);
+    assert!(delivered(&effects).is_empty());
+    assert_eq!((q.m.ready_count(), q.m.checked_out_count()), (0, 0));
+    // Without a dead-letter exchange it is dropped; a reject without requeue is `rejected`.
+    let mut q = Q::new(QueueConfig { delivery_limit: Some(0), ..QueueConfig::default() });
+    q.publish(S1, 0, 1..=2, None);
+    let held = delivered_ids(&q.attach(C1, 2, 0), C1);
+    let (effects, _) = q.apply(|e| {
+        e.return_(C1, &held[..1]);
+        e.discard(C1, &held[1..]);
+    });
+    assert_eq!(gone(&effects), vec![("drop", Reason::DeliveryLimit, held[0]), ("drop", Reason::Rejected, held[1])]);
+}
+
+#[test]
+fn single_active_consumer_feeds_one_and_hands_over_when_it_goes() {
+    let mut q = Q::new(QueueConfig { single_active_consumer: true, ..QueueConfig::default() });
+    q.attach(C1, 2, 0);
+    q.attach(C2, 10, 9); // higher priority, but C1 came first and stays active
+    let (effects, _) = q.publish(S1, 0, 1..=5, None);
+    assert_eq!(delivered_ids(&effects, C1).len(), 2);
+    assert!(delivered_ids(&effects, C2).is_empty(), "messages wait for the active consumer");
+    assert_eq!(q.m.active_consumer(), Some(C1));
+    // C1's channel closes: its two come back and everything goes to C2, in id order.
+    let (effects, _) = q.apply(|e| e.detach(C1, true));
+    assert_eq!(q.m.active_consumer(), Some(C2));
+    let got = delivered_ids(&effects, C2);
+    assert_eq!(got.len(), 5);
+    assert!(got.windows(2).all(|w| w[0] < w[1]));
+}
+
+#[test]
+fn cancel_keeps_unacked_messages_until_settled() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=3, None);
+    let held = delivered_ids(&q.attach(C1, 2, 0), C1);
+    let (effects, _) = q.apply(|e| e.detach(C1, false));
+    assert!(delivered(&effects).is_empty());
+    assert_eq!((q.m.consumer_count(), q.m.checked_out_count()), (0, 2));
+    q.apply(|e| e.settle(C1, &held));
+    assert_eq!(q.m.checked_out_by(C1), Vec::<MsgId>::new());
+    assert_eq!(q.m.checked_out_count(), 0);
+    assert_eq!(q.m.ready_count(), 1);
+}
+
+#[test]
+fn ttl_expires_at_the_head_on_tick() {
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 10_000, 1..=2, None); // expire at 11,000 (queue TTL)
+    q.publish(S1, 10_500, 3..=3, Some(100)); // own TTL: 10,600, but behind the others
+    let (effects, _) = q.apply(|e| e.tick(10_900));
+    assert!(gone(&effects).is_empty());
+    let (effects, _) = q.apply(|e| e.tick(11_001));
+    let expired = gone(&effects);
+    assert_eq!(expired.len(), 3);
+    assert!(expired.iter().all(|(k, r, _)| *k == "dlx" && *r == Reason::Expired));
+    assert_eq!(q.m.ready_count(), 0);
+    // Time never goes back: an older tick changes nothing.
+    q.apply(|e| e.tick(5));
+    assert_eq!(q.m.now_ms(), 11_001);
+    // Checked-out messages do not expire; returned ones expire once at the head.
+    q.publish(S1, 20_000, 4..=4, None);
+    let held = delivered_ids(&q.attach(C1, 1, 0), C1);
+    let (effects, _) = q.apply(|e| e.tick(30_000));
+    assert!(gone(&effects).is_empty());
+    let (effects, _) = q.apply(|e| {
+        e.detach(C1, true);
+        e.tick(30_001);
+    });
+    assert_eq!(gone(&effects), vec![("dlx", Reason::Expired, held[0])]);
+}
+
+#[test]
+fn max_length_drop_head_drops_the_oldest() {
+    let mut q = Q::new(QueueConfig { max_length: Some(3), dead_letter: true, ..QueueConfig::default() });
+    let (_, _) = q.publish(S1, 0, 1..=3, None);
+    let first = q.index << 16;
+    let (effects, reply) = q.publish(S1, 0, 4..=5, None);
+    assert_eq!(reply, Reply::Enqueued { applied_up_to: 5, rejected: vec![] });
+    assert_eq!(gone(&effects), vec![("dlx", Reason::MaxLen, first), ("dlx", Reason::MaxLen, first | 1)]);
+    assert_eq!(q.m.ready_count(), 3);
+    // Checked-out messages do not count; a consumer with credit takes them before any drop.
+    q.attach(C1, 2, 0);
+    let (effects, _) = q.publish(S1, 0, 6..=7, None);
+    assert!(gone(&effects).is_empty());
+    assert_eq!(q.m.ready_count(), 3);
+    // By bytes: each test message is 10 bytes.
+    let mut q = Q::new(QueueConfig { max_length_bytes: Some(25), ..QueueConfig::default() });
+    let (effects, _) = q.publish(S1, 0, 1..=3, None);
+    assert_eq!(gone(&effects).len(), 1);
+    assert_eq!((q.m.ready_count(), q.m.ready_bytes()), (2, 20));
+}
+
+#[test]
+fn max_length_reject_publish_names_the_rejected_seqs() {
+    let mut q = Q::new(QueueConfig { max_length: Some(2), overflow: Overflow::RejectPublish, ..QueueConfig::default() });
+    let (effects, reply) = q.publish(S1, 0, 1..=4, None);
+    assert_eq!(reply, Reply::Enqueued { applied_up_to: 4, rejected: vec![3, 4] });
+    assert!(effects.contains(&Effect::Published { session: S1, applied_up_to: 4, rejected: vec![3, 4] }));
+    assert!(gone(&effects).is_empty());
+    assert_eq!(q.m.ready_count(), 2);
+    // A consumer makes room: accepted again.
+    let held = delivered_ids(&q.attach(C1, 1, 0), C1);
+    q.apply(|e| e.settle(C1, &held));
+    let (_, reply) = q.publish(S1, 0, 5..=6, None);
+    assert_eq!(reply, Reply::Enqueued { applied_up_to: 6, rejected: vec![] });
+}
+
+#[test]
+fn auto_ack_consumers_use_credit_and_deliveries_are_settled() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=5, None);
+    let (effects, _) = q.apply(|e| e.attach(&Attach { consumer: C1, prefetch: 2, auto_ack: true, exclusive: false, priority: 0 }));
+    assert!(matches!(&effects[..], [Effect::Deliver { settled: true, msgs, .. }] if msgs.len() == 2));
+    assert_eq!((q.m.ready_count(), q.m.checked_out_count()), (3, 0));
+    let (effects, _) = q.apply(|e| e.credit(C1, 10));
+    assert_eq!(delivered_ids(&effects, C1).len(), 3);
+}
+
+#[test]
+fn basic_get_takes_the_head() {
+    let mut q = Q::new(QueueConfig::default());
+    let getter = ConsumerId { node: 3, local: 99 };
+    let (_, reply) = q.apply(|e| e.dequeue(getter, false));
+    assert_eq!(single(reply), Reply::Dequeued(None));
+    q.publish(S1, 0, 1..=2, None);
+    let (effects, reply) = q.apply(|e| e.dequeue(getter, false));
+    let Reply::Dequeued(Some(d)) = single(reply) else { panic!() };
+    assert_eq!((d.msg_id, d.redelivered, d.ready_after), (q.index - 2 << 16, false, 1));
+    assert_eq!(delivered_ids(&effects, getter), vec![d.msg_id]);
+    assert_eq!(q.m.consumer_count(), 0, "a getter is not a consumer");
+    q.apply(|e| e.return_(getter, &[d.msg_id]));
+    let (_, reply) = q.apply(|e| e.dequeue(getter, true));
+    let Reply::Dequeued(Some(again)) = single(reply) else { panic!() };
+    assert_eq!((again.msg_id, again.redelivered, again.delivery_count), (d.msg_id, true, 1));
+    assert_eq!(q.m.checked_out_count(), 0);
+}
+
+#[test]
+fn exclusive_consumers_exclude_others() {
+    let mut q = Q::new(QueueConfig::default());
+    q.attach(C1, 0, 0);
+    let (_, reply) = q.apply(|e| e.attach(&Attach { consumer: C2, prefetch: 0, auto_ack: false, exclusive: true, priority: 0 }));
+    assert_eq!(single(reply), Reply::Refused(Refusal::ExclusiveConsumer));
+    q.apply(|e| e.detach(C1, true));
+    let (_, reply) = q.apply(|e| e.attach(&Attach { consumer: C2, prefetch: 0, auto_ack: false, exclusive: true, priority: 0 }));
+    assert_eq!(single(reply), Reply::Ok);
+    let (_, reply) = q.apply(|e| e.attach(&Attach { consumer: C1, prefetch: 0, auto_ack: false, exclusive: false, priority: 0 }));
+    assert_eq!(single(reply), Reply::Refused(Refusal::ExclusiveConsumer));
+}
+
+#[test]
+fn purge_drops_ready_messages_as_runs() {
+    let mut q = Q::new(QueueConfig { dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 0, 1..=1000, None);
+    let (effects, reply) = q.apply(|e| e.purge());
+    assert_eq!(single(reply), Reply::Purged { count: 1000 });
+    assert!(matches!(&effects[..], [Effect::Dropped { reason: Reason::Purged, msgs }] if msgs.len() == 1 && msgs[0].1 == 1000));
+    assert_eq!(q.m.ready_count(), 0);
+}
+
+#[test]
+fn queue_expires_once_unused() {
+    let mut q = Q::new(QueueConfig { expires_ms: Some(1000), ..QueueConfig::default() });
+    q.apply(|e| e.tick(5000));
+    q.attach(C1, 0, 0);
+    let (effects, _) = q.apply(|e| e.tick(10_000));
+    assert!(effects.is_empty(), "a queue with consumers is in use");
+    q.apply(|e| e.detach(C1, true));
+    let (effects, _) = q.apply(|e| e.tick(10_999));
+    assert!(effects.is_empty());
+    let (effects, _) = q.apply(|e| e.tick(11_000));
+    assert_eq!(effects, vec![Effect::QueueExpired]);
+    let (effects, _) = q.apply(|e| e.tick(12_000));
+    assert!(effects.is_empty(), "reported once");
+}
+
+#[test]
+fn stale_indexes_and_bad_entries_are_refused_without_change() {
+    let mut q = Q::new(QueueConfig::default());
+    q.publish(S1, 0, 1..=1, None);
+    let mut before = q.m.clone();
+    let mut e = Encoder::new();
+    e.purge();
+    let entry = e.finish();
+    assert_eq!(q.m.apply(q.index, &entry).1, Reply::Refused(Refusal::StaleIndex));
+    assert_eq!(q.m.apply(q.index + 1, b"\x01\xff").1, Reply::Refused(Refusal::BadCommand));
+    assert_eq!(q.m.last_index(), Some(q.index + 1));
+    before.last_index = q.m.last_index();
+    assert_eq!(q.m, before, "only the applied index moved");
+}
+
+#[test]
+fn a_large_batched_backlog_costs_runs_not_messages() {
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(60_000), ..QueueConfig::default() });
+    for b in 0..100u64 {
+        q.publish(S1, 1000, b * 10_000 + 1..=(b + 1) * 10_000, None);
+    }
+    assert_eq!(q.m.ready_count(), 1_000_000);
+    let (returned, runs, sizes, _, sessions) = q.m.memory_entries();
+    assert_eq!((returned, runs, sizes, sessions), (0, 100, 0, 1));
+    assert!(q.m.snapshot().len() < 4096, "snapshot of a 1M backlog: {} bytes", q.m.snapshot().len());
+}
+
+#[test]
+fn commands_round_trip_through_the_encoding() {
+    let mut e = Encoder::new();
+    e.begin_enqueue(S1, 123);
+    e.message(9, 3, Some(0), b"xyz").unwrap();
+    e.message(10, 0, None, b"").unwrap();
+    e.attach(&Attach { consumer: C1, prefetch: 5, auto_ack: true, exclusive: true, priority: -3 });
+    e.detach(C2, true);
+    e.settle(C1, &[5, 3, 900, 1]);
+    e.return_(C1, &[]);
+    e.discard(C3, &[u64::MAX, 0]);
+    e.credit(C1, u32::MAX);
+    e.dequeue(C2, true);
+    e.consumer_down(4);
+    e.session_end(S1);
+    e.tick(u64::MAX);
+    e.touch(0);
+    e.purge();
+    let entry = e.finish();
+    let cmd = Command::decode(&entry).unwrap();
+    let Command::Batch(cmds) = &cmd else { panic!() };
+    assert_eq!(cmds.len(), 13);
+    assert_eq!(cmds[3], Command::Settle { consumer: C1, msg_ids: vec![5, 3, 900, 1] });
+    assert_eq!(cmds[5], Command::Discard { consumer: C3, msg_ids: vec![u64::MAX, 0] });
+    assert_eq!(cmd.encode(&entry).unwrap(), entry);
+    for reply in [
+        Reply::Ok,
+        Reply::Enqueued { applied_up_to: 7, rejected: vec![3, 9] },
+        Reply::Dequeued(None),
+        Reply::Dequeued(Some(Dequeued { msg_id: 1 << 40, redelivered: true, delivery_count: 3, ready_after: 8 })),
+        Reply::Purged { count: 5 },
+        Reply::Refused(Refusal::ExclusiveConsumer),
+        Reply::Batch(vec![Reply::Ok, Reply::Purged { count: 1 }]),
+    ] {
+        assert_eq!(Reply::decode(&reply.encode()).unwrap(), reply);
+    }
+}
+
+#[test]
+fn an_entry_holds_at_most_65535_messages() {
+    let mut e = Encoder::new();
+    e.begin_enqueue(S1, 0);
+    for s in 0..MAX_MESSAGES_PER_ENTRY as u64 {
+        e.message(s, 0, None, b"").unwrap();
+    }
+    assert_eq!(e.message(1 << 20, 0, None, b""), Err(EncodeError::EntryFull));
+    let entry = e.finish();
+    let mut m = QuorumMachine::new(QueueConfig::default());
+    let (effects, _) = m.apply(7, &entry);
+    let last = effects.iter().filter_map(|e| match e { Effect::Store { msg_id, .. } => Some(*msg_id), _ => None }).last();
+    assert_eq!(last, Some((7 << 16) | 65_534));
+}
+
+// ---- random command sequences ----
+
+fn random_config(rng: &mut StdRng) -> QueueConfig {
+    QueueConfig {
+        max_length: rng.gen_bool(0.3).then(|| rng.gen_range(0..20)),
+        max_length_bytes: rng.gen_bool(0.2).then(|| rng.gen_range(0..400)),
+        overflow: if rng.gen_bool(0.5) { Overflow::DropHead } else { Overflow::RejectPublish },
+        delivery_limit: if rng.gen_bool(0.8) { Some(rng.gen_range(0..4)) } else { None },
+        message_ttl_ms: rng.gen_bool(0.3).then(|| rng.gen_range(0..500)),
+        dead_letter: rng.gen_bool(0.5),
+        single_active_consumer: rng.gen_bool(0.3),
+        expires_ms: rng.gen_bool(0.2).then(|| rng.gen_range(1..2000)),
+    }
+}
+
+/// Builds a random entry that makes sense for `m`'s current state (settles name held messages).
+fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [u64; 3]) -> bytes::Bytes {
+    let consumers: Vec<ConsumerId> = (1..=3).flat_map(|node| (1..=2).map(move |local| ConsumerId { node, local })).collect();
+    let mut e = Encoder::new();
+    for _ in 0..rng.gen_range(1..4) {
+        let c = consumers[rng.gen_range(0..consumers.len())];
+        let held = m.checked_out_by(c);
+        let pick = |rng: &mut StdRng| -> Vec<MsgId> { held.iter().copied().filter(|_| rng.gen_bool(0.5)).collect() };
+        match rng.gen_range(0..100) {
+            0..=34 => {
+                let s = rng.gen_range(0..3);
+                *now += rng.gen_range(0..50);
+                e.begin_enqueue(SessionId { node: s as u64 + 1, channel: 1 }, *now);
+                // Sometimes re-send some already applied seqs (a leader change).
+                let from = if rng.gen_bool(0.2) { seqs[s].saturating_sub(rng.gen_range(0..5)) } else { seqs[s] };
+                let n = rng.gen_range(0..6);
+                for k in 1..=n {
+                    let ttl = rng.gen_bool(0.2).then(|| rng.gen_range(0..300));
+                    e.message(from + k, rng.gen_range(0..100), ttl, &[k as u8; 3]).unwrap();
+                }
+                seqs[s] = seqs[s].max(from + n);
+            }
+            35..=44 => e.attach(&Attach {
+                consumer: c,
+                prefetch: rng.gen_range(0..4),
+                auto_ack: rng.gen_bool(0.2),
+                exclusive: rng.gen_bool(0.05),
+                priority: rng.gen_range(-1..2),
+            }),
+            45..=49 => e.detach(c, rng.gen_bool(0.5)),
+            50..=64 => e.settle(c, &pick(rng)),
+            65..=72 => e.return_(c, &pick(rng)),
+            73..=77 => e.discard(c, &pick(rng)),
+            78..=80 => e.credit(c, rng.gen_range(0..5)),
+            81..=84 => e.dequeue(c, rng.gen_bool(0.5)),
+            85..=86 => e.consumer_down(rng.gen_range(1..4)),
+            87..=95 => {
+                *now += rng.gen_range(0..400);
+                e.tick(*now);
+            }
+            96 => e.session_end(SessionId { node: rng.gen_range(1..4), channel: 1 }),
+            97 => e.touch(*now),
+            _ => e.purge(),
+        }
+    }
+    e.finish()
+}
+
+/// A random run: the config and the entries with their indexes.
+fn random_run(seed: u64, len: usize) -> (QueueConfig, Vec<(u64, bytes::Bytes)>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let config = random_config(&mut rng);
+    let mut m = QuorumMachine::new(config.clone());
+    let (mut now, mut seqs, mut index) = (1000, [0u64; 3], 0u64);
+    let mut entries = Vec::with_capacity(len);
+    for _ in 0..len {
+        let entry = random_entry(&mut rng, &m, &mut now, &mut seqs);
+        index += rng.gen_range(1..3);
+        m.apply(index, &entry);
+        entries.push((index, entry));
+    }
+    (config, entries)
+}
+
+#[test]
+fn two_replicas_applying_the_same_log_agree() {
+    for seed in 0..20 {
+        let (config, entries) = random_run(seed, 300);
+        let mut a = QuorumMachine::new(config.clone());
+        let mut b = QuorumMachine::new(config);
+        for (index, entry) in &entries {
+            assert_eq!(a.apply(*index, entry), b.apply(*index, entry), "seed {seed} index {index}");
+        }
+        assert_eq!(a.snapshot(), b.snapshot());
+        assert!(a.counters().delivered > 0 || seed > 0 || a.counters().enqueued == 0);
+    }
+}
+
+#[test]
+fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything() {
+    let mut exercised = Counters::default();
+    for seed in 100..140 {
+        let (config, entries) = random_run(seed, 200);
+        let mut straight = QuorumMachine::new(config.clone());
+        let mut results = Vec::new();
+        for (index, entry) in &entries {
+            results.push(straight.apply(*index, entry));
+        }
+        let k = straight.counters();
+        exercised.delivered += k.delivered;
+        exercised.returned += k.returned;
+        exercised.dead_lettered += k.dead_lettered;
+        exercised.dropped += k.dropped;
+        exercised.rejected += k.rejected;
+        exercised.duplicates += k.duplicates;
+        for cut in (0..=entries.len()).step_by(7) {
+            let mut prefix = QuorumMachine::new(config.clone());
+            for (index, entry) in &entries[..cut] {
+                prefix.apply(*index, entry);
+            }
+            let snap = prefix.snapshot();
+            let mut restored = QuorumMachine::new(QueueConfig::default());
+            restored.restore(&snap).unwrap_or_else(|e| panic!("seed {seed} cut {cut}: {e}"));
+            assert_eq!(restored, prefix, "seed {seed} cut {cut}: restore must rebuild the same state");
+            for (i, (index, entry)) in entries.iter().enumerate().skip(cut) {
+                assert_eq!(restored.apply(*index, entry), results[i], "seed {seed} cut {cut} entry {i}");
+            }
+            assert_eq!(restored.snapshot(), straight.snapshot(), "seed {seed} cut {cut}");
+        }
+    }
+    // The runs covered the interesting paths.
+    assert!(exercised.delivered > 100 && exercised.returned > 10 && exercised.duplicates > 10, "{exercised:?}");
+    assert!(exercised.dead_lettered + exercised.dropped > 10 && exercised.rejected > 0, "{exercised:?}");
+}
+
+#[test]
+fn garbage_never_panics_the_decoders_or_the_machine() {
+    let mut rng = StdRng::seed_from_u64(42);
+    let (config, entries) = random_run(7, 100);
+    let mut m = QuorumMachine::new(config);
+    let mut snapshots = Vec::new();
+    for (index, entry) in &entries {
+        m.apply(*index, entry);
+        snapshots.push(m.snapshot());
+    }
+    let mut index = 1_000_000;
+    for round in 0..20_000 {
+        // Random bytes, and valid encodings with a few bytes flipped or cut.
+        let mut bytes: Vec<u8> = match round % 3 {
+            0 => (0..rng.gen_range(0..64)).map(|_| rng.gen()).collect(),
+            1 => entries[rng.gen_range(0..entries.len())].1.to_vec(),
+            _ => snapshots[rng.gen_range(0..snapshots.len())].to_vec(),
+        };
+        if round % 3 != 0 && !bytes.is_empty() {
+            for _ in 0..rng.gen_range(1..4) {
+                let at = rng.gen_range(0..bytes.len());
+                bytes[at] = rng.gen();
+            }
+            if rng.gen_bool(0.3) {
+                bytes.truncate(rng.gen_range(0..bytes.len()));
+            }
+        }
+        let _ = Command::decode(&bytes);
+        let _ = Reply::decode(&bytes);
+        let mut other = QuorumMachine::new(QueueConfig::default());
+        if other.restore(&bytes).is_ok() {
+            // A snapshot that decodes is consistent enough to keep applying.
+            index += 1;
+            other.apply(index, &entries[0].1);
+            other.snapshot();
+        }
+        index += 1;
+        m.apply(index, &bytes);
+    }
+}
