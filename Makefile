@@ -1,5 +1,6 @@
 # `make test` installs what the tests need and runs every test: Rust unit tests, then the
-# end-to-end suites against the real binary (pika, amqp091-go, PerfTest), then a short run of every
+# end-to-end suites against the real binary (pika, amqp091-go, PerfTest; tests/cluster: nodes in network
+# namespaces, skipped without root), then a short run of every
 # fuzz target (scripts/fuzz.sh: 25 s each with a fixed seed, so CI is reproducible; cargo-fuzz on nightly).
 .PHONY: test build deps fuzz
 build:
@@ -11,6 +12,7 @@ deps:
 test: deps build
 	cargo test --workspace --release
 	python3 -m pytest -q --timeout=120 tests/python
+	python3 -m pytest -q --timeout=300 tests/cluster
 	cd tests/go && go test ./... -count=1
 	FUZZ_SEED=20261123 bash scripts/fuzz.sh 25
 

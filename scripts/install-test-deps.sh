@@ -4,6 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import pika, pytest, pytest_timeout" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout
 (cd tests/go && go mod download)
+# Fault tests (tests/cluster): `ip` and `tc` (iproute2) make the network namespaces and cut links.
+if { ! command -v ip >/dev/null || ! command -v tc >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -q && apt-get install -y -q iproute2; } || echo "install-test-deps: could not install iproute2 (tests/cluster will skip)" >&2
+fi
 if command -v java >/dev/null && command -v mvn >/dev/null; then
   bash scripts/install-perftest.sh
 fi

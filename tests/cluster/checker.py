@@ -1,0 +1,167 @@
+"""The total-queue checker (as Jepsen's RabbitMQ test): what was confirmed must come out.
+
+Workload threads record into one `History`: every message id before it is sent (`attempt`), every
+id a broker confirmed (`confirm`) or nacked (`nack`), every delivery to a consumer (`receive`), and
+the nemesis records each fault's window (`with history.fault(name): ...`). After the faults are
+healed and the queue is drained, `check(history)` returns a `Report`:
+
+- lost = confirmed − received: must be empty (a confirm is a promise);
+- unexpected = received − attempted: must be empty (nothing appears that nobody published);
+- duplicates: deliveries beyond the first of an id, counted and reported (allowed: a redelivery
+  after a lost ack, a republish after a lost confirm);
+- per fault, the longest pause between confirms (of all publishers together) in the fault's window
+  (from its start to the next fault's start or the end), and how long after the heal confirms
+  resumed.
+
+Unconfirmed messages (in flight when a connection died) may or may not arrive; both are fine.
+"""
+import contextlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Fault:
+    name: str
+    start: float
+    healed: float = None  # when the nemesis undid it (node back, link healed)
+
+
+class History:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.started = time.monotonic()
+        self.ended = None
+        self.attempted = set()
+        self.confirmed = {}  # id -> (monotonic time, node label)
+        self.nacked = set()
+        self.received = Counter()  # id -> deliveries
+        self.received_from = {}  # id -> node label of the first delivery
+        self.faults = []
+        self.events = []  # (monotonic time, who, what): connects, errors, reconnects
+
+    def attempt(self, ids):
+        with self._lock:
+            self.attempted.update(ids)
+
+    def confirm(self, ids, node=None):
+        now = time.monotonic()
+        with self._lock:
+            for i in ids:
+                self.confirmed.setdefault(i, (now, node))
+
+    def nack(self, ids):
+        with self._lock:
+            self.nacked.update(ids)
+
+    def receive(self, msg_id, node=None):
+        with self._lock:
+            self.received[msg_id] += 1
+            self.received_from.setdefault(msg_id, node)
+
+    def event(self, who, what):
+        with self._lock:
+            self.events.append((time.monotonic(), who, what))
+
+    @contextlib.contextmanager
+    def fault(self, name):
+        """Records the window of a fault: enter when it is done to the cluster, exit when healed."""
+        f = Fault(name, time.monotonic())
+        with self._lock:
+            self.faults.append(f)
+        try:
+            yield f
+        finally:
+            f.healed = time.monotonic()
+
+    def end(self):
+        """Marks the end of the workload (publishers stopped); later confirms are not paused ones."""
+        self.ended = time.monotonic()
+
+
+@dataclass
+class Pause:
+    fault: str
+    at: float  # seconds since the history started
+    longest: float  # longest time without any confirm in the fault's window
+    resumed_after_heal: float  # seconds from the heal to the first confirm after it (None: never)
+
+
+@dataclass
+class Report:
+    attempted: int
+    confirmed: int
+    nacked: int
+    received: int  # distinct ids
+    lost: list
+    unexpected: list
+    duplicates: int  # deliveries beyond the first
+    duplicated_ids: int
+    pauses: list = field(default_factory=list)
+
+    @property
+    def valid(self):
+        return not self.lost and not self.unexpected
+
+    def __str__(self):
+        lines = [f"attempted {self.attempted}, confirmed {self.confirmed}, nacked {self.nacked}, "
+                 f"received {self.received} distinct, lost {len(self.lost)}, unexpected {len(self.unexpected)}, "
+                 f"duplicates {self.duplicates} ({self.duplicated_ids} ids)"]
+        for p in self.pauses:
+            resumed = "never" if p.resumed_after_heal is None else f"{p.resumed_after_heal:.2f}s"
+            lines.append(f"  {p.fault} at {p.at:.1f}s: longest pause in confirms {p.longest:.2f}s, "
+                         f"resumed {resumed} after the heal")
+        if self.lost:
+            lines.append(f"  lost (first 20): {sorted(self.lost)[:20]}")
+        if self.unexpected:
+            lines.append(f"  unexpected (first 20): {sorted(self.unexpected)[:20]}")
+        return "\n".join(lines)
+
+    def assert_valid(self):
+        assert self.valid, f"checker failed:\n{self}"
+
+
+def longest_pause(times, start, end):
+    """The longest stretch in [start, end] with no time in `times` (sorted); a stretch that runs
+    past `end` is counted up to the first confirm after it (or to `end` if none came)."""
+    longest, prev = 0.0, start
+    for t in times:
+        if t <= start:
+            continue
+        if t > end:
+            longest = max(longest, t - prev)
+            return longest
+        longest = max(longest, t - prev)
+        prev = t
+    return max(longest, end - prev)
+
+
+def check(history):
+    with history._lock:
+        confirmed = dict(history.confirmed)
+        attempted = set(history.attempted)
+        received = Counter(history.received)
+        faults = list(history.faults)
+        nacked = set(history.nacked)
+    end = history.ended or time.monotonic()
+    times = sorted(t for t, _ in confirmed.values())
+    pauses = []
+    for i, f in enumerate(faults):
+        window_end = faults[i + 1].start if i + 1 < len(faults) else end
+        healed = f.healed if f.healed is not None else end
+        after = [t for t in times if t >= healed]
+        pauses.append(Pause(f.name, f.start - history.started, longest_pause(times, f.start, window_end),
+                            (after[0] - healed) if after else None))
+    return Report(
+        attempted=len(attempted),
+        confirmed=len(confirmed),
+        nacked=len(nacked),
+        received=len(received),
+        lost=[i for i in confirmed if i not in received],
+        unexpected=[i for i in received if i not in attempted],
+        duplicates=sum(n - 1 for n in received.values()),
+        duplicated_ids=sum(1 for n in received.values() if n > 1),
+        pauses=pauses,
+    )

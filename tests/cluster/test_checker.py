@@ -1,0 +1,46 @@
+"""The checker's verdicts on hand-made histories (no brokers): what it must flag, and the pauses."""
+from checker import History, check, longest_pause
+
+
+def history_of(attempted, confirmed, received, confirm_at=None):
+    h = History()
+    h.attempt(attempted)
+    h.confirm(confirmed)
+    for i in received:
+        h.receive(i)
+    if confirm_at:
+        h.confirmed = {i: (h.started + t, None) for i, t in confirm_at.items()}
+    return h
+
+
+def test_a_confirmed_message_never_received_is_lost():
+    report = check(history_of(["a", "b", "c"], ["a", "b"], ["a"]))
+    assert report.lost == ["b"] and not report.valid
+
+
+def test_an_unconfirmed_message_may_be_missing_or_present():
+    assert check(history_of(["a", "b", "c"], ["a"], ["a", "c"])).valid
+    assert check(history_of(["a", "b", "c"], ["a"], ["a"])).valid
+
+
+def test_a_message_nobody_published_is_unexpected():
+    report = check(history_of(["a"], ["a"], ["a", "zzz"]))
+    assert report.unexpected == ["zzz"] and not report.valid
+
+
+def test_duplicates_are_counted_not_failed():
+    report = check(history_of(["a", "b"], ["a", "b"], ["a", "a", "a", "b"]))
+    assert report.valid and report.duplicates == 2 and report.duplicated_ids == 1
+
+
+def test_longest_pause_per_fault_window():
+    assert longest_pause([1, 2, 6, 7], 1.5, 10) == 4  # 2 -> 6
+    assert longest_pause([1, 2, 9], 1.5, 5) == 7  # runs past the window: up to the confirm at 9
+    assert longest_pause([1], 2, 5) == 3  # no confirm ever again: to the window's end
+    h = history_of(["a", "b", "c"], [], ["a", "b", "c"], confirm_at={"a": 1.0, "b": 4.0, "c": 4.5})
+    with h.fault("stop") as f:
+        f.start = h.started + 2.0
+    f.healed = h.started + 3.5
+    h.ended = h.started + 5.0
+    (pause,) = check(h).pauses
+    assert (round(pause.longest, 6), round(pause.resumed_after_heal, 6)) == (2.0, 0.5)
