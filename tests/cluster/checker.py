@@ -41,6 +41,7 @@ class History:
         self.received_from = {}  # id -> node label of the first delivery
         self.faults = []
         self.events = []  # (monotonic time, who, what): connects, errors, reconnects
+        self.report = None  # the last `check` of this history
 
     def attempt(self, ids):
         with self._lock:
@@ -154,7 +155,7 @@ def check(history):
         after = [t for t in times if t >= healed]
         pauses.append(Pause(f.name, f.start - history.started, longest_pause(times, f.start, window_end),
                             (after[0] - healed) if after else None))
-    return Report(
+    history.report = Report(
         attempted=len(attempted),
         confirmed=len(confirmed),
         nacked=len(nacked),
@@ -165,3 +166,4 @@ def check(history):
         duplicated_ids=sum(1 for n in received.values() if n > 1),
         pauses=pauses,
     )
+    return history.report

@@ -69,12 +69,25 @@ def cluster(tmp_path, request):
     yield from _cluster(tmp_path, request, clustered=True)
 
 
+_reports = []  # (test id, report) of every checked history, printed at the end of the run
+
+
 @pytest.fixture
 def history(request):
     h = History()
     yield h
+    if h.report is not None:
+        _reports.append((request.node.nodeid, h.report))
     failed = getattr(request.node, "rep_call", None)
     if failed is not None and failed.failed:
         print("---- client events (last 60) ----")
         for t, who, what in h.events[-60:]:
             print(f"{t - h.started:8.2f}s {who}: {what}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The checker's report of every test (duplicates, pauses per fault), also when all passed."""
+    if _reports:
+        terminalreporter.section("checker reports")
+        for nodeid, report in _reports:
+            terminalreporter.write_line(f"{nodeid}\n  {str(report)}")

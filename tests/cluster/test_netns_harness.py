@@ -140,7 +140,8 @@ def test_sigstop_pauses_confirms_and_sigcont_resumes(standalone, history):
     print(report)
     report.assert_valid()
     (pause,) = report.pauses
-    assert pause.longest >= 1.9, "no confirm can come from a stopped node"
+    # No confirm can come from a stopped node (only ones already in our socket buffer: some slack).
+    assert pause.longest >= 1.5, "the 2 s stop shows as a pause in confirms"
     assert pause.resumed_after_heal is not None
     assert work.publishers[0].failures == 0, "the connection survived the pause"
     assert time.monotonic() - history.started < 60
