@@ -4,11 +4,14 @@ restart of a node under confirmed publishing loses nothing the checker can see, 
 pause in confirms. About 20 s in all.
 """
 import random
+import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 import netns
 from checker import check
@@ -77,6 +80,37 @@ def test_link_faults_cut_exactly_their_links_and_heal(standalone):
     assert topo.faults() == [(topo.ns(1), "p2")]
     topo.heal_all()
     assert unreachable(standalone) == [] and topo.faults() == []
+
+
+def test_a_one_way_drop_passes_the_other_direction(standalone):
+    """On a connection made before the fault, 2's bytes still reach 1 while 1's are dropped until
+    the heal (TCP then retransmits them)."""
+    topo = standalone.topology
+
+    def listen():
+        s = socket.socket()
+        s.bind((topo.addr(1), 7001))
+        s.listen(1)
+        return s
+
+    listener = netns.in_netns(topo.ns(1), listen)
+    at_2 = netns.in_netns(topo.ns(2), lambda: socket.create_connection((topo.addr(1), 7001), timeout=2))
+    at_1, _ = listener.accept()
+    at_1.settimeout(1.0)
+    at_2.settimeout(1.0)
+    try:
+        topo.one_way(1, 2)
+        at_2.sendall(b"from 2")
+        assert at_1.recv(100) == b"from 2"
+        at_1.sendall(b"from 1")
+        with pytest.raises(socket.timeout):
+            at_2.recv(100)
+        topo.heal(1, 2)
+        at_2.settimeout(5.0)  # the retransmission timer has backed off by now
+        assert at_2.recv(100) == b"from 1"
+    finally:
+        for s in (at_1, at_2, listener):
+            s.close()
 
 
 def test_kill9_and_restart_under_confirmed_publishing_loses_no_confirmed_message(standalone, history):
