@@ -186,6 +186,19 @@ pub(crate) enum Status {
     Getter,
 }
 
+/// A publisher session's dedup state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Session {
+    /// The last pub seq applied.
+    pub seq: u64,
+    /// The machine's clock when it last enqueued.
+    pub last_ms: u64,
+}
+
+/// A session that published nothing for this long is forgotten (see `forget_idle_sessions`).
+pub const SESSION_IDLE_MS: u64 = 3_600_000;
+const SESSION_SWEEP_EVERY_MS: u64 = 60_000;
+
 /// Credit of an auto-ack consumer that was given no limit.
 const UNLIMITED: u32 = u32::MAX;
 
@@ -289,8 +302,10 @@ pub struct QuorumMachine {
     pub(crate) groups: Vec<Group>,
     pub(crate) sac_active: Option<ConsumerId>,
     pub(crate) exclusive: Option<ConsumerId>,
-    /// Each publisher session's last applied pub seq.
-    pub(crate) sessions: BTreeMap<SessionId, u64>,
+    /// Each publisher session's last applied pub seq, and when it last published.
+    pub(crate) sessions: BTreeMap<SessionId, Session>,
+    /// When `Tick` next forgets idle sessions.
+    pub(crate) next_session_sweep_ms: u64,
     pub(crate) checked_out: u64,
     pub(crate) counters: Counters,
 }
@@ -309,6 +324,7 @@ impl QuorumMachine {
             sac_active: None,
             exclusive: None,
             sessions: BTreeMap::new(),
+            next_session_sweep_ms: 0,
             checked_out: 0,
             counters: Counters::default(),
         }
@@ -360,7 +376,7 @@ impl QuorumMachine {
 
     /// The last pub seq applied for a session.
     pub fn session_seq(&self, session: SessionId) -> Option<u64> {
-        self.sessions.get(&session).copied()
+        self.sessions.get(&session).map(|s| s.seq)
     }
 
     pub fn counters(&self) -> Counters {
@@ -448,6 +464,7 @@ impl QuorumMachine {
                 self.advance(now_ms);
                 self.expire_head(out);
                 self.check_queue_expiry(out);
+                self.forget_idle_sessions();
                 Reply::Ok
             }
             Command::Touch { now_ms } => {
@@ -491,7 +508,7 @@ impl QuorumMachine {
 
     fn enqueue(&mut self, index: u64, session: SessionId, now_ms: u64, msgs: Vec<EnqueueMsg>, next_i: &mut u32, out: &mut Out) -> Reply {
         self.advance(now_ms);
-        let mut last = self.sessions.get(&session).copied();
+        let mut last = self.sessions.get(&session).map(|s| s.seq);
         let mut rejected = Vec::new();
         let limited = self.config.max_length.is_some() || self.config.max_length_bytes.is_some();
         for m in msgs {
@@ -532,7 +549,7 @@ impl QuorumMachine {
         }
         let applied_up_to = last.unwrap_or(0);
         if let Some(l) = last {
-            self.sessions.insert(session, l);
+            self.sessions.insert(session, Session { seq: l, last_ms: self.now_ms });
         }
         out.push(Effect::Published { session, applied_up_to, rejected: rejected.clone() });
         Reply::Enqueued { applied_up_to, rejected }
@@ -559,6 +576,18 @@ impl QuorumMachine {
             let Some((id, _)) = self.ready.pop() else { break };
             self.remove(out, id, Reason::Expired);
         }
+    }
+
+    /// Forgets sessions that published nothing for [`SESSION_IDLE_MS`] (their channels are most
+    /// likely gone without a `SessionEnd`, e.g. with their node): a re-send comes within seconds
+    /// of a leader change, so their dedup state is of no more use, and this bounds its memory.
+    fn forget_idle_sessions(&mut self) {
+        if self.now_ms < self.next_session_sweep_ms {
+            return;
+        }
+        self.next_session_sweep_ms = self.now_ms.saturating_add(SESSION_SWEEP_EVERY_MS);
+        let now = self.now_ms;
+        self.sessions.retain(|_, s| now.saturating_sub(s.last_ms) < SESSION_IDLE_MS);
     }
 
     fn check_queue_expiry(&mut self, out: &mut Out) {

@@ -5,7 +5,7 @@
 //! Layout (version 1; varints, "opt" = 0 none / n + 1): config (max_length opt, max_length_bytes
 //! opt, overflow u8, delivery_limit opt, message_ttl opt, dead_letter u8, sac u8, expires opt),
 //! last_index opt, now_ms, last_used opt, expired_reported u8, counters (8), sessions (count,
-//! node, channel, seq), consumers (count; id, priority zigzag, prefetch, auto_ack u8, credit,
+//! node, channel, seq, last_ms), next session sweep ms, consumers (count; id, priority zigzag, prefetch, auto_ack u8, credit,
 //! status u8, checkouts (count; id, state)), groups (count; priority zigzag, members (count; id),
 //! next), sac_active opt id, exclusive opt id, returned (count; id, state), fresh runs (count;
 //! first, count, expires opt), sizes (count; size). A message state is delivery_count, acquired,
@@ -14,7 +14,7 @@
 
 use super::codec::{err, put_bool, put_opt, put_var, put_zigzag, DecodeError, Reader};
 use super::command::{ConsumerId, MsgId, SessionId};
-use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Status};
+use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Session, Status};
 use super::ready::{MsgState, Ready, Run, NEVER};
 use bytes::{BufMut, Bytes, BytesMut};
 use std::collections::{BTreeMap, VecDeque};
@@ -63,11 +63,13 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
     }
 
     put_var(&mut out, m.sessions.len() as u64);
-    for (s, seq) in &m.sessions {
+    for (s, state) in &m.sessions {
         put_var(&mut out, s.node);
         put_var(&mut out, s.channel);
-        put_var(&mut out, *seq);
+        put_var(&mut out, state.seq);
+        put_var(&mut out, state.last_ms);
     }
+    put_var(&mut out, m.next_session_sweep_ms);
 
     put_var(&mut out, m.consumers.len() as u64);
     for (id, c) in &m.consumers {
@@ -181,13 +183,15 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         dropped: r.var()?,
     };
 
-    let n = r.count(3)?;
+    let n = r.count(4)?;
     for _ in 0..n {
         let s = SessionId { node: r.var()?, channel: r.var()? };
-        if m.sessions.insert(s, r.var()?).is_some() {
+        let state = Session { seq: r.var()?, last_ms: r.var()? };
+        if m.sessions.insert(s, state).is_some() {
             return err("duplicate session");
         }
     }
+    m.next_session_sweep_ms = r.var()?;
 
     // Every message appears once: checked out by one consumer, or ready.
     let mut seen: BTreeMap<MsgId, ()> = BTreeMap::new();

@@ -128,6 +128,17 @@ fn a_resent_batch_is_not_enqueued_twice() {
 }
 
 #[test]
+fn idle_sessions_are_forgotten_after_an_hour() {
+    let mut q = Q::new(QueueConfig::default());
+    let s2 = SessionId { node: 2, channel: 9 };
+    q.publish(S1, 1_000, 1..=2, None);
+    q.publish(s2, 1_000, 1..=2, None);
+    q.publish(S1, 1_000 + machine::SESSION_IDLE_MS / 2, 3..=3, None);
+    q.apply(|e| e.tick(1_000 + machine::SESSION_IDLE_MS));
+    assert_eq!((q.m.session_seq(S1), q.m.session_seq(s2)), (Some(3), None));
+}
+
+#[test]
 fn prefetch_is_respected_and_settles_give_credit_back() {
     let mut q = Q::new(QueueConfig::default());
     q.publish(S1, 0, 1..=10, None);
@@ -640,5 +651,50 @@ fn garbage_never_panics_the_decoders_or_the_machine() {
         }
         index += 1;
         m.apply(index, &bytes);
+    }
+}
+
+/// Figures, not a test of speed: `cargo test --release -p warren-broker --lib quorum::tests::apply_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn apply_throughput() {
+    let body = [7u8; 100];
+    for batch in [1usize, 10, 100, 1000] {
+        let total = 1_000_000usize;
+        let mut m = QuorumMachine::new(QueueConfig::default());
+        let mut index = 1;
+        m.apply(index, &{
+            let mut e = Encoder::new();
+            e.attach(&Attach { consumer: C1, prefetch: 2000, auto_ack: false, exclusive: false, priority: 0 });
+            e.finish()
+        });
+        let mut to_settle: Vec<MsgId> = Vec::new();
+        let (mut seq, mut apply_time, mut encode_time, mut effects_seen) = (0u64, std::time::Duration::ZERO, std::time::Duration::ZERO, 0usize);
+        while (seq as usize) < total {
+            let t = std::time::Instant::now();
+            let mut e = Encoder::new();
+            e.settle(C1, &to_settle);
+            e.begin_enqueue(S1, 0);
+            for _ in 0..batch {
+                seq += 1;
+                e.message(seq, body.len() as u32, None, &body).unwrap();
+            }
+            let entry = e.finish();
+            encode_time += t.elapsed();
+            index += 1;
+            let t = std::time::Instant::now();
+            let (effects, _) = m.apply(index, &entry);
+            apply_time += t.elapsed();
+            effects_seen += effects.len();
+            to_settle = effects.iter().flat_map(|e| match e { Effect::Deliver { msgs, .. } => msgs.iter().map(|d| d.msg_id).collect(), _ => vec![] }).collect();
+        }
+        println!(
+            "batch {batch:>4}: apply {:>6.0} ns/message ({:.1} M messages/s), encode {:>5.0} ns/message, {} effects, {} checked out at the end",
+            apply_time.as_nanos() as f64 / total as f64,
+            total as f64 / apply_time.as_secs_f64() / 1e6,
+            encode_time.as_nanos() as f64 / total as f64,
+            effects_seen,
+            m.checked_out_count()
+        );
     }
 }
