@@ -1,0 +1,98 @@
+//! The node-level failure detector: every [`PING_EVERY`] each peer is pinged on the control link.
+//! A peer is **down** as soon as its control link is gone (a killed process's socket closes at
+//! once) or after [`DOWN_AFTER`] without an answer (a stopped or cut-off node); it is **up** again
+//! at its first answer. Transitions are reported to the node, which then starts elections in the
+//! groups the dead node led (see `node`), so failover does not wait for each group's own election
+//! timeout while idle groups send nothing extra.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::watch;
+
+use crate::transport::{LinkKind, Rpc, RpcError, Transport};
+use crate::types::NodeId;
+
+pub const PING_EVERY: Duration = Duration::from_millis(200);
+pub const DOWN_AFTER: Duration = Duration::from_millis(1200);
+
+#[derive(Debug, Clone, Copy)]
+struct Health {
+    up: bool,
+    last_ok: Option<Instant>,
+}
+
+/// Who is reachable, as the pings say.
+#[derive(Clone, Default)]
+pub struct Detector {
+    health: Arc<Mutex<HashMap<NodeId, Health>>>,
+}
+
+/// A change the detector saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Up(NodeId),
+    Down(NodeId),
+}
+
+impl Detector {
+    /// Whether the peer answered recently (false for a peer never heard from).
+    pub fn is_up(&self, peer: NodeId) -> bool {
+        self.health.lock().get(&peer).is_some_and(|h| h.up)
+    }
+
+    /// Whether the peer is known down (it was up, or has been tried, and does not answer).
+    pub fn is_down(&self, peer: NodeId) -> bool {
+        self.health.lock().get(&peer).is_some_and(|h| !h.up)
+    }
+
+    /// Pings `peer` until `stop` is set, calling `on_change` at each transition.
+    pub async fn watch(
+        &self,
+        transport: Transport,
+        peer: NodeId,
+        mut stop: watch::Receiver<bool>,
+        on_change: impl Fn(Change) + Send + Sync + 'static,
+    ) {
+        self.health.lock().insert(peer, Health { up: false, last_ok: None });
+        let mut tick = tokio::time::interval(PING_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+            let answer = tokio::select! {
+                a = transport.request(peer, LinkKind::Control, Rpc::Ping, 0, b"", DOWN_AFTER) => a,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            let now = Instant::now();
+            let change = {
+                let mut health = self.health.lock();
+                let h = health.entry(peer).or_insert(Health { up: false, last_ok: None });
+                let ok = answer.is_ok();
+                let gone = matches!(answer, Err(RpcError::NotConnected(_)) | Err(RpcError::Lost(_)));
+                if ok {
+                    h.last_ok = Some(now);
+                }
+                let silent = h.last_ok.is_none_or(|t| now.duration_since(t) >= DOWN_AFTER);
+                match (h.up, ok, gone || silent) {
+                    (false, true, _) => {
+                        h.up = true;
+                        Some(Change::Up(peer))
+                    }
+                    (true, false, true) => {
+                        h.up = false;
+                        Some(Change::Down(peer))
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(c) = change {
+                on_change(c);
+            }
+        }
+    }
+}

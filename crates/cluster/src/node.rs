@@ -1,0 +1,872 @@
+//! A cluster node: its transport, its Raft groups (group 0, the metadata, and one per quorum queue)
+//! and what is done across them: forwarding a command to its group's leader, the failure detector's
+//! elections, membership and leadership changes, and the cluster's status.
+//!
+//! **Bootstrap.** Every node starts with the same `peers`; a group is created on each of its members
+//! with the same member set, and each calls openraft's `initialize` only if the group has no state
+//! yet (a node restarted on its data skips it and rejoins with its log; a node that already received
+//! the leader's entries gets `NotAllowed`, which is fine). The identical initial membership entry on
+//! every member makes concurrent initialization safe.
+//!
+//! **Failover.** Group timers are slow on purpose (heartbeat 500 ms, election timeout 2–4 s, so
+//! thousands of idle groups cost little). When the failure detector declares a node down, each
+//! surviving voter of the groups that node led starts an election, staggered by a per-group rank
+//! so that one candidate usually runs alone; voters grant it despite their leader lease when they
+//! too see the old leader down (the vote is marked as a leadership transfer). Warren never serves
+//! lease reads, so granting early does not let a deposed leader answer stale reads.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest, TransferLeaderResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::storage::{RaftLogStorage, RaftStateMachine};
+use openraft::{ChangeMembers, RaftMetrics, ServerState, Snapshot};
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::detector::{Change, Detector};
+use crate::transport::raft::{GroupNetworkFactory, SnapshotMessage, SnapshotWire};
+use crate::transport::wire::{self, Dec, DecodeError, Enc, Wire};
+use crate::transport::{BoxFuture, Handler, LinkKind, Rpc, RpcError, Transport, TransportConfig};
+use crate::types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADATA_GROUP};
+
+/// Delay between the candidates of one group after its leader's node went down.
+const ELECTION_STAGGER: Duration = Duration::from_millis(300);
+/// How long [`ClusterNode::propose`] keeps trying (elections, forwarding) by default.
+pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Timeout of one forwarded command or one status request to a peer.
+const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The Raft timers of every group, for 3 nodes sharing few cores and thousands of groups: a
+/// heartbeat every 500 ms (suppressed to followers that acknowledged replication within the last
+/// 500 ms), elections after 2–4 s of silence, pre-vote on. Failover of a dead node is the
+/// detector's job, not these timers'.
+pub fn group_config() -> openraft::Config {
+    openraft::Config {
+        cluster_name: "warren".to_owned(),
+        heartbeat_interval: 500,
+        heartbeat_min_interval: Some(500),
+        election_timeout_min: 2000,
+        election_timeout_max: 4000,
+        install_snapshot_timeout: 30_000,
+        enable_pre_vote: Some(true),
+        ..openraft::Config::default()
+    }
+}
+
+/// How a node starts.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub node_id: NodeId,
+    /// Where the cluster port listens.
+    pub listen: SocketAddr,
+    /// Every node of the cluster (this one included): id and cluster address.
+    pub peers: Vec<(NodeId, String)>,
+    pub secret: Vec<u8>,
+    /// This node's AMQP address (shown in the status; told to peers).
+    pub amqp_addr: String,
+    /// The groups' Raft configuration ([`group_config`] unless tests want faster timers).
+    pub raft: openraft::Config,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("cannot listen on the cluster address {addr}: {source}")]
+    Listen { addr: SocketAddr, source: std::io::Error },
+    #[error("invalid Raft configuration: {0}")]
+    Config(#[from] openraft::ConfigError),
+    #[error("group {0} is already running on this node")]
+    GroupExists(GroupId),
+    #[error("group {0} is not on this node")]
+    NoGroup(GroupId),
+    #[error("node {0} has no known address")]
+    UnknownNode(NodeId),
+    #[error("group {group}: {error}")]
+    Raft { group: GroupId, error: String },
+}
+
+/// Why a proposal has no reply.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum ProposeError {
+    /// No leader accepted it within the timeout (elections, unreachable nodes): it was not applied.
+    #[error("group {0}: no leader accepted the command within {1:?}")]
+    Timeout(GroupId, Duration),
+    /// The command reached a leader but its fate is unknown (the connection or the leadership was
+    /// lost before the reply): it may be applied. State machines deduplicate retries.
+    #[error("group {0}: the outcome is unknown ({1})")]
+    Unknown(GroupId, String),
+    /// The group does not exist on any reachable node.
+    #[error("group {0} is not on any reachable node")]
+    NoGroup(GroupId),
+    #[error("group {0}: {1}")]
+    Fatal(GroupId, String),
+}
+
+/// What a local write said.
+enum WriteOutcome {
+    Applied(Reply),
+    /// Rejected before being appended: safe to send elsewhere.
+    NotLeader(Option<NodeId>),
+    Unknown(String),
+    Fatal(String),
+}
+
+impl WriteOutcome {
+    fn encode(&self) -> Bytes {
+        let mut b = BytesMut::new();
+        let mut e = Enc(&mut b);
+        match self {
+            WriteOutcome::Applied(r) => {
+                e.u8(0);
+                e.bytes(&r.0);
+            }
+            WriteOutcome::NotLeader(hint) => {
+                e.u8(1);
+                e.u64(hint.unwrap_or(0));
+            }
+            WriteOutcome::Unknown(m) => {
+                e.u8(2);
+                e.str(m);
+            }
+            WriteOutcome::Fatal(m) => {
+                e.u8(3);
+                e.str(m);
+            }
+        }
+        b.freeze()
+    }
+
+    fn decode(b: Bytes) -> Result<WriteOutcome, DecodeError> {
+        let mut d = Dec::new(b);
+        let o = match d.u8()? {
+            0 => WriteOutcome::Applied(Reply(d.bytes()?)),
+            1 => WriteOutcome::NotLeader(Some(d.u64()?).filter(|id| *id != 0)),
+            2 => WriteOutcome::Unknown(d.string()?),
+            3 => WriteOutcome::Fatal(d.string()?),
+            tag => return Err(DecodeError::BadTag { what: "propose outcome", tag }),
+        };
+        d.finish()?;
+        Ok(o)
+    }
+}
+
+/// A group's Raft, whatever its state machine: what the node does with it.
+trait GroupHandle: Send + Sync + 'static {
+    fn append(&self, req: AppendEntriesRequest<TypeConfig>) -> BoxFuture<Result<AppendEntriesResponse<TypeConfig>, String>>;
+    fn vote(&self, req: VoteRequest<TypeConfig>, pre: bool) -> BoxFuture<Result<VoteResponse<TypeConfig>, String>>;
+    fn install_snapshot(&self, msg: SnapshotMessage) -> BoxFuture<Result<SnapshotResponse<TypeConfig>, String>>;
+    fn transfer_leader_rpc(&self, req: TransferLeaderRequest<TypeConfig>) -> BoxFuture<Result<TransferLeaderResponse<TypeConfig>, String>>;
+    fn write(&self, cmd: Command) -> BoxFuture<WriteOutcome>;
+    fn metrics(&self) -> RaftMetrics<TypeConfig>;
+    fn elect(&self) -> BoxFuture<()>;
+    fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>>;
+    fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome>;
+    fn shutdown(&self) -> BoxFuture<()>;
+}
+
+struct Handle<SM: RaftStateMachine<TypeConfig>> {
+    raft: openraft::Raft<TypeConfig, SM>,
+}
+
+fn write_outcome<T>(r: Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>, ok: impl FnOnce(T) -> Reply) -> WriteOutcome {
+    match r {
+        Ok(t) => WriteOutcome::Applied(ok(t)),
+        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => WriteOutcome::NotLeader(f.leader_id),
+        Err(RaftError::APIError(e @ ClientWriteError::LogEntryDiscarded(_))) => WriteOutcome::Unknown(e.to_string()),
+        Err(RaftError::APIError(e)) => WriteOutcome::Fatal(e.to_string()),
+        Err(RaftError::Fatal(e)) => WriteOutcome::Fatal(e.to_string()),
+    }
+}
+
+impl<SM> GroupHandle for Handle<SM>
+where
+    SM: RaftStateMachine<TypeConfig>,
+    SM::SnapshotData: SnapshotWire,
+{
+    fn append(&self, req: AppendEntriesRequest<TypeConfig>) -> BoxFuture<Result<AppendEntriesResponse<TypeConfig>, String>> {
+        let raft = self.raft.clone();
+        Box::pin(async move { raft.append_entries(req).await.map_err(|e| e.to_string()) })
+    }
+
+    fn vote(&self, req: VoteRequest<TypeConfig>, pre: bool) -> BoxFuture<Result<VoteResponse<TypeConfig>, String>> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            let r = if pre { raft.pre_vote(req).await } else { raft.vote(req).await };
+            r.map_err(|e| e.to_string())
+        })
+    }
+
+    fn install_snapshot(&self, msg: SnapshotMessage) -> BoxFuture<Result<SnapshotResponse<TypeConfig>, String>> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            let data = SM::SnapshotData::from_wire(msg.data)?;
+            raft.install_full_snapshot(msg.vote, Snapshot { meta: msg.meta, snapshot: data }).await.map_err(|e| e.to_string())
+        })
+    }
+
+    fn transfer_leader_rpc(&self, req: TransferLeaderRequest<TypeConfig>) -> BoxFuture<Result<TransferLeaderResponse<TypeConfig>, String>> {
+        let raft = self.raft.clone();
+        Box::pin(async move { raft.handle_transfer_leader(req).await.map_err(|e| e.to_string()) })
+    }
+
+    fn write(&self, cmd: Command) -> BoxFuture<WriteOutcome> {
+        let raft = self.raft.clone();
+        Box::pin(async move { write_outcome(raft.client_write(cmd).await, |r| r.data) })
+    }
+
+    fn metrics(&self) -> RaftMetrics<TypeConfig> {
+        use openraft::async_runtime::WatchReceiver;
+        self.raft.metrics().borrow_watched().clone()
+    }
+
+    fn elect(&self) -> BoxFuture<()> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            let _ = raft.trigger().elect(false).await;
+        })
+    }
+
+    fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>> {
+        let raft = self.raft.clone();
+        Box::pin(async move { raft.trigger().transfer_leader(to).await.map_err(|e| e.to_string()) })
+    }
+
+    fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            if let Some((id, addr)) = learner {
+                if let o @ (WriteOutcome::NotLeader(_) | WriteOutcome::Unknown(_) | WriteOutcome::Fatal(_)) =
+                    write_outcome(raft.add_learner(id, addr, true).await, |_| Reply::default())
+                {
+                    return o;
+                }
+            }
+            write_outcome(raft.change_membership(change, false).await, |_| Reply::default())
+        })
+    }
+
+    fn shutdown(&self) -> BoxFuture<()> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            let _ = raft.shutdown().await;
+        })
+    }
+}
+
+struct NodeInner {
+    id: NodeId,
+    transport: Transport,
+    /// Addresses of the nodes this node knows (the initial peers and nodes added since).
+    addrs: RwLock<BTreeMap<NodeId, NodeAddr>>,
+    groups: RwLock<HashMap<GroupId, Arc<dyn GroupHandle>>>,
+    detector: Detector,
+    raft_config: Arc<openraft::Config>,
+    stop: watch::Sender<bool>,
+}
+
+/// A cluster member. Cheap to clone.
+#[derive(Clone)]
+pub struct ClusterNode {
+    inner: Arc<NodeInner>,
+}
+
+/// Membership and leadership operations `warren ctl` asks for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "kebab-case")]
+pub enum AdminRequest {
+    /// Adds a node to the metadata group (as a learner, then a voter).
+    AddNode { node: NodeId, addr: String },
+    /// Removes a node from every group it is a voter of.
+    RemoveNode { node: NodeId },
+    /// Moves a group's leadership to a node.
+    TransferLeader { group: GroupId, node: NodeId },
+    /// (between nodes) Remove `node` from the groups this node leads.
+    RemoveFromLedGroups { node: NodeId },
+}
+
+/// A member as one node sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MemberStatus {
+    pub id: NodeId,
+    pub cluster_addr: String,
+    pub amqp_addr: String,
+    /// Answering the failure detector's pings (always true for the node asked).
+    pub reachable: bool,
+}
+
+/// A follower as its group's leader sees it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FollowerStatus {
+    pub id: NodeId,
+    /// The last log index known replicated to it.
+    pub matched: Option<u64>,
+    /// Entries it is behind the leader's last log index.
+    pub lag: Option<u64>,
+}
+
+/// One group on one node.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct GroupStatus {
+    pub group: GroupId,
+    /// The node this view is from.
+    pub seen_by: NodeId,
+    /// "leader", "follower", "candidate", "learner" or "shutdown".
+    pub state: String,
+    pub term: u64,
+    pub leader: Option<NodeId>,
+    pub voters: Vec<NodeId>,
+    pub learners: Vec<NodeId>,
+    pub last_log_index: Option<u64>,
+    pub committed: Option<u64>,
+    pub applied: Option<u64>,
+    /// Only in the leader's view.
+    pub followers: Vec<FollowerStatus>,
+}
+
+/// The cluster as seen from one node (and, in `groups`, from each group's leader when reachable).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct ClusterStatus {
+    pub node_id: NodeId,
+    pub members: Vec<MemberStatus>,
+    pub groups: Vec<GroupStatus>,
+}
+
+fn group_status(group: GroupId, m: &RaftMetrics<TypeConfig>) -> GroupStatus {
+    let state = match m.state {
+        ServerState::Leader => "leader",
+        ServerState::Follower => "follower",
+        ServerState::Candidate => "candidate",
+        ServerState::Learner => "learner",
+        ServerState::Shutdown => "shutdown",
+    };
+    let last = m.last_log_index;
+    let followers = m
+        .replication
+        .as_ref()
+        .map(|r| {
+            r.iter()
+                .filter(|(id, _)| **id != m.id)
+                .map(|(id, matched)| {
+                    let matched = matched.as_ref().map(|l| l.index);
+                    let lag = last.map(|l| l.saturating_sub(matched.unwrap_or(0)));
+                    FollowerStatus { id: *id, matched, lag }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    GroupStatus {
+        group,
+        seen_by: m.id,
+        state: state.to_owned(),
+        term: m.current_term,
+        leader: m.current_leader,
+        voters: m.membership_config.membership().voter_ids().collect(),
+        learners: m.membership_config.membership().learner_ids().collect(),
+        last_log_index: last,
+        committed: m.local_committed.map(|c| c.index),
+        applied: m.last_applied.map(|a| a.index),
+        followers,
+    }
+}
+
+impl ClusterNode {
+    /// Listens on the cluster port, connects to the peers and starts the failure detector. Groups
+    /// are started with [`ClusterNode::start_group`].
+    pub async fn start(config: NodeConfig) -> Result<ClusterNode, NodeError> {
+        let raft_config = Arc::new(config.raft.clone().validate()?);
+        let transport = Transport::start(TransportConfig {
+            node_id: config.node_id,
+            listen: config.listen,
+            peers: config.peers.clone(),
+            secret: config.secret.clone(),
+            amqp_addr: config.amqp_addr.clone(),
+        })
+        .await
+        .map_err(|source| NodeError::Listen { addr: config.listen, source })?;
+        let addrs = config
+            .peers
+            .iter()
+            .map(|(id, addr)| {
+                let amqp = if *id == config.node_id { config.amqp_addr.clone() } else { String::new() };
+                (*id, NodeAddr { cluster_addr: addr.clone(), amqp_addr: amqp })
+            })
+            .collect();
+        let (stop, _) = watch::channel(false);
+        let inner = Arc::new(NodeInner {
+            id: config.node_id,
+            transport: transport.clone(),
+            addrs: RwLock::new(addrs),
+            groups: RwLock::new(HashMap::new()),
+            detector: Detector::default(),
+            raft_config,
+            stop,
+        });
+        transport.set_handler(Arc::new(NodeHandler(Arc::downgrade(&inner))));
+        let node = ClusterNode { inner };
+        for peer in transport.peers() {
+            node.watch_peer(peer);
+        }
+        tracing::info!(node_id = config.node_id, listen = %transport.local_addr(), peers = config.peers.len(), "cluster node started");
+        Ok(node)
+    }
+
+    fn watch_peer(&self, peer: NodeId) {
+        let weak = Arc::downgrade(&self.inner);
+        let detector = self.inner.detector.clone();
+        let transport = self.inner.transport.clone();
+        let stop = self.inner.stop.subscribe();
+        tokio::spawn(async move {
+            detector
+                .watch(transport, peer, stop, move |change| {
+                    let Some(inner) = weak.upgrade() else { return };
+                    match change {
+                        Change::Up(p) => tracing::info!(peer = p, "cluster node up"),
+                        Change::Down(p) => {
+                            tracing::warn!(peer = p, "cluster node down: electing new leaders for the groups it led");
+                            ClusterNode { inner }.fail_over(p);
+                        }
+                    }
+                })
+                .await
+        });
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.inner.id
+    }
+
+    pub fn transport(&self) -> &Transport {
+        &self.inner.transport
+    }
+
+    /// The Raft configuration groups are started with.
+    pub fn raft_config(&self) -> Arc<openraft::Config> {
+        self.inner.raft_config.clone()
+    }
+
+    /// Whether the failure detector hears from `peer`.
+    pub fn is_reachable(&self, peer: NodeId) -> bool {
+        peer == self.inner.id || self.inner.detector.is_up(peer)
+    }
+
+    /// The address of a node this node knows.
+    pub fn node_addr(&self, id: NodeId) -> Option<NodeAddr> {
+        self.inner.addrs.read().get(&id).cloned()
+    }
+
+    /// Starts group `group` on this node with its log store and state machine, and registers it so
+    /// the transport serves its RPCs. A group with no state yet is initialized with `members` as
+    /// its voters (each member does the same; see the module docs). Returns the group's `Raft`.
+    pub async fn start_group<LS, SM>(
+        &self,
+        group: GroupId,
+        members: &BTreeSet<NodeId>,
+        log_store: LS,
+        machine: SM,
+    ) -> Result<openraft::Raft<TypeConfig, SM>, NodeError>
+    where
+        LS: RaftLogStorage<TypeConfig>,
+        SM: RaftStateMachine<TypeConfig>,
+        SM::SnapshotData: SnapshotWire,
+    {
+        let raft_err = |e: &dyn std::fmt::Display| NodeError::Raft { group, error: e.to_string() };
+        if self.inner.groups.read().contains_key(&group) {
+            return Err(NodeError::GroupExists(group));
+        }
+        let mut nodes = BTreeMap::new();
+        for id in members {
+            nodes.insert(*id, self.node_addr(*id).ok_or(NodeError::UnknownNode(*id))?);
+        }
+        let network = GroupNetworkFactory::<SM::SnapshotData>::new(self.inner.transport.clone(), group);
+        let raft = openraft::Raft::new(self.inner.id, self.inner.raft_config.clone(), network, log_store, machine)
+            .await
+            .map_err(|e| raft_err(&e))?;
+        {
+            let mut groups = self.inner.groups.write();
+            if groups.contains_key(&group) {
+                drop(groups);
+                let _ = raft.shutdown().await;
+                return Err(NodeError::GroupExists(group));
+            }
+            groups.insert(group, Arc::new(Handle { raft: raft.clone() }));
+        }
+        if !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
+            match raft.initialize(nodes).await {
+                Ok(()) => tracing::debug!(group, "group initialized"),
+                // Entries from the leader arrived first: the group is already part of the cluster.
+                Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
+                Err(e) => return Err(raft_err(&e)),
+            }
+        }
+        Ok(raft)
+    }
+
+    /// Stops group `group` on this node (its stored log stays; removing it is the caller's).
+    pub async fn stop_group(&self, group: GroupId) -> Result<(), NodeError> {
+        let h = self.inner.groups.write().remove(&group).ok_or(NodeError::NoGroup(group))?;
+        h.shutdown().await;
+        Ok(())
+    }
+
+    /// The groups running on this node.
+    pub fn groups(&self) -> Vec<GroupId> {
+        let mut g: Vec<GroupId> = self.inner.groups.read().keys().copied().collect();
+        g.sort_unstable();
+        g
+    }
+
+    fn handle(&self, group: GroupId) -> Option<Arc<dyn GroupHandle>> {
+        self.inner.groups.read().get(&group).cloned()
+    }
+
+    /// The group's leader as this node knows it.
+    pub fn leader(&self, group: GroupId) -> Option<NodeId> {
+        self.handle(group).and_then(|h| h.metrics().current_leader)
+    }
+
+    /// Applies `command` in `group` through its leader, wherever it is, and returns the state
+    /// machine's reply: written locally when this node leads, else forwarded to the leader (or,
+    /// when the group is not on this node or has no known leader, to the peers in turn), following
+    /// leader hints and retrying through elections for up to `timeout`.
+    pub async fn propose(&self, group: GroupId, command: Command, timeout: Duration) -> Result<Reply, ProposeError> {
+        let deadline = Instant::now() + timeout;
+        let payload = command.0.clone();
+        let mut hint: Option<NodeId> = None;
+        let mut tried_peers: usize = 0;
+        loop {
+            if Instant::now() >= deadline {
+                return Err(ProposeError::Timeout(group, timeout));
+            }
+            let local = self.handle(group);
+            let target = hint.take().or_else(|| local.as_ref().and_then(|h| h.metrics().current_leader));
+            let outcome = match (target, &local) {
+                (Some(t), Some(h)) if t == self.inner.id => h.write(command.clone()).await,
+                (Some(t), _) => self.forward(t, group, &payload, deadline).await,
+                (None, Some(_)) => WriteOutcome::NotLeader(None),
+                (None, None) => {
+                    // The group is not here: ask the peers in turn.
+                    let peers = self.inner.transport.peers();
+                    if peers.is_empty() || tried_peers >= peers.len() * 3 {
+                        return Err(ProposeError::NoGroup(group));
+                    }
+                    let p = peers[tried_peers % peers.len()];
+                    tried_peers += 1;
+                    self.forward(p, group, &payload, deadline).await
+                }
+            };
+            match outcome {
+                WriteOutcome::Applied(r) => return Ok(r),
+                WriteOutcome::NotLeader(Some(l)) if l != self.inner.id || local.is_some() => {
+                    hint = Some(l);
+                    // A hint pointing back at a node that does not lead yet: let the election settle.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                WriteOutcome::NotLeader(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                WriteOutcome::Unknown(e) => return Err(ProposeError::Unknown(group, e)),
+                WriteOutcome::Fatal(e) if e == NO_GROUP => {
+                    if local.is_some() {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+                WriteOutcome::Fatal(e) => return Err(ProposeError::Fatal(group, e)),
+            }
+        }
+    }
+
+    async fn forward(&self, to: NodeId, group: GroupId, payload: &[u8], deadline: Instant) -> WriteOutcome {
+        let left = deadline.saturating_duration_since(Instant::now()).min(PEER_CALL_TIMEOUT);
+        match self.inner.transport.request(to, LinkKind::Bulk, Rpc::Propose, group, payload, left).await {
+            Ok(answer) => WriteOutcome::decode(answer).unwrap_or_else(|e| WriteOutcome::Unknown(format!("bad answer from node {to}: {e}"))),
+            // Not sent: safe to try again (maybe elsewhere).
+            Err(RpcError::NotConnected(_)) => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                WriteOutcome::NotLeader(None)
+            }
+            Err(e @ (RpcError::Lost(_) | RpcError::Timeout(..))) => WriteOutcome::Unknown(e.to_string()),
+            Err(RpcError::Remote(_, e)) => WriteOutcome::Fatal(e),
+            Err(e @ RpcError::TooLarge(_)) => WriteOutcome::Fatal(e.to_string()),
+        }
+    }
+
+    /// After `down` went down: elect new leaders for the groups it led, one staggered candidate
+    /// at a time per group (see the module docs).
+    fn fail_over(&self, down: NodeId) {
+        let me = self.inner.id;
+        let groups: Vec<(GroupId, Arc<dyn GroupHandle>)> =
+            self.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
+        for (group, h) in groups {
+            let m = h.metrics();
+            if m.current_leader != Some(down) {
+                continue;
+            }
+            let live: Vec<NodeId> = m
+                .membership_config
+                .membership()
+                .voter_ids()
+                .filter(|id| *id == me || (*id != down && !self.inner.detector.is_down(*id)))
+                .collect();
+            let Some(pos) = live.iter().position(|id| *id == me) else { continue };
+            let rank = (pos + live.len() - (group as usize % live.len())) % live.len();
+            let node = self.clone();
+            tokio::spawn(async move {
+                for attempt in 0..3u32 {
+                    let wait = ELECTION_STAGGER * (rank as u32 + attempt * live.len() as u32);
+                    tokio::time::sleep(wait).await;
+                    let m = h.metrics();
+                    let leaderless = match m.current_leader {
+                        None => true,
+                        Some(l) => l == down || (l != me && node.inner.detector.is_down(l)),
+                    };
+                    if !leaderless || m.state == ServerState::Leader || !node.inner.detector.is_down(down) {
+                        return;
+                    }
+                    tracing::debug!(group, attempt, "electing after the leader's node went down");
+                    h.elect().await;
+                }
+            });
+        }
+    }
+
+    /// This node's view: members, reachability and its groups.
+    pub fn local_status(&self) -> ClusterStatus {
+        let members = self
+            .inner
+            .addrs
+            .read()
+            .iter()
+            .map(|(id, a)| {
+                let amqp = match self.inner.transport.peer_addrs(*id) {
+                    Some((_, amqp)) if !amqp.is_empty() => amqp,
+                    _ => a.amqp_addr.clone(),
+                };
+                MemberStatus { id: *id, cluster_addr: a.cluster_addr.clone(), amqp_addr: amqp, reachable: self.is_reachable(*id) }
+            })
+            .collect();
+        let handles: Vec<(GroupId, Arc<dyn GroupHandle>)> =
+            self.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
+        let mut groups: Vec<GroupStatus> = handles.iter().map(|(g, h)| group_status(*g, &h.metrics())).collect();
+        groups.sort_by_key(|g| g.group);
+        ClusterStatus { node_id: self.inner.id, members, groups }
+    }
+
+    /// The cluster's status: this node's view of the members, and each group as its leader sees it
+    /// (asked of every reachable peer), or as this node sees it when its leader cannot be asked.
+    pub async fn cluster_status(&self) -> ClusterStatus {
+        let mut status = self.local_status();
+        let mut views: BTreeMap<GroupId, GroupStatus> = BTreeMap::new();
+        for g in status.groups.drain(..) {
+            views.insert(g.group, g);
+        }
+        for peer in self.inner.transport.peers() {
+            if !self.is_reachable(peer) {
+                continue;
+            }
+            let Ok(answer) =
+                self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Status, 0, b"local", PEER_CALL_TIMEOUT).await
+            else {
+                continue;
+            };
+            let Ok(theirs) = serde_json::from_slice::<ClusterStatus>(&answer) else { continue };
+            for g in theirs.groups {
+                let better = match views.get(&g.group) {
+                    None => true,
+                    Some(mine) => g.state == "leader" && (mine.state != "leader" || g.term > mine.term),
+                };
+                if better {
+                    views.insert(g.group, g);
+                }
+            }
+        }
+        status.groups = views.into_values().collect();
+        status
+    }
+
+    /// Applies an operator's request ([`AdminRequest`]) where it must run (the group's leader).
+    pub async fn admin(&self, req: AdminRequest) -> Result<String, String> {
+        match req {
+            AdminRequest::AddNode { node, addr } => {
+                self.inner.transport.add_peer(node, &addr);
+                let added = self.inner.addrs.write().insert(node, NodeAddr { cluster_addr: addr.clone(), amqp_addr: String::new() }).is_none();
+                if added {
+                    self.watch_peer(node);
+                }
+                let naddr = NodeAddr { cluster_addr: addr, amqp_addr: String::new() };
+                self.on_group_leader(METADATA_GROUP, AdminRequest::AddNode { node, addr: naddr.cluster_addr.clone() }, move |h| {
+                    h.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([node])), Some((node, naddr.clone())))
+                })
+                .await
+                .map(|_| format!("node {node} added to the metadata group"))
+            }
+            AdminRequest::RemoveNode { node } => {
+                let mut done = vec![self.remove_from_led_groups(node).await?];
+                for peer in self.inner.transport.peers() {
+                    if peer == node {
+                        continue;
+                    }
+                    let req = serde_json::to_vec(&AdminRequest::RemoveFromLedGroups { node }).map_err(|e| e.to_string())?;
+                    match self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Admin, 0, &req, PEER_CALL_TIMEOUT * 6).await {
+                        Ok(b) => done.push(String::from_utf8_lossy(&b).into_owned()),
+                        Err(e) => done.push(format!("node {peer}: {e}")),
+                    }
+                }
+                Ok(done.join("; "))
+            }
+            AdminRequest::RemoveFromLedGroups { node } => self.remove_from_led_groups(node).await,
+            AdminRequest::TransferLeader { group, node } => self
+                .on_group_leader(group, AdminRequest::TransferLeader { group, node }, move |h| {
+                    Box::pin(async move {
+                        match h.transfer_leader(node).await {
+                            Ok(()) => WriteOutcome::Applied(Reply::default()),
+                            Err(e) => WriteOutcome::Fatal(e),
+                        }
+                    })
+                })
+                .await
+                .map(|_| format!("group {group}: leadership transfer to node {node} started")),
+        }
+    }
+
+    async fn remove_from_led_groups(&self, node: NodeId) -> Result<String, String> {
+        let handles: Vec<(GroupId, Arc<dyn GroupHandle>)> =
+            self.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
+        let mut removed = 0;
+        for (group, h) in handles {
+            let m = h.metrics();
+            if m.state != ServerState::Leader || !m.membership_config.membership().voter_ids().any(|v| v == node) {
+                continue;
+            }
+            match h.change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([node])), None).await {
+                WriteOutcome::Applied(_) => removed += 1,
+                WriteOutcome::NotLeader(_) => {}
+                WriteOutcome::Unknown(e) | WriteOutcome::Fatal(e) => return Err(format!("group {group}: {e}")),
+            }
+        }
+        Ok(format!("node {}: removed node {node} from {removed} groups", self.inner.id))
+    }
+
+    /// Runs `op` on the group's leader: here if this node leads, else sends `req` to the leader.
+    async fn on_group_leader(
+        &self,
+        group: GroupId,
+        req: AdminRequest,
+        op: impl Fn(Arc<dyn GroupHandle>) -> BoxFuture<WriteOutcome>,
+    ) -> Result<(), String> {
+        let deadline = Instant::now() + PROPOSE_TIMEOUT;
+        loop {
+            let h = self.handle(group).ok_or_else(|| format!("group {group} is not on node {}", self.inner.id))?;
+            let leader = h.metrics().current_leader;
+            let outcome = match leader {
+                Some(l) if l == self.inner.id => op(h).await,
+                Some(l) => {
+                    let payload = serde_json::to_vec(&req).map_err(|e| e.to_string())?;
+                    return self
+                        .inner
+                        .transport
+                        .request(l, LinkKind::Bulk, Rpc::Admin, group, &payload, PEER_CALL_TIMEOUT * 6)
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string());
+                }
+                None => WriteOutcome::NotLeader(None),
+            };
+            match outcome {
+                WriteOutcome::Applied(_) => return Ok(()),
+                WriteOutcome::NotLeader(_) if Instant::now() < deadline => tokio::time::sleep(Duration::from_millis(100)).await,
+                WriteOutcome::NotLeader(_) => return Err(format!("group {group} has no leader")),
+                WriteOutcome::Unknown(e) | WriteOutcome::Fatal(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Stops every group and the transport.
+    pub async fn shutdown(&self) {
+        let _ = self.inner.stop.send(true);
+        let handles: Vec<Arc<dyn GroupHandle>> = self.inner.groups.write().drain().map(|(_, h)| h).collect();
+        for h in handles {
+            h.shutdown().await;
+        }
+        self.inner.transport.shutdown();
+    }
+}
+
+const NO_GROUP: &str = "no such group on this node";
+
+/// The transport's handler: a weak reference, so a node that is dropped is not kept alive by its
+/// own transport.
+struct NodeHandler(Weak<NodeInner>);
+
+impl Handler for NodeHandler {
+    fn handle(&self, from: NodeId, rpc: Rpc, group: GroupId, payload: Bytes) -> BoxFuture<Result<Bytes, String>> {
+        let Some(inner) = self.0.upgrade() else { return Box::pin(async { Err("the node is stopping".to_owned()) }) };
+        let node = ClusterNode { inner };
+        Box::pin(async move { node.serve(from, rpc, group, payload).await })
+    }
+}
+
+fn decode<T: Wire>(payload: Bytes) -> Result<T, String> {
+    wire::from_bytes(payload).map_err(|e| e.to_string())
+}
+
+impl ClusterNode {
+    async fn serve(&self, from: NodeId, rpc: Rpc, group: GroupId, payload: Bytes) -> Result<Bytes, String> {
+        // Operator requests come on ctl connections (from = 0) or from peers relaying them.
+        match rpc {
+            Rpc::Status => {
+                let status = if &payload[..] == b"local" { self.local_status() } else { self.cluster_status().await };
+                return serde_json::to_vec(&status).map(Bytes::from).map_err(|e| e.to_string());
+            }
+            Rpc::Admin => {
+                let req: AdminRequest = serde_json::from_slice(&payload).map_err(|e| format!("bad admin request: {e}"))?;
+                return self.admin(req).await.map(Bytes::from);
+            }
+            _ if from == 0 => return Err("only status and admin requests are accepted from warren ctl".to_owned()),
+            _ => {}
+        }
+        let Some(h) = self.handle(group) else {
+            return match rpc {
+                Rpc::Propose => Ok(WriteOutcome::Fatal(NO_GROUP.to_owned()).encode()),
+                _ => Err(format!("group {group}: {NO_GROUP}")),
+            };
+        };
+        match rpc {
+            Rpc::AppendEntries => {
+                let req: AppendEntriesRequest<TypeConfig> = decode(payload)?;
+                Ok(wire::to_bytes(&h.append(req).await?))
+            }
+            Rpc::Vote | Rpc::PreVote => {
+                let mut req: VoteRequest<TypeConfig> = decode(payload)?;
+                if rpc == Rpc::Vote {
+                    // The leader this node follows is down (as the detector says): grant despite
+                    // the leader lease, as for a leadership transfer.
+                    let m = h.metrics();
+                    if let Some(l) = m.current_leader {
+                        if l != self.inner.id && l != req.vote.leader_id.node_id && self.inner.detector.is_down(l) {
+                            req.leadership_transfer = true;
+                        }
+                    }
+                }
+                Ok(wire::to_bytes(&h.vote(req, rpc == Rpc::PreVote).await?))
+            }
+            Rpc::Snapshot => {
+                let msg: SnapshotMessage = decode(payload)?;
+                Ok(wire::to_bytes(&h.install_snapshot(msg).await?))
+            }
+            Rpc::TransferLeader => {
+                let req: TransferLeaderRequest<TypeConfig> = decode(payload)?;
+                Ok(wire::to_bytes(&h.transfer_leader_rpc(req).await?))
+            }
+            // Forwarded commands are written here or refused with a hint, never forwarded again.
+            Rpc::Propose => Ok(h.write(Command(payload)).await.encode()),
+            Rpc::Ping | Rpc::Status | Rpc::Admin => Err("unexpected".to_owned()),
+        }
+    }
+}
+
