@@ -37,7 +37,7 @@ pub enum OpenError {
     Store(#[from] warren_store::StoreError),
     #[error("cannot open the metadata log: {0}")]
     Metadata(#[from] MetadataError),
-    #[error("the metadata log holds a durable queue id up to {0}, in the range of transient queue ids (2^63 and up); it is damaged")]
+    #[error("the metadata log holds a durable queue id up to {0}, in the range of Raft log and transient queue ids (2^61 and up); it is damaged")]
     QueueIds(u64),
 }
 
@@ -80,7 +80,8 @@ impl Broker {
         if let Some(offset) = opened.torn_tail_at {
             tracing::warn!(offset, "the metadata log had a torn tail (an unacknowledged change a crash interrupted); it was cut and kept aside");
         }
-        if metadata.next_queue_id() >= TRANSIENT_QUEUE_IDS {
+        // Ids from `RAFT_STATE_QUEUES` on are the cluster's Raft logs, then the transient queues'.
+        if metadata.next_queue_id() >= warren_store::RAFT_STATE_QUEUES {
             // Only a damaged or forged log gets here; handing out such ids would mix queues.
             return Err(OpenError::QueueIds(metadata.next_queue_id()));
         }
@@ -131,7 +132,7 @@ impl Broker {
             }
         }
         let mut orphans = Batch::new();
-        for rec in &recovery.queues {
+        for rec in recovery.queues.iter().filter(|rec| !warren_store::is_raft_queue(rec.queue)) {
             match by_id.get(&rec.queue) {
                 Some(q) => {
                     q.restore(rec);

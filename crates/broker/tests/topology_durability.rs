@@ -98,3 +98,25 @@ fn a_new_queue_never_takes_an_id_used_before_a_restart() {
     queue(&v, "b", &FieldTable::new());
     assert!(v.queue("b", 1).unwrap().id > first);
 }
+
+/// The cluster's Raft logs share the store (queues `RAFT_LOG_QUEUES | g`, `RAFT_STATE_QUEUES | g`):
+/// the broker's recovery neither drops them, nor keeps them aside, nor takes queue ids after them.
+#[test]
+fn raft_log_queues_in_the_store_are_left_to_the_cluster() {
+    let dir = tempfile::tempdir().unwrap();
+    let broker = open(dir.path());
+    let raft_log = warren_store::RAFT_LOG_QUEUES | 5;
+    let raft_state = warren_store::RAFT_STATE_QUEUES | 5;
+    let mut batch = warren_store::Batch::new();
+    batch.enqueue(raft_log, 0, 0, &[b"entry"]);
+    batch.enqueue(raft_state, 0, 0, &[b"vote"]);
+    let ticket = broker.store().append(&mut batch).unwrap();
+    broker.store().wait_durable(ticket).unwrap();
+    let v = reopen(broker, dir.path());
+    queue(&v, "q", &FieldTable::new());
+    assert!(v.queue("q", 1).unwrap().id < 1000, "queue ids do not jump past the Raft log ids");
+    for id in [raft_log, raft_state] {
+        let got = v.store().read(id, 0, 10, 1 << 20).unwrap();
+        assert_eq!(got.messages.len(), 1, "store queue {id:#x} is still there");
+    }
+}

@@ -51,6 +51,8 @@ openraft::declare_raft_types!(
 /// openraft's types under Warren's configuration.
 pub type Raft<SM> = openraft::Raft<TypeConfig, SM>;
 pub type Entry = <TypeConfig as openraft::RaftTypeConfig>::Entry;
-pub type LogId = openraft::LogId<TypeConfig>;
+/// (term, leader node): what a log id names its leader by.
+pub type CommittedLeaderId = openraft::impls::leader_id_adv::LeaderId<u64, NodeId>;
+pub type LogId = openraft::LogId<CommittedLeaderId>;
 pub type Vote = <TypeConfig as openraft::RaftTypeConfig>::Vote;
 pub type Membership = openraft::Membership<NodeId, NodeAddr>;

@@ -48,6 +48,21 @@ pub fn create_dir_durably(path: &std::path::Path) -> std::io::Result<()> {
     segment::create_dirs_durably(&io::Disk::real(), path)
 }
 
+/// Store queue ids with this bit (and below `1 << 63`, where the broker's transient queues start) hold
+/// the Raft log of a cluster group: queue `RAFT_LOG_QUEUES | g` is group `g`'s entries
+/// (crates/cluster, `log_store`). Group ids, like classic queue ids, stay below [`RAFT_STATE_QUEUES`].
+pub const RAFT_LOG_QUEUES: u64 = 1 << 62;
+
+/// Store queue `RAFT_STATE_QUEUES | g` holds group `g`'s hard state (vote, committed, purged) and its
+/// snapshot (crates/cluster, `log_store`).
+pub const RAFT_STATE_QUEUES: u64 = 1 << 61;
+
+/// Whether store queue `id` is a Raft group's log or state rather than a message queue: the broker
+/// leaves those to the cluster when it matches recovered queues against its metadata.
+pub fn is_raft_queue(id: u64) -> bool {
+    (RAFT_STATE_QUEUES..1 << 63).contains(&id)
+}
+
 /// A position in the logical WAL. A batch is durable once the durable watermark is at or past its ticket.
 pub type SyncTicket = u64;
 

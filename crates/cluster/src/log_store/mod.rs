@@ -1,0 +1,619 @@
+//! The Raft log of every group on a node, kept in the node's write-ahead log (`warren_store::Store`),
+//! so one write and one fsync per batch covers every group and every classic queue.
+//!
+//! Layout (the contract in docs/internals/cluster.md, "The Raft log in the WAL"):
+//! - group `g`'s entries are the records of store queue [`RAFT_LOG`]` | g`, one entry per record in
+//!   [`codec`](crate::codec)'s encoding, in append order. The store seq is a counter of the group's
+//!   appends, not the Raft index: a truncation acks the removed entries' records and the indexes are
+//!   appended again under new seqs. A purge acks the records up to the purged index.
+//! - group `g`'s hard state (vote, committed and purged log ids) and its latest snapshot are
+//!   records of store queue [`RAFT_STATE`]` | g`: each hard-state record acks the one before it, each
+//!   snapshot record the snapshot before it, in the same batch.
+//!
+//! In memory, per group: for each unpurged entry its store seq and log id (the index is its place),
+//! the entries appended but not yet readable from the store (see [`Store::readable`]), the hard
+//! state and the stored snapshot's metadata. Entries are read back from the store.
+//!
+//! Recovery ([`RaftLogs::open`]) reads each group's live records: the latest hard-state and snapshot
+//! records win; of the entries, a record whose index is at or below one before it replaces it and
+//! everything after it (a truncation whose acks a crash lost), and records at or below the purged
+//! index are stale. Stale and superseded records are acked again.
+//!
+//! ### To ensure correctness
+//! - A group's records are appended under its lock, so its seqs rise in append order; the WAL is one
+//!   ordered stream, so a record's durability implies every earlier record's, of every group. That is
+//!   why a durable vote covers the appends before it (openraft#2118: `become_leader` marks the tail
+//!   flushed without I/O) and why a truncation's acks are durable before anything appended after it.
+//! - `IOFlushed` fires only once the durable watermark has passed the append's ticket;
+//!   `save_vote` and snapshots return only once their record is durable.
+
+mod flush;
+mod storage;
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use parking_lot::Mutex;
+use warren_store::{Batch, RecoveredQueue, Store, StoreError, SyncTicket};
+
+use crate::codec::{self, DecodeError, HardState, LeaderId, SnapshotMeta, StateRecord};
+use crate::types::{Entry, GroupId, LogId, Vote};
+use flush::Flusher;
+
+pub use storage::LogStore;
+pub use warren_store::{RAFT_LOG_QUEUES as RAFT_LOG, RAFT_STATE_QUEUES as RAFT_STATE};
+
+/// Group ids are below this (they are classic-queue-like ids; the bits above are the kinds).
+pub const GROUP_ID_LIMIT: GroupId = RAFT_STATE;
+
+/// Reads of entries from the store ask for at most this many payload bytes at once.
+const READ_CHUNK_BYTES: usize = 4 << 20;
+
+/// What opening the logs can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum LogStoreError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("group {group}: record {seq} of store queue {queue:#x} does not decode: {error}")]
+    Corrupt { group: GroupId, queue: u64, seq: u64, error: DecodeError },
+    #[error("group id {0} is not below {GROUP_ID_LIMIT}")]
+    GroupId(GroupId),
+}
+
+/// The Raft logs of every group on the node, over the node's store. Cheap to share (`Arc`).
+pub struct RaftLogs {
+    shared: Arc<Shared>,
+    groups: Mutex<HashMap<GroupId, Arc<Group>>>,
+}
+
+/// What every group's handles share: the store and the durability waiters.
+pub(crate) struct Shared {
+    pub store: Store,
+    pub flusher: Arc<Flusher>,
+}
+
+impl Shared {
+    /// Waits until `ticket` is durable.
+    pub async fn durable(&self, ticket: SyncTicket) -> io::Result<()> {
+        if self.flusher.durable_now() >= ticket {
+            return Ok(());
+        }
+        let mut rx = self.store.durable();
+        rx.wait_for(|d| *d >= ticket).await.map(|_| ()).map_err(|_| io::Error::other("the message store is closed"))
+    }
+
+    /// Waits until what `ticket` appended is visible to `Store::read`.
+    pub async fn readable(&self, ticket: SyncTicket) -> io::Result<()> {
+        if self.store.is_readable(ticket) {
+            return Ok(());
+        }
+        let mut rx = self.store.readable();
+        rx.wait_for(|d| *d >= ticket).await.map(|_| ()).map_err(|_| io::Error::other("the message store is closed"))
+    }
+}
+
+impl RaftLogs {
+    /// Rebuilds every group's log from what the store recovered (`Recovery::queues`; queues that are
+    /// not Raft logs are skipped). Reads each group's live records once: bounded by the snapshot
+    /// policy, since a snapshot lets the log before it be purged.
+    pub fn open(store: Store, recovered: &[RecoveredQueue]) -> Result<Arc<RaftLogs>, LogStoreError> {
+        let shared = Arc::new(Shared { flusher: Flusher::new(store.durable()), store });
+        let mut groups: HashMap<GroupId, (Option<&RecoveredQueue>, Option<&RecoveredQueue>)> = HashMap::new();
+        for rec in recovered.iter().filter(|r| warren_store::is_raft_queue(r.queue)) {
+            if rec.queue & RAFT_LOG != 0 {
+                groups.entry(rec.queue & !RAFT_LOG).or_default().0 = Some(rec);
+            } else {
+                groups.entry(rec.queue & !RAFT_STATE).or_default().1 = Some(rec);
+            }
+        }
+        let mut map = HashMap::new();
+        let mut cleanup = Batch::new();
+        for (id, (log, state)) in groups {
+            if id >= GROUP_ID_LIMIT {
+                // Both bits set: not a queue this module writes. Leave it alone.
+                tracing::error!(queue = id, "a store queue with both Raft bits set; ignored");
+                continue;
+            }
+            let group = Group::recover(&shared.store, id, log, state, &mut cleanup)?;
+            map.insert(id, Arc::new(group));
+        }
+        if !cleanup.is_empty() {
+            // Not waited for: redoing it after another crash is harmless.
+            shared.store.append(&mut cleanup)?;
+        }
+        Ok(Arc::new(RaftLogs { shared, groups: Mutex::new(map) }))
+    }
+
+    /// The groups that have anything stored on this node, in id order.
+    pub fn group_ids(&self) -> Vec<GroupId> {
+        let mut ids: Vec<GroupId> = self.groups.lock().keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The log of group `group` (created empty if it has none yet): openraft's `RaftLogStorage` for
+    /// that group. Give each group's `Raft` one `LogStore`; clones share it.
+    pub fn log_store(&self, group: GroupId) -> Result<LogStore, LogStoreError> {
+        Ok(LogStore::new(self.group(group)?, self.shared.clone()))
+    }
+
+    /// Deletes group `group`'s log and state from the store (its `Raft` must be shut down first).
+    /// Returns the ticket of the drop; handles still held on the group fail from now on.
+    pub fn remove_group(&self, group: GroupId) -> Result<SyncTicket, LogStoreError> {
+        if let Some(g) = self.groups.lock().remove(&group) {
+            g.inner.lock().removed = true;
+        }
+        let mut batch = Batch::new();
+        batch.drop_queue(RAFT_LOG | group);
+        batch.drop_queue(RAFT_STATE | group);
+        Ok(self.shared.store.append(&mut batch)?)
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.shared.store
+    }
+
+    pub(crate) fn group(&self, group: GroupId) -> Result<Arc<Group>, LogStoreError> {
+        if group >= GROUP_ID_LIMIT {
+            return Err(LogStoreError::GroupId(group));
+        }
+        Ok(self.groups.lock().entry(group).or_insert_with(|| Arc::new(Group::new(group))).clone())
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+}
+
+/// One group's log and state: the store queues it writes and what is kept in memory.
+pub(crate) struct Group {
+    pub id: GroupId,
+    pub inner: Mutex<GroupInner>,
+}
+
+/// An unpurged entry: where it is in the store, and the entry itself until the store can read it.
+struct Slot {
+    seq: u64,
+    leader: LeaderId,
+    /// Payload bytes of its record (acks report them to the store).
+    len: u64,
+    ticket: SyncTicket,
+}
+
+/// The stored snapshot: its record and metadata (the data is read back from the store).
+#[derive(Clone)]
+pub(crate) struct StoredSnapshot {
+    pub seq: u64,
+    pub len: u64,
+    pub ticket: SyncTicket,
+    pub meta: SnapshotMeta,
+}
+
+pub(crate) struct GroupInner {
+    /// The Raft index of `slots[0]`.
+    first_index: u64,
+    slots: VecDeque<Slot>,
+    /// Entries of the slots from index `cached_from` on, in order: appended, not yet readable from
+    /// the store. (Appends are in ticket order, so the readable ones are a prefix.)
+    cached: VecDeque<Entry>,
+    next_log_seq: u64,
+    next_state_seq: u64,
+    hard: HardState,
+    /// The live hard-state record: (seq, payload bytes).
+    hard_record: Option<(u64, u64)>,
+    pub snapshot: Option<StoredSnapshot>,
+    /// Reused for every append of the group (keeps its allocations).
+    batch: Batch,
+    head: Vec<u8>,
+    removed: bool,
+}
+
+impl Group {
+    fn new(id: GroupId) -> Group {
+        Group {
+            id,
+            inner: Mutex::new(GroupInner {
+                first_index: 0,
+                slots: VecDeque::new(),
+                cached: VecDeque::new(),
+                next_log_seq: 0,
+                next_state_seq: 0,
+                hard: HardState::default(),
+                hard_record: None,
+                snapshot: None,
+                batch: Batch::new(),
+                head: Vec::new(),
+                removed: false,
+            }),
+        }
+    }
+
+    pub fn log_queue(&self) -> u64 {
+        RAFT_LOG | self.id
+    }
+
+    pub fn state_queue(&self) -> u64 {
+        RAFT_STATE | self.id
+    }
+
+    /// Rebuilds a group from its live records; what recovery finds stale goes into `cleanup` (acks).
+    fn recover(store: &Store, id: GroupId, log: Option<&RecoveredQueue>, state: Option<&RecoveredQueue>, cleanup: &mut Batch) -> Result<Group, LogStoreError> {
+        let group = Group::new(id);
+        {
+            let mut g = group.inner.lock();
+            let state_queue = RAFT_STATE | id;
+            let log_queue = RAFT_LOG | id;
+            if let Some(rec) = state {
+                g.next_state_seq = rec.next_seq;
+                let mut hard: Option<(u64, u64, HardState)> = None;
+                let mut snap: Option<StoredSnapshot> = None;
+                for_each_record(store, state_queue, rec.first_seq, |seq, payload| {
+                    let len = payload.len() as u64;
+                    match codec::decode_state(&payload) {
+                        Ok(StateRecord::Hard(h)) => {
+                            if let Some((old, old_len, _)) = hard.replace((seq, len, h)) {
+                                cleanup.ack(state_queue, old, old_len);
+                            }
+                        }
+                        Ok(StateRecord::Snapshot { meta, .. }) => {
+                            if let Some(old) = snap.replace(StoredSnapshot { seq, len, ticket: 0, meta }) {
+                                cleanup.ack(state_queue, old.seq, old.len);
+                            }
+                        }
+                        Err(error) => return Err(LogStoreError::Corrupt { group: id, queue: state_queue, seq, error }),
+                    }
+                    Ok(())
+                })?;
+                if let Some((seq, len, h)) = hard {
+                    g.hard = h;
+                    g.hard_record = Some((seq, len));
+                }
+                g.snapshot = snap;
+            }
+            if let Some(rec) = log {
+                g.next_log_seq = rec.next_seq;
+                let purged_next = g.hard.purged.map(|p| p.index + 1);
+                let mut stale: Vec<(u64, u64)> = Vec::new();
+                for_each_record(store, log_queue, rec.first_seq, |seq, payload| {
+                    let len = payload.len() as u64;
+                    let log_id = codec::decode_entry_log_id(&payload).map_err(|error| LogStoreError::Corrupt { group: id, queue: log_queue, seq, error })?;
+                    let index = log_id.index;
+                    if purged_next.is_some_and(|next| index < next) {
+                        stale.push((seq, len));
+                        return Ok(());
+                    }
+                    if !g.slots.is_empty() && index < g.first_index + g.slots.len() as u64 {
+                        // Re-appended after a truncation whose acks were lost: this one and what
+                        // follows replace the records from `index` on.
+                        let keep = index.saturating_sub(g.first_index) as usize;
+                        stale.extend(g.slots.drain(keep..).map(|s| (s.seq, s.len)));
+                    }
+                    let expected = if g.slots.is_empty() { purged_next.unwrap_or(index) } else { g.first_index + g.slots.len() as u64 };
+                    if index != expected {
+                        // Only damage skipped under `tolerate-any-corruption` leaves a hole: keep the
+                        // log before it (a log must not have holes).
+                        tracing::error!(group = id, index, expected, seq, "a hole in a Raft log: the entries after it are dropped");
+                        stale.push((seq, len));
+                        return Ok(());
+                    }
+                    if g.slots.is_empty() {
+                        g.first_index = index;
+                    }
+                    g.slots.push_back(Slot { seq, leader: log_id.leader_id, len, ticket: 0 });
+                    Ok(())
+                })?;
+                for (seq, len) in stale {
+                    cleanup.ack(log_queue, seq, len);
+                }
+            }
+            g.reset_first_index();
+        }
+        Ok(group)
+    }
+}
+
+/// Calls `f(seq, payload)` for every live record of `queue` from `from_seq` on, in seq order.
+fn for_each_record(store: &Store, queue: u64, from_seq: u64, mut f: impl FnMut(u64, Bytes) -> Result<(), LogStoreError>) -> Result<(), LogStoreError> {
+    let mut seq = from_seq;
+    loop {
+        let batch = store.read(queue, seq, 4096, READ_CHUNK_BYTES)?;
+        if batch.lost > 0 {
+            tracing::error!(queue, lost = batch.lost, "records of a Raft log were lost to damage");
+        }
+        if batch.messages.is_empty() {
+            return Ok(());
+        }
+        for m in batch.messages {
+            f(m.seq, m.payload)?;
+        }
+        seq = batch.next_seq;
+    }
+}
+
+fn gone() -> io::Error {
+    io::Error::other("the group was removed")
+}
+
+impl GroupInner {
+    /// The index the next append must have.
+    fn next_index(&self) -> u64 {
+        self.first_index + self.slots.len() as u64
+    }
+
+    fn cached_from(&self) -> u64 {
+        self.next_index() - self.cached.len() as u64
+    }
+
+    /// With no entries, the next one follows the purged one.
+    fn reset_first_index(&mut self) {
+        if self.slots.is_empty() {
+            self.cached.clear();
+            self.first_index = self.hard.purged.map_or(0, |p| p.index + 1);
+        }
+    }
+
+    fn log_id_at(&self, index: u64) -> Option<LogId> {
+        let slot = self.slots.get(index.checked_sub(self.first_index)? as usize)?;
+        Some(LogId::new(slot.leader, index))
+    }
+
+    pub fn vote(&self) -> Option<Vote> {
+        self.hard.vote
+    }
+
+    pub fn committed(&self) -> Option<LogId> {
+        self.hard.committed
+    }
+
+    pub fn last_purged(&self) -> Option<LogId> {
+        self.hard.purged
+    }
+
+    pub fn last_log_id(&self) -> Option<LogId> {
+        match self.slots.len() {
+            0 => self.hard.purged,
+            n => self.log_id_at(self.first_index + n as u64 - 1),
+        }
+    }
+
+    /// Drops cached entries the store can read now.
+    fn evict_readable(&mut self, store: &Store) {
+        while !self.cached.is_empty() {
+            let at = (self.cached_from() - self.first_index) as usize;
+            if !self.slots.get(at).is_some_and(|s| store.is_readable(s.ticket)) {
+                break;
+            }
+            self.cached.pop_front();
+        }
+    }
+
+    /// Appends entries (their indexes must follow the log's last one, or the purged one when the log
+    /// is empty; the first entry of a log that never had one may have any index).
+    pub fn append(&mut self, store: &Store, log_queue: u64, entries: Vec<Entry>) -> io::Result<SyncTicket> {
+        if self.removed {
+            return Err(gone());
+        }
+        let Some(first) = entries.first() else { return Ok(0) };
+        let never_written = self.slots.is_empty() && self.hard.purged.is_none();
+        let start = if never_written { first.log_id.index } else { self.next_index() };
+        for (i, e) in entries.iter().enumerate() {
+            if e.log_id.index != start + i as u64 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("append of index {} where {} is next: a log must not have holes", e.log_id.index, start + i as u64),
+                ));
+            }
+        }
+        self.evict_readable(store);
+        let mut batch = std::mem::take(&mut self.batch);
+        let mut head = std::mem::take(&mut self.head);
+        batch.clear();
+        let mut lens = Vec::with_capacity(entries.len());
+        for (i, e) in entries.iter().enumerate() {
+            head.clear();
+            codec::encode_entry_head(e, &mut head);
+            let body = codec::entry_body(e);
+            batch.enqueue(log_queue, self.next_log_seq + i as u64, 0, &[&head, body]);
+            lens.push((head.len() + body.len()) as u64);
+        }
+        let appended = store.append(&mut batch);
+        self.batch = batch;
+        self.head = head;
+        let ticket = appended.map_err(io::Error::other)?;
+        if never_written {
+            self.first_index = start;
+        }
+        for (e, len) in entries.iter().zip(lens) {
+            self.slots.push_back(Slot { seq: self.next_log_seq, leader: e.log_id.leader_id, len, ticket });
+            self.next_log_seq += 1;
+        }
+        self.cached.extend(entries);
+        Ok(ticket)
+    }
+
+    /// Removes the entries after `last` (all of them for `None`): acks their records.
+    pub fn truncate_after(&mut self, store: &Store, log_queue: u64, last: Option<LogId>) -> io::Result<()> {
+        if self.removed {
+            return Err(gone());
+        }
+        let keep_below = last.map_or(0, |l| l.index + 1).max(self.first_index);
+        let keep = (keep_below - self.first_index) as usize;
+        if keep >= self.slots.len() {
+            return Ok(());
+        }
+        let drop_cached = (self.next_index() - keep_below).min(self.cached.len() as u64) as usize;
+        self.cached.truncate(self.cached.len() - drop_cached);
+        let removed: Vec<Slot> = self.slots.drain(keep..).collect();
+        let bytes = removed.iter().map(|s| s.len).sum();
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        // Everything from the first removed record on: seqs in between are already gone.
+        batch.ack_range(log_queue, removed[0].seq, self.next_log_seq, bytes);
+        let appended = store.append(&mut batch);
+        self.batch = batch;
+        self.reset_first_index();
+        appended.map(|_| ()).map_err(io::Error::other)
+    }
+
+    /// Records `purged` as the last purged log id and acks the records up to it, in one batch (the
+    /// hard state first: if the acks are durable, so is the purged id that explains them).
+    pub fn purge(&mut self, store: &Store, log_queue: u64, state_queue: u64, purged: LogId) -> io::Result<()> {
+        if self.removed {
+            return Err(gone());
+        }
+        if self.hard.purged.is_some_and(|p| p >= purged) {
+            return Ok(());
+        }
+        self.hard.purged = Some(purged);
+        let remove = (purged.index + 1).saturating_sub(self.first_index).min(self.slots.len() as u64) as usize;
+        let removed: Vec<Slot> = self.slots.drain(..remove).collect();
+        self.first_index += remove as u64;
+        let cached_keep = (self.next_index() - self.cached_from().max(self.first_index)) as usize;
+        while self.cached.len() > cached_keep {
+            self.cached.pop_front();
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        self.put_hard(&mut batch, state_queue);
+        if let (Some(first), Some(last)) = (removed.first(), removed.last()) {
+            batch.ack_range(log_queue, first.seq, last.seq + 1, removed.iter().map(|s| s.len).sum());
+        }
+        let appended = store.append(&mut batch);
+        self.batch = batch;
+        self.reset_first_index();
+        appended.map(|_| ()).map_err(io::Error::other)
+    }
+
+    /// Saves the hard state with `change` applied; returns the record's ticket.
+    pub fn save_hard(&mut self, store: &Store, state_queue: u64, change: impl FnOnce(&mut HardState)) -> io::Result<SyncTicket> {
+        if self.removed {
+            return Err(gone());
+        }
+        change(&mut self.hard);
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        self.put_hard(&mut batch, state_queue);
+        let appended = store.append(&mut batch);
+        self.batch = batch;
+        appended.map_err(io::Error::other)
+    }
+
+    /// Adds the hard-state record (superseding the live one) to `batch`.
+    fn put_hard(&mut self, batch: &mut Batch, state_queue: u64) {
+        let record = codec::encode_hard_state(&self.hard);
+        let seq = self.next_state_seq;
+        self.next_state_seq += 1;
+        batch.enqueue(state_queue, seq, 0, &[&record]);
+        if let Some((old, len)) = self.hard_record.replace((seq, record.len() as u64)) {
+            batch.ack(state_queue, old, len);
+        }
+    }
+
+    /// Stores a snapshot (superseding the stored one), unless the stored one is as new or newer.
+    /// Returns the ticket to wait for.
+    pub fn save_snapshot(&mut self, store: &Store, state_queue: u64, meta: &SnapshotMeta, data: &[u8]) -> io::Result<SyncTicket> {
+        if self.removed {
+            return Err(gone());
+        }
+        if let Some(s) = &self.snapshot {
+            if s.meta.last_log_id >= meta.last_log_id {
+                return Ok(s.ticket);
+            }
+        }
+        let head = codec::encode_snapshot_head(meta);
+        let seq = self.next_state_seq;
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        batch.enqueue(state_queue, seq, 0, &[&head, data]);
+        if let Some(old) = &self.snapshot {
+            batch.ack(state_queue, old.seq, old.len);
+        }
+        let appended = store.append(&mut batch);
+        self.batch = batch;
+        let ticket = appended.map_err(io::Error::other)?;
+        self.next_state_seq += 1;
+        self.snapshot = Some(StoredSnapshot { seq, len: (head.len() + data.len()) as u64, ticket, meta: meta.clone() });
+        Ok(ticket)
+    }
+
+    /// What a read of `[start, end)` needs: the entries held in memory, and the (seq, log id) of
+    /// those before them that the store must be asked for. Clamped to the entries there are.
+    fn plan_read(&mut self, store: &Store, start: u64, end: u64) -> ReadPlan {
+        self.evict_readable(store);
+        let start = start.max(self.first_index);
+        let end = end.min(self.next_index());
+        let mut plan = ReadPlan { from_store: Vec::new(), cached: Vec::new() };
+        if start >= end {
+            return plan;
+        }
+        let cached_from = self.cached_from();
+        for index in start..end.min(cached_from) {
+            let slot = &self.slots[(index - self.first_index) as usize];
+            plan.from_store.push((slot.seq, LogId::new(slot.leader, index)));
+        }
+        for index in start.max(cached_from)..end {
+            plan.cached.push(self.cached[(index - cached_from) as usize].clone());
+        }
+        plan
+    }
+}
+
+struct ReadPlan {
+    /// (seq, log id) to read from the store, in order.
+    from_store: Vec<(u64, LogId)>,
+    /// The entries after them, from memory.
+    cached: Vec<Entry>,
+}
+
+impl Group {
+    /// The entries in `[start, end)` that the log has, in order: a purged beginning and a missing
+    /// end are left out, nothing in between is. At most about `max_bytes` are read from the store
+    /// (at least one entry), unless `max_bytes` is `usize::MAX`.
+    pub fn read(&self, store: &Store, start: u64, end: u64, max_bytes: usize) -> io::Result<Vec<Entry>> {
+        // Reading under the group's lock makes the read atomic with respect to truncation and
+        // purge (openraft's contract); store reads of a recent tail come from memory.
+        let mut g = self.inner.lock();
+        if g.removed {
+            return Err(gone());
+        }
+        let plan = g.plan_read(store, start, end);
+        let mut out = Vec::with_capacity(plan.from_store.len() + plan.cached.len());
+        let mut bytes = 0usize;
+        let mut want = plan.from_store.iter().peekable();
+        let queue = self.log_queue();
+        'outer: while let Some(&&(seq, _)) = want.peek() {
+            let remaining = want.len();
+            let got = store.read(queue, seq, remaining, READ_CHUNK_BYTES.min(max_bytes)).map_err(io::Error::other)?;
+            if got.messages.is_empty() {
+                return Err(missing(self.id, seq));
+            }
+            for m in got.messages {
+                let Some(&&(seq, log_id)) = want.peek() else { break 'outer };
+                if m.seq < seq {
+                    continue; // a truncated record whose ack the writer has not applied yet
+                }
+                if m.seq > seq {
+                    return Err(missing(self.id, seq));
+                }
+                let entry = codec::decode_entry(&m.payload).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("group {} entry seq {seq}: {e}", self.id)))?;
+                if entry.log_id != log_id {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, format!("group {}: record {seq} holds {} where {log_id} was written", self.id, entry.log_id)));
+                }
+                bytes += m.payload.len();
+                out.push(entry);
+                want.next();
+                if bytes >= max_bytes {
+                    return Ok(out);
+                }
+            }
+        }
+        out.extend(plan.cached);
+        Ok(out)
+    }
+}
+
+fn missing(group: GroupId, seq: u64) -> io::Error {
+    io::Error::new(io::ErrorKind::NotFound, format!("group {group}: log record {seq} is missing from the store"))
+}

@@ -1,0 +1,207 @@
+//! The Raft log store on a real store in a temp dir: openraft's conformance suite, and what comes
+//! back after the store is closed and opened again (entries, vote, committed, truncation, purge,
+//! snapshots, several groups).
+
+mod log_store_common;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use log_store_common::*;
+use openraft::storage::{RaftLogStorage, RaftStateMachine};
+use openraft::testing::log::{StoreBuilder, Suite};
+use openraft::{RaftLogReader, RaftSnapshotBuilder, StorageError};
+use warren_cluster::log_store::{LogStore, RaftLogs, RAFT_LOG, RAFT_STATE};
+use warren_cluster::machine::testing::ListMachine;
+use warren_cluster::machine::StateMachine;
+use warren_cluster::types::{TypeConfig, Vote};
+
+/// Keeps the temp dir until the store is closed (a writer thread must not see its directory go).
+struct Guard {
+    logs: Arc<RaftLogs>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.logs.store().close();
+    }
+}
+
+struct Builder;
+
+impl StoreBuilder<TypeConfig, LogStore, StateMachine<ListMachine>, Guard> for Builder {
+    async fn build(&self) -> Result<(Guard, LogStore, StateMachine<ListMachine>), StorageError<TypeConfig>> {
+        let dir = tempfile::tempdir().unwrap();
+        let (_store, logs) = open(dir.path());
+        let ls = logs.log_store(3).unwrap();
+        let sm = StateMachine::open(&logs, 3, ListMachine::default()).await.unwrap();
+        Ok((Guard { logs, _dir: dir }, ls, sm))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openraft_conformance_suite() {
+    Suite::test_all(Builder).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_vote_committed_truncation_and_purge_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (store, logs) = open(dir.path());
+        let mut a = logs.log_store(7).unwrap();
+        let mut b = logs.log_store(8).unwrap();
+        append_flushed(&mut a, (0..20).map(|i| normal(7, 1, i)).collect()).await;
+        append_flushed(&mut b, (0..3).map(|i| normal(8, 1, i)).collect()).await;
+        a.save_vote(&Vote::new(2, 2)).await.unwrap();
+        // A new leader's entries replace 16..20.
+        a.truncate_after(Some(log_id(1, 1, 15))).await.unwrap();
+        append_flushed(&mut a, (16..19).map(|i| normal(7, 2, i)).collect()).await;
+        a.save_committed(Some(log_id(2, 1, 17))).await.unwrap();
+        a.purge(log_id(1, 1, 5)).await.unwrap();
+        // Purging again below what is purged changes nothing.
+        a.purge(log_id(1, 1, 3)).await.unwrap();
+        a.save_vote(&Vote::new_committed(2, 1)).await.unwrap();
+        store.close().unwrap();
+    }
+    let (store, logs) = open(dir.path());
+    assert_eq!(logs.group_ids(), vec![7, 8]);
+    let mut a = logs.log_store(7).unwrap();
+    let state = a.get_log_state().await.unwrap();
+    assert_eq!(state.last_purged_log_id, Some(log_id(1, 1, 5)));
+    assert_eq!(state.last_log_id, Some(log_id(2, 1, 18)));
+    let want: Vec<_> = (6..16).map(|i| normal(7, 1, i)).chain((16..19).map(|i| normal(7, 2, i))).collect();
+    assert_eq!(all_entries(&mut a).await, want);
+    assert_eq!(a.read_vote().await.unwrap(), Some(Vote::new_committed(2, 1)));
+    assert_eq!(a.read_committed().await.unwrap(), Some(log_id(2, 1, 17)));
+    let mut b = logs.log_store(8).unwrap();
+    assert_eq!(all_entries(&mut b).await, (0..3).map(|i| normal(8, 1, i)).collect::<Vec<_>>());
+    assert_eq!(b.read_vote().await.unwrap(), None);
+
+    // Only the live records are kept: the purged and truncated ones were acked.
+    let live = store.read(RAFT_LOG | 7, 0, 1000, usize::MAX).unwrap().messages.len();
+    assert_eq!(live, 13, "entries 6..=18 are the only live records of group 7");
+    let state_records = store.read(RAFT_STATE | 7, 0, 1000, usize::MAX).unwrap().messages.len();
+    assert_eq!(state_records, 1, "one live hard-state record");
+
+    // The recovered log goes on: the next index after the last, nothing else.
+    append_flushed(&mut a, vec![normal(7, 3, 19)]).await;
+    assert!(a.append(vec![normal(7, 3, 21)], openraft::storage::IOFlushed::noop()).await.is_err(), "a hole is refused");
+    assert_eq!(all_entries(&mut a).await.last(), Some(&normal(7, 3, 19)));
+    assert_eq!(store.stats().seq_regressions, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_past_the_last_entry_and_a_truncation_of_everything_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (store, logs) = open(dir.path());
+        let mut a = logs.log_store(1).unwrap();
+        let mut b = logs.log_store(2).unwrap();
+        append_flushed(&mut a, (0..5).map(|i| normal(1, 1, i)).collect()).await;
+        // As after installing a snapshot at 9: the log is purged past its end.
+        a.purge(log_id(1, 1, 9)).await.unwrap();
+        append_flushed(&mut b, (0..5).map(|i| normal(2, 1, i)).collect()).await;
+        b.truncate_after(None).await.unwrap();
+        append_flushed(&mut b, vec![normal(2, 2, 0)]).await;
+        store.close().unwrap();
+    }
+    let (_store, logs) = open(dir.path());
+    let mut a = logs.log_store(1).unwrap();
+    let state = a.get_log_state().await.unwrap();
+    assert_eq!((state.last_purged_log_id, state.last_log_id), (Some(log_id(1, 1, 9)), Some(log_id(1, 1, 9))));
+    assert!(all_entries(&mut a).await.is_empty());
+    append_flushed(&mut a, vec![normal(1, 2, 10)]).await;
+    assert_eq!(all_entries(&mut a).await, vec![normal(1, 2, 10)]);
+    let mut b = logs.log_store(2).unwrap();
+    assert_eq!(all_entries(&mut b).await, vec![normal(2, 2, 0)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_survives_a_restart_and_restores_the_machine() {
+    let dir = tempfile::tempdir().unwrap();
+    let entries: Vec<_> = (0..10).map(|i| normal(4, 1, i)).collect();
+    let built = {
+        let (store, logs) = open(dir.path());
+        let mut ls = logs.log_store(4).unwrap();
+        append_flushed(&mut ls, entries.clone()).await;
+        let machine = ListMachine::default();
+        let mut sm = StateMachine::open(&logs, 4, machine.clone()).await.unwrap();
+        let stream = futures_util::stream::iter(entries[..8].iter().cloned().map(|e| Ok((e, None))));
+        sm.apply(stream).await.unwrap();
+        let snap = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+        assert_eq!(snap.meta.last_log_id, Some(log_id(1, 1, 7)));
+        ls.purge(log_id(1, 1, 7)).await.unwrap();
+        // A second snapshot replaces the first.
+        let stream = futures_util::stream::iter(entries[8..].iter().cloned().map(|e| Ok((e, None))));
+        sm.apply(stream).await.unwrap();
+        let snap = sm.get_snapshot_builder().await.build_snapshot().await.unwrap();
+        assert_eq!(snap.meta.last_log_id, Some(log_id(1, 1, 9)));
+        store.close().unwrap();
+        snap
+    };
+    let (store, logs) = open(dir.path());
+    let machine = ListMachine::default();
+    let mut sm = StateMachine::open(&logs, 4, machine.clone()).await.unwrap();
+    assert_eq!(sm.applied_state().await.unwrap().0, Some(log_id(1, 1, 9)));
+    assert_eq!(machine.commands(), entries.iter().map(|e| command(4, e.log_id.index, 1)).collect::<Vec<_>>());
+    let current = sm.get_current_snapshot().await.unwrap().unwrap();
+    assert_eq!(current.meta, built.meta);
+    assert_eq!(current.snapshot, built.snapshot);
+    assert_eq!(store.read(RAFT_STATE | 4, 0, 100, usize::MAX).unwrap().messages.len(), 2, "the hard state and the second snapshot: the first was acked");
+    let mut ls = logs.log_store(4).unwrap();
+    assert_eq!(all_entries(&mut ls).await, entries[8..].to_vec());
+
+    // Installing a snapshot on a fresh node's group: the machine takes it, and it is stored.
+    let other = ListMachine::default();
+    let mut sm2 = StateMachine::open(&logs, 5, other.clone()).await.unwrap();
+    sm2.install_snapshot(&current.meta, current.snapshot.clone()).await.unwrap();
+    assert_eq!(other.commands(), machine.commands());
+    drop(sm2);
+    let again = ListMachine::default();
+    let _sm3 = StateMachine::open(&logs, 5, again.clone()).await.unwrap();
+    assert_eq!(again.commands(), machine.commands());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_group_is_gone_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let (store, logs) = open(dir.path());
+        let mut a = logs.log_store(9).unwrap();
+        append_flushed(&mut a, (0..3).map(|i| normal(9, 1, i)).collect()).await;
+        a.save_vote(&Vote::new(1, 1)).await.unwrap();
+        let t = logs.remove_group(9).unwrap();
+        store.wait_durable(t).unwrap();
+        assert!(a.try_get_log_entries(0..).await.is_err(), "handles of a removed group fail");
+        store.close().unwrap();
+    }
+    let (_store, logs) = open(dir.path());
+    assert!(logs.group_ids().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_are_readable_by_every_reader_as_soon_as_append_returns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, logs) = open(dir.path());
+    let mut ls = logs.log_store(1).unwrap();
+    let mut reader = ls.get_log_reader().await;
+    for round in 0..200u64 {
+        let entries: Vec<_> = (round * 5..round * 5 + 5).map(|i| normal(1, 1, i)).collect();
+        append_unflushed(&mut ls, entries.clone()).await;
+        assert_eq!(reader.try_get_log_entries(round * 5..round * 5 + 5).await.unwrap(), entries);
+    }
+    assert_eq!(reader.try_get_log_entries(0..).await.unwrap().len(), 1000);
+    let limited = reader.limited_get_log_entries(0, 1000).await.unwrap();
+    assert!(!limited.is_empty() && limited[0] == normal(1, 1, 0));
+}
+
+#[test]
+fn group_ids_at_or_above_the_raft_bits_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, logs) = open(dir.path());
+    assert!(logs.log_store(RAFT_STATE).is_err());
+    assert!(logs.log_store(RAFT_STATE - 1).is_ok());
+    let _ = Bytes::new();
+}

@@ -1,0 +1,56 @@
+//! A single-voter openraft `Raft` on the log store, end to end: commands written through it are
+//! applied in order, and after a restart on the same store a fresh machine gets every one of them
+//! again (from the stored snapshot and the log after it).
+
+mod log_store_common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use log_store_common::*;
+use openraft::SnapshotPolicy;
+use warren_cluster::machine::testing::ListMachine;
+use warren_cluster::types::{Command, NodeAddr};
+use warren_cluster::{single_voter_config, start_single_voter};
+
+fn addr() -> NodeAddr {
+    NodeAddr { cluster_addr: "127.0.0.1:4001".into(), amqp_addr: "127.0.0.1:5672".into() }
+}
+
+fn cmd(i: u64) -> Bytes {
+    Bytes::from(format!("command-{i}").into_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_voter_group_applies_its_commands_again_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let lead = Duration::from_secs(10);
+    // Snapshots every 20 entries, the log kept 5 entries behind them: the restart needs both.
+    let config = || openraft::Config { snapshot_policy: SnapshotPolicy::LogsSinceLast(20), max_in_snapshot_log_to_keep: 5, purge_batch_size: 1, ..single_voter_config(11) };
+    let written: Vec<Bytes> = (0..57).map(cmd).collect();
+    {
+        let (store, logs) = open(dir.path());
+        let machine = ListMachine::default();
+        let raft = start_single_voter(&logs, 11, 1, addr(), machine.clone(), Some(config()), lead).await.unwrap();
+        for (i, c) in written.iter().enumerate() {
+            let reply = raft.client_write(Command(c.clone())).await.unwrap();
+            assert_eq!(reply.log_id.index.to_le_bytes().as_slice(), &reply.data.0[..], "write {i}: the machine's reply comes back");
+        }
+        assert_eq!(machine.commands(), written);
+        raft.shutdown().await.unwrap();
+        let state = logs.log_store(11).unwrap().log_state();
+        assert!(state.last_purged_log_id.is_some(), "the log was purged after a snapshot: {state:?}");
+        store.close().unwrap();
+    }
+    let (store, logs) = open(dir.path());
+    let machine = ListMachine::default();
+    let raft = start_single_voter(&logs, 11, 1, addr(), machine.clone(), Some(config()), lead).await.unwrap();
+    // Leading again means the log up to the new leader's blank entry is committed and applied.
+    raft.wait(Some(lead)).applied_index_at_least(Some(written.len() as u64 + 1), "re-applied").await.unwrap();
+    assert_eq!(machine.commands(), written, "every command, once, in order");
+    let more = raft.client_write(Command(cmd(1000))).await.unwrap();
+    assert!(more.log_id.index > written.len() as u64);
+    assert_eq!(machine.commands().last(), Some(&cmd(1000)));
+    raft.shutdown().await.unwrap();
+    store.close().unwrap();
+}
