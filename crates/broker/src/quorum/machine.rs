@@ -46,6 +46,9 @@ pub struct QueueConfig {
     pub expires_ms: Option<u64>,
 }
 
+/// Entries at this index or above enqueue nothing (their messages are rejected): see `enqueue`.
+pub const MAX_INDEX: u64 = 1 << 48;
+
 /// RabbitMQ 4's default `x-delivery-limit`.
 pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
@@ -511,6 +514,9 @@ impl QuorumMachine {
         let mut last = self.sessions.get(&session).map(|s| s.seq);
         let mut rejected = Vec::new();
         let limited = self.config.max_length.is_some() || self.config.max_length_bytes.is_some();
+        // Ids are `index << 16 | i`: past 2^48 they would no longer rise, so such entries enqueue
+        // nothing (at 100,000 entries a second that is 89 years of one queue's log).
+        let ids_exhausted = index >= MAX_INDEX;
         for m in msgs {
             // The decoder caps an entry at MAX_MESSAGES_PER_ENTRY (65,535), so `i` fits 16 bits.
             let id = msg_id(index, (*next_i).min(u16::MAX as u32) as u16);
@@ -520,6 +526,11 @@ impl QuorumMachine {
                 continue;
             }
             last = Some(m.pub_seq);
+            if ids_exhausted {
+                self.counters.rejected += 1;
+                rejected.push(m.pub_seq);
+                continue;
+            }
             if limited && self.config.overflow == Overflow::RejectPublish {
                 if self.over_limit(1, m.size as u64) {
                     // Consumers with credit may make room first.

@@ -261,6 +261,13 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     };
     m.sac_active = holder(&mut r, &m)?;
     m.exclusive = holder(&mut r, &m)?;
+    let sac_ok = match m.config.single_active_consumer {
+        true => m.sac_active.is_some() == (m.consumer_count() > 0),
+        false => m.sac_active.is_none(),
+    };
+    if !sac_ok {
+        return err("single active consumer missing, or set on a queue without it");
+    }
 
     let n = r.count(5)?;
     let mut returned = BTreeMap::new();
@@ -303,6 +310,12 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     }
     if !track_sizes && returned.values().chain(m.consumers.values().flat_map(|c| c.checked_out.values())).any(|s| s.size != 0) {
         return err("sizes on a queue that does not count them");
+    }
+    // Every id was enqueued by an entry already applied, so ids keep rising after the restore.
+    let id_limit = m.last_index.map_or(0u128, |l| (l as u128 + 1) << 16);
+    let highest = [seen.keys().next_back().copied(), fresh.back().map(|r| r.first + r.count as u64 - 1)].into_iter().flatten().max();
+    if highest.is_some_and(|h| h as u128 >= id_limit) {
+        return err("message ids above the last applied index");
     }
     r.end()?;
     m.ready = Ready::from_parts(track_sizes, returned, fresh, sizes);

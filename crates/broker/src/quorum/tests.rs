@@ -698,3 +698,16 @@ fn apply_throughput() {
         );
     }
 }
+
+#[test]
+fn entries_past_index_2_pow_48_enqueue_nothing() {
+    let mut m = QuorumMachine::new(QueueConfig::default());
+    let mut e = Encoder::new();
+    e.begin_enqueue(S1, 0);
+    e.message(1, 1, None, b"x").unwrap();
+    let (effects, reply) = m.apply(machine::MAX_INDEX, &e.finish());
+    assert_eq!(single(reply), Reply::Enqueued { applied_up_to: 1, rejected: vec![1] });
+    assert!(!effects.iter().any(|e| matches!(e, Effect::Store { .. })));
+    assert_eq!(m.ready_count(), 0);
+    assert_eq!(QuorumMachine::new(QueueConfig::default()).restore(&m.snapshot()), Ok(()));
+}
