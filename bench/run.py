@@ -445,6 +445,9 @@ def write_report(results, perftest, facts, versions, w_desc, chart_files, starte
     store = ROOT / "bench" / "store-results.md"
     if store.exists():
         lines += ["", store.read_text().strip()]
+    cluster = ROOT / "bench" / "cluster-results.md"  # the three-node run's section, written by bench/cluster.py
+    if cluster.exists():
+        lines += ["", cluster.read_text().strip()]
     lines += ["", "## Commands", "", "Each row above is one of these, with `--uri` pointing at the broker under test:", "", "```"]
     seen = set()
     for k, r in W.items():
