@@ -41,7 +41,8 @@ import run as single  # noqa: E402  (helpers of the single-node harness: CPU, ma
 sys.path.insert(0, str(single.ROOT / "tests" / "cluster"))
 from workload import AmqpError, Client  # noqa: E402  (raw AMQP client whose every wait is bounded)
 
-ROOT, BIN = single.ROOT, single.BIN
+ROOT = single.ROOT
+BIN = Path(os.environ.get("WARREN_BIN", single.BIN))  # another build of warren, e.g. to try a branch
 OUT = single.OUT / "cluster"
 NODES = (1, 2, 3)
 SECRET = "warren-bench-cluster"
@@ -127,6 +128,22 @@ class WarrenCluster:
             self.launch(n)
         for n in NODES:
             amqp_ready(self.port(n))
+        self.settle()
+
+    def settle(self, timeout=60):
+        """Waits until every member is reachable and the metadata group (0) has a leader, as far as
+        `warren ctl cluster-status` tells (without it, there is nothing to wait for)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                s = self.status()
+            except NotMeasurable:
+                return
+            members = s.get("members", [])
+            meta = next((g for g in s.get("groups", []) if g.get("group") == 0), {})
+            if len(members) == len(NODES) and all(m.get("reachable") for m in members) and meta.get("leader"):
+                return
+            time.sleep(0.2)
 
     def start_node(self, n):
         """Starts node n on its data; seconds until it completes an AMQP handshake."""
@@ -169,8 +186,8 @@ class WarrenCluster:
         live = [n for n in NODES if self.procs.get(n) and self.procs[n].poll() is None]
         ask = node or (live[0] if live else 1)
         try:
-            p = subprocess.run([str(BIN), "ctl", "cluster-status", "--json", "--node", self.cluster_addr(ask),
-                                "--cluster-secret", SECRET, "--timeout", "5"], capture_output=True, text=True, timeout=30)
+            p = subprocess.run([str(BIN), "ctl", "--node", self.cluster_addr(ask), "--json", "--timeout", "5", "cluster-status"],
+                               capture_output=True, text=True, timeout=30, env=dict(os.environ, WARREN_CLUSTER_SECRET=SECRET))
         except subprocess.TimeoutExpired:
             raise NotMeasurable("`warren ctl cluster-status` did not answer within 30 s") from None
         if p.returncode != 0:
@@ -529,7 +546,8 @@ def report_line(broker, label, r):
 def sizes(quick):
     return {
         "backlog": 20_000 if quick else 500_000,       # Q1 publishes it, Q2 drains it
-        "time": 3 if quick else 20,                     # Q3, Q4, PerfTest Q3
+        "time": 3 if quick else 20,                     # Q3, PerfTest Q3
+        "q4_time": 3 if quick else 30,                  # Q4 starts with 100 x 1,000 messages in flight: a longer run
         "q4_queues": 99 if quick else 1000, "q4_clients": 9 if quick else 100,
         "catchup": 10_000 if quick else 200_000,
         "failover_rounds": 1 if quick else 3,
@@ -567,7 +585,7 @@ def q4_parts(z):
     parts = []
     for n, q, c in zip(NODES, split(z["q4_queues"]), split(z["q4_clients"])):
         parts.append((n, q, [*flow, "--producers", str(c), "--consumers", str(c), "--queues", str(q),
-                             "--time", str(z["time"]), "--queue", f"cq-4-n{n}", "--predeclared"]))
+                             "--time", str(z["q4_time"]), "--queue", f"cq-4-n{n}", "--predeclared"]))
     return parts
 
 
@@ -661,6 +679,8 @@ def failover(broker, z):
         pub.stop_flag.set()
         pub.join(30)
         restart = broker.start_node(leader)
+        if isinstance(broker, WarrenCluster):
+            broker.settle()
         if pub.first_after_mark is None:
             raise NotMeasurable(f"no confirm within 120 s of killing node {leader} ({pub.error or 'no error'})")
         r = {"killed": leader, "publisher_on": via, "failover_s": pub.first_after_mark - t_kill,
@@ -848,7 +868,7 @@ def write_section(saved):
         f"Rows: quorum queue, 1 KB persistent messages, confirms 1000 in flight, prefetch 1000, ack every 100. Q1 publishes "
         f"{z['backlog']:,} messages (1 producer), Q2 drains them (1 consumer), Q3 runs 1 producer and 1 consumer for "
         f"{z['time']} s; their client connects to node 1. Q4: {z['q4_queues']:,} quorum queues, {z['q4_clients']} producers "
-        f"and {z['q4_clients']} consumers for {z['time']} s, queues and clients split over the three nodes (one "
+        f"and {z['q4_clients']} consumers for {z['q4_time']} s, queues and clients split over the three nodes (one "
         "`warren bench` per node, each queue declared through its node: RabbitMQ places a queue's leader there); rates "
         "are the sums, latencies the worst of the three. Rates are messages consumed per second (published, for Q1). "
         "Latency p50 / p99: confirm latency for Q1, end-to-end (publish to delivery) for Q3 and Q4, none for Q2 (its "
@@ -970,17 +990,22 @@ def main():
     ap.add_argument("--warren-queue-type", default="quorum", choices=["quorum", "classic"],
                     help="x-queue-type Warren's queues are declared with (classic only to try the script before "
                          "Warren has quorum queues; the report says so)")
+    ap.add_argument("--q4-queues", type=int, help="Q4's number of queues (default 1,000; --quick: 99)")
+    ap.add_argument("--q4-clients", type=int, help="Q4's producers, and as many consumers (default 100; --quick: 9)")
     ap.add_argument("--write", action="store_true", help="with --quick: write BENCHMARKS.md and bench/cluster-results.md anyway")
     ap.add_argument("--report-only", action="store_true", help="rewrite the section from the last run's results.json")
     opts = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     if opts.report_only:
         saved = json.loads((OUT / "results.json").read_text())
+        saved["sizes"] = {**sizes(saved.get("quick")), **saved.get("sizes", {})}
     else:
         if not BIN.exists():
             sys.exit(f"{BIN} is not built: cargo build --release -p warren-server")
         started = datetime.datetime.now(datetime.timezone.utc)
         z = sizes(opts.quick)
+        z["q4_queues"] = opts.q4_queues or z["q4_queues"]
+        z["q4_clients"] = opts.q4_clients or z["q4_clients"]
         facts = light_facts() if opts.quick else single.machine_facts()
         log(json.dumps(facts))
         only = {x.strip() for x in opts.only.split(",") if x.strip()}
