@@ -174,6 +174,9 @@ class WarrenCluster:
     def pids(self):
         return [p.pid for p in self.procs.values() if p.poll() is None]
 
+    def alive(self, n):
+        return n in self.procs and self.procs[n].poll() is None
+
     def version(self):
         return subprocess.run([str(BIN), "--version"], capture_output=True, text=True).stdout.strip()
 
@@ -351,6 +354,9 @@ class RabbitCluster:
 
     def pids(self):
         return [p for p in (self.beam_pid(n) for n in NODES) if p]
+
+    def alive(self, n):
+        return self.beam_pid(n) is not None
 
     def version(self):
         out = subprocess.run(["dpkg-query", "-W", "-f", "${Version}", "rabbitmq-server"], capture_output=True, text=True).stdout
@@ -706,10 +712,17 @@ def catchup(broker, z):
     if before is None:
         raise NotMeasurable(f"no log index for node {follower} in the queue's Raft status")
     broker.stop_node(follower)
+    try:
+        return _catchup(broker, z, queue, n, group, leader, follower, before)
+    finally:
+        if not broker.alive(follower):  # a failed measurement leaves the cluster whole for the next rows
+            broker.start_node(follower)
+
+
+def _catchup(broker, z, queue, n, group, leader, follower, before):
     pub = run_bench(broker, "catchup-backlog", ["--consumers", "0", "--persistent", "--confirm", "1000", "--pmessages", str(n),
                                                 "--queue", queue, "--predeclared"], z["timeout"], node=leader)
     if pub.get("error"):
-        broker.start_node(follower)
         raise NotMeasurable(f"publishing the backlog failed: {pub['error']}")
     if isinstance(broker, RabbitCluster):
         target = broker.log_index(queue, leader, leader)
@@ -719,15 +732,20 @@ def catchup(broker, z):
         r = broker.timed_rejoin(group, follower, before, target, z["timeout"])
     # The rate is measured between the first and the last observation of the follower's log: entries
     # it took before the first one (while it was booting) are not counted, nor is the time they took.
+    # A follower that gets a snapshot (or most of the log before it is first seen) leaves too little to
+    # time that way: then the rate is over the time from its AMQP port opening to caught up.
     entries = target - before
     seen = target - r["first_index"]
     took = r["done_s"] - r["first_s"]
+    basis = "log"
     if seen < entries / 10 or took <= 0:
-        raise NotMeasurable(f"node {follower} had {entries - seen:,} of {entries:,} entries before it was first seen "
-                            f"catching up ({r['done_s']:.1f} s after launch): use a larger backlog")
+        basis, seen, took = "ready", entries, r["done_s"] - (r["ready_s"] or 0)
+        if took <= 0:
+            raise NotMeasurable(f"node {follower} caught up {r['done_s']:.1f} s after launch, before its AMQP port opened "
+                                f"({r['ready_s']:.1f} s): no rate; use a larger backlog")
     msgs = n * seen / entries
     r.update(node=follower, leader=leader, messages=n, entries=entries, seen_entries=seen, msgs_per_s=msgs / took,
-             mb_per_s=msgs * 1000 / took / 1e6, launch_to_done_s=r["done_s"])
+             mb_per_s=msgs * 1000 / took / 1e6, launch_to_done_s=r["done_s"], basis=basis)
     log(f"  {broker.name:8} catch-up: node {follower} took {msgs:,.0f} of {n:,} messages ({seen:,} of {entries:,} entries) in "
         f"{took:.2f} s = {r['msgs_per_s']:.0f} msg/s, {r['mb_per_s']:.1f} MB/s; caught up {r['done_s']:.1f} s after launch")
     broker.delete_queues([queue], node=leader)
@@ -898,8 +916,9 @@ def write_section(saved):
         return f"{x['failover_s']:.2f} s (median of {len(x['rounds'])}: {rs} s; longest gap between confirms {max(r['longest_gap_s'] for r in x['rounds']):.2f} s)"
 
     def cu(x):
-        return (f"{x['msgs_per_s'] / 1000:.1f}k msg/s = {x['mb_per_s']:.1f} MB/s (over {x['seen_entries']:,} of "
-                f"{x['entries']:,} entries; caught up {x['launch_to_done_s']:.1f} s after launch, AMQP ready after "
+        over = (f"over {x['seen_entries']:,} of {x['entries']:,} entries" if x.get("basis", "log") == "log"
+                else "from its AMQP port opening: the log moved in one step, e.g. a snapshot")
+        return (f"{x['msgs_per_s'] / 1000:.1f}k msg/s = {x['mb_per_s']:.1f} MB/s ({over}; caught up {x['launch_to_done_s']:.1f} s after launch, AMQP ready after "
                 f"{x['ready_s']:.1f} s)")
 
     def st(x):
