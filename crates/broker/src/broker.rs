@@ -2,6 +2,7 @@
 
 use crate::definitions;
 use crate::metadata::log::OnCorruption;
+use crate::metadata::group::{self, MetadataGroup};
 use crate::metadata::{Metadata, MetadataError};
 use crate::vhost::{VHost, TRANSIENT_QUEUE_IDS};
 use parking_lot::RwLock;
@@ -218,6 +219,77 @@ impl Broker {
         for v in self.vhosts() {
             v.tick(now);
         }
+    }
+
+    // ---- the cluster's metadata group (`metadata::group`) ---------------------------------
+
+    /// Joins the cluster's metadata group: from now on durable topology changes are proposed to
+    /// `group`, and made (here and on every node) by [`Broker::apply_metadata_entry`]. Call
+    /// before serving clients.
+    pub fn set_metadata_group(&self, group: Arc<dyn MetadataGroup>) {
+        self.metadata.set_group(group);
+    }
+
+    /// The metadata group's state machine: applies committed entry `index` (from any node) to
+    /// the durable state (`metadata.log`) and the in-memory topology, and returns the proposer's
+    /// reply. Deterministic: every node applying the same entries reaches the same topology and
+    /// the same queue ids. An entry this node already applied (a replay) changes nothing.
+    pub fn apply_metadata_entry(&self, index: u64, entry: &[u8]) -> bytes::Bytes {
+        let reply = match group::decode_entry(entry) {
+            Ok(ops) => {
+                if let Some(ops) = self.metadata.apply_group_entry(index, ops) {
+                    self.apply_committed(&ops);
+                }
+                group::encode_reply(index, None)
+            }
+            Err(e) => {
+                tracing::error!(index, error = %e, "refusing a metadata-group entry");
+                group::encode_reply(index, Some(&e))
+            }
+        };
+        self.metadata.group_entry_done(index);
+        reply
+    }
+
+    fn apply_committed(&self, ops: &[crate::metadata::Op]) {
+        for op in ops {
+            let Some(name) = op.vhost() else { continue };
+            let vhost = match self.vhost(name) {
+                Some(v) => v,
+                None => self.add_vhost(name),
+            };
+            vhost.apply_committed(op);
+        }
+    }
+
+    /// The metadata group's snapshot: the durable topology as its shortest op list.
+    pub fn metadata_snapshot(&self) -> bytes::Bytes {
+        self.metadata.group_snapshot()
+    }
+
+    /// Installs a metadata-group snapshot: the durable topology becomes the snapshot's (queues it
+    /// lacks are deleted with their messages: they were deleted while this node was away). A
+    /// snapshot older than what this node has applied changes nothing.
+    pub fn restore_metadata_snapshot(&self, snapshot: &[u8]) -> Result<(), String> {
+        let (index, ops) = group::decode_snapshot(snapshot)?;
+        let state = self.metadata.restore_group_snapshot(index, ops).map_err(|e| format!("rewriting the metadata log: {e}"))?;
+        if let Some(state) = state {
+            let mut names: Vec<String> = self.vhosts.read().keys().cloned().collect();
+            names.extend(state.vhost_names());
+            names.sort();
+            names.dedup();
+            for name in names {
+                let vhost = self.add_vhost(&name);
+                vhost.replace_durable(&state.vhost(&name));
+            }
+        }
+        self.metadata.group_entry_done(index);
+        Ok(())
+    }
+
+    /// The last metadata-group entry applied on this node.
+    pub fn metadata_applied(&self) -> u64 {
+        self.metadata.group_applied()
     }
 
     /// Flushes the store; after this, everything accepted is on disk.

@@ -2,12 +2,12 @@
 //! published messages to queues.
 
 use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterWork};
-use crate::definitions::{binding_def, exchange_def, queue_def};
+use crate::definitions::{binding_def, exchange_def, table_from_json, table_to_json, BindingDef, QueueDef, VHostDefs};
 use crate::direct_reply::{self, ReplyConsumers};
 use crate::error::{BrokerError, Result};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
-use crate::metadata::{Metadata, Op};
+use crate::metadata::{GroupCommitError, Metadata, Op};
 use crate::publisher::Publisher;
 use crate::queue::{Enqueued, Queue};
 use crate::queue_args::{first_difference, QueueArgs, EQUIVALENCE_KEYS};
@@ -130,8 +130,28 @@ impl VHost {
         BrokerError::not_found(format!("no queue '{name}' in vhost '{}'", self.name))
     }
 
+    /// Looks an exchange up; in a cluster, a miss first waits until this node has applied what the
+    /// metadata group committed (a declare another node just confirmed), then looks again.
     pub fn exchange(&self, name: &str) -> Result<Arc<Exchange>> {
-        self.exchanges.read().get(name).cloned().ok_or_else(|| self.no_exchange(name))
+        self.find_exchange_caught_up(name).ok_or_else(|| self.no_exchange(name))
+    }
+
+    /// The exchange as this node knows it now (no waiting).
+    fn find_exchange(&self, name: &str) -> Option<Arc<Exchange>> {
+        self.exchanges.read().get(name).cloned()
+    }
+
+    fn find_exchange_caught_up(&self, name: &str) -> Option<Arc<Exchange>> {
+        self.find_exchange(name).or_else(|| if self.metadata.catch_up() { self.find_exchange(name) } else { None })
+    }
+
+    fn find_queue(&self, name: &str) -> Option<Arc<Queue>> {
+        self.queues.read().get(name).cloned()
+    }
+
+    /// [`VHost::find_queue`]; in a cluster a miss waits for the metadata group first (see `exchange`).
+    fn find_queue_caught_up(&self, name: &str) -> Option<Arc<Queue>> {
+        self.find_queue(name).or_else(|| if self.metadata.catch_up() { self.find_queue(name) } else { None })
     }
 
     pub fn exchanges(&self) -> Vec<Arc<Exchange>> {
@@ -144,7 +164,7 @@ impl VHost {
 
     /// Looks a queue up for `connection_id`, refusing another connection's exclusive queue (405).
     pub fn queue(&self, name: &str, connection_id: u64) -> Result<Arc<Queue>> {
-        let queue = self.queues.read().get(name).cloned().ok_or_else(|| self.no_queue(name))?;
+        let queue = self.find_queue_caught_up(name).ok_or_else(|| self.no_queue(name))?;
         self.check_exclusive(&queue, connection_id)?;
         Ok(queue)
     }
@@ -163,7 +183,7 @@ impl VHost {
 
     pub fn exchange_declare(&self, d: &ExchangeDeclare) -> Result<()> {
         let _topology = self.lock_topology();
-        if let Some(existing) = self.exchanges.read().get(d.name).cloned() {
+        if let Some(existing) = self.find_exchange_caught_up(d.name) {
             if d.passive {
                 return Ok(());
             }
@@ -206,8 +226,9 @@ impl VHost {
         let kind = ExchangeKind::parse(d.kind)?;
         let exchange = Exchange::new(d.name.to_string(), kind, d.durable, d.auto_delete, d.internal, d.arguments.clone());
         if d.durable {
+            // Made in memory by `apply_committed`, as every node of a cluster makes it.
             let op = Op::ExchangeDeclared { vhost: self.name.clone(), exchange: exchange_def(&exchange) };
-            self.make_durable(vec![op], || format!("the declaration of exchange '{}'", d.name))?;
+            return self.make_durable(vec![op], || format!("the declaration of exchange '{}'", d.name));
         }
         self.exchanges.write().insert(d.name.to_string(), exchange);
         Ok(())
@@ -221,7 +242,7 @@ impl VHost {
                 self.name
             )));
         }
-        let exchange = self.exchanges.read().get(name).cloned().ok_or_else(|| self.no_exchange(name))?;
+        let exchange = self.exchange(name)?;
         if if_unused && exchange.has_bindings() {
             return Err(BrokerError::precondition_failed(format!(
                 "exchange '{name}' in vhost '{}' in use",
@@ -230,14 +251,19 @@ impl VHost {
         }
         if exchange.durable {
             let op = Op::ExchangeDeleted { vhost: self.name.clone(), name: name.to_string() };
-            self.make_durable(vec![op], || format!("the deletion of exchange '{name}'"))?;
+            return self.make_durable(vec![op], || format!("the deletion of exchange '{name}'"));
         }
         self.remove_exchange_locked(&exchange);
         Ok(())
     }
 
     fn remove_exchange_locked(&self, exchange: &Arc<Exchange>) {
-        self.exchanges.write().remove(&exchange.name);
+        {
+            let mut exchanges = self.exchanges.write();
+            if exchanges.get(&exchange.name).is_some_and(|e| Arc::ptr_eq(e, exchange)) {
+                exchanges.remove(&exchange.name);
+            }
+        }
         let dest = Destination::Exchange(exchange.clone());
         for other in self.exchanges() {
             other.unbind_destination(&dest);
@@ -279,7 +305,7 @@ impl VHost {
         }
         if src.durable && binding.destination.durable() {
             let op = Op::Bound { vhost: self.name.clone(), binding: binding_def(&src.name, &binding) };
-            self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name))?;
+            return self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name));
         }
         src.bind(binding);
         Ok(())
@@ -292,16 +318,20 @@ impl VHost {
             return Ok(());
         }
         let auto_delete = src.auto_delete && src.binding_count() == 1;
+        let durable_binding = src.durable && binding.destination.durable();
         let mut ops = Vec::new();
-        if src.durable && binding.destination.durable() {
+        if durable_binding {
             ops.push(Op::Unbound { vhost: self.name.clone(), binding: binding_def(&src.name, binding) });
         }
         if auto_delete && src.durable {
             ops.push(Op::ExchangeDeleted { vhost: self.name.clone(), name: src.name.clone() });
         }
+        // The durable part is made by `apply_committed`; the node-local rest here.
         self.make_durable(ops, || format!("the unbinding of '{}' from exchange '{}'", binding.destination.name(), src.name))?;
-        src.unbind(binding);
-        if auto_delete {
+        if !durable_binding {
+            src.unbind(binding);
+        }
+        if auto_delete && !src.durable {
             self.remove_exchange_locked(src);
         }
         Ok(())
@@ -316,7 +346,7 @@ impl VHost {
         }
         let _topology = self.lock_topology();
         if !d.name.is_empty() {
-            if let Some(existing) = self.queues.read().get(d.name).cloned() {
+            if let Some(existing) = self.find_queue_caught_up(d.name) {
                 self.check_exclusive(&existing, d.connection_id)?;
                 if !d.passive {
                     self.check_queue_equivalence(&existing, d)?;
@@ -342,11 +372,14 @@ impl VHost {
         let durable = d.durable && !d.exclusive;
         // A priority queue takes one store queue id per level (see `lane`).
         let ids = 1 + args.max_priority as u64;
-        let id = if durable {
-            self.next_queue_id.fetch_add(ids, Ordering::Relaxed)
-        } else {
-            NEXT_TRANSIENT_QUEUE_ID.fetch_add(ids, Ordering::Relaxed)
-        };
+        if durable {
+            // Made in memory by `apply_committed`, as every node of a cluster makes it.
+            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments) };
+            let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
+            self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
+            return Ok((name, 0, 0));
+        }
+        let id = NEXT_TRANSIENT_QUEUE_ID.fetch_add(ids, Ordering::Relaxed);
         let queue = Queue::new(
             name.clone(),
             id,
@@ -359,10 +392,6 @@ impl VHost {
             self.store.clone(),
             crate::now_ms(),
         );
-        if durable {
-            let op = Op::QueueDeclared { vhost: self.name.clone(), queue: queue_def(&queue) };
-            self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
-        }
         if queue.args.retention_ms > 0 {
             for store_id in queue.store_ids() {
                 self.store.set_retention(store_id, queue.args.retention_ms);
@@ -427,7 +456,7 @@ impl VHost {
     /// queue.delete: returns the number of messages deleted.
     pub fn queue_delete(&self, name: &str, if_unused: bool, if_empty: bool, connection_id: u64) -> Result<u32> {
         let _topology = self.lock_topology();
-        let queue = match self.queues.read().get(name).cloned() {
+        let queue = match self.find_queue_caught_up(name) {
             Some(q) => q,
             // RabbitMQ answers delete-ok for a queue that does not exist.
             None => return Ok(0),
@@ -467,15 +496,29 @@ impl VHost {
         for ex in auto_deleted.iter().filter(|ex| ex.durable) {
             ops.push(Op::ExchangeDeleted { vhost: self.name.clone(), name: ex.name.clone() });
         }
+        let count = queue.message_count();
+        // The durable part is made by `apply_committed`; the node-local rest here.
         self.make_durable(ops, || format!("the deletion of queue '{}'", queue.name))?;
-        self.queues.write().remove(&queue.name);
-        for ex in exchanges {
+        let count = if queue.durable { count } else { self.drop_queue(queue) };
+        for ex in auto_deleted.iter().filter(|ex| !ex.durable) {
+            self.remove_exchange_locked(ex);
+        }
+        Ok(count)
+    }
+
+    /// Removes a queue from the vhost and its bindings, and deletes its messages.
+    fn drop_queue(&self, queue: &Arc<Queue>) -> u32 {
+        {
+            let mut queues = self.queues.write();
+            if queues.get(&queue.name).is_some_and(|q| Arc::ptr_eq(q, queue)) {
+                queues.remove(&queue.name);
+            }
+        }
+        let dest = Destination::Queue(queue.clone());
+        for ex in self.exchanges() {
             ex.unbind_destination(&dest);
         }
-        for ex in auto_deleted {
-            self.remove_exchange_locked(&ex);
-        }
-        Ok(queue.mark_deleted())
+        queue.mark_deleted()
     }
 
     /// A connection closed: its exclusive queues go with it.
@@ -537,6 +580,10 @@ impl VHost {
         }
         let mut queues = Vec::new();
         self.route(&ex, &message, &mut queues);
+        // In a cluster, a binding or queue another node just confirmed may not be applied here yet.
+        if queues.is_empty() && self.metadata.is_replicated() && self.metadata.catch_up() {
+            self.route(&ex, &message, &mut queues);
+        }
         self.deliver_to_queues(Arc::new(message), &queues, !confirmed, publisher)
     }
 
@@ -664,7 +711,7 @@ impl VHost {
     fn republish_dead_letter(&self, letter: DeadLetter) {
         let now_secs = crate::now_ms() / 1000;
         let Some(message) = dead_lettered_message(&letter, now_secs) else { return };
-        let Ok(ex) = self.exchange(&letter.exchange) else {
+        let Some(ex) = self.find_exchange(&letter.exchange) else {
             tracing::debug!(exchange = %letter.exchange, "dead-letter exchange does not exist; message dropped");
             return;
         };
@@ -703,21 +750,164 @@ impl VHost {
         self.topology.try_lock().unwrap_or_else(|| crate::blocking::run(|| self.topology.lock()))
     }
 
-    /// Writes `ops` to the metadata log and fsyncs it (see `Metadata::commit`); call before the
-    /// change is made in memory. A failure is a connection error, 541 INTERNAL_ERROR, as
-    /// RabbitMQ answers when its metadata store cannot commit a change; nothing was changed.
+    /// Makes a durable change: `ops` are written to the metadata log and fsynced (standalone,
+    /// `Metadata::commit`) or committed by the cluster's metadata group and applied on this node
+    /// (`Metadata::commit_replicated`); either way the change is made in memory by
+    /// [`VHost::apply_committed`] only once it is durable. Call under the topology lock, having
+    /// checked the request. A failure is a connection error, 541 INTERNAL_ERROR, as RabbitMQ
+    /// answers when its metadata store cannot commit a change.
     fn make_durable(&self, ops: Vec<Op>, what: impl FnOnce() -> String) -> Result<()> {
         if ops.is_empty() {
             return Ok(());
         }
-        self.metadata.commit(ops).map_err(|e| {
+        if self.metadata.is_replicated() {
+            return self.metadata.commit_replicated(&ops).map_err(|e| {
+                let what = what();
+                let (why, outcome) = match e {
+                    GroupCommitError::NotCommitted(e) => (e, "nothing was changed"),
+                    GroupCommitError::Unknown(e) => (e, "it may still take effect"),
+                };
+                tracing::error!(vhost = %self.name, error = %why, "could not make {what} durable through the metadata group; {outcome}");
+                BrokerError::internal(format!(
+                    "could not make {what} in vhost '{}' durable: the cluster's metadata group did not commit it ({why}); {outcome}",
+                    self.name
+                ))
+            });
+        }
+        self.metadata.commit(ops.clone()).map_err(|e| {
             let what = what();
             tracing::error!(vhost = %self.name, error = %e, "could not make {what} durable; nothing was changed");
             BrokerError::internal(format!(
                 "could not make {what} in vhost '{}' durable: writing the metadata log failed ({e}); nothing was changed",
                 self.name
             ))
-        })
+        })?;
+        for op in &ops {
+            self.apply_committed(op);
+        }
+        Ok(())
+    }
+
+    /// The id of a new durable queue taking `ids` store ids: from the node's counter when
+    /// standalone; 0 in a cluster, where applying the declaration assigns it from the replicated
+    /// counter (the same id on every node).
+    pub fn new_durable_queue_id(&self, ids: u64) -> u64 {
+        if self.metadata.is_replicated() {
+            0
+        } else {
+            self.next_queue_id.fetch_add(ids, Ordering::Relaxed)
+        }
+    }
+
+    /// Makes a durable change in memory once it is committed: the one path for this node's own
+    /// changes and, in a cluster, for every node's (in the metadata group's log order). Never
+    /// waits for the metadata group, never takes the topology lock (a proposer holds it while it
+    /// waits for this), and takes any op: what it names may be gone already, or exist (replays).
+    pub fn apply_committed(&self, op: &Op) {
+        match op {
+            Op::ExchangeDeclared { exchange: def, .. } => {
+                if self.find_exchange(&def.name).is_some() {
+                    return;
+                }
+                let Ok(kind) = ExchangeKind::parse(&def.kind) else {
+                    tracing::warn!(exchange = %def.name, kind = %def.kind, "not declaring an exchange of unknown type");
+                    return;
+                };
+                let exchange = Exchange::new(def.name.clone(), kind, true, def.auto_delete, def.internal, table_from_json(&def.arguments));
+                self.exchanges.write().entry(def.name.clone()).or_insert(exchange);
+            }
+            Op::ExchangeDeleted { name, .. } => {
+                if name.is_empty() || name.starts_with("amq.") {
+                    return;
+                }
+                if let Some(ex) = self.find_exchange(name) {
+                    self.remove_exchange_locked(&ex);
+                }
+            }
+            Op::QueueDeclared { queue: def, .. } => {
+                if let Some(existing) = self.find_queue(&def.name) {
+                    if existing.id != def.id {
+                        tracing::warn!(queue = %def.name, vhost = %self.name, id = def.id, existing = existing.id,
+                            "a durable queue was declared with the name of a queue this node has; keeping this node's");
+                    }
+                    return;
+                }
+                let queue = self.restore_queue(def.name.clone(), def.id, def.auto_delete, table_from_json(&def.arguments));
+                if queue.args.retention_ms > 0 {
+                    for store_id in queue.store_ids() {
+                        self.store.set_retention(store_id, queue.args.retention_ms);
+                    }
+                }
+            }
+            Op::QueueDeleted { name, id, .. } => {
+                if let Some(queue) = self.find_queue(name).filter(|q| q.id == *id) {
+                    self.drop_queue(&queue);
+                }
+            }
+            Op::Bound { binding, .. } => {
+                if let Some((src, binding)) = self.resolve_binding(binding) {
+                    if !src.has_binding(&binding) {
+                        src.bind(binding);
+                    }
+                }
+            }
+            Op::Unbound { binding, .. } => {
+                if let Some((src, binding)) = self.resolve_binding(binding) {
+                    src.unbind(&binding);
+                }
+            }
+            Op::NextQueueId { .. } | Op::GroupApplied { .. } => {}
+        }
+    }
+
+    fn resolve_binding(&self, def: &BindingDef) -> Option<(Arc<Exchange>, Binding)> {
+        let source = self.find_exchange(&def.source)?;
+        let destination = if def.destination_type == "queue" {
+            Destination::Queue(self.find_queue(&def.destination)?)
+        } else {
+            Destination::Exchange(self.find_exchange(&def.destination)?)
+        };
+        Some((source, Binding { destination, routing_key: def.routing_key.clone(), arguments: table_from_json(&def.arguments) }))
+    }
+
+    /// Makes the durable topology in memory what `defs` says (a metadata-group snapshot installed
+    /// on a node that was away): durable exchanges, queues and bindings it lacks are removed (a
+    /// removed queue's messages are deleted), those it adds are created. Node-local (transient)
+    /// things stay.
+    pub fn replace_durable(&self, defs: &VHostDefs) {
+        let keep_queues: HashMap<&str, u64> = defs.queues.iter().map(|q| (q.name.as_str(), q.id)).collect();
+        for queue in self.queues().into_iter().filter(|q| q.durable) {
+            if keep_queues.get(queue.name.as_str()) != Some(&queue.id) {
+                tracing::info!(queue = %queue.name, vhost = %self.name, "deleting a queue the metadata group's snapshot no longer has");
+                self.drop_queue(&queue);
+            }
+        }
+        let keep_exchanges: std::collections::HashSet<&str> = defs.exchanges.iter().map(|e| e.name.as_str()).collect();
+        for ex in self.exchanges().into_iter().filter(|e| e.durable && !e.name.is_empty() && !e.name.starts_with("amq.")) {
+            if !keep_exchanges.contains(ex.name.as_str()) {
+                self.remove_exchange_locked(&ex);
+            }
+        }
+        let vhost = self.name.clone();
+        for exchange in &defs.exchanges {
+            self.apply_committed(&Op::ExchangeDeclared { vhost: vhost.clone(), exchange: exchange.clone() });
+        }
+        for queue in &defs.queues {
+            self.apply_committed(&Op::QueueDeclared { vhost: vhost.clone(), queue: queue.clone() });
+        }
+        // Durable bindings (both ends durable) the snapshot lacks go; the others are added.
+        let wanted: std::collections::HashSet<String> =
+            defs.bindings.iter().map(|b| serde_json::to_string(b).unwrap_or_default()).collect();
+        for src in self.exchanges().into_iter().filter(|e| e.durable) {
+            for b in src.bindings().into_iter().filter(|b| b.destination.durable()) {
+                if !wanted.contains(&serde_json::to_string(&binding_def(&src.name, &b)).unwrap_or_default()) {
+                    src.unbind(&b);
+                }
+            }
+        }
+        for binding in &defs.bindings {
+            self.apply_committed(&Op::Bound { vhost: vhost.clone(), binding: binding.clone() });
+        }
     }
 }
 

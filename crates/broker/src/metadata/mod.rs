@@ -15,15 +15,19 @@
 //! A start with no `metadata.log` but a `definitions.json` (written by earlier versions) imports
 //! it and renames it to `definitions.json.migrated`.
 
+pub mod group;
 pub mod log;
 
 use crate::definitions::{self, BindingDef, ExchangeDef, QueueDef, VHostDefs};
+use group::{MetadataGroup, ProposeFailed};
 use log::{LogError, OnCorruption, RecordLog};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::io;
 use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
 
 pub const FILE_NAME: &str = "metadata.log";
 /// Appends since the last rewrite below this never trigger compaction.
@@ -44,6 +48,24 @@ pub enum Op {
     Unbound { vhost: String, binding: BindingDef },
     /// Queue ids below this have been used (written by compaction).
     NextQueueId { value: u64 },
+    /// Cluster only: the state includes every entry of the metadata group up to `index`
+    /// (written with each applied entry and by compaction; see [`group`]).
+    GroupApplied { index: u64 },
+}
+
+impl Op {
+    /// The vhost the change is in (none for the bookkeeping ops).
+    pub fn vhost(&self) -> Option<&str> {
+        match self {
+            Op::ExchangeDeclared { vhost, .. }
+            | Op::ExchangeDeleted { vhost, .. }
+            | Op::QueueDeclared { vhost, .. }
+            | Op::QueueDeleted { vhost, .. }
+            | Op::Bound { vhost, .. }
+            | Op::Unbound { vhost, .. } => Some(vhost),
+            Op::NextQueueId { .. } | Op::GroupApplied { .. } => None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +88,8 @@ pub struct State {
     /// ids (a priority queue has several, see `QueueDef::last_store_id`) may go.
     deleted: BTreeMap<u64, (String, QueueDef)>,
     next_queue_id: u64,
+    /// Cluster only: the last metadata-group entry applied.
+    group_applied: Option<u64>,
 }
 
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -119,12 +143,45 @@ impl State {
                 self.vhosts.entry(vhost).or_default().bindings.remove(&binding_key(&binding));
             }
             Op::NextQueueId { value } => self.next_queue_id = self.next_queue_id.max(value),
+            Op::GroupApplied { index } => self.group_applied = Some(self.group_applied.unwrap_or(0).max(index)),
         }
+    }
+
+    /// Gives each new queue (id 0, from the metadata group) its id: the next unused one, as every
+    /// node applying the same entries to the same state finds it.
+    fn assign_ids(&self, ops: &mut [Op]) {
+        let mut next = self.next_queue_id.max(1);
+        for op in ops {
+            match op {
+                Op::QueueDeclared { queue, .. } => {
+                    if queue.id == 0 {
+                        queue.id = next;
+                    }
+                    next = next.max(queue.last_store_id().saturating_add(1));
+                }
+                Op::QueueDeleted { id, .. } => next = next.max(id.saturating_add(1)),
+                Op::NextQueueId { value } => next = next.max(*value),
+                _ => {}
+            }
+        }
+    }
+
+    /// The last metadata-group entry this state includes (cluster only).
+    pub fn group_applied(&self) -> Option<u64> {
+        self.group_applied
+    }
+
+    /// The queue named `name` in `vhost`, if durable.
+    pub fn queue(&self, vhost: &str, name: &str) -> Option<&QueueDef> {
+        self.vhosts.get(vhost)?.queues.get(name)
     }
 
     /// The shortest list of changes that builds this state from nothing.
     pub fn snapshot_ops(&self) -> Vec<Op> {
         let mut ops = vec![Op::NextQueueId { value: self.next_queue_id }];
+        if let Some(index) = self.group_applied {
+            ops.push(Op::GroupApplied { index });
+        }
         // Declared then deleted, so that replaying keeps which store ids the deleted queue had.
         for (id, (vhost, def)) in &self.deleted {
             ops.push(Op::QueueDeclared { vhost: vhost.clone(), queue: def.clone() });
@@ -177,6 +234,21 @@ struct Inner {
 
 pub struct Metadata {
     inner: Mutex<Inner>,
+    /// Set when the node is part of a cluster: durable changes go through the metadata group.
+    group: RwLock<Option<Arc<dyn MetadataGroup>>>,
+    /// The last metadata-group entry applied here (0: none), for proposers waiting for their own.
+    applied: tokio::sync::watch::Sender<u64>,
+    /// When a barrier last failed (no quorum): lookups do not wait again for `BARRIER_BACKOFF`.
+    barrier_failed: Mutex<Option<Instant>>,
+}
+
+/// Why a replicated change failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GroupCommitError {
+    /// Nothing changed, on any node.
+    NotCommitted(String),
+    /// It may have been (or will be) applied: the outcome is unknown to this node.
+    Unknown(String),
 }
 
 /// What opening found, for the startup log.
@@ -238,7 +310,14 @@ impl Metadata {
             log.rewrite(&state.snapshot_records().map_err(io_err)?).map_err(io_err)?;
         }
         let rewritten_len = log.len();
-        Ok((Metadata { inner: Mutex::new(Inner { log, state, rewritten_len }) }, report))
+        let applied = tokio::sync::watch::Sender::new(state.group_applied.unwrap_or(0));
+        let metadata = Metadata {
+            inner: Mutex::new(Inner { log, state, rewritten_len }),
+            group: RwLock::new(None),
+            applied,
+            barrier_failed: Mutex::new(None),
+        };
+        Ok((metadata, report))
     }
 
     /// Makes `ops` durable (one frame, appended and fsynced) and applies them. On error nothing
@@ -262,6 +341,155 @@ impl Metadata {
 
     pub fn vhost_names(&self) -> Vec<String> {
         self.inner.lock().state.vhost_names()
+    }
+
+    // ---- the cluster's metadata group (see `group`) --------------------------------------
+
+    /// From now on durable changes go through `group` (set by the server before it serves).
+    pub fn set_group(&self, group: Arc<dyn MetadataGroup>) {
+        *self.group.write() = Some(group);
+    }
+
+    pub fn is_replicated(&self) -> bool {
+        self.group.read().is_some()
+    }
+
+    /// The last metadata-group entry applied on this node.
+    pub fn group_applied(&self) -> u64 {
+        *self.applied.borrow()
+    }
+
+    /// Proposes `ops` to the metadata group and returns once this node has applied them (by
+    /// [`Metadata::apply_group_entry`], called by the group's state machine). Blocks the caller.
+    pub fn commit_replicated(&self, ops: &[Op]) -> Result<(), GroupCommitError> {
+        let Some(group) = self.group.read().clone() else {
+            return Err(GroupCommitError::NotCommitted("this node is not in a cluster".to_string()));
+        };
+        let deadline = Instant::now() + group::COMMIT_TIMEOUT;
+        let proposed = group.propose(group::encode_entry(ops), group::COMMIT_TIMEOUT);
+        let index = match group::block_on(proposed).map_err(GroupCommitError::NotCommitted)? {
+            Ok(index) => index,
+            Err(ProposeFailed::NotCommitted(e)) => return Err(GroupCommitError::NotCommitted(e)),
+            Err(ProposeFailed::Unknown(e)) => return Err(GroupCommitError::Unknown(e)),
+        };
+        self.wait_applied(index, deadline).map_err(|e| GroupCommitError::Unknown(format!("committed as entry {index}, but {e}")))
+    }
+
+    /// Waits until this node has applied entry `index`.
+    fn wait_applied(&self, index: u64, deadline: Instant) -> Result<(), String> {
+        if self.group_applied() >= index {
+            return Ok(());
+        }
+        let mut rx = self.applied.subscribe();
+        let wait = Box::pin(async move { tokio::time::timeout(group::left(deadline), rx.wait_for(|a| *a >= index)).await.map(|_| ()) });
+        match group::block_on(wait)? {
+            Ok(()) => Ok(()),
+            Err(_) => Err(format!("this node had not applied it within {:?} (it has applied up to {})", group::COMMIT_TIMEOUT, self.group_applied())),
+        }
+    }
+
+    /// Before answering that something does not exist: waits until this node has applied
+    /// everything the metadata group had committed (an empty entry's round trip). True if it
+    /// waited (the caller looks again); false if not in a cluster or the group did not answer
+    /// in time (the caller answers from what it knows).
+    pub fn catch_up(&self) -> bool {
+        let Some(group) = self.group.read().clone() else { return false };
+        if self.barrier_failed.lock().is_some_and(|t| t.elapsed() < group::BARRIER_BACKOFF) {
+            return false;
+        }
+        let deadline = Instant::now() + group::BARRIER_TIMEOUT;
+        let result = match group::block_on(group.propose(group::encode_entry(&[]), group::BARRIER_TIMEOUT)) {
+            Ok(Ok(index)) => self.wait_applied(index, deadline),
+            Ok(Err(ProposeFailed::NotCommitted(e) | ProposeFailed::Unknown(e))) | Err(e) => Err(e),
+        };
+        match result {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "the metadata group did not answer a read barrier; answering from this node's topology");
+                *self.barrier_failed.lock() = Some(Instant::now());
+                false
+            }
+        }
+    }
+
+    /// Applies metadata-group entry `index` to the durable state: assigns new queues their ids,
+    /// writes the ops (with the index) to the log, and returns them for the in-memory topology.
+    /// None: this node had already applied it (a replay after a restart). Retries a failing disk
+    /// (the group cannot skip an entry): the node's metadata waits until the write succeeds.
+    pub fn apply_group_entry(&self, index: u64, mut ops: Vec<Op>) -> Option<Vec<Op>> {
+        let mut inner = self.inner.lock();
+        if inner.state.group_applied.is_some_and(|a| a >= index) {
+            return None;
+        }
+        inner.state.assign_ids(&mut ops);
+        if !ops.is_empty() {
+            let mut record = ops.clone();
+            record.push(Op::GroupApplied { index });
+            let payload = serde_json::to_vec(&record).unwrap_or_default();
+            let mut delay = std::time::Duration::from_millis(10);
+            loop {
+                let written = crate::blocking::run(|| inner.repair_if_broken().and_then(|()| inner.log.append(&payload)));
+                match written {
+                    Ok(()) => break,
+                    Err(e) => {
+                        tracing::error!(error = %e, index, "could not write a metadata-group entry to the metadata log; retrying");
+                        std::thread::sleep(delay);
+                        delay = (delay * 2).min(std::time::Duration::from_secs(1));
+                    }
+                }
+            }
+            for op in ops.iter().cloned() {
+                inner.state.apply(op);
+            }
+        }
+        inner.state.apply(Op::GroupApplied { index });
+        if !ops.is_empty() {
+            inner.compact_if_due();
+        }
+        Some(ops)
+    }
+
+    /// Marks entry `index` applied here (after its in-memory changes are made): proposers
+    /// waiting for it go on.
+    pub fn group_entry_done(&self, index: u64) {
+        self.applied.send_if_modified(|a| {
+            let newer = index > *a;
+            if newer {
+                *a = index;
+            }
+            newer
+        });
+    }
+
+    /// The state as a metadata-group snapshot (see `group::encode_snapshot`).
+    pub fn group_snapshot(&self) -> bytes::Bytes {
+        let inner = self.inner.lock();
+        group::encode_snapshot(inner.state.group_applied.unwrap_or(0), inner.state.snapshot_ops())
+    }
+
+    /// Replaces the state by a metadata-group snapshot taken at entry `index`, and rewrites the
+    /// log. None: this node's state already includes that entry (its log is newer), nothing done.
+    pub fn restore_group_snapshot(&self, index: u64, ops: Vec<Op>) -> io::Result<Option<State>> {
+        let mut inner = self.inner.lock();
+        if inner.state.group_applied.is_some_and(|a| a >= index) {
+            return Ok(None);
+        }
+        let mut state = State::default();
+        for op in ops {
+            state.apply(op);
+        }
+        state.apply(Op::GroupApplied { index });
+        // Ids of queues deleted here before the snapshot stay known, so their data may still go.
+        let deleted = std::mem::take(&mut inner.state.deleted);
+        let old = std::mem::replace(&mut inner.state, state);
+        for (id, entry) in deleted {
+            inner.state.deleted.entry(id).or_insert(entry);
+        }
+        if let Err(e) = crate::blocking::run(|| inner.rewrite()) {
+            inner.state = old;
+            return Err(e);
+        }
+        Ok(Some(inner.state.clone()))
     }
 
     pub fn vhost(&self, name: &str) -> VHostDefs {
