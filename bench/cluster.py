@@ -679,8 +679,9 @@ def failover(broker, z):
         if pub.confirmed < 2000:
             pub.stop_flag.set()
             raise NotMeasurable(f"publisher through node {via} got {pub.confirmed} confirms before the kill ({pub.error})")
-        pub.mark = t_kill = time.monotonic()
-        broker.kill9(leader)
+        t_kill = time.monotonic()
+        broker.kill9(leader)  # returns once the process is gone
+        pub.mark = time.monotonic()  # a message sent after this can only be confirmed by a new leader
         while pub.first_after_mark is None and pub.error is None and time.monotonic() - t_kill < 120:
             time.sleep(0.005)
         pub.stop_flag.set()
