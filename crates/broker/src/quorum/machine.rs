@@ -40,7 +40,7 @@ pub struct QueueConfig {
     /// Whether the queue has a dead-letter exchange: removed messages are then [`Effect::DeadLetter`]
     /// (the wrapper re-publishes them), else [`Effect::Dropped`].
     pub dead_letter: bool,
-    /// `x-single-active-consumer`.
+    /// `x-single-active-consumer` (with RabbitMQ 4's switch to a higher-priority consumer).
     pub single_active_consumer: bool,
     /// `x-expires`: the queue reports [`Effect::QueueExpired`] once unused this long.
     pub expires_ms: Option<u64>,
@@ -792,7 +792,9 @@ impl QuorumMachine {
     fn next_receiver(&mut self) -> Option<ConsumerId> {
         if self.config.single_active_consumer {
             let active = self.sac_active?;
-            return self.consumers.get(&active).filter(|c| c.can_take()).map(|_| active);
+            let top = self.groups.first().map_or(i32::MIN, |g| g.priority);
+            // An active consumer outranked by a waiting one is fading: it gets nothing more.
+            return self.consumers.get(&active).filter(|c| c.can_take() && c.priority >= top).map(|_| active);
         }
         for group in self.groups.iter_mut() {
             let n = group.members.len();
@@ -808,8 +810,28 @@ impl QuorumMachine {
         None
     }
 
+    /// Single active consumer, as RabbitMQ 4's quorum queues: when a waiting consumer has a higher
+    /// priority than the active one, the active one gets no more messages and, once it has none
+    /// unsettled (acked, requeued or rejected), the waiting one (highest priority, earliest
+    /// attached) becomes active.
+    fn switch_single_active(&mut self) {
+        if !self.config.single_active_consumer {
+            return;
+        }
+        let Some(top) = self.groups.first() else { return };
+        let (best, top_priority) = (top.members[0], top.priority);
+        let switch = match self.sac_active.and_then(|a| self.consumers.get(&a)) {
+            None => true,
+            Some(active) => active.priority < top_priority && active.checked_out.is_empty(),
+        };
+        if switch {
+            self.sac_active = Some(best);
+        }
+    }
+
     /// Hands ready messages, head first, to consumers that can take them.
     fn assign(&mut self, out: &mut Out) {
+        self.switch_single_active();
         loop {
             self.expire_head(out);
             if self.ready.is_empty() {

@@ -18,8 +18,7 @@
 //!
 //! Deviations from RabbitMQ 4 (see docs/internals/cluster.md): exact (not approximate)
 //! reject-publish; no message priorities; no `reject-publish-dlx`; dead-lettering is at-most-once
-//! (the wrapper re-publishes after the message has left the queue); single active consumer hands
-//! over only when the active consumer goes (no priority-based takeover).
+//! (the wrapper re-publishes after the message has left the queue).
 
 pub mod codec;
 pub mod command;

@@ -244,7 +244,7 @@ fn delivery_limit_dead_letters_the_poison_message() {
 fn single_active_consumer_feeds_one_and_hands_over_when_it_goes() {
     let mut q = Q::new(QueueConfig { single_active_consumer: true, ..QueueConfig::default() });
     q.attach(C1, 2, 0);
-    q.attach(C2, 10, 9); // higher priority, but C1 came first and stays active
+    q.attach(C2, 10, 0); // same priority, attached later: waits
     let (effects, _) = q.publish(S1, 0, 1..=5, None);
     assert_eq!(delivered_ids(&effects, C1).len(), 2);
     assert!(delivered_ids(&effects, C2).is_empty(), "messages wait for the active consumer");
@@ -255,6 +255,32 @@ fn single_active_consumer_feeds_one_and_hands_over_when_it_goes() {
     let got = delivered_ids(&effects, C2);
     assert_eq!(got.len(), 5);
     assert!(got.windows(2).all(|w| w[0] < w[1]));
+}
+
+#[test]
+fn single_active_consumer_switches_to_a_higher_priority_one_once_the_active_has_settled() {
+    for requeue in [false, true] {
+        let mut q = Q::new(QueueConfig { single_active_consumer: true, ..QueueConfig::default() });
+        q.attach(C1, 2, 0);
+        let (effects, _) = q.publish(S1, 0, 1..=5, None);
+        let held = delivered_ids(&effects, C1);
+        // A higher-priority consumer: C1 fades (nothing more for it), C2 waits for C1's two.
+        let effects = q.attach(C2, 10, 9);
+        assert!(delivered(&effects).is_empty());
+        assert_eq!(q.m.active_consumer(), Some(C1));
+        let (effects, _) = q.apply(|e| e.settle(C1, &held[..1]));
+        assert!(delivered(&effects).is_empty());
+        // The last one settled (or requeued: rabbitmq-server#14141 stalled there): C2 takes over.
+        let (effects, _) = q.apply(|e| if requeue { e.return_(C1, &held[1..]) } else { e.settle(C1, &held[1..]) });
+        assert_eq!(q.m.active_consumer(), Some(C2));
+        assert_eq!(delivered_ids(&effects, C2).len(), if requeue { 4 } else { 3 });
+        assert!(delivered_ids(&effects, C1).is_empty());
+    }
+    // An idle active consumer hands over at once.
+    let mut q = Q::new(QueueConfig { single_active_consumer: true, ..QueueConfig::default() });
+    q.attach(C1, 2, 0);
+    q.attach(C2, 2, 1);
+    assert_eq!(q.m.active_consumer(), Some(C2));
 }
 
 #[test]
