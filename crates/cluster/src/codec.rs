@@ -14,6 +14,8 @@
 //! state     = version:u8 kind:u8 ...
 //!             kind 1 hard state: vote:opt<vote> committed:opt<log_id> purged:opt<log_id>
 //!             kind 2 snapshot:   last:opt<log_id> membership_at:opt<log_id> membership data (to the end)
+//!             kind 3 layout:     next_log_seq:u64 runs:u32 { first_index:u64 first_seq:u64 count:u64
+//!                                term:u64 leader:u64 bytes:u64 }
 //! log_id    = term:u64 leader:u64 index:u64
 //! vote      = term:u64 node:u64 committed:u8
 //! membership= configs:u32 { voters:u32 { node:u64 } } nodes:u32 { node:u64 cluster_addr:str amqp_addr:str }
@@ -45,6 +47,7 @@ const ENTRY_MEMBERSHIP: u8 = 2;
 
 const STATE_HARD: u8 = 1;
 const STATE_SNAPSHOT: u8 = 2;
+const STATE_LAYOUT: u8 = 3;
 
 /// The committed leader id of a log id: (term, node).
 pub type LeaderId = crate::types::CommittedLeaderId;
@@ -79,6 +82,26 @@ pub enum StateRecord {
     Hard(HardState),
     /// A snapshot: its metadata and the state machine's bytes (`GroupMachine::snapshot`).
     Snapshot { meta: SnapshotMeta, data: Bytes },
+    /// Where the log's entries are: recovery reads only the records appended after it.
+    Layout(Layout),
+}
+
+/// The group's log as runs of entries with consecutive indexes and store seqs and one leader, as
+/// of the moment the group's log queue had appended up to `next_log_seq`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Layout {
+    pub next_log_seq: u64,
+    pub runs: Vec<Run>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Run {
+    pub first_index: u64,
+    pub first_seq: u64,
+    pub count: u64,
+    pub leader: LeaderId,
+    /// Payload bytes of the run's records (what acks report to the store).
+    pub bytes: u64,
 }
 
 /// The head of an entry record (everything before a normal entry's command bytes, and a membership
@@ -170,6 +193,23 @@ pub fn encode_snapshot_head(meta: &SnapshotMeta) -> Vec<u8> {
     out
 }
 
+pub fn encode_layout(layout: &Layout) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + 8 + 4 + layout.runs.len() * 48);
+    out.push(VERSION);
+    out.push(STATE_LAYOUT);
+    put_u64(&mut out, layout.next_log_seq);
+    put_u32(&mut out, layout.runs.len());
+    for r in &layout.runs {
+        put_u64(&mut out, r.first_index);
+        put_u64(&mut out, r.first_seq);
+        put_u64(&mut out, r.count);
+        put_u64(&mut out, r.leader.term);
+        put_u64(&mut out, r.leader.node_id);
+        put_u64(&mut out, r.bytes);
+    }
+    out
+}
+
 /// Decodes a `RAFT_STATE` record. A snapshot's data is a slice of `record` (no copy).
 pub fn decode_state(record: &Bytes) -> Result<StateRecord, DecodeError> {
     let mut r = Reader::new(record);
@@ -196,6 +236,22 @@ pub fn decode_state(record: &Bytes) -> Result<StateRecord, DecodeError> {
             let data = record.slice(r.at..);
             let meta = SnapshotMeta { last_log_id, last_membership: StoredMembership::new(membership_at, membership) };
             Ok(StateRecord::Snapshot { meta, data })
+        }
+        STATE_LAYOUT => {
+            let next_log_seq = r.u64("layout next seq")?;
+            let n = r.count("layout runs", 48)?;
+            let mut runs = Vec::with_capacity(n);
+            for _ in 0..n {
+                let first_index = r.u64("run index")?;
+                let first_seq = r.u64("run seq")?;
+                let count = r.u64("run count")?;
+                let term = r.u64("run term")?;
+                let node = r.u64("run leader")?;
+                let bytes = r.u64("run bytes")?;
+                runs.push(Run { first_index, first_seq, count, leader: LeaderId::new(term, node), bytes });
+            }
+            r.end()?;
+            Ok(StateRecord::Layout(Layout { next_log_seq, runs }))
         }
         kind => Err(DecodeError::Kind { what: "state record", kind }),
     }
@@ -417,6 +473,19 @@ mod tests {
         bytes.extend_from_slice(b"machine state");
         let got = decode_state(&Bytes::from(bytes)).unwrap();
         assert_eq!(got, StateRecord::Snapshot { meta, data: Bytes::from_static(b"machine state") });
+        for layout in [
+            Layout::default(),
+            Layout {
+                next_log_seq: 99,
+                runs: vec![
+                    Run { first_index: 5, first_seq: 10, count: 3, leader: LeaderId::new(1, 2), bytes: 300 },
+                    Run { first_index: 8, first_seq: 20, count: 70, leader: LeaderId::new(2, 1), bytes: 7000 },
+                ],
+            },
+        ] {
+            let bytes = Bytes::from(encode_layout(&layout));
+            assert_eq!(decode_state(&bytes).unwrap(), StateRecord::Layout(layout));
+        }
     }
 
     /// Every truncation and every single-byte change of valid records decodes to a value or an
@@ -430,6 +499,7 @@ mod tests {
         ];
         let meta = SnapshotMeta { last_log_id: None, last_membership: StoredMembership::new(Some(log_id(2, 1, 7)), membership()) };
         samples.push(encode_snapshot_head(&meta));
+        samples.push(encode_layout(&Layout { next_log_seq: 9, runs: vec![Run { first_index: 1, first_seq: 2, count: 3, leader: LeaderId::new(4, 5), bytes: 6 }] }));
         for sample in samples {
             for len in 0..sample.len() {
                 let b = Bytes::copy_from_slice(&sample[..len]);

@@ -83,7 +83,7 @@ async fn entries_vote_committed_truncation_and_purge_survive_a_restart() {
     let live = store.read(RAFT_LOG | 7, 0, 1000, usize::MAX).unwrap().messages.len();
     assert_eq!(live, 13, "entries 6..=18 are the only live records of group 7");
     let state_records = store.read(RAFT_STATE | 7, 0, 1000, usize::MAX).unwrap().messages.len();
-    assert_eq!(state_records, 1, "one live hard-state record");
+    assert_eq!(state_records, 2, "one live hard-state record and one layout record");
 
     // The recovered log goes on: the next index after the last, nothing else.
     append_flushed(&mut a, vec![normal(7, 3, 19)]).await;
@@ -149,7 +149,7 @@ async fn a_snapshot_survives_a_restart_and_restores_the_machine() {
     let current = sm.get_current_snapshot().await.unwrap().unwrap();
     assert_eq!(current.meta, built.meta);
     assert_eq!(current.snapshot, built.snapshot);
-    assert_eq!(store.read(RAFT_STATE | 4, 0, 100, usize::MAX).unwrap().messages.len(), 2, "the hard state and the second snapshot: the first was acked");
+    assert_eq!(store.read(RAFT_STATE | 4, 0, 100, usize::MAX).unwrap().messages.len(), 3, "the hard state, the layout and the second snapshot: the first was acked");
     let mut ls = logs.log_store(4).unwrap();
     assert_eq!(all_entries(&mut ls).await, entries[8..].to_vec());
 
@@ -195,6 +195,47 @@ async fn entries_are_readable_by_every_reader_as_soon_as_append_returns() {
     assert_eq!(reader.try_get_log_entries(0..).await.unwrap().len(), 1000);
     let limited = reader.limited_get_log_entries(0, 1000).await.unwrap();
     assert!(!limited.is_empty() && limited[0] == normal(1, 1, 0));
+}
+
+/// A start reads only the entry records appended after a group's last layout record; the others
+/// are found from it, and read back right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_reads_only_the_entries_after_the_last_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut want = Vec::new();
+    {
+        let (store, logs) = open(dir.path());
+        let mut ls = logs.log_store(2).unwrap();
+        for chunk in 0..100u64 {
+            let entries: Vec<_> = (chunk * 10..chunk * 10 + 10).map(|i| normal(2, 1 + chunk / 30, i)).collect();
+            want.extend(entries.clone());
+            append_flushed(&mut ls, entries).await;
+        }
+        store.close().unwrap();
+    }
+    let stats = {
+        let (store, logs) = open(dir.path());
+        let mut ls = logs.log_store(2).unwrap();
+        assert_eq!(all_entries(&mut ls).await, want);
+        // A new term replaces the last 15 entries; the purge drops the first 100.
+        ls.truncate_after(Some(log_id(4, 1, 984))).await.unwrap();
+        want.truncate(985);
+        let more: Vec<_> = (985..990).map(|i| normal(2, 5, i)).collect();
+        want.extend(more.clone());
+        append_flushed(&mut ls, more).await;
+        ls.purge(log_id(1, 1, 99)).await.unwrap();
+        want.drain(..100);
+        ls.save_vote(&Vote::new(5, 1)).await.unwrap();
+        let stats = logs.recovery_stats();
+        store.close().unwrap();
+        stats
+    };
+    assert_eq!(stats.entries, 1000);
+    assert!(stats.records_read <= 256 + 10, "read {} records of 1000", stats.records_read);
+    let (_store, logs) = open(dir.path());
+    let mut ls = logs.log_store(2).unwrap();
+    assert_eq!(all_entries(&mut ls).await, want);
+    assert!(logs.recovery_stats().records_read <= 5, "{:?}", logs.recovery_stats());
 }
 
 #[test]

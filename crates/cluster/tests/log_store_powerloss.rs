@@ -15,7 +15,7 @@ use log_store_common::*;
 use openraft::storage::{IOFlushed, RaftLogStorage};
 use openraft::type_config::TypeConfigExt;
 use openraft::RaftLogReader;
-use warren_cluster::log_store::{LogStore, RaftLogs};
+use warren_cluster::log_store::{LogStore, LogsOptions, RaftLogs};
 use warren_cluster::types::{Entry, LogId, TypeConfig, Vote};
 use warren_store::sim::{Fault, Loss, SimDisk};
 use warren_store::{Disk, Store, StoreOptions};
@@ -26,8 +26,13 @@ fn sim_opts() -> StoreOptions {
 }
 
 fn open_sim(sim: &Arc<SimDisk>, dir: &Path) -> Option<(Store, Arc<RaftLogs>)> {
+    open_sim_with(sim, dir, LogsOptions::default())
+}
+
+/// `layout_every` small: layout records in most appends, so a power cut lands around them.
+fn open_sim_with(sim: &Arc<SimDisk>, dir: &Path, options: LogsOptions) -> Option<(Store, Arc<RaftLogs>)> {
     let (store, recovery) = Store::open_on(dir, sim_opts(), Disk::simulated(sim.clone())).ok()?;
-    let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+    let logs = RaftLogs::open_with(store.clone(), &recovery.queues, options).unwrap();
     Some((store, logs))
 }
 
@@ -196,8 +201,8 @@ async fn workload(sim: &Arc<SimDisk>, logs: &RaftLogs, seed: u64, m: &mut Model)
 }
 
 /// Purges use term 1 for their log id; the log store only compares indexes with what it holds.
-async fn check(sim: &Arc<SimDisk>, dir: &Path, m: &Model, what: &str) {
-    let (store, logs) = open_sim(sim, dir).unwrap_or_else(|| panic!("{what}: recovery failed"));
+async fn check(sim: &Arc<SimDisk>, dir: &Path, options: LogsOptions, m: &Model, what: &str) {
+    let (store, logs) = open_sim_with(sim, dir, options).unwrap_or_else(|| panic!("{what}: recovery failed"));
     for g in 1..=2u64 {
         let mut ls = logs.log_store(g).unwrap();
         let state = ls.get_log_state().await.unwrap();
@@ -238,7 +243,8 @@ async fn run_once(cut_at: Option<u64>, loss: Loss, seed: u64) -> u64 {
     let sim = SimDisk::new(root.path()).unwrap();
     let dir = root.path().join("store");
     let mut m = Model::default();
-    let (store, logs) = open_sim(&sim, &dir).unwrap();
+    let options = LogsOptions { layout_every: if seed.is_multiple_of(2) { 3 } else { 256 } };
+    let (store, logs) = open_sim_with(&sim, &dir, options).unwrap();
     let start = sim.op_count();
     if let Some(k) = cut_at {
         sim.fault_at(start + k, Fault::PowerCut);
@@ -249,7 +255,7 @@ async fn run_once(cut_at: Option<u64>, loss: Loss, seed: u64) -> u64 {
     drop(logs);
     store.close().unwrap();
     sim.power_loss(loss).unwrap();
-    check(&sim, &dir, &m, &format!("seed {seed}, cut at op {cut_at:?} of {ops}, {loss:?}")).await;
+    check(&sim, &dir, options, &m, &format!("seed {seed}, cut at op {cut_at:?} of {ops}, {loss:?}, {options:?}")).await;
     ops
 }
 

@@ -6,16 +6,19 @@
 //!   [`codec`](crate::codec)'s encoding, in append order. The store seq is a counter of the group's
 //!   appends, not the Raft index: a truncation acks the removed entries' records and the indexes are
 //!   appended again under new seqs. A purge acks the records up to the purged index.
-//! - group `g`'s hard state (vote, committed and purged log ids) and its latest snapshot are
-//!   records of store queue [`RAFT_STATE`]` | g`: each hard-state record acks the one before it, each
-//!   snapshot record the snapshot before it, in the same batch.
+//! - group `g`'s hard state (vote, committed and purged log ids), its latest snapshot and its
+//!   layout (where the entries are: runs of consecutive indexes and seqs) are records of store
+//!   queue [`RAFT_STATE`]` | g`: each record acks the record of its kind before it, in the same
+//!   batch. A layout goes with every `layout_every`th appended entry (after them) and with every
+//!   truncation and purge (before their acks).
 //!
 //! In memory, per group: for each unpurged entry its store seq and log id (the index is its place),
 //! the entries appended but not yet readable from the store (see [`Store::readable`]), the hard
 //! state and the stored snapshot's metadata. Entries are read back from the store.
 //!
-//! Recovery ([`RaftLogs::open`]) reads each group's live records: the latest hard-state and snapshot
-//! records win; of the entries, a record whose index is at or below one before it replaces it and
+//! Recovery ([`RaftLogs::open`]) reads each group's state records (the latest of each kind wins),
+//! takes the entries the layout names without reading them, and reads the entry records appended
+//! after it: a record whose index is at or below one before it replaces it and
 //! everything after it (a truncation whose acks a crash lost), and records at or below the purged
 //! index are stale. Stale and superseded records are acked again.
 //!
@@ -38,7 +41,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use warren_store::{Batch, RecoveredQueue, Store, StoreError, SyncTicket};
 
-use crate::codec::{self, DecodeError, HardState, LeaderId, SnapshotMeta, StateRecord};
+use crate::codec::{self, DecodeError, HardState, Layout, LeaderId, Run, SnapshotMeta, StateRecord};
 use crate::types::{Entry, GroupId, LogId, Vote};
 use flush::Flusher;
 
@@ -66,12 +69,38 @@ pub enum LogStoreError {
 pub struct RaftLogs {
     shared: Arc<Shared>,
     groups: Mutex<HashMap<GroupId, Arc<Group>>>,
+    recovered: RecoveryStats,
+}
+
+/// Settings of the node's Raft logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogsOptions {
+    /// A group writes a layout record (where its entries are) after this many appended entries, and
+    /// at every truncation and purge: a start reads at most about this many entry records per group.
+    pub layout_every: u64,
+}
+
+impl Default for LogsOptions {
+    fn default() -> Self {
+        LogsOptions { layout_every: 256 }
+    }
+}
+
+/// What [`RaftLogs::open`] found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecoveryStats {
+    pub groups: u64,
+    /// Unpurged entries, in all groups.
+    pub entries: u64,
+    /// Entry records read (the others are known from the groups' layout records).
+    pub records_read: u64,
 }
 
 /// What every group's handles share: the store and the durability waiters.
 pub(crate) struct Shared {
     pub store: Store,
     pub flusher: Arc<Flusher>,
+    pub options: LogsOptions,
 }
 
 impl Shared {
@@ -99,7 +128,13 @@ impl RaftLogs {
     /// not Raft logs are skipped). Reads each group's live records once: bounded by the snapshot
     /// policy, since a snapshot lets the log before it be purged.
     pub fn open(store: Store, recovered: &[RecoveredQueue]) -> Result<Arc<RaftLogs>, LogStoreError> {
-        let shared = Arc::new(Shared { flusher: Flusher::new(store.durable()), store });
+        RaftLogs::open_with(store, recovered, LogsOptions::default())
+    }
+
+    /// [`RaftLogs::open`] with settings.
+    pub fn open_with(store: Store, recovered: &[RecoveredQueue], options: LogsOptions) -> Result<Arc<RaftLogs>, LogStoreError> {
+        let shared = Arc::new(Shared { flusher: Flusher::new(store.durable()), store, options });
+        let mut stats = RecoveryStats::default();
         let mut groups: HashMap<GroupId, (Option<&RecoveredQueue>, Option<&RecoveredQueue>)> = HashMap::new();
         for rec in recovered.iter().filter(|r| warren_store::is_raft_queue(r.queue)) {
             if rec.queue & RAFT_LOG != 0 {
@@ -116,14 +151,19 @@ impl RaftLogs {
                 tracing::error!(queue = id, "a store queue with both Raft bits set; ignored");
                 continue;
             }
-            let group = Group::recover(&shared.store, id, log, state, &mut cleanup)?;
+            let group = Group::recover(&shared.store, id, log, state, &mut cleanup, &mut stats)?;
             map.insert(id, Arc::new(group));
         }
         if !cleanup.is_empty() {
             // Not waited for: redoing it after another crash is harmless.
             shared.store.append(&mut cleanup)?;
         }
-        Ok(Arc::new(RaftLogs { shared, groups: Mutex::new(map) }))
+        Ok(Arc::new(RaftLogs { shared, groups: Mutex::new(map), recovered: stats }))
+    }
+
+    /// What the last open found and read.
+    pub fn recovery_stats(&self) -> RecoveryStats {
+        self.recovered
     }
 
     /// The groups that have anything stored on this node, in id order.
@@ -203,6 +243,9 @@ pub(crate) struct GroupInner {
     hard: HardState,
     /// The live hard-state record: (seq, payload bytes).
     hard_record: Option<(u64, u64)>,
+    /// The live layout record, and the entries appended since it was written.
+    layout_record: Option<(u64, u64)>,
+    appends_since_layout: u64,
     pub snapshot: Option<StoredSnapshot>,
     /// Reused for every append of the group (keeps its allocations).
     batch: Batch,
@@ -222,6 +265,8 @@ impl Group {
                 next_state_seq: 0,
                 hard: HardState::default(),
                 hard_record: None,
+                layout_record: None,
+                appends_since_layout: 0,
                 snapshot: None,
                 batch: Batch::new(),
                 head: Vec::new(),
@@ -239,30 +284,30 @@ impl Group {
     }
 
     /// Rebuilds a group from its live records; what recovery finds stale goes into `cleanup` (acks).
-    fn recover(store: &Store, id: GroupId, log: Option<&RecoveredQueue>, state: Option<&RecoveredQueue>, cleanup: &mut Batch) -> Result<Group, LogStoreError> {
+    fn recover(store: &Store, id: GroupId, log: Option<&RecoveredQueue>, state: Option<&RecoveredQueue>, cleanup: &mut Batch, stats: &mut RecoveryStats) -> Result<Group, LogStoreError> {
         let group = Group::new(id);
         {
             let mut g = group.inner.lock();
             let state_queue = RAFT_STATE | id;
             let log_queue = RAFT_LOG | id;
+            let mut layout: Option<Layout> = None;
             if let Some(rec) = state {
                 g.next_state_seq = rec.next_seq;
                 let mut hard: Option<(u64, u64, HardState)> = None;
                 let mut snap: Option<StoredSnapshot> = None;
+                let mut lay: Option<(u64, u64, Layout)> = None;
                 for_each_record(store, state_queue, rec.first_seq, |seq, payload| {
                     let len = payload.len() as u64;
-                    match codec::decode_state(&payload) {
-                        Ok(StateRecord::Hard(h)) => {
-                            if let Some((old, old_len, _)) = hard.replace((seq, len, h)) {
-                                cleanup.ack(state_queue, old, old_len);
-                            }
-                        }
-                        Ok(StateRecord::Snapshot { meta, .. }) => {
-                            if let Some(old) = snap.replace(StoredSnapshot { seq, len, ticket: 0, meta }) {
-                                cleanup.ack(state_queue, old.seq, old.len);
-                            }
-                        }
+                    // Of each kind the latest record wins; one superseded by a record whose ack a
+                    // crash lost is acked again.
+                    let old = match codec::decode_state(&payload) {
+                        Ok(StateRecord::Hard(h)) => hard.replace((seq, len, h)).map(|(s, l, _)| (s, l)),
+                        Ok(StateRecord::Snapshot { meta, .. }) => snap.replace(StoredSnapshot { seq, len, ticket: 0, meta }).map(|o| (o.seq, o.len)),
+                        Ok(StateRecord::Layout(l)) => lay.replace((seq, len, l)).map(|(s, l, _)| (s, l)),
                         Err(error) => return Err(LogStoreError::Corrupt { group: id, queue: state_queue, seq, error }),
+                    };
+                    if let Some((seq, len)) = old {
+                        cleanup.ack(state_queue, seq, len);
                     }
                     Ok(())
                 })?;
@@ -271,47 +316,78 @@ impl Group {
                     g.hard_record = Some((seq, len));
                 }
                 g.snapshot = snap;
+                if let Some((seq, len, l)) = lay {
+                    g.layout_record = Some((seq, len));
+                    layout = Some(l);
+                }
             }
             if let Some(rec) = log {
                 g.next_log_seq = rec.next_seq;
                 let purged_next = g.hard.purged.map(|p| p.index + 1);
                 let mut stale: Vec<(u64, u64)> = Vec::new();
-                for_each_record(store, log_queue, rec.first_seq, |seq, payload| {
-                    let len = payload.len() as u64;
+                let mut from_seq = rec.first_seq;
+                // The layout names the entries appended before it: only those after it are read.
+                if let Some(layout) = layout.filter(|l| layout_fits(id, l, rec)) {
+                    let mut covered = rec.first_seq;
+                    for run in &layout.runs {
+                        if run.first_seq > covered {
+                            cleanup.ack_range(log_queue, covered, run.first_seq, 0);
+                        }
+                        let share = run.bytes / run.count.max(1);
+                        for k in 0..run.count {
+                            g.admit(id, run.first_index + k, run.first_seq + k, run.leader, share, purged_next, &mut stale);
+                        }
+                        covered = run.first_seq + run.count;
+                    }
+                    if layout.next_log_seq > covered {
+                        cleanup.ack_range(log_queue, covered, layout.next_log_seq, 0);
+                    }
+                    from_seq = layout.next_log_seq;
+                }
+                let mut read = 0u64;
+                for_each_record(store, log_queue, from_seq, |seq, payload| {
                     let log_id = codec::decode_entry_log_id(&payload).map_err(|error| LogStoreError::Corrupt { group: id, queue: log_queue, seq, error })?;
-                    let index = log_id.index;
-                    if purged_next.is_some_and(|next| index < next) {
-                        stale.push((seq, len));
-                        return Ok(());
-                    }
-                    if !g.slots.is_empty() && index < g.first_index + g.slots.len() as u64 {
-                        // Re-appended after a truncation whose acks were lost: this one and what
-                        // follows replace the records from `index` on.
-                        let keep = index.saturating_sub(g.first_index) as usize;
-                        stale.extend(g.slots.drain(keep..).map(|s| (s.seq, s.len)));
-                    }
-                    let expected = if g.slots.is_empty() { purged_next.unwrap_or(index) } else { g.first_index + g.slots.len() as u64 };
-                    if index != expected {
-                        // Only damage skipped under `tolerate-any-corruption` leaves a hole: keep the
-                        // log before it (a log must not have holes).
-                        tracing::error!(group = id, index, expected, seq, "a hole in a Raft log: the entries after it are dropped");
-                        stale.push((seq, len));
-                        return Ok(());
-                    }
-                    if g.slots.is_empty() {
-                        g.first_index = index;
-                    }
-                    g.slots.push_back(Slot { seq, leader: log_id.leader_id, len, ticket: 0 });
+                    g.admit(id, log_id.index, seq, log_id.leader_id, payload.len() as u64, purged_next, &mut stale);
+                    read += 1;
                     Ok(())
                 })?;
+                // A layout soon, so that the next start reads little.
+                g.appends_since_layout = read;
+                stats.records_read += read;
                 for (seq, len) in stale {
                     cleanup.ack(log_queue, seq, len);
                 }
             }
             g.reset_first_index();
+            stats.groups += 1;
+            stats.entries += g.slots.len() as u64;
         }
         Ok(group)
     }
+}
+
+/// Whether a layout record can be trusted to describe the log queue `rec` (it always does unless
+/// damage was skipped or the record was forged): runs in index and seq order, inside the queue's
+/// seqs, no more entries than the queue holds live records.
+fn layout_fits(group: GroupId, layout: &Layout, rec: &RecoveredQueue) -> bool {
+    let mut entries = 0u64;
+    let mut next: Option<(u64, u64)> = None;
+    for r in &layout.runs {
+        let ordered = next.is_none_or(|(index, seq)| r.first_index == index && r.first_seq >= seq);
+        let end_seq = r.first_seq.checked_add(r.count);
+        let inside = r.first_seq >= rec.first_seq && end_seq.is_some_and(|e| e <= layout.next_log_seq);
+        if !ordered || !inside || r.first_index.checked_add(r.count).is_none() {
+            tracing::error!(group, "a Raft log layout record does not fit the log; reading every record instead");
+            return false;
+        }
+        entries += r.count;
+        next = Some((r.first_index + r.count, r.first_seq + r.count));
+    }
+    if entries > rec.live_count || layout.next_log_seq > rec.next_seq {
+        tracing::error!(group, entries, live = rec.live_count, "a Raft log layout record names more entries than the log holds; reading every record instead");
+        return false;
+    }
+    true
 }
 
 /// Calls `f(seq, payload)` for every live record of `queue` from `from_seq` on, in seq order.
@@ -337,6 +413,62 @@ fn gone() -> io::Error {
 }
 
 impl GroupInner {
+    /// Recovery: takes entry `index` at `seq` into the log, or into `stale`. A record whose index is
+    /// at or below one before it replaces that one and everything after it (a truncation whose acks
+    /// a crash lost); records at or below the purged index are stale.
+    #[allow(clippy::too_many_arguments)]
+    fn admit(&mut self, group: GroupId, index: u64, seq: u64, leader: LeaderId, len: u64, purged_next: Option<u64>, stale: &mut Vec<(u64, u64)>) {
+        if purged_next.is_some_and(|next| index < next) {
+            stale.push((seq, len));
+            return;
+        }
+        if !self.slots.is_empty() && index < self.next_index() {
+            let keep = index.saturating_sub(self.first_index) as usize;
+            stale.extend(self.slots.drain(keep..).map(|s| (s.seq, s.len)));
+        }
+        let expected = if self.slots.is_empty() { purged_next.unwrap_or(index) } else { self.next_index() };
+        if index != expected {
+            // Only damage skipped under `tolerate-any-corruption` leaves a hole: keep the log
+            // before it (a log must not have holes).
+            tracing::error!(group, index, expected, seq, "a hole in a Raft log: the entries after it are dropped");
+            stale.push((seq, len));
+            return;
+        }
+        if self.slots.is_empty() {
+            self.first_index = index;
+        }
+        self.slots.push_back(Slot { seq, leader, len, ticket: 0 });
+    }
+
+    /// The log as runs (consecutive indexes and seqs, one leader), `extra` slots appended after it.
+    fn layout(&self, extra: &[Slot]) -> Layout {
+        let mut runs: Vec<Run> = Vec::new();
+        for (i, slot) in self.slots.iter().chain(extra).enumerate() {
+            let index = self.first_index + i as u64;
+            match runs.last_mut() {
+                Some(r) if r.first_seq + r.count == slot.seq && r.leader == slot.leader => {
+                    r.count += 1;
+                    r.bytes += slot.len;
+                }
+                _ => runs.push(Run { first_index: index, first_seq: slot.seq, count: 1, leader: slot.leader, bytes: slot.len }),
+            }
+        }
+        Layout { next_log_seq: self.next_log_seq + extra.len() as u64, runs }
+    }
+
+    /// Adds a layout record of the log (with `extra` slots about to be appended), superseding the
+    /// live one, to `batch`.
+    fn put_layout(&mut self, batch: &mut Batch, state_queue: u64, extra: &[Slot]) {
+        let record = codec::encode_layout(&self.layout(extra));
+        let seq = self.next_state_seq;
+        self.next_state_seq += 1;
+        batch.enqueue(state_queue, seq, 0, &[&record]);
+        if let Some((old, len)) = self.layout_record.replace((seq, record.len() as u64)) {
+            batch.ack(state_queue, old, len);
+        }
+        self.appends_since_layout = 0;
+    }
+
     /// The index the next append must have.
     fn next_index(&self) -> u64 {
         self.first_index + self.slots.len() as u64
@@ -391,7 +523,7 @@ impl GroupInner {
 
     /// Appends entries (their indexes must follow the log's last one, or the purged one when the log
     /// is empty; the first entry of a log that never had one may have any index).
-    pub fn append(&mut self, store: &Store, log_queue: u64, entries: Vec<Entry>) -> io::Result<SyncTicket> {
+    pub fn append(&mut self, store: &Store, log_queue: u64, state_queue: u64, layout_every: u64, entries: Vec<Entry>) -> io::Result<SyncTicket> {
         if self.removed {
             return Err(gone());
         }
@@ -407,34 +539,40 @@ impl GroupInner {
             }
         }
         self.evict_readable(store);
+        if never_written {
+            self.first_index = start;
+        }
         let mut batch = std::mem::take(&mut self.batch);
         let mut head = std::mem::take(&mut self.head);
         batch.clear();
-        let mut lens = Vec::with_capacity(entries.len());
+        let mut new_slots = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
             head.clear();
             codec::encode_entry_head(e, &mut head);
             let body = codec::entry_body(e);
-            batch.enqueue(log_queue, self.next_log_seq + i as u64, 0, &[&head, body]);
-            lens.push((head.len() + body.len()) as u64);
+            let seq = self.next_log_seq + i as u64;
+            batch.enqueue(log_queue, seq, 0, &[&head, body]);
+            new_slots.push(Slot { seq, leader: e.log_id.leader_id, len: (head.len() + body.len()) as u64, ticket: 0 });
+        }
+        // After the entries, in the same batch: a layout that survives only with them.
+        let since = self.appends_since_layout + new_slots.len() as u64;
+        if since >= layout_every {
+            self.put_layout(&mut batch, state_queue, &new_slots);
+        } else {
+            self.appends_since_layout = since;
         }
         let appended = store.append(&mut batch);
         self.batch = batch;
         self.head = head;
         let ticket = appended.map_err(io::Error::other)?;
-        if never_written {
-            self.first_index = start;
-        }
-        for (e, len) in entries.iter().zip(lens) {
-            self.slots.push_back(Slot { seq: self.next_log_seq, leader: e.log_id.leader_id, len, ticket });
-            self.next_log_seq += 1;
-        }
+        self.next_log_seq += new_slots.len() as u64;
+        self.slots.extend(new_slots.into_iter().map(|s| Slot { ticket, ..s }));
         self.cached.extend(entries);
         Ok(ticket)
     }
 
     /// Removes the entries after `last` (all of them for `None`): acks their records.
-    pub fn truncate_after(&mut self, store: &Store, log_queue: u64, last: Option<LogId>) -> io::Result<()> {
+    pub fn truncate_after(&mut self, store: &Store, log_queue: u64, state_queue: u64, last: Option<LogId>) -> io::Result<()> {
         if self.removed {
             return Err(gone());
         }
@@ -449,6 +587,8 @@ impl GroupInner {
         let bytes = removed.iter().map(|s| s.len).sum();
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear();
+        // The layout without the removed entries first: if the acks are durable, so is it.
+        self.put_layout(&mut batch, state_queue, &[]);
         // Everything from the first removed record on: seqs in between are already gone.
         batch.ack_range(log_queue, removed[0].seq, self.next_log_seq, bytes);
         let appended = store.append(&mut batch);
@@ -477,6 +617,7 @@ impl GroupInner {
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear();
         self.put_hard(&mut batch, state_queue);
+        self.put_layout(&mut batch, state_queue, &[]);
         if let (Some(first), Some(last)) = (removed.first(), removed.last()) {
             batch.ack_range(log_queue, first.seq, last.seq + 1, removed.iter().map(|s| s.len).sum());
         }

@@ -108,17 +108,17 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     {
         let entries: Vec<Entry> = entries.into_iter().collect();
         let ticket = {
-            let queue = self.group.log_queue();
+            let (log_queue, state_queue) = (self.group.log_queue(), self.group.state_queue());
             let mut g = self.group.inner.lock();
-            g.append(&self.shared.store, queue, entries)?
+            g.append(&self.shared.store, log_queue, state_queue, self.shared.options.layout_every, entries)?
         };
         self.shared.flusher.when_durable(ticket, callback);
         Ok(())
     }
 
     async fn truncate_after(&mut self, last_log_id: Option<LogId>) -> Result<(), io::Error> {
-        let queue = self.group.log_queue();
-        self.group.inner.lock().truncate_after(&self.shared.store, queue, last_log_id)
+        let (log_queue, state_queue) = (self.group.log_queue(), self.group.state_queue());
+        self.group.inner.lock().truncate_after(&self.shared.store, log_queue, state_queue, last_log_id)
     }
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
