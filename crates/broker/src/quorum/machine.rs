@@ -232,7 +232,8 @@ pub(crate) struct Group {
     pub next: usize,
 }
 
-/// The effects of one apply, with consecutive deliveries to a consumer gathered in one `Deliver`.
+/// The effects of one apply, with the deliveries to each consumer gathered in one `Deliver` until
+/// another effect, or a command that can return messages, closes the gathering.
 #[derive(Default)]
 struct Out {
     effects: Vec<Effect>,
@@ -431,6 +432,12 @@ impl QuorumMachine {
     }
 
     fn apply_one(&mut self, index: u64, cmd: Command, next_i: &mut u32, out: &mut Out) -> Reply {
+        if matches!(cmd, Command::Detach { .. } | Command::Return { .. } | Command::ConsumerDown { .. }) {
+            // Messages may come back and go to another consumer: the deliveries so far must be
+            // effects before the ones that follow (gathering them would reorder a message's two
+            // deliveries).
+            out.flush();
+        }
         let reply = match cmd {
             Command::Enqueue { session, now_ms, msgs } => self.enqueue(index, session, now_ms, msgs, next_i, out),
             Command::Attach(a) => self.attach(a),

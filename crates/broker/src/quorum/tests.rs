@@ -737,3 +737,86 @@ fn entries_past_index_2_pow_48_enqueue_nothing() {
     assert_eq!(m.ready_count(), 0);
     assert_eq!(QuorumMachine::new(QueueConfig::default()).restore(&m.snapshot()), Ok(()));
 }
+
+/// The wrapper's contract over random logs: a message is stored once; delivered only while it is
+/// in the queue and not held by a consumer; leaves exactly once (release, dead-letter, drop or a
+/// settled delivery); and the messages neither gone nor held are exactly the ready ones.
+#[test]
+fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
+    use std::collections::BTreeMap;
+    for seed in 300..330 {
+        let (config, entries) = random_run(seed, 300);
+        let mut m = QuorumMachine::new(config);
+        // id -> holder (None: ready)
+        let mut live: BTreeMap<MsgId, Option<ConsumerId>> = BTreeMap::new();
+        let leave = |live: &mut BTreeMap<MsgId, Option<ConsumerId>>, id: MsgId, why: &str| {
+            assert!(live.remove(&id).is_some(), "seed {seed}: {id} left ({why}) but was not in the queue");
+        };
+        for (index, entry) in &entries {
+            // What this entry may give back before redelivering it.
+            let mut returnable = std::collections::BTreeSet::new();
+            let mut detached = std::collections::BTreeSet::new();
+            let mut down = std::collections::BTreeSet::new();
+            let cmds = match Command::decode(entry).unwrap() {
+                Command::Batch(c) => c,
+                c => vec![c],
+            };
+            for c in cmds {
+                match c {
+                    Command::Return { msg_ids, .. } => returnable.extend(msg_ids),
+                    Command::Detach { consumer, .. } => {
+                        detached.insert(consumer);
+                    }
+                    Command::ConsumerDown { node } => {
+                        down.insert(node);
+                    }
+                    _ => {}
+                }
+            }
+            let (effects, _) = m.apply(*index, entry);
+            for e in &effects {
+                match e {
+                    Effect::Store { msg_id, .. } => {
+                        assert!(live.insert(*msg_id, None).is_none(), "seed {seed}: {msg_id} stored twice");
+                    }
+                    Effect::Deliver { consumer, settled, msgs } => {
+                        for d in msgs {
+                            // Held before this entry: only if the entry returned it first.
+                            let free = match live.get(&d.msg_id) {
+                                Some(None) => true,
+                                Some(Some(c)) => returnable.contains(&d.msg_id) || detached.contains(c) || down.contains(&c.node),
+                                None => false,
+                            };
+                            assert!(free, "seed {seed}: delivered {} while {:?}", d.msg_id, live.get(&d.msg_id));
+                            if *settled {
+                                live.remove(&d.msg_id);
+                            } else {
+                                live.insert(d.msg_id, Some(*consumer));
+                            }
+                        }
+                    }
+                    Effect::Release { msgs } => run_ids(msgs).for_each(|id| leave(&mut live, id, "release")),
+                    Effect::DeadLetter { msgs, .. } => run_ids(msgs).for_each(|id| leave(&mut live, id, "dead-letter")),
+                    Effect::Dropped { msgs, .. } => run_ids(msgs).for_each(|id| leave(&mut live, id, "drop")),
+                    Effect::Published { .. } | Effect::QueueExpired => {}
+                }
+            }
+            // Messages the entry returned (requeue, detach, consumer gone) are ready again; every
+            // message the machine says a consumer holds was delivered to it.
+            let mut consumers: std::collections::BTreeSet<ConsumerId> = live.values().flatten().copied().collect();
+            consumers.extend((1..=3).flat_map(|node| (1..=2).map(move |local| ConsumerId { node, local })));
+            for c in consumers {
+                let now: std::collections::BTreeSet<MsgId> = m.checked_out_by(c).into_iter().collect();
+                for (id, h) in live.iter_mut() {
+                    if *h == Some(c) && !now.contains(id) {
+                        *h = None;
+                    }
+                }
+                assert!(now.iter().all(|id| live.get(id) == Some(&Some(c))), "seed {seed} index {index}: {c:?} holds what it was not given last");
+            }
+            let held = live.values().filter(|h| h.is_some()).count() as u64;
+            let ready = live.len() as u64 - held;
+            assert_eq!((ready, held), (m.ready_count(), m.checked_out_count()), "seed {seed} index {index}");
+        }
+    }
+}
