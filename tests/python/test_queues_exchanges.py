@@ -255,9 +255,9 @@ def test_unbind_stops_routing(ch, name):
 @pytest.mark.warren_only
 def test_unsupported_queue_type_is_406(ch, name):
     with pytest.raises(ChannelClosedByBroker) as e:
-        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+        ch.queue_declare(name, durable=True, arguments={"x-queue-type": "stream"})
     assert e.value.reply_code == 406
-    assert "quorum" in e.value.reply_text
+    assert "stream" in e.value.reply_text
 
 
 def test_classic_queue_type_accepted(ch, name):

@@ -4,6 +4,7 @@ use crate::definitions;
 use crate::metadata::log::OnCorruption;
 use crate::metadata::group::{self, MetadataGroup};
 use crate::metadata::{Metadata, MetadataError};
+use crate::queue::replica::{QuorumHost, QuorumRuntime};
 use crate::vhost::{VHost, TRANSIENT_QUEUE_IDS};
 use parking_lot::RwLock;
 use std::collections::HashMap;
@@ -48,6 +49,8 @@ pub struct Broker {
     store: Store,
     metadata: Arc<Metadata>,
     next_queue_id: Arc<AtomicU64>,
+    /// Starts the Raft groups of quorum queues (set by the server: `set_quorum_host`).
+    quorum: Arc<QuorumRuntime>,
 }
 
 /// What recovery found, for the startup log.
@@ -60,6 +63,9 @@ pub struct RecoveryReport {
     /// messages). Their data is left untouched in the store, neither delivered nor deleted.
     pub kept_aside: Vec<(u64, u64)>,
     pub elapsed_ms: u128,
+    /// Every queue the store recovered, Raft logs included (the cluster's log store rebuilds the
+    /// groups' logs from them).
+    pub store_queues: Vec<warren_store::RecoveredQueue>,
 }
 
 impl Broker {
@@ -95,6 +101,7 @@ impl Broker {
             store: store.clone(),
             metadata: metadata.clone(),
             next_queue_id: next_queue_id.clone(),
+            quorum: Arc::default(),
         });
         broker.add_user(&opts.default_user, &opts.default_pass, opts.loopback_users.contains(&opts.default_user));
         for name in opts.loopback_users.iter().filter(|u| **u != opts.default_user) {
@@ -170,6 +177,7 @@ impl Broker {
         }
         // What the store held for deleted queues is gone for good: their records can go too.
         metadata.forget_deleted();
+        report.store_queues = recovery.queues;
         report.elapsed_ms = started.elapsed().as_millis();
         Ok((broker, report))
     }
@@ -182,8 +190,21 @@ impl Broker {
         let mut vhosts = self.vhosts.write();
         vhosts
             .entry(name.to_string())
-            .or_insert_with(|| VHost::new(name.to_string(), self.store.clone(), self.metadata.clone(), self.next_queue_id.clone()))
+            .or_insert_with(|| {
+                VHost::new(name.to_string(), self.store.clone(), self.metadata.clone(), self.next_queue_id.clone(), self.quorum.clone())
+            })
             .clone()
+    }
+
+    /// Sets the node's quorum host (the server's Raft runtime) and starts the group of every quorum
+    /// queue restored from the metadata log. Call before serving clients.
+    pub fn set_quorum_host(&self, host: Arc<dyn QuorumHost>) {
+        self.quorum.set_host(host.clone());
+        for vhost in self.vhosts() {
+            for queue in vhost.queues().into_iter().filter(|q| q.is_quorum()) {
+                host.start(queue);
+            }
+        }
     }
 
     pub fn vhost(&self, name: &str) -> Option<Arc<VHost>> {

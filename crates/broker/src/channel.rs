@@ -218,6 +218,16 @@ impl Channel {
         })
     }
 
+    /// This channel, for what must not keep it alive.
+    pub fn weak(&self) -> Weak<Channel> {
+        self.me.clone()
+    }
+
+    /// Whether the channel is closed (or closing: its consumers are being removed).
+    pub fn is_closed(&self) -> bool {
+        self.state.lock().closed
+    }
+
     /// Whether a delivery could be made now, as far as the channel is concerned.
     pub fn has_credit(&self) -> bool {
         let st = self.state.lock();

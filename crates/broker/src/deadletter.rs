@@ -18,6 +18,8 @@ pub enum DeathReason {
     Rejected,
     Expired,
     MaxLen,
+    /// A quorum queue's message returned more than `x-delivery-limit` times.
+    DeliveryLimit,
 }
 
 impl DeathReason {
@@ -26,6 +28,7 @@ impl DeathReason {
             DeathReason::Rejected => "rejected",
             DeathReason::Expired => "expired",
             DeathReason::MaxLen => "maxlen",
+            DeathReason::DeliveryLimit => "delivery_limit",
         }
     }
 }

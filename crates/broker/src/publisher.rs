@@ -34,7 +34,7 @@ const MAX_REFUSED: usize = 65_536;
 /// Who published a message: its connection's session and the pub seq of this publish.
 #[derive(Clone, Copy)]
 pub struct Publisher<'a> {
-    pub session: &'a PublisherSession,
+    pub session: &'a std::sync::Arc<PublisherSession>,
     pub seq: u64,
 }
 
@@ -130,6 +130,19 @@ impl PublisherSession {
         }
         if let Some(sink) = self.sink.upgrade() {
             sink.confirms_changed();
+        }
+    }
+
+    /// Group `queue` applied every operation of this session up to `up_to`; those in `rejected` were
+    /// refused (the machine's `Published` effect).
+    pub fn applied_up_to(&self, queue: u64, up_to: u64, rejected: &[u64]) {
+        let seqs: Vec<(u64, bool)> = {
+            let st = self.state.lock();
+            let Some((_, pending)) = st.outstanding.iter().find(|(q, _)| *q == queue) else { return };
+            pending.iter().take_while(|(s, _)| *s <= up_to).map(|(s, _)| (*s, rejected.contains(s))).collect()
+        };
+        if !seqs.is_empty() {
+            self.resolved(queue, seqs);
         }
     }
 

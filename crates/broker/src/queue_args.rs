@@ -17,8 +17,26 @@ pub enum Overflow {
     RejectPublishDlx,
 }
 
+/// `x-queue-type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueType {
+    /// One node's queue (the default).
+    #[default]
+    Classic,
+    /// Replicated by its own Raft group (`crate::queue::replica`).
+    Quorum,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct QueueArgs {
+    /// `x-queue-type`.
+    pub queue_type: QueueType,
+    /// `x-delivery-limit` (quorum queues): a message returned more than this many times is
+    /// dead-lettered or dropped. None: the default (20, as RabbitMQ 4); Some(None): unlimited (-1).
+    pub delivery_limit: Option<Option<u32>>,
+    /// `x-quorum-initial-group-size` (quorum queues): how many nodes replicate it (default 3, at most
+    /// the cluster's size).
+    pub quorum_initial_group_size: Option<u32>,
     pub message_ttl_ms: Option<u64>,
     pub expires_ms: Option<u64>,
     pub max_length: Option<u64>,
@@ -58,13 +76,16 @@ pub const SUPPORTED: &[&str] = &[
     "x-queue-mode",
     "x-queue-master-locator",
     "x-queue-leader-locator",
+    "x-delivery-limit",
+    "x-quorum-initial-group-size",
 ];
 
 /// Arguments RabbitMQ knows but Warren does not implement, with what to do instead.
 fn unsupported_hint(arg: &str) -> &'static str {
     match arg {
-        "x-max-in-memory-length" | "x-max-in-memory-bytes" | "x-delivery-limit" | "x-dead-letter-strategy"
-        | "x-quorum-initial-group-size" => "it applies to quorum queues, which Warren does not have yet",
+        "x-max-in-memory-length" | "x-max-in-memory-bytes" | "x-dead-letter-strategy" => {
+            "Warren's quorum queues do not implement it (they keep no bodies in their Raft state anyway)"
+        }
         "x-max-age" | "x-stream-max-segment-size-bytes" | "x-initial-cluster-size" => {
             "it applies to streams, which Warren does not have"
         }
@@ -133,6 +154,20 @@ impl QueueArgs {
             }
         };
         let mut parsed = QueueArgs {
+            queue_type: QueueType::Classic,
+            delivery_limit: match args.get("x-delivery-limit") {
+                None => None,
+                Some(v) => match v.as_i64() {
+                    Some(n) if n < 0 => Some(None),
+                    Some(n) => Some(Some(u32::try_from(n).unwrap_or(u32::MAX))),
+                    None => return Err(invalid("x-delivery-limit", "{unacceptable_type,expected an integer}")),
+                },
+            },
+            quorum_initial_group_size: match non_negative("x-quorum-initial-group-size")? {
+                None => None,
+                Some(0) => return Err(invalid("x-quorum-initial-group-size", "{value_zero,0}")),
+                Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
+            },
             message_ttl_ms: non_negative("x-message-ttl")?,
             expires_ms: non_negative("x-expires")?,
             max_length: non_negative("x-max-length")?,
@@ -181,15 +216,37 @@ impl QueueArgs {
             ));
         }
         if let Some(t) = string("x-queue-type")? {
-            match t.as_str() {
-                "classic" => {}
-                "quorum" | "stream" => {
+            parsed.queue_type = match t.as_str() {
+                "classic" => QueueType::Classic,
+                "quorum" => QueueType::Quorum,
+                "stream" => {
                     return Err(BrokerError::precondition_failed(format!(
-                        "queue type '{t}' is not supported by this version of Warren yet; declare queue '{queue}' with x-queue-type 'classic' (or omit the argument)"
+                        "queue type 'stream' is not supported by Warren; declare queue '{queue}' with x-queue-type 'classic' or 'quorum'"
                     )))
                 }
                 other => {
-                    return Err(invalid("x-queue-type", &format!("unknown queue type '{other}' (use 'classic')")))
+                    return Err(invalid("x-queue-type", &format!("unknown queue type '{other}' (use 'classic' or 'quorum')")))
+                }
+            };
+        }
+        match parsed.queue_type {
+            QueueType::Classic => {
+                for arg in ["x-delivery-limit", "x-quorum-initial-group-size"] {
+                    if args.get(arg).is_some() {
+                        return Err(invalid(arg, "it is not supported by classic queues (it applies to quorum queues: declare the queue with x-queue-type 'quorum', or without it)"));
+                    }
+                }
+            }
+            QueueType::Quorum => {
+                // What a quorum queue does not do (RabbitMQ refuses the same for its quorum queues,
+                // except priorities, which RabbitMQ 4 has in two levels).
+                for arg in ["x-max-priority", "x-retention-seconds", "x-queue-mode"] {
+                    if args.get(arg).is_some() {
+                        return Err(invalid(arg, "it is not supported by quorum queues; declare the queue without it"));
+                    }
+                }
+                if parsed.overflow == Overflow::RejectPublishDlx {
+                    return Err(invalid("x-overflow", "reject-publish-dlx is not supported by quorum queues (use drop-head or reject-publish)"));
                 }
             }
         }
@@ -213,6 +270,8 @@ pub const EQUIVALENCE_KEYS: &[&str] = &[
     "x-queue-mode",
     "x-single-active-consumer",
     "x-consumer-timeout",
+    "x-delivery-limit",
+    "x-quorum-initial-group-size",
 ];
 
 /// Finds the first behaviour-changing argument that differs between two declarations.

@@ -10,7 +10,8 @@ use crate::message::{encode_header, Message, MessageRef};
 use crate::metadata::{GroupCommitError, Metadata, Op};
 use crate::publisher::Publisher;
 use crate::queue::{Enqueued, Queue};
-use crate::queue_args::{first_difference, QueueArgs, EQUIVALENCE_KEYS};
+use crate::queue::replica::QuorumRuntime;
+use crate::queue_args::{first_difference, QueueArgs, QueueType, EQUIVALENCE_KEYS};
 use bytes::BytesMut;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -72,6 +73,8 @@ pub struct VHost {
     me: Weak<VHost>,
     /// Direct reply-to consumers (`amq.rabbitmq.reply-to`).
     pub replies: Arc<ReplyConsumers>,
+    /// The node's quorum-queue runtime (`queue::replica`).
+    quorum: Arc<QuorumRuntime>,
 }
 
 /// Dead letters a caller re-publishes before handing the rest to a task (see `VHost::dead_letter`).
@@ -93,7 +96,7 @@ const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
 ];
 
 impl VHost {
-    pub fn new(name: String, store: Store, metadata: Arc<Metadata>, next_queue_id: Arc<AtomicU64>) -> Arc<VHost> {
+    pub fn new(name: String, store: Store, metadata: Arc<Metadata>, next_queue_id: Arc<AtomicU64>, quorum: Arc<QuorumRuntime>) -> Arc<VHost> {
         let vhost = Arc::new_cyclic(|me| VHost {
             name,
             exchanges: RwLock::new(HashMap::new()),
@@ -105,6 +108,7 @@ impl VHost {
             dead_letters: DeadLetterWork::default(),
             me: me.clone(),
             replies: Arc::default(),
+            quorum,
         });
         {
             let mut exchanges = vhost.exchanges.write();
@@ -368,6 +372,9 @@ impl VHost {
         }
         let name = if d.name.is_empty() { generated_name("amq.gen-") } else { d.name.to_string() };
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
+        if args.queue_type == QueueType::Quorum {
+            return self.declare_quorum(name, d);
+        }
         // Exclusive queues live and die with their connection, so they are never durable.
         let durable = d.durable && !d.exclusive;
         // A priority queue takes one store queue id per level (see `lane`).
@@ -399,6 +406,38 @@ impl VHost {
         }
         // Every queue is bound to the default exchange by its name (routing does that directly).
         self.queues.write().insert(name.clone(), queue.clone());
+        Ok((name, 0, 0))
+    }
+
+    /// Declares a quorum queue: durable, neither exclusive nor auto-delete (406 otherwise, as
+    /// RabbitMQ); recorded in the metadata log, then its Raft group is started by the node's quorum
+    /// host (declare-ok does not wait for the group: publishes wait for it in the replica).
+    fn declare_quorum(&self, name: String, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+        let invalid = |property: &str, why: &str| {
+            BrokerError::precondition_failed(format!(
+                "invalid property '{property}' for queue '{name}' in vhost '{}': {why}",
+                self.name
+            ))
+        };
+        if !d.durable {
+            return Err(invalid("non-durable", "a quorum queue is always durable; declare it with durable=true"));
+        }
+        if d.exclusive {
+            return Err(invalid("exclusive-owner", "a quorum queue cannot be exclusive; declare it with exclusive=false"));
+        }
+        if d.auto_delete {
+            return Err(invalid("auto-delete", "a quorum queue cannot be auto-delete; declare it with auto_delete=false"));
+        }
+        if self.quorum.host().is_none() {
+            return Err(BrokerError::precondition_failed(format!(
+                "queue '{name}' in vhost '{}' cannot be a quorum queue: this node runs no Raft groups",
+                self.name
+            )));
+        }
+        // Made in memory, and its group started, by `apply_committed` (`restore_queue`).
+        let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(1), auto_delete: false, arguments: table_to_json(d.arguments) };
+        let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
+        self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
         Ok((name, 0, 0))
     }
 
@@ -450,7 +489,7 @@ impl VHost {
     }
 
     pub fn queue_purge(&self, queue: &str, connection_id: u64) -> Result<u32> {
-        Ok(self.queue(queue, connection_id)?.purge())
+        self.queue(queue, connection_id)?.purge()
     }
 
     /// queue.delete: returns the number of messages deleted.
@@ -739,6 +778,16 @@ impl VHost {
     /// Recreates a durable queue from the metadata log.
     pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable) -> Arc<Queue> {
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
+        if args.queue_type == QueueType::Quorum {
+            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone());
+            self.queues.write().insert(name, queue.clone());
+            // Declared now (or applied from the metadata group): its group starts at once. At a
+            // start, the server starts them all once it has set the quorum host (`Broker::set_quorum_host`).
+            if let Some(host) = self.quorum.host() {
+                host.start(queue.clone());
+            }
+            return queue;
+        }
         let queue = Queue::new(name.clone(), id, true, None, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
         self.queues.write().insert(name, queue.clone());
         queue

@@ -3,6 +3,7 @@
 mod alarms;
 mod config;
 mod connection;
+mod quorum;
 mod server;
 
 use clap::{Parser, Subcommand};

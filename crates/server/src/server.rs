@@ -12,6 +12,9 @@ use crate::alarms::{self, AlarmState, Limits};
 use warren_broker::{Broker, BrokerOptions};
 use warren_store::{StoreOptions, SyncPolicy};
 
+/// The node id of a node without peers (its quorum queues' groups have it as their only voter).
+const STANDALONE_NODE_ID: u64 = 0;
+
 /// How often message TTL and queue expiry are checked.
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -105,6 +108,12 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
     if let Some(cluster) = config.cluster() {
         tracing::warn!(node_id = cluster.node_id, "cluster settings are accepted but the cluster node is not started yet (issue 10 in progress): running standalone");
     }
+    // Quorum queues: each its own Raft group, its log in the node's WAL (`quorum`).
+    let raft_logs = warren_cluster::RaftLogs::open(broker.store().clone(), &report.store_queues)
+        .map_err(|e| format!("cannot open the Raft logs of quorum queues: {e}"))?;
+    let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
+    let quorum_groups = crate::quorum::QuorumGroups::new(raft_logs, STANDALONE_NODE_ID, node_addr);
+    broker.set_quorum_host(quorum_groups.clone());
 
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())
@@ -174,6 +183,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
     housekeeping.abort();
     alarm_monitor.abort();
     reloader.abort();
+    quorum_groups.shutdown().await;
     broker.close();
     tracing::info!("stopped");
     Ok(())

@@ -11,6 +11,8 @@
 //! the store (the "span": seqs `[span_from, next_seq)`), and the queue reads them back in order
 //! as the window drains. Ready messages = window, then span; every window seq is below `span_from`.
 
+pub mod replica;
+
 use crate::channel::{Channel, Consumer, Settle};
 use crate::consumers::Consumers;
 use crate::lane::{Lane, Levels};
@@ -109,6 +111,8 @@ pub enum GetWait {
     /// The store's readable watermark reaching this ticket: the head is in the store, appended a
     /// moment ago, and not yet visible to `Store::read` (the writer applies appends after their fsync).
     Readable(SyncTicket),
+    /// A quorum queue's Dequeue (this basic.get's id) being committed and applied (`replica`).
+    Replicated(u64),
 }
 
 /// What `Queue::select_head` found.
@@ -214,6 +218,9 @@ pub struct Queue {
     refilled: tokio::sync::Notify,
     /// This queue, for the blocking task that reads its spans (`refill_locked`).
     me: Weak<Queue>,
+    /// A quorum queue: its replica does the queue's work (`replica`), and the classic state above
+    /// stays empty. None: a classic queue.
+    replica: Option<replica::QuorumReplica>,
 }
 
 /// A read of a lane's span, and the store's durable watermark just before it: messages become readable
@@ -249,6 +256,39 @@ impl Queue {
         store: Store,
         now_ms: u64,
     ) -> Arc<Queue> {
+        Self::build(name, id, durable, exclusive_owner, auto_delete, arguments, args, vhost, store, now_ms, None)
+    }
+
+    /// A quorum queue (`x-queue-type: quorum`; durable, neither exclusive nor auto-delete): its Raft
+    /// group is started by the node's quorum host.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_quorum(
+        name: String,
+        id: u64,
+        arguments: FieldTable,
+        args: QueueArgs,
+        vhost: Weak<VHost>,
+        store: Store,
+        runtime: Arc<replica::QuorumRuntime>,
+    ) -> Arc<Queue> {
+        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime);
+        Self::build(name, id, true, None, false, arguments, args, vhost, store, crate::now_ms(), Some(replica))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        name: String,
+        id: u64,
+        durable: bool,
+        exclusive_owner: Option<u64>,
+        auto_delete: bool,
+        arguments: FieldTable,
+        args: QueueArgs,
+        vhost: Weak<VHost>,
+        store: Store,
+        now_ms: u64,
+        replica: Option<replica::QuorumReplica>,
+    ) -> Arc<Queue> {
         QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let consumers = Consumers::new(args.single_active_consumer);
         let (lane, levels) = Levels::new(id, args.max_priority);
@@ -280,24 +320,78 @@ impl Queue {
                 deleted: false,
             }),
             drained: tokio::sync::Notify::new(),
+            replica,
         })
     }
 
+    /// Whether this is a quorum queue.
+    pub fn is_quorum(&self) -> bool {
+        self.replica.is_some()
+    }
+
     pub fn message_count(&self) -> u32 {
+        if let Some(r) = &self.replica {
+            return r.message_count();
+        }
         let st = self.state.lock();
         ready_count(&st).min(u32::MAX as u64) as u32
     }
 
     pub fn consumer_count(&self) -> u32 {
+        if let Some(r) = &self.replica {
+            return r.consumer_count();
+        }
         self.state.lock().consumers.len() as u32
     }
 
     pub fn unacked_count(&self) -> u64 {
+        if let Some(r) = &self.replica {
+            return r.unacked_count();
+        }
         self.state.lock().unacked
     }
 
     pub fn is_deleted(&self) -> bool {
+        if let Some(r) = &self.replica {
+            return r.is_deleted();
+        }
         self.state.lock().deleted
+    }
+
+    // ---- a quorum queue's group (see `replica`) ------------------------------------------
+
+    /// A quorum queue's group runs on this node: proposals go through `replicator` from now on.
+    pub fn attach_replicator(self: &Arc<Self>, replicator: Arc<dyn replica::Replicator>) {
+        if let Some(r) = &self.replica {
+            r.attach(self, replicator);
+        }
+    }
+
+    /// Applies a committed entry of a quorum queue's group; returns the reply for its proposer.
+    pub fn apply_replicated(self: &Arc<Self>, index: u64, entry: &bytes::Bytes) -> bytes::Bytes {
+        match &self.replica {
+            Some(r) => r.apply(self, index, entry),
+            None => bytes::Bytes::new(),
+        }
+    }
+
+    /// A quorum queue's state for a snapshot of its group (without message bodies).
+    pub fn snapshot_replicated(&self) -> bytes::Bytes {
+        self.replica.as_ref().map(|r| r.snapshot()).unwrap_or_default()
+    }
+
+    /// Replaces a quorum queue's state by a snapshot's.
+    pub fn restore_replicated(&self, snapshot: &[u8]) -> std::result::Result<(), String> {
+        match &self.replica {
+            Some(r) => r.restore_snapshot(snapshot),
+            None => Err(format!("queue '{}' is not a quorum queue", self.name)),
+        }
+    }
+
+    fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, waiters: Vec<replica::Waiter>) {
+        if let Some(r) = &self.replica {
+            r.proposed(self, result, waiters);
+        }
     }
 
     pub fn touch(&self, now_ms: u64) {
@@ -330,8 +424,10 @@ impl Queue {
         lazy_ok: bool,
         publisher: Option<Publisher>,
     ) -> Result<Enqueued> {
+        if let Some(r) = &self.replica {
+            return r.publish(self, message, stored_header, now_ms, publisher);
+        }
         // A classic queue's confirm needs only the store ticket; `publisher` is for quorum queues.
-        let _ = publisher;
         let mut after = AfterUnlock::default();
         let outcome = {
             let mut st = self.state.lock();
@@ -435,6 +531,9 @@ impl Queue {
     /// read back as the window needs it; those that may have been delivered before come back marked
     /// redelivered.
     pub fn restore(&self, recovered: &RecoveredQueue) {
+        if let Some(r) = &self.replica {
+            return r.restore_bodies(self, recovered);
+        }
         let mut st = self.state.lock();
         // A priority queue's levels are store queues `id`, `id` + 1, ... (see `lane`).
         st.select(recovered.queue.saturating_sub(self.id) as usize);
@@ -740,6 +839,9 @@ impl Queue {
 
     /// Waits until publishers may go on (see `QueueState::publishers_must_wait`), at most `max` at a time.
     pub async fn wait_until_drained(&self, max: std::time::Duration) {
+        if let Some(r) = &self.replica {
+            return r.wait_until_drained(max).await;
+        }
         let notified = self.drained.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
@@ -818,6 +920,9 @@ impl Queue {
 
     /// Delivers what can be delivered now (credit came back, a consumer arrived, flow resumed).
     pub fn dispatch(self: &Arc<Self>) {
+        if let Some(r) = &self.replica {
+            return r.dispatch(self);
+        }
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -832,6 +937,11 @@ impl Queue {
     /// Periodic housekeeping: expire messages whose TTL passed, and report whether the queue
     /// has been unused for longer than `x-expires` (the caller then deletes it).
     pub fn tick(self: &Arc<Self>, now_ms: u64) -> bool {
+        if let Some(r) = &self.replica {
+            // x-expires of a quorum queue comes from its machine (`Effect::QueueExpired`).
+            r.tick(self, now_ms);
+            return false;
+        }
         let mut after = AfterUnlock::default();
         let expired_unused = {
             let mut st = self.state.lock();
@@ -894,6 +1004,9 @@ impl Queue {
 
     /// Writes what `publish` left unstored (see `lazy_ok`): on shutdown, before the store closes.
     pub fn store_lazy(&self) {
+        if self.replica.is_some() {
+            return; // a quorum queue writes every message as its entry is applied
+        }
         let mut st = self.state.lock();
         if !st.deleted {
             for level in 0..st.levels.lane_count() {
@@ -907,6 +1020,9 @@ impl Queue {
     /// `on_registered` runs under the queue lock once the consumer is accepted and before anything
     /// is delivered to it (the server sends basic.consume-ok from there).
     pub fn add_consumer(self: &Arc<Self>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+        if let Some(r) = &self.replica {
+            return r.add_consumer(self, consumer, on_registered);
+        }
         {
             let mut st = self.state.lock();
             if st.deleted {
@@ -934,6 +1050,9 @@ impl Queue {
 
     /// The consumer is gone (cancel, channel closed). An auto-delete queue goes with its last consumer.
     pub fn remove_consumer(self: &Arc<Self>, consumer: &Arc<Consumer>) {
+        if let Some(r) = &self.replica {
+            return r.remove_consumer(self, consumer);
+        }
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -957,6 +1076,9 @@ impl Queue {
     pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> Got {
         if !no_ack && channel.unacked_full() {
             return Got::Empty;
+        }
+        if let Some(r) = &self.replica {
+            return r.get(self, channel, no_ack);
         }
         let mut after = AfterUnlock::default();
         let got = {
@@ -1029,6 +1151,11 @@ impl Queue {
                 let mut readable = self.store.readable();
                 let _ = readable.wait_for(|&r| r >= ticket).await;
             }
+            GetWait::Replicated(get) => {
+                if let Some(r) = &self.replica {
+                    r.wait_get(get).await;
+                }
+            }
         }
     }
 
@@ -1036,6 +1163,10 @@ impl Queue {
     /// for the caller to append once for all queues it settled. Returns the ticket of acks this call
     /// appended itself (those of messages rejected without requeue), which a transaction waits for.
     pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch) -> Option<SyncTicket> {
+        if let Some(r) = &self.replica {
+            r.settle(self, entries, how);
+            return None;
+        }
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -1061,19 +1192,25 @@ impl Queue {
     }
 
     /// queue.purge: drops every ready message; returns how many.
-    pub fn purge(&self) -> u32 {
+    pub fn purge(self: &Arc<Self>) -> Result<u32> {
+        if let Some(r) = &self.replica {
+            return r.purge(self);
+        }
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = self.state.lock();
             drain_ready(&mut st, &mut after.acks)
         };
         self.append_acks(&mut after.acks);
-        n
+        Ok(n)
     }
 
     /// Marks the queue deleted, settles its ready messages in the store and cancels its consumers
     /// (the clients get basic.cancel). Returns the number of ready messages it held.
-    pub fn mark_deleted(&self) -> u32 {
+    pub fn mark_deleted(self: &Arc<Self>) -> u32 {
+        if let Some(r) = &self.replica {
+            return r.delete(self);
+        }
         let (n, consumers, mut acks) = {
             let mut st = self.state.lock();
             st.deleted = true;

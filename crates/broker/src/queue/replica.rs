@@ -1,0 +1,974 @@
+//! This node's replica of a quorum queue (`x-queue-type: quorum`) on the AMQP path.
+//!
+//! The queue's state is a [`QuorumMachine`] (`crate::quorum`), replicated by the queue's own Raft
+//! group (group id = queue id = its store queue id). The broker knows no Raft library: the server
+//! starts the group ([`QuorumHost::start`]) and attaches a [`Replicator`] to propose entries
+//! through; the group's state machine hands every committed entry to [`Queue::apply_replicated`],
+//! on every replica, in log order.
+//!
+//! - Publishing: a message (its store encoding: header + body) joins the next entry's Enqueue
+//!   command of its publisher session. At most `MAX_IN_FLIGHT` entries are proposed at once; what
+//!   arrives meanwhile waits for the next entry, so one entry carries a whole burst (group commit).
+//!   The Enqueue's reply (after a majority has the entry and it is applied) resolves the pub seqs of
+//!   the connection's [`PublisherSession`]: the confirm goes out, or a basic.nack for a reject-publish
+//!   refusal or an entry not committed within the Replicator's timeout.
+//! - Applying: every replica writes the entry's message bodies into its own store as the queue's
+//!   records (seq = msg id), keeps them in memory to deliver, and acks them in the store once the
+//!   machine says the message left (ack, dead-letter, drop). Replayed entries (a restart) find their
+//!   records already stored (`stored_until`) and their bodies loaded by [`Queue::restore`].
+//! - Consumers: basic.consume proposes Attach; the machine assigns messages (deterministically, on
+//!   every replica) and the replica of the consumer's node hands the `Deliver` effects to the channel,
+//!   keeping what the channel cannot take yet (flow, room) in the consumer's backlog. Acks, nacks and
+//!   rejects become Settle, Return and Discard commands, batched into the next entry. A no-ack
+//!   consumer is an acking consumer to the machine (prefetch `NO_ACK_PREFETCH`) whose deliveries the
+//!   replica settles once handed to the channel, so the machine never pushes a whole backlog at it.
+//! - basic.get proposes Dequeue; the connection waits ([`GetWait::Replicated`]) until it is applied.
+//! - A consumer's channel closing returns its unacked messages (Detach with return: redelivered, not
+//!   counted as failed deliveries); after a restart the first entry this node proposes is
+//!   `ConsumerDown(this node)`, which returns what its consumers held before.
+//! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
+//!
+//! Bodies of ready and unacked messages are held in memory (v1: not paged like a classic queue's).
+
+use super::{GetWait, Got, Queue};
+use crate::channel::{Channel, Consumer, Settle};
+use crate::deadletter::{DeadLetter, DeathReason};
+use crate::error::{BrokerError, Result};
+use crate::message::{decode_stored, MessageRef};
+use crate::publisher::{Publisher, PublisherSession};
+use crate::queue::Entry;
+use crate::queue_args::QueueArgs;
+use crate::quorum::{
+    run_ids, Attach, ConsumerId, Delivery, Effect, Encoder, MsgId, QueueConfig, QuorumMachine, Reason, Refusal,
+    Reply, SessionId, DEFAULT_DELIVERY_LIMIT, MAX_MESSAGES_PER_ENTRY,
+};
+use bytes::{Bytes, BytesMut};
+use parking_lot::{Mutex, RwLock};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::sync::Notify;
+use warren_store::{Batch, RecoveredQueue, Store};
+
+/// What a proposal's `done` receives: the reply bytes of the entry's apply on this node, or why it
+/// was not committed (no leader or majority within the replicator's timeout, the group stopped).
+pub type ProposeDone = Box<dyn FnOnce(std::result::Result<Bytes, String>) + Send>;
+
+/// A quorum queue's Raft group, as the broker sees it (implemented by the server over openraft).
+pub trait Replicator: Send + Sync {
+    /// Proposes an entry. `done` is called exactly once, later (never from inside `propose`).
+    fn propose(&self, entry: Bytes, done: ProposeDone);
+    /// Whether this node leads the group now.
+    fn is_leader(&self) -> bool;
+}
+
+/// Starts and stops the Raft groups of quorum queues on this node (the server's cluster runtime).
+pub trait QuorumHost: Send + Sync {
+    /// This node's id (consumers and publisher sessions are named by it).
+    fn node_id(&self) -> u64;
+    /// Starts the group of `queue` (new, or restored at a start) and attaches its replicator
+    /// ([`Queue::attach_replicator`]).
+    fn start(&self, queue: Arc<Queue>);
+    /// The queue was deleted: stops its group and removes its log.
+    fn remove(&self, group: u64);
+}
+
+/// The node's quorum-queue runtime, shared by its vhosts: set by the server before it serves.
+#[derive(Default)]
+pub struct QuorumRuntime {
+    host: RwLock<Option<Arc<dyn QuorumHost>>>,
+    node: AtomicU64,
+}
+
+impl QuorumRuntime {
+    pub fn set_host(&self, host: Arc<dyn QuorumHost>) {
+        self.node.store(host.node_id(), Ordering::Release);
+        *self.host.write() = Some(host);
+    }
+
+    pub fn host(&self) -> Option<Arc<dyn QuorumHost>> {
+        self.host.read().clone()
+    }
+
+    fn node(&self) -> u64 {
+        self.node.load(Ordering::Acquire)
+    }
+}
+
+/// Entries proposed and not yet answered, per queue.
+const MAX_IN_FLIGHT: usize = 2;
+/// An entry is closed at this size (or at `MAX_MESSAGES_PER_ENTRY` messages) and the next one begun.
+const MAX_ENTRY_BYTES: usize = 4 << 20;
+/// Publishers pause (`Queue::wait_until_drained`) while this much waits to be proposed.
+const PENDING_PAUSE_BYTES: usize = 16 << 20;
+/// What a no-ack consumer may hold at once, as far as the machine is concerned.
+const NO_ACK_PREFETCH: u32 = 1000;
+/// The leader proposes a `Tick` (TTL, x-expires) at most this often.
+const TICK_EVERY_MS: u64 = 1000;
+/// How long purge waits for its entry.
+const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A message body this replica holds (and its store record's size).
+struct Body {
+    message: MessageRef,
+    stored_bytes: u64,
+}
+
+/// A basic.consume on this node.
+struct LocalConsumer {
+    consumer: Arc<Consumer>,
+    /// Delivered to it by the machine, not yet taken by its channel (flow, prefetch, room).
+    backlog: VecDeque<Entry>,
+}
+
+/// A basic.get under way on this node.
+struct Getter {
+    channel: Weak<Channel>,
+    connection: u64,
+    number: u16,
+    /// Some(true): get-ok sent; Some(false): get-empty to send.
+    done: Option<bool>,
+}
+
+struct ReplicaState {
+    machine: QuorumMachine,
+    bodies: HashMap<MsgId, Body>,
+    /// Records from this msg id on are not in the store yet (replayed entries below it are).
+    stored_until: u64,
+    consumers: HashMap<u64, LocalConsumer>,
+    getters: HashMap<u64, Getter>,
+    /// Messages delivered on this node (or in a consumer's backlog) and not settled: their consumer.
+    checked_out: HashMap<MsgId, ConsumerId>,
+    /// This node's publisher sessions that published to the queue, by id: the machine's `Published`
+    /// effects resolve their pub seqs.
+    sessions: HashMap<u64, Weak<PublisherSession>>,
+    /// `sessions` is pruned of ended sessions when it grows past this.
+    sessions_pruned_at: usize,
+    /// Some message had its own TTL: the leader ticks.
+    saw_expiration: bool,
+    last_tick_ms: u64,
+    deleted: bool,
+}
+
+/// What a reply is for, per command of an entry.
+pub(super) enum Waiter {
+    None,
+    Enqueue { session: Option<Arc<PublisherSession>>, seqs: Vec<u64> },
+    Attach(u64),
+    Get(u64),
+    Purge(std::sync::mpsc::Sender<Option<u64>>),
+}
+
+struct Proposals {
+    encoder: Encoder,
+    waiters: Vec<Waiter>,
+    /// The session whose Enqueue is open at the end of `encoder`.
+    open_session: Option<SessionId>,
+    /// Closed entries waiting for a slot.
+    sealed: VecDeque<(Bytes, Vec<Waiter>)>,
+    in_flight: usize,
+    /// Bytes in `encoder` and `sealed`.
+    pending_bytes: usize,
+    /// Scratch for a message's store encoding.
+    scratch: BytesMut,
+}
+
+impl Proposals {
+    fn new() -> Proposals {
+        Proposals {
+            encoder: Encoder::new(),
+            waiters: Vec::new(),
+            open_session: None,
+            sealed: VecDeque::new(),
+            in_flight: 0,
+            pending_bytes: 0,
+            scratch: BytesMut::new(),
+        }
+    }
+
+    /// Closes the entry being built.
+    fn seal(&mut self) {
+        if self.encoder.is_empty() {
+            return;
+        }
+        let entry = std::mem::take(&mut self.encoder).finish();
+        let waiters = std::mem::take(&mut self.waiters);
+        self.open_session = None;
+        self.sealed.push_back((entry, waiters));
+    }
+
+    fn command(&mut self, waiter: Waiter) {
+        self.open_session = None;
+        self.waiters.push(waiter);
+    }
+}
+
+/// Work found under the replica's lock, done after it is released.
+#[derive(Default)]
+struct After {
+    acks: Batch,
+    dead: Vec<DeadLetter>,
+    /// Deliveries handed to no-ack consumers: settled in the next entry.
+    settles: Vec<(ConsumerId, MsgId)>,
+    /// Deliveries to consumers gone from this node: returned.
+    returns: Vec<(ConsumerId, MsgId)>,
+    discards: Vec<(ConsumerId, MsgId)>,
+    cancelled: Vec<Arc<Consumer>>,
+    gets_done: bool,
+    expired: bool,
+}
+
+pub struct QuorumReplica {
+    group: u64,
+    store: Store,
+    runtime: Arc<QuorumRuntime>,
+    /// The high 32 bits of this process's local consumer ids: a restart never reuses one.
+    incarnation: u64,
+    next_local: AtomicU64,
+    /// Publishes without a publisher session (no confirm, dead letters) use this one.
+    own_session: u64,
+    own_seq: AtomicU64,
+    state: Mutex<ReplicaState>,
+    proposals: Mutex<Proposals>,
+    replicator: RwLock<Option<Arc<dyn Replicator>>>,
+    gets_done: Notify,
+    drained: Notify,
+}
+
+/// The machine's settings from the queue's arguments (validated at declare; a queue restored from
+/// older metadata with arguments a quorum queue cannot have gets the defaults, logged).
+pub fn queue_config(name: &str, args: &QueueArgs) -> QueueConfig {
+    let delivery_limit = args.delivery_limit.unwrap_or(Some(DEFAULT_DELIVERY_LIMIT));
+    QueueConfig::from_queue_args(args, delivery_limit).unwrap_or_else(|e| {
+        tracing::error!(queue = name, error = %e, "quorum queue with arguments it cannot have; using the defaults");
+        QueueConfig { delivery_limit, ..QueueConfig::default() }
+    })
+}
+
+fn death_reason(reason: Reason) -> Option<DeathReason> {
+    match reason {
+        Reason::Rejected => Some(DeathReason::Rejected),
+        Reason::Expired => Some(DeathReason::Expired),
+        Reason::MaxLen => Some(DeathReason::MaxLen),
+        Reason::DeliveryLimit => Some(DeathReason::DeliveryLimit),
+        Reason::Purged => None,
+    }
+}
+
+impl QuorumReplica {
+    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>) -> QuorumReplica {
+        QuorumReplica {
+            group,
+            store,
+            runtime,
+            incarnation: (rand::random::<u32>() as u64 | 1) << 32,
+            next_local: AtomicU64::new(1),
+            own_session: rand::random::<u64>() | 1,
+            own_seq: AtomicU64::new(1),
+            state: Mutex::new(ReplicaState {
+                machine: QuorumMachine::new(queue_config(name, args)),
+                sessions: HashMap::new(),
+                sessions_pruned_at: 16,
+                bodies: HashMap::new(),
+                stored_until: 0,
+                consumers: HashMap::new(),
+                getters: HashMap::new(),
+                checked_out: HashMap::new(),
+                saw_expiration: false,
+                last_tick_ms: 0,
+                deleted: false,
+            }),
+            proposals: Mutex::new(Proposals::new()),
+            replicator: RwLock::new(None),
+            gets_done: Notify::new(),
+            drained: Notify::new(),
+        }
+    }
+
+    fn node(&self) -> u64 {
+        self.runtime.node()
+    }
+
+    fn consumer_id(&self, local: u64) -> ConsumerId {
+        ConsumerId { node: self.node(), local }
+    }
+
+    fn new_local_id(&self) -> u64 {
+        self.incarnation | (self.next_local.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff)
+    }
+
+    pub fn is_leader(&self) -> bool {
+        self.replicator.read().as_ref().is_some_and(|r| r.is_leader())
+    }
+
+    pub fn message_count(&self) -> u32 {
+        self.state.lock().machine.ready_count().min(u32::MAX as u64) as u32
+    }
+
+    pub fn consumer_count(&self) -> u32 {
+        self.state.lock().machine.consumer_count() as u32
+    }
+
+    pub fn unacked_count(&self) -> u64 {
+        self.state.lock().machine.checked_out_count()
+    }
+
+    pub fn is_deleted(&self) -> bool {
+        self.state.lock().deleted
+    }
+
+    // ---- the group ------------------------------------------------------------------------
+
+    /// The group runs: proposals go to `replicator` from now on (those made before go first).
+    pub(super) fn attach(&self, queue: &Arc<Queue>, replicator: Arc<dyn Replicator>) {
+        let mut p = self.proposals.lock();
+        // What this node's consumers held before a restart comes back, before any new consumer of
+        // this node attaches (nothing to do for a new queue, and harmless).
+        let mut first = Encoder::new();
+        first.consumer_down(self.node());
+        p.sealed.push_front((first.finish(), vec![Waiter::None]));
+        *self.replicator.write() = Some(replicator);
+        self.flush(queue, &mut p);
+    }
+
+    /// Applies a committed entry (every replica, log order) and does what its effects ask on this
+    /// node. Returns the reply for the proposer.
+    pub(super) fn apply(&self, queue: &Arc<Queue>, index: u64, entry: &Bytes) -> Bytes {
+        let mut after = After::default();
+        let reply = {
+            let mut st = self.state.lock();
+            let (effects, reply) = st.machine.apply(index, entry);
+            if !effects.is_empty() {
+                let leader = self.is_leader();
+                for effect in effects {
+                    self.perform(queue, &mut st, entry, effect, leader, &mut after);
+                }
+            }
+            reply.encode()
+        };
+        self.finish(queue, after);
+        reply
+    }
+
+    fn perform(&self, queue: &Arc<Queue>, st: &mut ReplicaState, entry: &Bytes, effect: Effect, leader: bool, after: &mut After) {
+        match effect {
+            Effect::Store { msg_id, payload } => {
+                if payload.end > entry.len() || payload.start > payload.end {
+                    tracing::error!(queue = %queue.name, msg_id, "an enqueue names bytes outside its entry; message not kept");
+                    return;
+                }
+                self.keep_body(queue, st, msg_id, entry.slice(payload));
+            }
+            Effect::Deliver { consumer, settled, msgs } => {
+                if consumer.node == self.node() && !st.deleted {
+                    self.deliver(queue, st, consumer, settled, msgs, after);
+                } else if settled {
+                    for d in msgs {
+                        forget(st, self.group, d.msg_id, &mut after.acks);
+                    }
+                }
+            }
+            Effect::Release { msgs } | Effect::Dropped { msgs, .. } => {
+                for id in run_ids(&msgs) {
+                    forget(st, self.group, id, &mut after.acks);
+                }
+            }
+            Effect::DeadLetter { reason, msgs } => {
+                for id in run_ids(&msgs) {
+                    let Some(message) = forget(st, self.group, id, &mut after.acks) else { continue };
+                    let (Some(reason), Some(exchange), true) = (death_reason(reason), &queue.args.dead_letter_exchange, leader) else {
+                        continue;
+                    };
+                    after.dead.push(DeadLetter {
+                        message,
+                        reason,
+                        queue: queue.name.clone(),
+                        exchange: exchange.clone(),
+                        routing_key: queue.args.dead_letter_routing_key.clone(),
+                    });
+                }
+            }
+            // Confirms come from this node's replica applying the entry, in log order (a re-sent
+            // batch's reply would not repeat the first application's rejections).
+            Effect::Published { session, applied_up_to, rejected } => {
+                if session.node == self.node() {
+                    if let Some(s) = st.sessions.get(&session.channel).and_then(Weak::upgrade) {
+                        s.applied_up_to(self.group, applied_up_to, &rejected);
+                    }
+                }
+            }
+            Effect::QueueExpired => after.expired |= leader,
+        }
+    }
+
+    /// Keeps a message's body: written to this node's store as the queue's record (unless a replayed
+    /// entry's record is there already) and held for delivery.
+    fn keep_body(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId, payload: Bytes) {
+        if msg_id < st.stored_until {
+            return; // replayed after a restart: its record is stored (and loaded, if still live)
+        }
+        let Some(stored) = decode_stored(&payload) else {
+            tracing::error!(queue = %queue.name, msg_id, "an enqueued message does not decode; not kept");
+            return;
+        };
+        if let Err(e) = self.store.append_enqueue(self.group, msg_id, st.machine.now_ms(), &[&payload]) {
+            tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's message to the store");
+        }
+        st.stored_until = msg_id + 1;
+        if stored.message.expiration_ms.is_some() {
+            st.saw_expiration = true;
+        }
+        st.bodies.insert(msg_id, Body { message: Arc::new(stored.message), stored_bytes: payload.len() as u64 });
+    }
+
+    /// Hands the machine's deliveries to a consumer (or getter) of this node.
+    fn deliver(&self, queue: &Arc<Queue>, st: &mut ReplicaState, consumer: ConsumerId, settled: bool, msgs: Vec<Delivery>, after: &mut After) {
+        let ReplicaState { machine, bodies, consumers, getters, checked_out, .. } = st;
+        let entry_of = |bodies: &mut HashMap<MsgId, Body>, acks: &mut Batch, d: &Delivery| {
+            let message = if settled {
+                let body = bodies.remove(&d.msg_id)?;
+                acks.ack(self.group, d.msg_id, body.stored_bytes);
+                body.message
+            } else {
+                bodies.get(&d.msg_id)?.message.clone()
+            };
+            Some(Entry { message, seq: d.msg_id, stored_bytes: 0, expires_at_ms: None, redelivered: d.redelivered })
+        };
+        if let Some(getter) = getters.get_mut(&consumer.local) {
+            let Some(d) = msgs.first() else { return };
+            // A channel closed meanwhile takes nothing more (its get-ok would never be settled).
+            let channel = getter.channel.upgrade().filter(|c| !c.is_closed());
+            match (entry_of(bodies, &mut after.acks, d), channel) {
+                (Some(entry), Some(channel)) => {
+                    let remaining = machine.ready_count().min(u32::MAX as u64) as u32;
+                    if channel.deliver_get(queue, entry, settled, remaining).is_none() {
+                        checked_out.insert(d.msg_id, consumer);
+                    }
+                    getter.done = Some(true);
+                }
+                (None, _) => {
+                    tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body for a message taken by basic.get; discarding it");
+                    if !settled {
+                        after.discards.push((consumer, d.msg_id));
+                    }
+                    getter.done = Some(false);
+                }
+                (Some(_), None) if !settled => after.returns.push((consumer, d.msg_id)),
+                (Some(_), None) => {}
+            }
+            after.gets_done = true;
+            return;
+        }
+        let Some(local) = consumers.get_mut(&consumer.local) else {
+            // Gone from this node. One of this process's consumers: its messages go back (a consumer of
+            // an earlier run of this node is ConsumerDown's). Settle-less redelivery, as RabbitMQ.
+            if consumer.local & !0xffff_ffff == self.incarnation && !settled {
+                after.returns.extend(msgs.iter().map(|d| (consumer, d.msg_id)));
+            }
+            return;
+        };
+        for d in &msgs {
+            let Some(entry) = entry_of(bodies, &mut after.acks, d) else {
+                tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body for a delivered message; discarding it");
+                if !settled {
+                    after.discards.push((consumer, d.msg_id));
+                }
+                continue;
+            };
+            if !settled {
+                checked_out.insert(d.msg_id, consumer);
+            }
+            if local.backlog.is_empty() {
+                if let Some(entry) = hand_to_channel(local, consumer, entry, after) {
+                    local.backlog.push_back(entry);
+                }
+            } else {
+                local.backlog.push_back(entry);
+            }
+        }
+    }
+
+    /// Does what was found under the lock.
+    fn finish(&self, queue: &Arc<Queue>, mut after: After) {
+        if !after.acks.is_empty() {
+            queue.append_acks(&mut after.acks);
+        }
+        if after.gets_done {
+            self.gets_done.notify_waiters();
+        }
+        for c in after.cancelled.drain(..) {
+            c.channel.consumer_cancelled_by_server(&c.tag);
+        }
+        if !after.settles.is_empty() || !after.returns.is_empty() || !after.discards.is_empty() {
+            let mut p = self.proposals.lock();
+            for (list, kind) in [(&after.settles, Settle::Ack), (&after.returns, Settle::Reject { requeue: true }), (&after.discards, Settle::Reject { requeue: false })] {
+                push_settlements(&mut p, list.iter().copied(), kind);
+            }
+            self.flush(queue, &mut p);
+        }
+        let Some(vhost) = queue.vhost.upgrade() else { return };
+        if !after.dead.is_empty() {
+            vhost.dead_letter(after.dead);
+        }
+        if after.expired {
+            tracing::info!(queue = %queue.name, vhost = %vhost.name, "deleting quorum queue unused for longer than its x-expires");
+            let name = queue.name.clone();
+            // Not from inside the group's apply: deleting stops the group.
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn_blocking(move || vhost.delete_queue_unchecked(&name));
+                }
+                Err(_) => vhost.delete_queue_unchecked(&name),
+            }
+        }
+    }
+
+    /// The machine's state for a snapshot (no bodies: they are the store's records).
+    pub(super) fn snapshot(&self) -> Bytes {
+        self.state.lock().machine.snapshot()
+    }
+
+    /// Replaces the machine's state by a snapshot's.
+    pub(super) fn restore_snapshot(&self, snapshot: &[u8]) -> std::result::Result<(), String> {
+        self.state.lock().machine.restore(snapshot).map_err(|e| e.to_string())
+    }
+
+    /// At a start: loads what the store holds for this queue (the bodies of its live messages).
+    pub(super) fn restore_bodies(&self, queue: &Queue, recovered: &RecoveredQueue) {
+        let mut st = self.state.lock();
+        st.stored_until = st.stored_until.max(recovered.next_seq);
+        let mut from = recovered.first_seq;
+        while from < recovered.next_seq {
+            let batch = match self.store.read(self.group, from, 4096, 16 << 20) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages back from the store");
+                    return;
+                }
+            };
+            if batch.messages.is_empty() && batch.next_seq <= from {
+                break;
+            }
+            for m in batch.messages {
+                let stored_bytes = m.payload.len() as u64;
+                match decode_stored(&m.payload) {
+                    Some(stored) => {
+                        st.bodies.insert(m.seq, Body { message: Arc::new(stored.message), stored_bytes });
+                    }
+                    None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
+                }
+            }
+            from = batch.next_seq;
+        }
+    }
+
+    // ---- proposing ------------------------------------------------------------------------
+
+    /// Proposes what waits, as far as the in-flight limit allows.
+    fn flush(&self, queue: &Arc<Queue>, p: &mut Proposals) {
+        let Some(replicator) = self.replicator.read().clone() else { return };
+        while p.in_flight < MAX_IN_FLIGHT {
+            if p.sealed.is_empty() {
+                p.seal();
+            }
+            let Some((entry, waiters)) = p.sealed.pop_front() else { break };
+            p.in_flight += 1;
+            p.pending_bytes = p.pending_bytes.saturating_sub(entry.len());
+            let q = queue.clone();
+            replicator.propose(entry, Box::new(move |result| q.replica_proposed(result, waiters)));
+        }
+        if p.pending_bytes < PENDING_PAUSE_BYTES {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// An entry's proposal ended: resolves what waited for its reply, proposes more.
+    pub(super) fn proposed(&self, queue: &Arc<Queue>, result: std::result::Result<Bytes, String>, waiters: Vec<Waiter>) {
+        let replies = match &result {
+            Ok(bytes) => match Reply::decode(bytes) {
+                Ok(Reply::Batch(replies)) => replies,
+                Ok(one) => vec![one],
+                Err(e) => {
+                    tracing::error!(queue = %queue.name, error = %e, "a quorum queue's reply does not decode");
+                    Vec::new()
+                }
+            },
+            Err(e) => {
+                tracing::warn!(queue = %queue.name, error = %e, "a quorum queue's entry was not committed; its publishes are nacked");
+                Vec::new()
+            }
+        };
+        let mut after = After::default();
+        let mut replies = replies.into_iter();
+        for waiter in waiters {
+            let reply = replies.next();
+            match waiter {
+                Waiter::None => {}
+                Waiter::Enqueue { session: Some(session), seqs } => {
+                    let rejected: &[u64] = match &reply {
+                        Some(Reply::Enqueued { rejected, .. }) => rejected,
+                        _ => {
+                            session.resolved(self.group, seqs.iter().map(|s| (*s, true)));
+                            continue;
+                        }
+                    };
+                    session.resolved(self.group, seqs.iter().map(|s| (*s, rejected.contains(s))));
+                }
+                Waiter::Enqueue { session: None, .. } => {}
+                Waiter::Attach(local) => {
+                    if matches!(reply, Some(Reply::Refused(Refusal::ExclusiveConsumer))) {
+                        if let Some(c) = self.state.lock().consumers.remove(&local) {
+                            after.cancelled.push(c.consumer);
+                        }
+                    }
+                }
+                Waiter::Get(local) => {
+                    let mut st = self.state.lock();
+                    if let Some(g) = st.getters.get_mut(&local) {
+                        g.done.get_or_insert(false);
+                    }
+                    after.gets_done = true;
+                }
+                Waiter::Purge(tx) => {
+                    let _ = tx.send(match reply {
+                        Some(Reply::Purged { count }) => Some(count),
+                        _ => None,
+                    });
+                }
+            }
+        }
+        {
+            let mut p = self.proposals.lock();
+            p.in_flight -= 1;
+            self.flush(queue, &mut p);
+        }
+        self.finish(queue, after);
+    }
+
+    // ---- the AMQP side --------------------------------------------------------------------
+
+    /// A message routed to this queue: it joins the next entry.
+    pub(super) fn publish(&self, queue: &Arc<Queue>, message: &MessageRef, stored_header: &[u8], now_ms: u64, publisher: Option<Publisher>) -> Result<super::Enqueued> {
+        let (session, seq, tracked) = match publisher {
+            Some(p) => (SessionId { node: self.node(), channel: p.session.id }, p.seq, Some(p.session)),
+            None => (SessionId { node: self.node(), channel: self.own_session }, self.own_seq.fetch_add(1, Ordering::Relaxed), None),
+        };
+        let mut p = self.proposals.lock();
+        {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Ok(super::Enqueued::Accepted { ticket: None, slow_publishers: false, store_behind: false });
+            }
+            if let Some(session) = tracked {
+                if !st.sessions.contains_key(&session.id) {
+                    st.sessions.insert(session.id, Arc::downgrade(session));
+                    if st.sessions.len() > st.sessions_pruned_at {
+                        // Ended sessions go, here and in the machine (their dedup state).
+                        let node = self.node();
+                        let mut ended = Vec::new();
+                        st.sessions.retain(|id, s| {
+                            let live = s.strong_count() > 0;
+                            if !live {
+                                ended.push(*id);
+                            }
+                            live
+                        });
+                        st.sessions_pruned_at = (2 * st.sessions.len()).max(16);
+                        for id in ended {
+                            p.encoder.session_end(SessionId { node, channel: id });
+                            p.command(Waiter::None);
+                        }
+                    }
+                }
+            }
+        }
+        let size = stored_header.len() + message.body.len();
+        if p.encoder.messages() >= MAX_MESSAGES_PER_ENTRY || p.encoder.encoded_len() + size > MAX_ENTRY_BYTES {
+            p.seal();
+        }
+        if p.open_session != Some(session) {
+            p.encoder.begin_enqueue(session, now_ms);
+            p.command(Waiter::Enqueue { session: tracked.cloned(), seqs: Vec::new() });
+            p.open_session = Some(session);
+        }
+        let mut scratch = std::mem::take(&mut p.scratch);
+        scratch.clear();
+        scratch.extend_from_slice(stored_header);
+        scratch.extend_from_slice(&message.body);
+        let body_len = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
+        let added = p.encoder.message(seq, body_len, message.expiration_ms, &scratch);
+        p.scratch = scratch;
+        if let Err(e) = added {
+            return Err(BrokerError::internal(format!("could not add a message to quorum queue '{}': {e}", queue.name)));
+        }
+        p.pending_bytes += size;
+        if let Some(session) = tracked {
+            session.sent(self.group, seq);
+            if let Some(Waiter::Enqueue { seqs, .. }) = p.waiters.last_mut() {
+                seqs.push(seq);
+            }
+        }
+        self.flush(queue, &mut p);
+        let slow_publishers = p.pending_bytes >= PENDING_PAUSE_BYTES;
+        Ok(super::Enqueued::Accepted { ticket: None, slow_publishers, store_behind: false })
+    }
+
+    /// Waits (at most `max`) until less waits to be proposed than makes publishers pause.
+    pub(super) async fn wait_until_drained(&self, max: Duration) {
+        let notified = self.drained.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.proposals.lock().pending_bytes < PENDING_PAUSE_BYTES {
+            return;
+        }
+        let _ = tokio::time::timeout(max, notified).await;
+    }
+
+    /// basic.consume.
+    pub(super) fn add_consumer(&self, queue: &Arc<Queue>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+        let local = self.new_local_id();
+        let attach = Attach {
+            consumer: self.consumer_id(local),
+            prefetch: if consumer.no_ack { NO_ACK_PREFETCH } else { consumer.prefetch },
+            auto_ack: false,
+            exclusive: consumer.exclusive,
+            priority: consumer.priority,
+        };
+        {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Err(BrokerError::not_found(format!("no queue '{}'", queue.name)));
+            }
+            st.consumers.insert(local, LocalConsumer { consumer, backlog: VecDeque::new() });
+            // consume-ok before any delivery: those come once the Attach is applied.
+            on_registered();
+        }
+        let mut p = self.proposals.lock();
+        p.encoder.attach(&attach);
+        p.command(Waiter::Attach(local));
+        self.flush(queue, &mut p);
+        Ok(())
+    }
+
+    /// basic.cancel, or the consumer's channel closed.
+    pub(super) fn remove_consumer(&self, queue: &Arc<Queue>, consumer: &Arc<Consumer>) {
+        let closing = consumer.channel.is_closed();
+        let (local, backlog) = {
+            let mut st = self.state.lock();
+            let Some(local) = st.consumers.iter().find(|(_, c)| Arc::ptr_eq(&c.consumer, consumer)).map(|(id, _)| *id) else { return };
+            let Some(removed) = st.consumers.remove(&local) else { return };
+            let id = self.consumer_id(local);
+            let backlog: Vec<MsgId> = if closing {
+                // Everything it holds goes back with the Detach; the channel's requeue of its unacked
+                // finds nothing left to settle.
+                st.checked_out.retain(|_, c| *c != id);
+                Vec::new()
+            } else {
+                let ids: Vec<MsgId> = removed.backlog.iter().map(|e| e.seq).collect();
+                for m in &ids {
+                    st.checked_out.remove(m);
+                }
+                ids
+            };
+            (local, backlog)
+        };
+        let id = self.consumer_id(local);
+        let mut p = self.proposals.lock();
+        p.encoder.detach(id, closing);
+        p.command(Waiter::None);
+        if !backlog.is_empty() {
+            p.encoder.return_(id, &backlog);
+            p.command(Waiter::None);
+        }
+        self.flush(queue, &mut p);
+    }
+
+    /// Credit or room came back: hands consumers' backlogs to their channels.
+    pub(super) fn dispatch(&self, queue: &Arc<Queue>) {
+        let mut after = After::default();
+        {
+            let mut st = self.state.lock();
+            let node = self.node();
+            for (local, c) in st.consumers.iter_mut() {
+                let id = ConsumerId { node, local: *local };
+                while let Some(entry) = c.backlog.pop_front() {
+                    if let Some(entry) = hand_to_channel(c, id, entry, &mut after) {
+                        c.backlog.push_front(entry);
+                        break;
+                    }
+                }
+            }
+        }
+        self.finish(queue, after);
+    }
+
+    /// basic.ack / nack / reject of deliveries from this queue: Settle, Return or Discard in the next
+    /// entry.
+    pub(super) fn settle(&self, queue: &Arc<Queue>, entries: Vec<Entry>, how: Settle) {
+        let settled: Vec<(ConsumerId, MsgId)> = {
+            let mut st = self.state.lock();
+            entries.iter().filter_map(|e| st.checked_out.remove(&e.seq).map(|c| (c, e.seq))).collect()
+        };
+        if settled.is_empty() {
+            return;
+        }
+        let mut p = self.proposals.lock();
+        push_settlements(&mut p, settled.into_iter(), how);
+        self.flush(queue, &mut p);
+    }
+
+    /// basic.get: proposes a Dequeue and asks the connection to wait; called again once it is
+    /// applied, it answers.
+    pub(super) fn get(&self, queue: &Arc<Queue>, channel: &Channel, no_ack: bool) -> Got {
+        let local = {
+            let mut st = self.state.lock();
+            let mine = st.getters.iter().find(|(_, g)| g.connection == channel.connection_id && g.number == channel.number).map(|(id, g)| (*id, g.done));
+            match mine {
+                Some((id, Some(delivered))) => {
+                    st.getters.remove(&id);
+                    return if delivered { Got::Message } else { Got::Empty };
+                }
+                Some((id, None)) => return Got::Later(GetWait::Replicated(id)),
+                None => {}
+            }
+            if st.deleted {
+                return Got::Empty;
+            }
+            let local = self.new_local_id();
+            st.getters.insert(local, Getter { channel: channel.weak(), connection: channel.connection_id, number: channel.number, done: None });
+            local
+        };
+        let mut p = self.proposals.lock();
+        p.encoder.dequeue(self.consumer_id(local), no_ack);
+        p.command(Waiter::Get(local));
+        self.flush(queue, &mut p);
+        Got::Later(GetWait::Replicated(local))
+    }
+
+    /// Returns once basic.get `local` is answered (or gone).
+    pub(super) async fn wait_get(&self, local: u64) {
+        loop {
+            let notified = self.gets_done.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.state.lock().getters.get(&local).is_none_or(|g| g.done.is_some()) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// queue.purge: waits for the Purge entry (as a blocking call: a purge is rare). Returns how
+    /// many ready messages it removed.
+    pub(super) fn purge(&self, queue: &Arc<Queue>) -> Result<u32> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let mut p = self.proposals.lock();
+            p.encoder.purge();
+            p.command(Waiter::Purge(tx));
+            self.flush(queue, &mut p);
+        }
+        match crate::blocking::run(|| rx.recv_timeout(PURGE_TIMEOUT)) {
+            Ok(Some(count)) => Ok(count.min(u32::MAX as u64) as u32),
+            _ => Err(BrokerError::internal(format!(
+                "the purge of quorum queue '{}' was not committed in time (no majority of its replicas reachable)",
+                queue.name
+            ))),
+        }
+    }
+
+    /// Periodic: the leader proposes a Tick when messages or the queue can expire.
+    pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
+        {
+            let mut st = self.state.lock();
+            let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || st.saw_expiration;
+            if st.deleted || !expiring || now_ms.saturating_sub(st.last_tick_ms) < TICK_EVERY_MS || !self.is_leader() {
+                return;
+            }
+            st.last_tick_ms = now_ms;
+        }
+        let mut p = self.proposals.lock();
+        p.encoder.tick(now_ms);
+        p.command(Waiter::None);
+        self.flush(queue, &mut p);
+    }
+
+    /// The queue was deleted: its consumers are cancelled, its records dropped, its group removed.
+    /// Returns how many ready messages it held.
+    pub(super) fn delete(&self, queue: &Arc<Queue>) -> u32 {
+        let (count, consumers) = {
+            let mut st = self.state.lock();
+            st.deleted = true;
+            st.bodies.clear();
+            st.checked_out.clear();
+            st.getters.clear();
+            let consumers: Vec<Arc<Consumer>> = st.consumers.drain().map(|(_, c)| c.consumer).collect();
+            (st.machine.ready_count().min(u32::MAX as u64) as u32, consumers)
+        };
+        self.gets_done.notify_waiters();
+        // What waits to be proposed never will be: its publishers are nacked.
+        let waiting: Vec<Waiter> = {
+            let mut p = self.proposals.lock();
+            p.seal();
+            p.pending_bytes = 0;
+            p.sealed.drain(..).flat_map(|(_, w)| w).collect()
+        };
+        for w in waiting {
+            if let Waiter::Enqueue { session: Some(session), seqs } = w {
+                session.resolved(self.group, seqs.into_iter().map(|s| (s, true)));
+            }
+        }
+        let mut acks = Batch::new();
+        acks.drop_queue(self.group);
+        queue.append_acks(&mut acks);
+        for c in consumers {
+            c.channel.consumer_cancelled_by_server(&c.tag);
+        }
+        if let Some(host) = self.runtime.host() {
+            host.remove(self.group);
+        }
+        count
+    }
+}
+
+/// Hands an entry to a consumer's channel; gives it back if the channel cannot take it now.
+fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, after: &mut After) -> Option<Entry> {
+    let seq = entry.seq;
+    match local.consumer.channel.try_deliver(&local.consumer, entry) {
+        // A no-ack consumer: settled once handed over (its messages are the machine's until then).
+        Ok(Some(_)) => {
+            after.settles.push((id, seq));
+            None
+        }
+        Ok(None) => None,
+        Err(entry) => Some(entry),
+    }
+}
+
+/// A message left the queue: its body and store record go. Returns its body, if this replica had it.
+fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) -> Option<MessageRef> {
+    st.checked_out.remove(&msg_id);
+    let body = st.bodies.remove(&msg_id)?;
+    acks.ack(group, msg_id, body.stored_bytes);
+    Some(body.message)
+}
+
+/// Adds settlements to the entry being built: one command per consumer and kind.
+fn push_settlements(p: &mut Proposals, settled: impl Iterator<Item = (ConsumerId, MsgId)>, how: Settle) {
+    let mut by_consumer: Vec<(ConsumerId, Vec<MsgId>)> = Vec::new();
+    for (c, m) in settled {
+        match by_consumer.iter_mut().find(|(id, _)| *id == c) {
+            Some((_, ids)) => ids.push(m),
+            None => by_consumer.push((c, vec![m])),
+        }
+    }
+    for (c, ids) in by_consumer {
+        match how {
+            Settle::Ack => p.encoder.settle(c, &ids),
+            Settle::Reject { requeue: true } => p.encoder.return_(c, &ids),
+            Settle::Reject { requeue: false } => p.encoder.discard(c, &ids),
+        }
+        p.command(Waiter::None);
+    }
+}

@@ -1,0 +1,229 @@
+"""Quorum queues (`x-queue-type: quorum`) on one node, through the real binary: declare rules, publish
+with confirms (sent once the Raft entry is committed and applied), consume and settle through the
+queue's group, delivery limit, basic.get, purge, delete, and what comes back after kill -9 or when a
+consumer's connection dies. A standalone node's quorum queue is a single-voter Raft group whose log is in
+the node's WAL (docs/internals/cluster.md, "Quorum queues on the AMQP path"). Takes about 15 s.
+"""
+
+import time
+
+import pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker, NackError
+
+from conftest import eventually
+
+pytestmark = pytest.mark.warren_only
+
+QUORUM = {"x-queue-type": "quorum"}
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def declare(ch, name, **args):
+    return ch.queue_declare(name, durable=True, arguments={**QUORUM, **args})
+
+
+def publish_confirmed(ch, queue, bodies, exchange=""):
+    ch.confirm_delivery()
+    for body in bodies:
+        ch.basic_publish(exchange, queue, body, PERSISTENT)
+
+
+def get_all(ch, queue, ack=True):
+    got = []
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=False)
+        if method is None:
+            return got
+        got.append((body, method.redelivered))
+        if ack:
+            ch.basic_ack(method.delivery_tag)
+
+
+def ready(ch, queue):
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+@pytest.mark.parametrize("flags,prop", [
+    ({"durable": False}, "non-durable"),
+    ({"durable": True, "exclusive": True}, "exclusive-owner"),
+    ({"durable": True, "auto_delete": True}, "auto-delete"),
+])
+def test_a_quorum_queue_must_be_durable_and_neither_exclusive_nor_auto_delete(ch, name, flags, prop):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, arguments=QUORUM, **flags)
+    assert e.value.reply_code == 406
+    assert prop in e.value.reply_text and "quorum" in e.value.reply_text
+
+
+def test_quorum_only_arguments_are_refused_on_classic_queues_and_the_reverse(ch, conn, name):
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, durable=True, arguments={"x-delivery-limit": 3})
+    assert e.value.reply_code == 406 and "x-delivery-limit" in e.value.reply_text
+    ch = conn.channel()
+    with pytest.raises(ChannelClosedByBroker) as e:
+        declare(ch, name, **{"x-max-priority": 5})
+    assert e.value.reply_code == 406 and "x-max-priority" in e.value.reply_text
+
+
+def test_publish_confirm_consume_ack(conn, ch, name):
+    declare(ch, name)
+    bodies = [f"m{i}".encode() for i in range(500)]
+    publish_confirmed(ch, name, bodies)
+    assert ready(ch, name) == 500
+    cons = conn.channel()
+    cons.basic_qos(prefetch_count=50)
+    got = []
+
+    def on_message(c, method, props, body):
+        got.append(body)
+        c.basic_ack(method.delivery_tag)
+
+    cons.basic_consume(name, on_message)
+    deadline = time.time() + 20
+    while len(got) < 500 and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    assert got == bodies, "every message once, in order"
+    eventually(lambda: ready(ch, name) == 0)
+
+
+def test_no_ack_consumer_gets_everything_once(conn, ch, name):
+    declare(ch, name)
+    publish_confirmed(ch, name, [str(i).encode() for i in range(3000)])
+    got = []
+    cons = conn.channel()
+    cons.basic_consume(name, lambda c, m, p, b: got.append(b), auto_ack=True)
+    deadline = time.time() + 20
+    while len(got) < 3000 and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    assert got == [str(i).encode() for i in range(3000)]
+    eventually(lambda: ready(ch, name) == 0)
+
+
+def test_basic_get_and_nack_requeue_redelivers(ch, name):
+    declare(ch, name)
+    assert ch.basic_get(name)[0] is None, "get-empty on an empty queue"
+    publish_confirmed(ch, name, [b"a", b"b"])
+    method, _, body = ch.basic_get(name)
+    assert (body, method.redelivered, method.message_count) == (b"a", False, 1)
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    method, _, body = ch.basic_get(name)
+    assert (body, method.redelivered) == (b"a", True), "a requeued message comes back first, flagged"
+    ch.basic_ack(method.delivery_tag)
+    assert get_all(ch, name) == [(b"b", False)]
+
+
+def test_delivery_limit_dead_letters_a_poison_message(ch, name):
+    dlq = name + "-dlq"
+    ch.queue_declare(dlq, durable=True)
+    declare(ch, name, **{"x-delivery-limit": 2, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    publish_confirmed(ch, name, [b"poison"])
+    for attempt in range(3):
+        method, _, body = ch.basic_get(name)
+        assert body == b"poison", f"attempt {attempt}"
+        ch.basic_nack(method.delivery_tag, requeue=True)
+    # Returned a third time: past the limit of 2, dead-lettered.
+    eventually(lambda: ready(ch, dlq) == 1)
+    method, props, body = ch.basic_get(dlq, auto_ack=True)
+    assert body == b"poison"
+    assert props.headers["x-death"][0]["reason"] == "delivery_limit"
+    assert ch.basic_get(name)[0] is None
+
+
+def test_message_ttl_expires_to_the_dead_letter_exchange(ch, name):
+    dlq = name + "-dlq"
+    ch.queue_declare(dlq, durable=True)
+    declare(ch, name, **{"x-message-ttl": 100, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    publish_confirmed(ch, name, [b"old"])
+    # The leader's next Tick (at most a second apart) expires it.
+    eventually(lambda: ready(ch, dlq) == 1, timeout=5)
+    method, props, body = ch.basic_get(dlq, auto_ack=True)
+    assert body == b"old" and props.headers["x-death"][0]["reason"] == "expired"
+    assert ready(ch, name) == 0
+
+
+def test_reject_publish_overflow_nacks_the_publisher(ch, name):
+    declare(ch, name, **{"x-max-length": 2, "x-overflow": "reject-publish"})
+    publish_confirmed(ch, name, [b"1", b"2"])
+    with pytest.raises(NackError):
+        ch.basic_publish("", name, b"3", PERSISTENT)
+    assert [b for b, _ in get_all(ch, name)] == [b"1", b"2"]
+
+
+def test_a_message_to_a_classic_and_a_quorum_queue_is_confirmed_once_both_hold_it(ch, name):
+    ch.exchange_declare(name, "fanout", durable=True)
+    ch.queue_declare(name + "-c", durable=True)
+    declare(ch, name + "-q")
+    ch.queue_bind(name + "-c", name)
+    ch.queue_bind(name + "-q", name)
+    publish_confirmed(ch, "", [b"both"], exchange=name)
+    assert ready(ch, name + "-c") == 1 and ready(ch, name + "-q") == 1
+
+
+def test_purge_and_delete(conn, ch, name):
+    declare(ch, name)
+    publish_confirmed(ch, name, [b"x"] * 10)
+    assert ch.queue_purge(name).method.message_count == 10
+    assert ready(ch, name) == 0
+    publish_confirmed(ch, name, [b"y"] * 3)
+    cancelled = []
+    cons = conn.channel()
+    cons.add_on_cancel_callback(lambda frame: cancelled.append(frame))
+    cons.basic_qos(prefetch_count=1)
+    cons.basic_consume(name, lambda *a: None)
+    conn.process_data_events(time_limit=0.3)
+    assert ch.queue_delete(name).method.message_count == 2, "the one delivered is not ready"
+    eventually(lambda: conn.process_data_events(time_limit=0.05) or cancelled)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_declare(name, passive=True)
+    assert e.value.reply_code == 404
+
+
+def test_a_dead_consumer_connection_gives_its_unacked_back_redelivered(broker, ch, name):
+    declare(ch, name)
+    publish_confirmed(ch, name, [str(i).encode() for i in range(20)])
+    doomed = broker.connection()
+    dch = doomed.channel()
+    dch.basic_qos(prefetch_count=5)
+    held = []
+    dch.basic_consume(name, lambda c, m, p, b: held.append(b))
+    deadline = time.time() + 10
+    while len(held) < 5 and time.time() < deadline:
+        doomed.process_data_events(time_limit=0.1)
+    assert held == [str(i).encode() for i in range(5)]
+    doomed._impl._transport._sock.close()  # the connection dies without closing
+    eventually(lambda: ready(ch, name) == 20)
+    got = get_all(ch, name)
+    assert sorted(int(b) for b, _ in got) == list(range(20))
+    assert {b for b, redelivered in got if redelivered} == set(held)
+
+
+def test_kill9_keeps_every_confirmed_unacked_message_and_no_acked_one(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    publish_confirmed(ch, name, [str(i).encode() for i in range(300)])
+    acked = []
+    for _ in range(100):
+        method, _, body = ch.basic_get(name)
+        ch.basic_ack(method.delivery_tag)
+        acked.append(body)
+    held = []
+    for _ in range(20):
+        method, _, body = ch.basic_get(name)
+        held.append(body)  # delivered, never acked
+    # A round trip through the group after the acks: they are committed (fsynced) once it answers.
+    assert ch.basic_get(name)[0] is not None
+    broker.kill9()
+    broker.start()
+    conn = broker.connection()
+    ch = conn.channel()
+    # Once the group has replayed its log and returned what this node's consumers held.
+    eventually(lambda: ready(ch, name) == 200)
+    got = get_all(ch, name)
+    assert sorted(int(b) for b, _ in got) == list(range(100, 300))
+    redelivered = {b for b, r in got if r}
+    assert set(held) <= redelivered, "the ones delivered before the crash come back flagged"
+    # Still a working queue after the restart.
+    publish_confirmed(ch, name, [b"after"])
+    assert get_all(ch, name) == [(b"after", False)]
