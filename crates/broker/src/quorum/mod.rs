@@ -11,8 +11,8 @@
 //! - [`snapshot`]: the state without bodies, and its restore.
 //!
 //! Cost per message in memory (x86-64): a fresh (never delivered) message costs its share of a
-//! 24-byte run (one run per enqueue entry and expiry: a 100-message batch costs 0.24 B a message;
-//! one-message entries cost 24 B), plus 4 B when the queue has `x-max-length-bytes`. A message
+//! 24-byte run of ids with one expiry (an entry's messages: 0.24 B each in a 100-message batch; or
+//! the single messages of consecutive entries; 24 B alone), plus 4 B with `x-max-length-bytes`. A message
 //! that is checked out or was returned costs one B-tree entry of 32 B (id + state) plus the
 //! tree's node overhead (≈ 45 B in all). A publisher session costs ≈ 40 B. Bodies are never held.
 //!

@@ -29,12 +29,34 @@ pub struct MsgState {
     pub expires_at: u64,
 }
 
-/// Fresh messages `first .. first + count`, enqueued by one entry with one expiry.
+/// `count` fresh messages with one expiry: `first, first + 1, ...` (the messages of one entry),
+/// or with `per_entry`, `first, first + 2^16, ...` (the only message of consecutive entries, as a
+/// publisher waiting for each confirm makes them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Run {
     pub first: MsgId,
     pub count: u32,
+    pub per_entry: bool,
     pub expires_at: u64,
+}
+
+impl Run {
+    pub fn step(&self) -> u64 {
+        if self.per_entry {
+            1 << 16
+        } else {
+            1
+        }
+    }
+
+    /// The id after the last (where a run extends).
+    pub fn end(&self) -> u128 {
+        self.first as u128 + self.count as u128 * self.step() as u128
+    }
+
+    pub fn last(&self) -> MsgId {
+        self.first + (self.count as u64 - 1) * self.step()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -77,8 +99,13 @@ impl Ready {
     pub fn push_fresh(&mut self, id: MsgId, size: u32, expires_at: u64) {
         let size = if self.track_sizes { size } else { 0 };
         match self.fresh.back_mut() {
-            Some(run) if run.first + run.count as u64 == id && run.expires_at == expires_at => run.count += 1,
-            _ => self.fresh.push_back(Run { first: id, count: 1, expires_at }),
+            Some(run) if run.expires_at == expires_at && run.count < u32::MAX && run.end() == id as u128 => run.count += 1,
+            // A second message: the run takes the step between the two.
+            Some(run) if run.expires_at == expires_at && run.count == 1 && run.first.checked_add(1 << 16) == Some(id) => {
+                run.per_entry = true;
+                run.count = 2;
+            }
+            _ => self.fresh.push_back(Run { first: id, count: 1, per_entry: false, expires_at }),
         }
         if self.track_sizes {
             self.sizes.push_back(size);
@@ -111,10 +138,11 @@ impl Ready {
             let run = self.fresh.front_mut()?;
             let id = run.first;
             let expires_at = run.expires_at;
-            run.first += 1;
             run.count -= 1;
             if run.count == 0 {
                 self.fresh.pop_front();
+            } else {
+                run.first += run.step();
             }
             let size = if self.track_sizes { self.sizes.pop_front().unwrap_or(0) } else { 0 };
             (id, MsgState { delivery_count: 0, acquired: 0, size, expires_at })
@@ -131,6 +159,12 @@ impl Ready {
             push_id(&mut runs, id);
         }
         for run in &self.fresh {
+            if run.per_entry {
+                for k in 0..run.count as u64 {
+                    push_id(&mut runs, run.first + (k << 16));
+                }
+                continue;
+            }
             match runs.last_mut() {
                 Some((first, n)) if *first + *n as u64 == run.first => *n += run.count,
                 _ => runs.push((run.first, run.count)),
@@ -172,5 +206,22 @@ mod tests {
         let order: Vec<MsgId> = std::iter::from_fn(|| r.pop().map(|(id, _)| id)).collect();
         assert_eq!(order, vec![4, 9, 5 << 16, (5 << 16) | 1, (5 << 16) | 2, 6 << 16]);
         assert_eq!((r.len(), r.bytes()), (0, 0));
+    }
+
+    #[test]
+    fn one_message_entries_at_consecutive_indexes_share_a_run() {
+        let mut r = Ready::new(false);
+        for index in 10..1010u64 {
+            r.push_fresh(index << 16, 1, NEVER);
+        }
+        r.push_fresh(1011 << 16, 1, NEVER); // index 1010 was another command: a new run
+        r.push_fresh((1011 << 16) | 1, 1, NEVER); // and a second message of that entry: step 1
+        assert_eq!(r.fresh.len(), 2);
+        assert!(r.fresh[0].per_entry && !r.fresh[1].per_entry);
+        assert_eq!(r.pop().map(|(id, _)| id), Some(10 << 16));
+        assert_eq!(r.pop().map(|(id, _)| id), Some(11 << 16));
+        let runs = r.clear();
+        assert_eq!(runs.len(), 998 + 1);
+        assert_eq!(runs.last(), Some(&(1011 << 16, 2)));
     }
 }

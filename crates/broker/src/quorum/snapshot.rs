@@ -8,7 +8,7 @@
 //! node, channel, seq, last_ms), next session sweep ms, consumers (count; id, priority zigzag, prefetch, auto_ack u8, credit,
 //! status u8, checkouts (count; id, state)), groups (count; priority zigzag, members (count; id),
 //! next), sac_active opt id, exclusive opt id, returned (count; id, state), fresh runs (count;
-//! first, count, expires opt), sizes (count; size). A message state is delivery_count, acquired,
+//! first, count, per_entry u8, expires opt), sizes (count; size). A message state is delivery_count, acquired,
 //! size, expires opt. Decoding checks the references between parts: a bad snapshot is an error,
 //! never a panic or an inconsistent machine.
 
@@ -115,6 +115,7 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
     for run in &m.ready.fresh {
         put_var(&mut out, run.first);
         put_var(&mut out, run.count as u64);
+        put_bool(&mut out, run.per_entry);
         put_expiry(&mut out, run.expires_at);
     }
     put_var(&mut out, m.ready.sizes.len() as u64);
@@ -285,13 +286,15 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     for _ in 0..n {
         let first = r.var()?;
         let count = r.var_u32()?;
+        let per_entry = r.bool()?;
         let expires_at = expiry(&mut r)?;
-        if count == 0 || floor.is_some_and(|f| first <= f) || first.checked_add(count as u64).is_none() {
+        let run = Run { first, count, per_entry, expires_at };
+        if count == 0 || floor.is_some_and(|f| first <= f) || run.end() > u64::MAX as u128 {
             return err("fresh runs out of order");
         }
-        floor = Some(first + count as u64 - 1);
+        floor = Some(run.last());
         fresh_count += count as u64;
-        fresh.push_back(Run { first, count, expires_at });
+        fresh.push_back(run);
     }
     // Checked-out ids may be anywhere below the fresh ones; a fresh id must not be checked out.
     if let Some(first_fresh) = fresh.front().map(|r| r.first) {
@@ -313,7 +316,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     }
     // Every id was enqueued by an entry already applied, so ids keep rising after the restore.
     let id_limit = m.last_index.map_or(0u128, |l| (l as u128 + 1) << 16);
-    let highest = [seen.keys().next_back().copied(), fresh.back().map(|r| r.first + r.count as u64 - 1)].into_iter().flatten().max();
+    let highest = [seen.keys().next_back().copied(), fresh.back().map(Run::last)].into_iter().flatten().max();
     if highest.is_some_and(|h| h as u128 >= id_limit) {
         return err("message ids above the last applied index");
     }

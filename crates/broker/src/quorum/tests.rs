@@ -457,6 +457,30 @@ fn a_large_batched_backlog_costs_runs_not_messages() {
 }
 
 #[test]
+fn a_backlog_of_one_message_entries_costs_runs_not_messages() {
+    // A publisher waiting for each confirm: one message an entry, with a tick now and then.
+    let mut m = QuorumMachine::new(QueueConfig::default());
+    for index in 1..=200_000u64 {
+        let mut e = Encoder::new();
+        if index % 1000 == 0 {
+            e.tick(index);
+        } else {
+            e.begin_enqueue(S1, index);
+            e.message(index, 10, None, b"m").unwrap();
+        }
+        m.apply(index, &e.finish());
+    }
+    assert_eq!(m.ready_count(), 199_800);
+    let (returned, runs, _, _, _) = m.memory_entries();
+    assert_eq!((returned, runs), (0, 200));
+    // Consumed in order across the runs.
+    let mut e = Encoder::new();
+    e.attach(&Attach { consumer: C1, prefetch: 3, auto_ack: false, exclusive: false, priority: 0 });
+    let (effects, _) = m.apply(200_001, &e.finish());
+    assert_eq!(delivered_ids(&effects, C1), vec![1 << 16, 2 << 16, 3 << 16]);
+}
+
+#[test]
 fn commands_round_trip_through_the_encoding() {
     let mut e = Encoder::new();
     e.begin_enqueue(S1, 123);
@@ -605,6 +629,7 @@ fn two_replicas_applying_the_same_log_agree() {
 #[test]
 fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything() {
     let mut exercised = Counters::default();
+    let mut saw_per_entry_runs = false;
     for seed in 100..140 {
         let (config, entries) = random_run(seed, 200);
         let mut straight = QuorumMachine::new(config.clone());
@@ -624,6 +649,7 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
             for (index, entry) in &entries[..cut] {
                 prefix.apply(*index, entry);
             }
+            saw_per_entry_runs |= prefix.ready.fresh.iter().any(|r| r.per_entry && r.count > 1);
             let snap = prefix.snapshot();
             let mut restored = QuorumMachine::new(QueueConfig::default());
             restored.restore(&snap).unwrap_or_else(|e| panic!("seed {seed} cut {cut}: {e}"));
@@ -637,6 +663,7 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
     // The runs covered the interesting paths.
     assert!(exercised.delivered > 100 && exercised.returned > 10 && exercised.duplicates > 10, "{exercised:?}");
     assert!(exercised.dead_lettered + exercised.dropped > 10 && exercised.rejected > 0, "{exercised:?}");
+    assert!(saw_per_entry_runs, "no snapshot held a run of one-message entries");
 }
 
 #[test]
