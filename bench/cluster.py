@@ -209,6 +209,18 @@ class WarrenCluster:
         up = [m["id"] for m in s.get("members", []) if m.get("reachable")]
         return f"cluster of {len(s.get('members', []))} members, {len(up)} reachable from node {s.get('node_id')}"
 
+    def clustered(self):
+        """(True, "") when `warren ctl cluster-status` shows the three nodes as one cluster, else
+        (False, why): then quorum queues are single-voter groups on the node that declared them."""
+        try:
+            s = self.status()
+        except NotMeasurable as e:
+            return False, str(e)
+        members = s.get("members", [])
+        if len(members) != len(NODES) or not all(m.get("reachable") for m in members):
+            return False, f"`warren ctl cluster-status` shows {len(members)} members, not {len(NODES)} reachable ones"
+        return True, ""
+
     def groups(self):
         return {g["group"]: g for g in self.status().get("groups", [])}
 
@@ -364,6 +376,9 @@ class RabbitCluster:
 
     def delete_queues(self, names, node=1):
         single.delete_queues(self.port(node), names)
+
+    def clustered(self):
+        return True, ""
 
     def describe(self):
         p = self.ctl("-q", "cluster_status", "--formatter", "json")
@@ -774,6 +789,7 @@ def run_broker(broker, z, only, perftest, results):
     R["version"] = broker.version()
     R["cluster"] = broker.describe()
     R["queue_type"] = broker.queue_type
+    R["clustered"], R["not_clustered_because"] = broker.clustered()
     log(f"  {broker.name}: {R['cluster']}")
     try:
         for label, _desc, args in bench_rows(broker, z):
@@ -893,7 +909,8 @@ def write_section(saved):
         + (f"; one 4 KiB write+fdatasync {facts['fsync_median_us']} µs (median)" if facts.get("fsync_median_us") else "")
         + ". All three nodes of each broker run on this one machine (one disk, loopback network), with the client.",
         f"Brokers: {W.get('version', '?')} ({W.get('cluster', '?')}; queues declared with x-queue-type "
-        f"`{W.get('queue_type', '?')}`{'' if W.get('queue_type', 'quorum') == 'quorum' else ', **not quorum: this run only tries the script**'}), {R.get('version', '?')} ({R.get('cluster', '?')}; `start_cluster.sh 3`, default "
+        f"`{W.get('queue_type', '?')}`{'' if W.get('queue_type', 'quorum') == 'quorum' else ', **not quorum: this run only tries the script**'}"
+        f"{'' if W.get('clustered', True) else ', **not one cluster: quorum queues were not replicated**'}), {R.get('version', '?')} ({R.get('cluster', '?')}; `start_cluster.sh 3`, default "
         "settings, quorum queues).",
         "",
         f"Rows: quorum queue, 1 KB persistent messages, confirms 1000 in flight, prefetch 1000, ack every 100. Q1 publishes "
@@ -919,6 +936,9 @@ def write_section(saved):
     lines += ["", "### Targets (issue 10)", ""]
     if W.get("queue_type", "quorum") != "quorum":
         lines.append(f"- not judged: Warren's rows ran on `{W['queue_type']}` queues (`--warren-queue-type`), not quorum queues.")
+    elif not W.get("clustered", True):
+        lines.append(f"- not judged: Warren's three nodes were not one cluster ({W.get('not_clustered_because')}), so its "
+                     "quorum queues were single-voter groups on the node that declared them, not replicated.")
     else:
         lines += targets(W, R)
     lines += ["", "### Failover, catch-up, start", "",
