@@ -246,3 +246,19 @@ fn group_ids_at_or_above_the_raft_bits_are_refused() {
     assert!(logs.log_store(RAFT_STATE - 1).is_ok());
     let _ = Bytes::new();
 }
+
+/// The task that fires `IOFlushed` runs on the runtime of the first append; when that runtime is
+/// gone, appends on another one are still reported durable.
+#[test]
+fn flush_reports_survive_the_runtime_that_started_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, logs) = open(dir.path());
+    let mut ls = logs.log_store(1).unwrap();
+    for round in 0..3u64 {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+        rt.block_on(append_flushed(&mut ls, vec![normal(1, 1, round)]));
+        drop(rt);
+    }
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    assert_eq!(rt.block_on(all_entries(&mut ls)).len(), 3);
+}

@@ -75,7 +75,7 @@ fn payload() -> Bytes {
 #[test]
 #[ignore]
 fn store_alone_throughput() {
-    for window in [1usize, 16] {
+    for window in [1usize, 16, 64] {
         let dir = tempfile::tempdir_in(std::env::var("WARREN_BENCH_DIR").unwrap_or_else(|_| std::env::temp_dir().display().to_string())).unwrap();
         let (store, logs) = open(dir.path());
         let before = store.stats().fsyncs;
@@ -106,7 +106,7 @@ fn store_alone_throughput() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn append_throughput() {
-    for (groups, window) in [(1usize, 1usize), (1, 16), (100, 1)] {
+    for (groups, window) in [(1usize, 1usize), (1, 16), (1, 64), (100, 1), (100, 4)] {
         let dir = tempfile::tempdir_in(std::env::var("WARREN_BENCH_DIR").unwrap_or_else(|_| std::env::temp_dir().display().to_string())).unwrap();
         let (store, logs) = open(dir.path());
         let before = store.stats().fsyncs;

@@ -78,7 +78,10 @@ impl Flusher {
         }
         let me = Arc::downgrade(self);
         let mut rx = self.durable.clone();
+        // If the runtime the task runs on shuts down, the next wait starts it again (on its own).
+        let restart = Restart(Arc::downgrade(self));
         tokio::spawn(async move {
+            let _restart = restart;
             loop {
                 let durable = *rx.borrow_and_update();
                 match me.upgrade() {
@@ -105,6 +108,20 @@ impl Flusher {
         }
         for d in done {
             d.io_completed(Ok(()));
+        }
+    }
+}
+
+/// Lets the next wait start the watching task again once this one is gone.
+struct Restart(std::sync::Weak<Flusher>);
+
+impl Drop for Restart {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.upgrade() {
+            f.started.store(false, Ordering::Release);
+            // A wait registered after the task's last look would otherwise sleep until the next
+            // `when_durable`.
+            f.complete_up_to(f.durable_now());
         }
     }
 }
