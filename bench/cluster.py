@@ -219,6 +219,17 @@ class WarrenCluster:
         members = s.get("members", [])
         if len(members) != len(NODES) or not all(m.get("reachable") for m in members):
             return False, f"`warren ctl cluster-status` shows {len(members)} members, not {len(NODES)} reachable ones"
+        if self.queue_type != "quorum":
+            return True, ""
+        try:  # a probe queue: is a quorum queue a Raft group of the three nodes?
+            group = self.declare_located("cq-probe")
+            voters = self.groups().get(group, {}).get("voters", [])
+        except NotMeasurable as e:
+            return False, f"a quorum queue is not a group of the cluster: {e}"
+        finally:
+            self.delete_queues(["cq-probe"])
+        if len(voters) != len(NODES):
+            return False, f"a quorum queue's group has voters {voters}, not the three nodes"
         return True, ""
 
     def groups(self):
@@ -910,7 +921,7 @@ def write_section(saved):
         + ". All three nodes of each broker run on this one machine (one disk, loopback network), with the client.",
         f"Brokers: {W.get('version', '?')} ({W.get('cluster', '?')}; queues declared with x-queue-type "
         f"`{W.get('queue_type', '?')}`{'' if W.get('queue_type', 'quorum') == 'quorum' else ', **not quorum: this run only tries the script**'}"
-        f"{'' if W.get('clustered', True) else ', **not one cluster: quorum queues were not replicated**'}), {R.get('version', '?')} ({R.get('cluster', '?')}; `start_cluster.sh 3`, default "
+        f"{'' if W.get('clustered', True) else ', **quorum queues not replicated: see Targets**'}), {R.get('version', '?')} ({R.get('cluster', '?')}; `start_cluster.sh 3`, default "
         "settings, quorum queues).",
         "",
         f"Rows: quorum queue, 1 KB persistent messages, confirms 1000 in flight, prefetch 1000, ack every 100. Q1 publishes "
@@ -937,8 +948,8 @@ def write_section(saved):
     if W.get("queue_type", "quorum") != "quorum":
         lines.append(f"- not judged: Warren's rows ran on `{W['queue_type']}` queues (`--warren-queue-type`), not quorum queues.")
     elif not W.get("clustered", True):
-        lines.append(f"- not judged: Warren's three nodes were not one cluster ({W.get('not_clustered_because')}), so its "
-                     "quorum queues were single-voter groups on the node that declared them, not replicated.")
+        lines.append(f"- not judged: Warren's quorum queues were not replicated over the three nodes "
+                     f"({W.get('not_clustered_because')}): its rows measure single-voter groups on the node that declared them.")
     else:
         lines += targets(W, R)
     lines += ["", "### Failover, catch-up, start", "",
