@@ -86,7 +86,8 @@ pub struct Attach {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
     /// Messages from one publisher session; their ids are `index << 16 | i` with `i` counting the
-    /// entry's messages (across a batch's enqueues).
+    /// entry's messages (across a batch's enqueues). `now_ms` (the publishing node's clock) is
+    /// when their TTLs start (not before the machine's clock).
     Enqueue { session: SessionId, now_ms: u64, msgs: Vec<EnqueueMsg> },
     /// Registers a consumer (again: updates its prefetch and priority).
     Attach(Attach),

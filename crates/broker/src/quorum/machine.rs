@@ -1,8 +1,9 @@
 //! The quorum queue's state machine: the state every replica holds, and [`QuorumMachine::apply`],
 //! which turns one Raft entry into the same state change and the same [`Effect`]s on every replica.
 //!
-//! Deterministic by construction: no clock (time is the `now_ms` carried by `Enqueue`, `Tick` and
-//! `Touch`; the machine's clock is the largest seen), no randomness, no I/O, ordered maps only.
+//! Deterministic by construction: no clock (time is the `now_ms` carried by `Tick` and `Touch`,
+//! the machine's clock being the largest seen; an `Enqueue`'s `now_ms` only dates its messages),
+//! no randomness, no I/O, ordered maps only.
 //! Messages are assigned to consumers here (Ra's model): after every command, ready messages go
 //! head first to the consumers that can take one (credit or room under their prefetch), highest
 //! priority first, round-robin within a priority, only to the active one with single active
@@ -194,7 +195,7 @@ pub(crate) enum Status {
 pub(crate) struct Session {
     /// The last pub seq applied.
     pub seq: u64,
-    /// The machine's clock when it last enqueued.
+    /// When it last enqueued (its `Enqueue`'s clock, not before the machine's).
     pub last_ms: u64,
 }
 
@@ -343,7 +344,7 @@ impl QuorumMachine {
         self.last_index
     }
 
-    /// The machine's clock: the largest `now_ms` applied.
+    /// The machine's clock: the largest `now_ms` of the `Tick`s and `Touch`es applied.
     pub fn now_ms(&self) -> u64 {
         self.now_ms
     }
@@ -517,7 +518,10 @@ impl QuorumMachine {
     }
 
     fn enqueue(&mut self, index: u64, session: SessionId, now_ms: u64, msgs: Vec<EnqueueMsg>, next_i: &mut u32, out: &mut Out) -> Reply {
-        self.advance(now_ms);
+        // The publishing node's clock dates its messages (never before the machine's clock) but
+        // does not move the machine's clock: only Ticks (the leader's) and Touches do, so one node
+        // whose clock runs ahead cannot expire every other node's messages early.
+        let enqueued_at = now_ms.max(self.now_ms);
         let mut last = self.sessions.get(&session).map(|s| s.seq);
         let mut rejected = Vec::new();
         let limited = self.config.max_length.is_some() || self.config.max_length_bytes.is_some();
@@ -553,7 +557,7 @@ impl QuorumMachine {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            let expires_at = ttl.map_or(NEVER, |t| self.now_ms.saturating_add(t).min(NEVER - 1));
+            let expires_at = ttl.map_or(NEVER, |t| enqueued_at.saturating_add(t).min(NEVER - 1));
             self.ready.push_fresh(id, m.size, expires_at);
             self.counters.enqueued += 1;
             out.push(Effect::Store { msg_id: id, payload: m.payload });
@@ -567,7 +571,7 @@ impl QuorumMachine {
         }
         let applied_up_to = last.unwrap_or(0);
         if let Some(l) = last {
-            self.sessions.insert(session, Session { seq: l, last_ms: self.now_ms });
+            self.sessions.insert(session, Session { seq: l, last_ms: enqueued_at });
         }
         out.push(Effect::Published { session, applied_up_to, rejected: rejected.clone() });
         Reply::Enqueued { applied_up_to, rejected }

@@ -325,6 +325,26 @@ fn ttl_expires_at_the_head_on_tick() {
 }
 
 #[test]
+fn a_node_whose_clock_runs_ahead_does_not_expire_the_others_messages() {
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), ..QueueConfig::default() });
+    q.publish(S1, 1000, 1..=1, None);
+    q.publish(SessionId { node: 2, channel: 1 }, 1_000_000_000, 1..=1, None);
+    assert_eq!(q.m.now_ms(), 0, "enqueues do not move the machine's clock");
+    let (effects, _) = q.apply(|e| e.tick(1500));
+    assert!(gone(&effects).is_empty());
+    let (effects, _) = q.apply(|e| e.tick(2001));
+    assert_eq!(gone(&effects).len(), 1, "only the message dated by a sane clock expired");
+    // A message dated before the machine's clock starts its TTL at the machine's clock.
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), ..QueueConfig::default() });
+    q.apply(|e| e.tick(2000));
+    q.publish(S1, 5, 1..=1, None);
+    let (effects, _) = q.apply(|e| e.tick(2500));
+    assert!(gone(&effects).is_empty());
+    let (effects, _) = q.apply(|e| e.tick(3001));
+    assert_eq!(gone(&effects).len(), 1);
+}
+
+#[test]
 fn max_length_drop_head_drops_the_oldest() {
     let mut q = Q::new(QueueConfig { max_length: Some(3), dead_letter: true, ..QueueConfig::default() });
     let (_, _) = q.publish(S1, 0, 1..=3, None);
