@@ -247,8 +247,23 @@ impl Broker {
     /// Joins the cluster's metadata group: from now on durable topology changes are proposed to
     /// `group`, and made (here and on every node) by [`Broker::apply_metadata_entry`]. Call
     /// before serving clients.
-    pub fn set_metadata_group(&self, group: Arc<dyn MetadataGroup>) {
+    ///
+    /// Refused when this node's `metadata.log` holds a standalone topology (durable things never
+    /// applied through the group): its queue ids and declarations are unknown to the other nodes
+    /// and would diverge from theirs. A cluster member starts with no durable topology of its own.
+    pub fn set_metadata_group(&self, group: Arc<dyn MetadataGroup>) -> Result<(), String> {
+        let state = self.metadata.state();
+        if state.group_applied().is_none() && (!state.vhost_names().is_empty() || self.metadata.next_queue_id() > 1) {
+            return Err(format!(
+                "this node's data directory holds a standalone topology (vhosts {:?} in metadata.log) that the cluster's \
+                 metadata group does not know; a node joins a cluster with no durable exchanges or queues of its own \
+                 (start it with an empty data directory, or run it standalone)",
+                state.vhost_names()
+            ));
+        }
         self.metadata.set_group(group);
+        tracing::info!(applied = self.metadata.group_applied(), "durable topology changes now go through the cluster's metadata group");
+        Ok(())
     }
 
     /// The metadata group's state machine: applies committed entry `index` (from any node) to

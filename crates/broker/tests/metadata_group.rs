@@ -42,10 +42,16 @@ struct Sequencer {
 impl Sequencer {
     /// Adds a member that applies the log from entry `from` on (1 = all of it).
     fn join(self: &Arc<Self>, broker: &Arc<Broker>, from: u64) {
+        self.join_lagging(broker, from, Duration::ZERO)
+    }
+
+    /// A member whose state machine takes `lag` to apply each entry (a busy or distant node).
+    fn join_lagging(self: &Arc<Self>, broker: &Arc<Broker>, from: u64, lag: Duration) {
         let (tx, rx) = mpsc::channel::<(u64, Bytes)>();
         let b = broker.clone();
         let applier = std::thread::spawn(move || {
             while let Ok((index, entry)) = rx.recv() {
+                std::thread::sleep(lag);
                 b.apply_metadata_entry(index, &entry);
             }
         });
@@ -55,7 +61,7 @@ impl Sequencer {
             tx.send((i as u64 + 1, e.clone())).unwrap();
         }
         self.members.lock().push(tx);
-        broker.set_metadata_group(Arc::new(Member(self.clone())));
+        broker.set_metadata_group(Arc::new(Member(self.clone()))).unwrap();
     }
 }
 
@@ -185,6 +191,29 @@ fn a_passive_declare_on_another_node_right_after_declare_ok_finds_the_queue() {
 }
 
 #[test]
+fn a_lagging_node_answers_a_miss_only_after_catching_up() {
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (b1, b2) = (open(d1.path()), open(d2.path()));
+    let seq = Arc::new(Sequencer::default());
+    seq.join(&b1, 1);
+    seq.join_lagging(&b2, 1, Duration::from_millis(30));
+    let (v1, v2) = (b1.vhost("/").unwrap(), b2.vhost("/").unwrap());
+    let none = FieldTable::new();
+    for i in 0..5 {
+        let name = format!("lag{i}");
+        exchange(&v1, &name);
+        queue(&v1, &name);
+        v1.queue_bind(&name, &name, "k", &none, 1).unwrap();
+        // Node 2 is behind (30 ms an entry) but must not say 404 or unroutable.
+        assert!(v2.exchange(&name).is_ok(), "exchange {name} on the lagging node");
+        let mut m = message("k");
+        m.exchange = name.clone();
+        assert!(v2.publish(&name, m, true).unwrap().routed, "publish to {name} on the lagging node");
+    }
+    seq.stop(&[&b1, &b2]);
+}
+
+#[test]
 fn a_restarted_node_replays_without_changing_ids_and_a_snapshot_restores_the_topology() {
     let (d1, d2, d3) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let (b1, b2) = (open(d1.path()), open(d2.path()));
@@ -260,6 +289,16 @@ fn a_snapshot_deletes_queues_deleted_while_the_node_was_away_with_their_messages
     assert_eq!(gone.message_count(), 0, "its messages went with it");
     assert_eq!(topology(&b2), topology(&b1));
     seq.stop(&[&b1, &b2]);
+}
+
+#[test]
+fn a_node_with_a_standalone_topology_cannot_join_a_cluster() {
+    let d1 = tempfile::tempdir().unwrap();
+    let b1 = open(d1.path());
+    queue(&b1.vhost("/").unwrap(), "standalone");
+    let err = b1.set_metadata_group(Arc::new(Member(Arc::new(Sequencer::default())))).unwrap_err();
+    assert!(err.contains("standalone topology"), "{err}");
+    b1.close();
 }
 
 #[test]
