@@ -443,7 +443,7 @@ impl QuorumMachine {
             Command::Enqueue { session, now_ms, msgs } => self.enqueue(index, session, now_ms, msgs, next_i, out),
             Command::Attach(a) => self.attach(a),
             Command::Detach { consumer, return_unacked } => {
-                self.detach(consumer, return_unacked, out);
+                self.detach(consumer, return_unacked);
                 Reply::Ok
             }
             Command::Settle { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Ack, out),
@@ -728,7 +728,7 @@ impl QuorumMachine {
         }
     }
 
-    fn detach(&mut self, id: ConsumerId, return_unacked: bool, _out: &mut Out) {
+    fn detach(&mut self, id: ConsumerId, return_unacked: bool) {
         let Some(c) = self.consumers.get(&id) else { return };
         if return_unacked || c.checked_out.is_empty() {
             self.remove_consumer(id);
