@@ -227,3 +227,21 @@ def test_kill9_keeps_every_confirmed_unacked_message_and_no_acked_one(broker, na
     # Still a working queue after the restart.
     publish_confirmed(ch, name, [b"after"])
     assert get_all(ch, name) == [(b"after", False)]
+
+
+def test_tx_commit_ok_covers_a_transactions_acks_on_a_quorum_queue(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    publish_confirmed(ch, name, [str(i).encode() for i in range(50)])
+    tx = conn.channel()
+    tx.tx_select()
+    for _ in range(20):
+        method, _, _ = tx.basic_get(name)
+        tx.basic_ack(method.delivery_tag)
+    tx.tx_commit()  # commit-ok: the group applied the acks (fsynced)
+    broker.kill9()
+    broker.start()
+    ch = broker.connection().channel()
+    eventually(lambda: ready(ch, name) == 30)
+    assert sorted(int(b) for b, _ in get_all(ch, name)) == list(range(20, 50))

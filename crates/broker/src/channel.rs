@@ -9,6 +9,7 @@ use crate::consumers::ConsumerArgs;
 use crate::direct_reply::ReplyConsumers;
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
+use crate::publisher::Publisher;
 use crate::queue::{Entry, Queue};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
@@ -457,17 +458,23 @@ impl Channel {
     /// Returns the store ticket at which the settlement is durable (the ack records of acked and
     /// of dropped or dead-lettered messages), if anything was written: tx.commit-ok waits for it.
     pub fn settle(&self, delivery_tag: u64, multiple: bool, how: Settle) -> Result<Option<SyncTicket>> {
+        self.settle_for(delivery_tag, multiple, how, None)
+    }
+
+    /// [`Channel::settle`] for a transaction's commit: quorum queues tell `publisher`'s session once
+    /// their group applied the settlement, which tx.commit-ok waits for (`crate::publisher`).
+    pub fn settle_for(&self, delivery_tag: u64, multiple: bool, how: Settle, publisher: Option<Publisher>) -> Result<Option<SyncTicket>> {
         let taken = {
             let mut st = self.state.lock();
             take_unacked(&mut st.unacked, delivery_tag, multiple)?
         };
-        Ok(self.finish_settle(taken, how))
+        Ok(self.finish_settle(taken, how, publisher))
     }
 
     /// basic.recover: every unacknowledged message goes back to its queue, redelivered.
     pub fn recover(&self) {
         let taken: Vec<Unacked> = self.state.lock().unacked.drain(..).collect();
-        self.finish_settle(taken, Settle::Reject { requeue: true });
+        self.finish_settle(taken, Settle::Reject { requeue: true }, None);
     }
 
     /// Channel or connection closed: cancel consumers, requeue everything unacknowledged.
@@ -482,7 +489,7 @@ impl Channel {
         for c in &consumers {
             c.queue.remove_consumer(c);
         }
-        self.finish_settle(taken, Settle::Reject { requeue: true });
+        self.finish_settle(taken, Settle::Reject { requeue: true }, None);
     }
 
     /// The delivery acknowledgement timeout (RabbitMQ's `consumer_timeout`): returns the timeout (ms)
@@ -517,7 +524,7 @@ impl Channel {
         self.state.lock().unacked.len()
     }
 
-    fn finish_settle(&self, taken: Vec<Unacked>, how: Settle) -> Option<SyncTicket> {
+    fn finish_settle(&self, taken: Vec<Unacked>, how: Settle, publisher: Option<Publisher>) -> Option<SyncTicket> {
         if taken.is_empty() {
             return None;
         }
@@ -541,7 +548,7 @@ impl Channel {
         let mut batch = Batch::new();
         let mut ticket = None;
         for (queue, entries) in &mut by_queue {
-            ticket = ticket.max(queue.settle(std::mem::take(entries), how, &mut batch));
+            ticket = ticket.max(queue.settle(std::mem::take(entries), how, &mut batch, publisher));
         }
         if let Some((queue, _)) = by_queue.first() {
             ticket = ticket.max(queue.append_acks(&mut batch));

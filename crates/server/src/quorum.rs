@@ -6,6 +6,15 @@
 //! queue's `QuorumMachine` and performs the effects on this node). Standalone (no `--peers`), a
 //! group has one voter, this node: a commit is the local fsync of the entry, in the node's one WAL.
 //!
+//! In a cluster (`--peers`), a queue's group has `x-quorum-initial-group-size` members (default 3, at
+//! most the cluster's size), chosen from the queue id: every node computes the same members from the
+//! same peers (`members_of`). Members start the group on the cluster node (`ClusterNode::start_group`);
+//! proposals from any node go through `ClusterNode::propose`, which forwards them to the leader. They
+//! are submitted one at a time per group: a publisher session's seqs must be applied in the order
+//! they were proposed (the machine drops a seq at or below the last applied one as a duplicate).
+//! When the failure detector sees a node go down, the leaders of its groups on this node propose
+//! `ConsumerDown(that node)`: its consumers' unacked messages come back redelivered.
+//!
 //! A proposal that is not committed and applied within [`QUORUM_TIMEOUT`] (no leader, no majority:
 //! the minority side of a partition) fails: its publishers get basic.nack (a retry may duplicate).
 
@@ -19,8 +28,10 @@ use tokio::sync::{mpsc, watch};
 use warren_cluster::openraft::impls::ProgressResponder;
 use warren_broker::queue::replica::{ProposeDone, QuorumHost, Replicator};
 use warren_broker::Queue;
+use std::collections::BTreeSet;
+use std::sync::Weak;
 use warren_cluster::machine::StateMachine;
-use warren_cluster::{start_single_voter, Command, GroupId, GroupMachine, NodeAddr, NodeId, RaftLogs};
+use warren_cluster::{start_single_voter, ClusterNode, Command, GroupId, GroupMachine, NodeAddr, NodeId, RaftLogs};
 
 /// How long a proposal may wait for its commit and apply before its publishers are nacked.
 pub const QUORUM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -52,6 +63,8 @@ impl GroupMachine for QueueMachine {
 enum Running {
     Starting,
     Running(QueueRaft),
+    /// In a cluster, this node is not one of the group's members: proposals are forwarded.
+    NotMember,
     Failed(String),
     Stopped,
 }
@@ -65,9 +78,12 @@ pub struct Group {
 }
 
 impl Group {
-    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle) -> Group {
+    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, cluster: Option<(ClusterNode, GroupId)>) -> Group {
         let (proposals, rx) = mpsc::unbounded_channel();
-        runtime.spawn(submit_in_order(raft.clone(), rx));
+        match cluster {
+            None => runtime.spawn(submit_in_order(raft.clone(), rx)),
+            Some((node, group)) => runtime.spawn(forward_in_order(node, group, rx)),
+        };
         Group { raft, proposals, runtime }
     }
 }
@@ -82,6 +98,10 @@ impl Replicator for Group {
     fn is_leader(&self) -> bool {
         matches!(&*self.raft.borrow(), Running::Running(r) if r.is_leader())
     }
+
+    fn is_member(&self) -> bool {
+        !matches!(&*self.raft.borrow(), Running::NotMember)
+    }
 }
 
 /// The group's Raft once it runs (waiting while it starts).
@@ -89,6 +109,7 @@ async fn running(raft: &mut watch::Receiver<Running>) -> Result<QueueRaft, Strin
     loop {
         match &*raft.borrow_and_update() {
             Running::Running(r) => return Ok(r.clone()),
+            Running::NotMember => return Err("this node is not a member of the queue's Raft group".to_string()),
             Running::Failed(e) => return Err(format!("the queue's Raft group did not start: {e}")),
             Running::Stopped => return Err("the queue's Raft group was stopped".to_string()),
             Running::Starting => {}
@@ -133,27 +154,119 @@ async fn submit_in_order(mut raft: watch::Receiver<Running>, mut proposals: mpsc
     }
 }
 
+/// Submits a group's proposals through the cluster node (forwarded to the leader wherever it is),
+/// one at a time: the next waits for the previous one's reply, so entries apply in proposal order.
+async fn forward_in_order(node: ClusterNode, group: GroupId, mut proposals: mpsc::UnboundedReceiver<(Bytes, ProposeDone)>) {
+    while let Some((entry, done)) = proposals.recv().await {
+        let result = node.propose(group, Command(entry), QUORUM_TIMEOUT).await;
+        done(result.map(|reply| reply.0).map_err(|e| e.to_string()));
+    }
+}
+
+/// The members of a quorum queue's group in a cluster: `size` nodes (at least 1, at most all) of
+/// `peers`, starting at the queue id's place among them, so groups spread over the nodes. Every node
+/// computes the same set from the same peers.
+pub fn members_of(group: GroupId, peers: &[NodeId], size: u32) -> BTreeSet<NodeId> {
+    let mut sorted = peers.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let n = sorted.len();
+    if n == 0 {
+        return BTreeSet::new();
+    }
+    let k = (size.max(1) as usize).min(n);
+    let start = (group % n as u64) as usize;
+    (0..k).map(|i| sorted[(start + i) % n]).collect()
+}
+
+/// The default `x-quorum-initial-group-size`, as RabbitMQ.
+const DEFAULT_GROUP_SIZE: u32 = 3;
+
 /// This node's quorum-queue groups.
 pub struct QuorumGroups {
     logs: Arc<RaftLogs>,
     node: NodeId,
     addr: NodeAddr,
+    /// In a cluster: the cluster node and every node's id.
+    cluster: Option<(ClusterNode, Vec<NodeId>)>,
     runtime: tokio::runtime::Handle,
-    groups: Mutex<HashMap<GroupId, watch::Sender<Running>>>,
+    groups: Mutex<HashMap<GroupId, (watch::Sender<Running>, Weak<Queue>)>>,
 }
 
 impl QuorumGroups {
+    /// A node without peers: every group has this node as its only voter.
     pub fn new(logs: Arc<RaftLogs>, node: NodeId, addr: NodeAddr) -> Arc<QuorumGroups> {
-        Arc::new(QuorumGroups { logs, node, addr, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()) })
+        Arc::new(QuorumGroups { logs, node, addr, cluster: None, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()) })
+    }
+
+    /// A cluster member: groups have members on several nodes (`members_of`).
+    #[allow(dead_code)] // until the server starts the cluster node
+    pub fn clustered(logs: Arc<RaftLogs>, node: ClusterNode, peers: Vec<NodeId>) -> Arc<QuorumGroups> {
+        let id = node.node_id();
+        let addr = node.node_addr(id).unwrap_or_default();
+        let groups = Arc::new(QuorumGroups {
+            logs,
+            node: id,
+            addr,
+            cluster: Some((node, peers)),
+            runtime: tokio::runtime::Handle::current(),
+            groups: Mutex::new(HashMap::new()),
+        });
+        groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
+        groups
     }
 
     /// Stops every group (shutdown), so none applies anything while the store closes.
     pub async fn shutdown(&self) {
-        let senders: Vec<watch::Sender<Running>> = self.groups.lock().drain().map(|(_, tx)| tx).collect();
-        for tx in senders {
+        let senders: Vec<(GroupId, watch::Sender<Running>)> = self.groups.lock().drain().map(|(g, (tx, _))| (g, tx)).collect();
+        for (group, tx) in senders {
             let previous = tx.send_replace(Running::Stopped);
-            if let Running::Running(raft) = previous {
+            if let Some((node, _)) = &self.cluster {
+                let _ = node.stop_group(group).await;
+            } else if let Running::Running(raft) = previous {
                 let _ = raft.shutdown().await;
+            }
+        }
+    }
+
+    /// The groups this node leads now, with their queues.
+    #[allow(dead_code)] // until the server starts the cluster node
+    fn led(&self) -> Vec<Arc<Queue>> {
+        self.groups
+            .lock()
+            .values()
+            .filter(|(tx, _)| matches!(&*tx.borrow(), Running::Running(r) if r.is_leader()))
+            .filter_map(|(_, q)| q.upgrade())
+            .collect()
+    }
+}
+
+/// How long a node must stay unreachable before the groups this node leads return what its
+/// consumers held: a node restarted sooner returns them itself (`ConsumerDown` first thing).
+const CONSUMERS_DOWN_AFTER: Duration = Duration::from_secs(5);
+
+/// In a cluster: when the failure detector has seen a node down for `CONSUMERS_DOWN_AFTER`, the
+/// groups this node leads return what that node's consumers held (`Queue::consumers_down`).
+#[allow(dead_code)] // until the server starts the cluster node
+async fn watch_nodes(groups: Weak<QuorumGroups>) {
+    let mut down_since: HashMap<NodeId, Option<tokio::time::Instant>> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let Some(groups) = groups.upgrade() else { return };
+        let Some((node, peers)) = &groups.cluster else { return };
+        for &peer in peers.iter().filter(|p| **p != groups.node) {
+            if node.is_reachable(peer) {
+                down_since.remove(&peer);
+                continue;
+            }
+            let since = down_since.entry(peer).or_insert_with(|| Some(tokio::time::Instant::now()));
+            if since.is_some_and(|t| t.elapsed() >= CONSUMERS_DOWN_AFTER) {
+                *since = None; // once per outage
+                for queue in groups.led() {
+                    tracing::info!(queue = %queue.name, node = peer, "a node of the cluster is down: returning what its consumers held");
+                    queue.consumers_down(peer);
+                }
             }
         }
     }
@@ -166,15 +279,54 @@ impl QuorumHost for QuorumGroups {
 
     fn start(&self, queue: Arc<Queue>) {
         let group = queue.id;
-        let (tx, rx) = watch::channel(Running::Starting);
+        let members = match &self.cluster {
+            None => BTreeSet::from([self.node]),
+            Some((_, peers)) => members_of(group, peers, queue.args.quorum_initial_group_size.unwrap_or(DEFAULT_GROUP_SIZE)),
+        };
+        let member = members.contains(&self.node);
+        let (tx, rx) = watch::channel(if member { Running::Starting } else { Running::NotMember });
         {
             let mut groups = self.groups.lock();
             if groups.contains_key(&group) {
                 return; // started already (declared while the node started)
             }
-            groups.insert(group, tx.clone());
+            groups.insert(group, (tx.clone(), Arc::downgrade(&queue)));
         }
-        queue.attach_replicator(Arc::new(Group::new(rx, self.runtime.clone())));
+        let cluster = self.cluster.as_ref().map(|(node, _)| (node.clone(), group));
+        queue.attach_replicator(Arc::new(Group::new(rx, self.runtime.clone(), cluster)));
+        if !member {
+            return;
+        }
+        if let Some((node, _)) = &self.cluster {
+            let (logs, node, runtime) = (self.logs.clone(), node.clone(), self.runtime.clone());
+            // `ClusterNode::start_group`'s future is not `Send`: it runs on a blocking thread of its
+            // own (the group's tasks it spawns run on the runtime as any other).
+            self.runtime.spawn_blocking(move || {
+                let name = queue.name.clone();
+                let started = async {
+                    let machine = StateMachine::open(&logs, group, QueueMachine(queue)).await.map_err(|e| e.to_string())?;
+                    let log_store = logs.log_store(group).map_err(|e| e.to_string())?;
+                    node.start_group(group, &members, log_store, machine).await.map_err(|e| e.to_string())
+                };
+                match runtime.block_on(started) {
+                    Ok(raft) => {
+                        tracing::debug!(queue = %name, group, ?members, "quorum queue's group started on this node");
+                        tx.send_if_modified(|state| match state {
+                            Running::Stopped => false,
+                            _ => {
+                                *state = Running::Running(raft.clone());
+                                true
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::error!(queue = %name, group, error = %e, "could not start a quorum queue's Raft group");
+                        let _ = tx.send(Running::Failed(e));
+                    }
+                }
+            });
+            return;
+        }
         let (logs, node, addr) = (self.logs.clone(), self.node, self.addr.clone());
         self.runtime.spawn(async move {
             let name = queue.name.clone();
@@ -206,11 +358,20 @@ impl QuorumHost for QuorumGroups {
     }
 
     fn remove(&self, group: u64) {
-        let Some(tx) = self.groups.lock().remove(&group) else { return };
+        let Some((tx, _)) = self.groups.lock().remove(&group) else { return };
         let logs = self.logs.clone();
+        let node = self.cluster.as_ref().map(|(node, _)| node.clone());
         self.runtime.spawn(async move {
-            if let Running::Running(raft) = tx.send_replace(Running::Stopped) {
-                let _ = raft.shutdown().await;
+            let previous = tx.send_replace(Running::Stopped);
+            match node {
+                Some(node) => {
+                    let _ = node.stop_group(group).await;
+                }
+                None => {
+                    if let Running::Running(raft) = previous {
+                        let _ = raft.shutdown().await;
+                    }
+                }
             }
             if let Err(e) = logs.remove_group(group) {
                 tracing::error!(group, error = %e, "could not remove a deleted quorum queue's Raft log");

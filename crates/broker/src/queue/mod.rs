@@ -388,6 +388,23 @@ impl Queue {
         }
     }
 
+    /// Whether this node can deliver this queue's messages (basic.get, basic.consume): a quorum queue
+    /// needs a replica on this node.
+    pub fn check_consumable(&self) -> Result<()> {
+        match &self.replica {
+            Some(r) => r.check_member(self),
+            None => Ok(()),
+        }
+    }
+
+    /// A node of the cluster is down: the queue's group returns what its consumers held (proposed
+    /// by the group's leader).
+    pub fn consumers_down(self: &Arc<Self>, node: u64) {
+        if let Some(r) = &self.replica {
+            r.consumers_down(self, node);
+        }
+    }
+
     fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, waiters: Vec<replica::Waiter>) {
         if let Some(r) = &self.replica {
             r.proposed(self, result, waiters);
@@ -1162,9 +1179,11 @@ impl Queue {
     /// Settles delivered entries (ack, or reject with/without requeue). Store acks go into `acks`
     /// for the caller to append once for all queues it settled. Returns the ticket of acks this call
     /// appended itself (those of messages rejected without requeue), which a transaction waits for.
-    pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch) -> Option<SyncTicket> {
+    /// A quorum queue proposes the settlement instead and, for a transaction (`publisher`), tells
+    /// its session once applied.
+    pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch, publisher: Option<Publisher>) -> Option<SyncTicket> {
         if let Some(r) = &self.replica {
-            r.settle(self, entries, how);
+            r.settle(self, entries, how, publisher);
             return None;
         }
         let mut after = AfterUnlock::default();

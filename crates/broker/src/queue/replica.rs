@@ -61,6 +61,11 @@ pub trait Replicator: Send + Sync {
     fn propose(&self, entry: Bytes, done: ProposeDone);
     /// Whether this node leads the group now.
     fn is_leader(&self) -> bool;
+    /// Whether this node is a member of the group (applies its entries, holds the bodies). A
+    /// node that is not serves publishers (forwarded) but not consumers.
+    fn is_member(&self) -> bool {
+        true
+    }
 }
 
 /// Starts and stops the Raft groups of quorum queues on this node (the server's cluster runtime).
@@ -155,6 +160,8 @@ struct ReplicaState {
 pub(super) enum Waiter {
     None,
     Enqueue { session: Option<Arc<PublisherSession>>, seqs: Vec<u64> },
+    /// A transaction's settlements (tx.commit-ok waits for them).
+    Settled { session: Arc<PublisherSession>, seq: u64 },
     Attach(u64),
     Get(u64),
     Purge(std::sync::mpsc::Sender<Option<u64>>),
@@ -300,6 +307,18 @@ impl QuorumReplica {
 
     pub fn is_leader(&self) -> bool {
         self.replicator.read().as_ref().is_some_and(|r| r.is_leader())
+    }
+
+    /// Consumers need this node to hold a replica (deliveries come from its own apply).
+    pub(super) fn check_member(&self, queue: &Queue) -> Result<()> {
+        if self.replicator.read().as_ref().is_none_or(|r| r.is_member()) {
+            return Ok(());
+        }
+        Err(BrokerError::precondition_failed(format!(
+            "quorum queue '{}' has no replica on this node (x-quorum-initial-group-size is below the cluster's size); \
+             consume from a node that holds one",
+            queue.name
+        )))
     }
 
     pub fn message_count(&self) -> u32 {
@@ -616,6 +635,12 @@ impl QuorumReplica {
                     session.resolved(self.group, seqs.iter().map(|s| (*s, rejected.contains(s))));
                 }
                 Waiter::Enqueue { session: None, .. } => {}
+                Waiter::Settled { session, seq } => {
+                    if reply.is_none() {
+                        tracing::warn!(queue = %queue.name, "a transaction's settlements were not committed in time; tx.commit-ok goes out all the same");
+                    }
+                    session.resolved(self.group, [(seq, false)]);
+                }
                 Waiter::Attach(local) => {
                     if matches!(reply, Some(Reply::Refused(Refusal::ExclusiveConsumer))) {
                         if let Some(c) = self.state.lock().consumers.remove(&local) {
@@ -727,6 +752,7 @@ impl QuorumReplica {
 
     /// basic.consume.
     pub(super) fn add_consumer(&self, queue: &Arc<Queue>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+        self.check_member(queue)?;
         let local = self.new_local_id();
         let attach = Attach {
             consumer: self.consumer_id(local),
@@ -805,7 +831,7 @@ impl QuorumReplica {
 
     /// basic.ack / nack / reject of deliveries from this queue: Settle, Return or Discard in the next
     /// entry.
-    pub(super) fn settle(&self, queue: &Arc<Queue>, entries: Vec<Entry>, how: Settle) {
+    pub(super) fn settle(&self, queue: &Arc<Queue>, entries: Vec<Entry>, how: Settle, publisher: Option<Publisher>) {
         let settled: Vec<(ConsumerId, MsgId)> = {
             let mut st = self.state.lock();
             entries.iter().filter_map(|e| st.checked_out.remove(&e.seq).map(|c| (c, e.seq))).collect()
@@ -815,6 +841,13 @@ impl QuorumReplica {
         }
         let mut p = self.proposals.lock();
         push_settlements(&mut p, settled.into_iter(), how);
+        if let Some(publisher) = publisher {
+            // The entry's reply (any of its commands': an entry applies whole) resolves it.
+            publisher.session.sent(self.group, publisher.seq);
+            if let Some(last) = p.waiters.last_mut() {
+                *last = Waiter::Settled { session: publisher.session.clone(), seq: publisher.seq };
+            }
+        }
         self.flush(queue, &mut p);
     }
 
@@ -878,6 +911,23 @@ impl QuorumReplica {
         }
     }
 
+    /// Another node is gone: its consumers the machine knows now are detached, their messages come
+    /// back redelivered. Named one by one rather than `ConsumerDown(node)`: if the node restarts
+    /// before this applies, the consumers it attached since are not touched (it proposes
+    /// `ConsumerDown` for itself first thing when it starts).
+    pub(super) fn consumers_down(&self, queue: &Arc<Queue>, node: u64) {
+        let gone: Vec<ConsumerId> = self.state.lock().machine.consumers.keys().filter(|c| c.node == node).copied().collect();
+        if gone.is_empty() {
+            return;
+        }
+        let mut p = self.proposals.lock();
+        for c in gone {
+            p.encoder.detach(c, true);
+            p.command(Waiter::None);
+        }
+        self.flush(queue, &mut p);
+    }
+
     /// Periodic: the leader proposes a Tick when messages or the queue can expire.
     pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
         {
@@ -915,8 +965,10 @@ impl QuorumReplica {
             p.sealed.drain(..).flat_map(|(_, w)| w).collect()
         };
         for w in waiting {
-            if let Waiter::Enqueue { session: Some(session), seqs } = w {
-                session.resolved(self.group, seqs.into_iter().map(|s| (s, true)));
+            match w {
+                Waiter::Enqueue { session: Some(session), seqs } => session.resolved(self.group, seqs.into_iter().map(|s| (s, true))),
+                Waiter::Settled { session, seq } => session.resolved(self.group, [(seq, false)]),
+                _ => {}
             }
         }
         let mut acks = Batch::new();

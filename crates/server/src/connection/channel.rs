@@ -325,6 +325,7 @@ impl ChannelHandler {
             }
             Method::BasicGet(m) => {
                 let queue = vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
+                queue.check_consumable()?;
                 self.get(queue, m.no_ack, conn);
             }
             Method::BasicPublish(m) => {
@@ -486,7 +487,13 @@ impl ChannelHandler {
                     last_seq = last_seq.max(seq);
                     ticket
                 }
-                TxOp::Settle { delivery_tag, multiple, how } => self.channel.settle(delivery_tag, multiple, how)?,
+                TxOp::Settle { delivery_tag, multiple, how } => {
+                    // Quorum queues resolve this seq once their group applied the settlement.
+                    let seq = conn.session.next_seq();
+                    last_seq = last_seq.max(seq);
+                    let publisher = warren_broker::Publisher { session: &conn.session, seq };
+                    self.channel.settle_for(delivery_tag, multiple, how, Some(publisher))?
+                }
             };
             last_ticket = last_ticket.max(ticket);
         }
