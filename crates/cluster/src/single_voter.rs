@@ -59,6 +59,19 @@ pub async fn start_single_voter<M: GroupMachine>(
     let log_store = logs.log_store(group)?;
     let machine = StateMachine::open(logs, group, machine).await?;
     let raft = Raft::new(node, config, NoPeers, log_store, machine).await.map_err(|e| raft_error(&e))?;
+    match lead(&raft, group, node, addr, lead_within).await {
+        Ok(()) => Ok(raft),
+        Err(e) => {
+            // Its tasks would go on writing to the group's log.
+            let _ = raft.shutdown().await;
+            Err(e)
+        }
+    }
+}
+
+/// Initializes the group the first time (else elects at once), and waits until this node leads.
+async fn lead<M: GroupMachine>(raft: &Raft<StateMachine<M>>, group: GroupId, node: NodeId, addr: NodeAddr, lead_within: Duration) -> Result<(), StartError> {
+    let raft_error = |e: &dyn std::fmt::Display| StartError::Raft { group, error: e.to_string() };
     if raft.is_initialized().await.map_err(|e| raft_error(&e))? {
         // Elect at once instead of after an election timeout.
         let _ = raft.trigger().elect(false).await;
@@ -70,7 +83,7 @@ pub async fn start_single_voter<M: GroupMachine>(
         .metrics(is_leader, "single voter leads")
         .await
         .map_err(|_| StartError::NoLeader { group, waited: lead_within })?;
-    Ok(raft)
+    Ok(())
 }
 
 /// The network of a group with one voter: there is no one to reach.

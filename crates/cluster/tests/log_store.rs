@@ -175,10 +175,25 @@ async fn a_removed_group_is_gone_after_a_restart() {
         let t = logs.remove_group(9).unwrap();
         store.wait_durable(t).unwrap();
         assert!(a.try_get_log_entries(0..).await.is_err(), "handles of a removed group fail");
+        // Another group with the same id starts empty, at once.
+        let mut b = logs.log_store(9).unwrap();
+        assert!(all_entries(&mut b).await.is_empty());
+        assert_eq!(b.read_vote().await.unwrap(), None);
+        append_flushed(&mut b, vec![normal(9, 5, 0)]).await;
+        assert_eq!(all_entries(&mut b).await, vec![normal(9, 5, 0)]);
+        let t = logs.remove_group(9).unwrap();
+        store.wait_durable(t).unwrap();
         store.close().unwrap();
     }
-    let (_store, logs) = open(dir.path());
+    let (store, logs) = open(dir.path());
     assert!(logs.group_ids().is_empty());
+    // And after a restart: only what was appended after the removal.
+    let mut c = logs.log_store(9).unwrap();
+    append_flushed(&mut c, vec![normal(9, 7, 0), normal(9, 7, 1)]).await;
+    store.close().unwrap();
+    let (_store, logs) = open(dir.path());
+    let mut c = logs.log_store(9).unwrap();
+    assert_eq!(all_entries(&mut c).await, vec![normal(9, 7, 0), normal(9, 7, 1)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,6 +251,32 @@ async fn a_restart_reads_only_the_entries_after_the_last_layout() {
     let mut ls = logs.log_store(2).unwrap();
     assert_eq!(all_entries(&mut ls).await, want);
     assert!(logs.recovery_stats().records_read <= 5, "{:?}", logs.recovery_stats());
+}
+
+/// The state machine's stream of entries is read in chunks of a few MiB: every entry, in order,
+/// across chunk boundaries, the purged beginning and the missing end left out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_entries_stream_reads_in_chunks() {
+    use futures_util::TryStreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, logs) = open(dir.path());
+    let mut ls = logs.log_store(1).unwrap();
+    let big = |i: u64| {
+        let mut e = normal(1, 1, i);
+        if let openraft::EntryPayload::Normal(c) = &mut e.payload {
+            c.0 = Bytes::from(vec![i as u8; 40 << 10]);
+        }
+        e
+    };
+    let want: Vec<_> = (0..300).map(big).collect();
+    for chunk in want.chunks(20) {
+        append_flushed(&mut ls, chunk.to_vec()).await;
+    }
+    ls.purge(log_id(1, 1, 9)).await.unwrap();
+    let got: Vec<_> = ls.entries_stream(0..400).await.try_collect().await.unwrap();
+    assert_eq!(got, want[10..].to_vec());
+    let got: Vec<_> = ls.entries_stream(100..=150).await.try_collect().await.unwrap();
+    assert_eq!(got, want[100..=150].to_vec());
 }
 
 #[test]

@@ -7,6 +7,7 @@ use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 
 use openraft::storage::{IOFlushed, LogState, RaftLogStorage};
+use futures_util::{stream, Stream, TryStreamExt};
 use openraft::{OptionalSend, RaftLogReader};
 
 use super::{Group, Shared};
@@ -14,6 +15,9 @@ use crate::types::{Entry, GroupId, LogId, TypeConfig, Vote};
 
 /// Entries a `limited_get_log_entries` reads from the store at most (replication batches).
 const LIMITED_READ_BYTES: usize = 8 << 20;
+
+/// Entries `entries_stream` reads from the store at once (the state machine's apply).
+const STREAM_CHUNK_BYTES: usize = 4 << 20;
 
 /// One group's Raft log: openraft's `RaftLogStorage` (and its log reader: clones share the group).
 #[derive(Clone)]
@@ -38,18 +42,24 @@ impl LogStore {
     }
 
     fn read(&self, range: impl RangeBounds<u64>, max_bytes: usize) -> io::Result<Vec<Entry>> {
-        let start = match range.start_bound() {
-            Bound::Included(&s) => s,
-            Bound::Excluded(&s) => s.saturating_add(1),
-            Bound::Unbounded => 0,
-        };
-        let end = match range.end_bound() {
-            Bound::Included(&e) => e.saturating_add(1),
-            Bound::Excluded(&e) => e,
-            Bound::Unbounded => u64::MAX,
-        };
+        let (start, end) = bounds(range);
         self.group.read(&self.shared.store, start, end, max_bytes)
     }
+}
+
+/// `[start, end)` of a range of indexes.
+fn bounds(range: impl RangeBounds<u64>) -> (u64, u64) {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => u64::MAX,
+    };
+    (start, end)
 }
 
 impl RaftLogReader<TypeConfig> for LogStore {
@@ -63,6 +73,25 @@ impl RaftLogReader<TypeConfig> for LogStore {
 
     async fn limited_get_log_entries(&mut self, start: u64, end: u64) -> Result<Vec<Entry>, io::Error> {
         self.read(start..end, LIMITED_READ_BYTES)
+    }
+
+    /// Committed entries for the state machine, read a chunk at a time: a follower catching up
+    /// applies thousands of entries in one go, which need not all be in memory at once.
+    async fn entries_stream<RB>(&mut self, range: RB) -> impl Stream<Item = Result<Entry, io::Error>> + OptionalSend
+    where
+        RB: RangeBounds<u64> + Clone + Debug + OptionalSend,
+    {
+        let (start, end) = bounds(range);
+        let chunks = stream::try_unfold((self.clone(), start), move |(reader, next)| async move {
+            if next >= end {
+                return Ok::<_, io::Error>(None);
+            }
+            let chunk = reader.read(next..end, STREAM_CHUNK_BYTES)?;
+            // Nothing more: the log ends before `end` (a read never leaves a hole).
+            let Some(last) = chunk.last().map(|e| e.log_id.index) else { return Ok(None) };
+            Ok(Some((stream::iter(chunk.into_iter().map(Ok)), (reader, last + 1))))
+        });
+        chunks.try_flatten()
     }
 }
 
