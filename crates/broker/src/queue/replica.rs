@@ -28,7 +28,8 @@
 //!   `ConsumerDown(this node)`, which returns what its consumers held before.
 //! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
 //!
-//! Bodies of ready and unacked messages are held in memory (v1: not paged like a classic queue's).
+//! Memory is bounded whatever the backlog: a replica holds at most `BODY_BUDGET_BYTES` of bodies; the
+//! others are only in the store and are read back in batches as they are delivered.
 
 use super::{GetWait, Got, Queue};
 use crate::channel::{Channel, Consumer, Settle};
@@ -49,7 +50,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::sync::Notify;
-use warren_store::{Batch, RecoveredQueue, Store};
+use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
 
 /// What a proposal's `done` receives: the reply bytes of the entry's apply on this node, or why it
 /// was not committed (no leader or majority within the replicator's timeout, the group stopped).
@@ -111,13 +112,25 @@ const PENDING_PAUSE_BYTES: usize = 16 << 20;
 const NO_ACK_PREFETCH: u32 = 1000;
 /// The leader proposes a `Tick` (TTL, x-expires) at most this often.
 const TICK_EVERY_MS: u64 = 1000;
+/// Memory (`Message::memory_bytes`) of the bodies a replica holds; past it, new bodies stay only in the
+/// store and are read back, in batches, as they are delivered (as a classic queue's span).
+const BODY_BUDGET_BYTES: u64 = 32 << 20;
+/// What one read-back asks the store for.
+const READ_BACK_MESSAGES: usize = 512;
+const READ_BACK_BYTES: usize = 4 << 20;
+/// How long a read-back waits for a record the store has not made readable yet.
+const READABLE_WAIT: Duration = Duration::from_secs(5);
+
 /// How long purge waits for its entry.
 const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A message body this replica holds (and its store record's size).
+/// A live message on this replica: its store record, and its body while it fits in memory.
 struct Body {
-    message: MessageRef,
+    /// None: only in the store (the replica's bodies passed `BODY_BUDGET_BYTES`); read back to deliver.
+    message: Option<MessageRef>,
     stored_bytes: u64,
+    /// The store append of its record (readable once the store's readable watermark passes it).
+    ticket: SyncTicket,
 }
 
 /// A basic.consume on this node.
@@ -139,6 +152,8 @@ struct Getter {
 struct ReplicaState {
     machine: QuorumMachine,
     bodies: HashMap<MsgId, Body>,
+    /// Memory of the bodies held in `bodies`.
+    body_mem: u64,
     /// Records from this msg id on are not in the store yet (replayed entries below it are).
     stored_until: u64,
     consumers: HashMap<u64, LocalConsumer>,
@@ -278,6 +293,7 @@ impl QuorumReplica {
                 sessions: HashMap::new(),
                 sessions_pruned_at: 16,
                 bodies: HashMap::new(),
+                body_mem: 0,
                 stored_until: 0,
                 consumers: HashMap::new(),
                 getters: HashMap::new(),
@@ -395,10 +411,13 @@ impl QuorumReplica {
             }
             Effect::DeadLetter { reason, msgs } => {
                 for id in run_ids(&msgs) {
-                    let Some(message) = forget(st, self.group, id, &mut after.acks) else { continue };
                     let (Some(reason), Some(exchange), true) = (death_reason(reason), &queue.args.dead_letter_exchange, leader) else {
+                        forget(st, self.group, id, &mut after.acks);
                         continue;
                     };
+                    let message = self.message_of(queue, st, id);
+                    forget(st, self.group, id, &mut after.acks);
+                    let Some(message) = message else { continue };
                     after.dead.push(DeadLetter {
                         message,
                         reason,
@@ -431,34 +450,79 @@ impl QuorumReplica {
             tracing::error!(queue = %queue.name, msg_id, "an enqueued message does not decode; not kept");
             return;
         };
-        if let Err(e) = self.store.append_enqueue(self.group, msg_id, st.machine.now_ms(), &[&payload]) {
-            tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's message to the store");
-        }
+        let ticket = match self.store.append_enqueue(self.group, msg_id, st.machine.now_ms(), &[&payload]) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's message to the store");
+                0
+            }
+        };
         st.stored_until = msg_id + 1;
         if stored.message.expiration_ms.is_some() {
             st.saw_expiration = true;
         }
-        st.bodies.insert(msg_id, Body { message: Arc::new(stored.message), stored_bytes: payload.len() as u64 });
+        let message = hold(st, stored.message);
+        st.bodies.insert(msg_id, Body { message, stored_bytes: payload.len() as u64, ticket });
+    }
+
+    /// A live message's body: held, or read back from the store (with the bodies after it, while they
+    /// fit). None if the replica has no such message or the store cannot give it back.
+    fn message_of(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId) -> Option<MessageRef> {
+        let ticket = match st.bodies.get(&msg_id)? {
+            Body { message: Some(m), .. } => return Some(m.clone()),
+            Body { ticket, .. } => *ticket,
+        };
+        let store = &self.store;
+        // A read (and, rarely, a wait for the store's writer to make the record readable) on the
+        // apply or dispatch path: as blocking work, off the runtime's other tasks.
+        let read = crate::blocking::run(|| {
+            let deadline = std::time::Instant::now() + READABLE_WAIT;
+            while !store.is_readable(ticket) && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            store.read(self.group, msg_id, READ_BACK_MESSAGES, READ_BACK_BYTES)
+        });
+        match read {
+            Ok(batch) => {
+                for m in batch.messages {
+                    let wanted = m.seq == msg_id || st.body_mem < BODY_BUDGET_BYTES;
+                    if !wanted || !st.bodies.get(&m.seq).is_some_and(|b| b.message.is_none()) {
+                        continue;
+                    }
+                    match decode_stored(&m.payload) {
+                        Some(stored) => {
+                            st.body_mem += stored.message.memory_bytes() as u64;
+                            if let Some(b) = st.bodies.get_mut(&m.seq) {
+                                b.message = Some(Arc::new(stored.message));
+                            }
+                        }
+                        None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
+                    }
+                }
+            }
+            Err(e) => tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages back from the store"),
+        }
+        st.bodies.get(&msg_id)?.message.clone()
     }
 
     /// Hands the machine's deliveries to a consumer (or getter) of this node.
     fn deliver(&self, queue: &Arc<Queue>, st: &mut ReplicaState, consumer: ConsumerId, settled: bool, msgs: Vec<Delivery>, after: &mut After) {
-        let ReplicaState { machine, bodies, consumers, getters, checked_out, .. } = st;
-        let entry_of = |bodies: &mut HashMap<MsgId, Body>, acks: &mut Batch, d: &Delivery| {
-            let message = if settled {
-                let body = bodies.remove(&d.msg_id)?;
-                acks.ack(self.group, d.msg_id, body.stored_bytes);
-                body.message
-            } else {
-                bodies.get(&d.msg_id)?.message.clone()
-            };
-            Some(Entry { message, seq: d.msg_id, stored_bytes: 0, expires_at_ms: None, redelivered: d.redelivered })
-        };
+        let known = st.getters.contains_key(&consumer.local) || st.consumers.contains_key(&consumer.local);
+        // The bodies first (read back from the store if need be); a settled delivery's message is gone.
+        let mut entries: Vec<Option<Entry>> = Vec::with_capacity(msgs.len());
+        for d in &msgs {
+            let message = if known { self.message_of(queue, st, d.msg_id) } else { None };
+            if settled {
+                forget(st, self.group, d.msg_id, &mut after.acks);
+            }
+            entries.push(message.map(|message| Entry { message, seq: d.msg_id, stored_bytes: 0, expires_at_ms: None, redelivered: d.redelivered }));
+        }
+        let ReplicaState { machine, consumers, getters, checked_out, .. } = st;
         if let Some(getter) = getters.get_mut(&consumer.local) {
             let Some(d) = msgs.first() else { return };
             // A channel closed meanwhile takes nothing more (its get-ok would never be settled).
             let channel = getter.channel.upgrade().filter(|c| !c.is_closed());
-            match (entry_of(bodies, &mut after.acks, d), channel) {
+            match (entries.swap_remove(0), channel) {
                 (Some(entry), Some(channel)) => {
                     let remaining = machine.ready_count().min(u32::MAX as u64) as u32;
                     if channel.deliver_get(queue, entry, settled, remaining).is_none() {
@@ -487,8 +551,8 @@ impl QuorumReplica {
             }
             return;
         };
-        for d in &msgs {
-            let Some(entry) = entry_of(bodies, &mut after.acks, d) else {
+        for (d, entry) in msgs.iter().zip(entries) {
+            let Some(entry) = entry else {
                 tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body for a delivered message; discarding it");
                 if !settled {
                     after.discards.push((consumer, d.msg_id));
@@ -573,7 +637,8 @@ impl QuorumReplica {
                 let stored_bytes = m.payload.len() as u64;
                 match decode_stored(&m.payload) {
                     Some(stored) => {
-                        st.bodies.insert(m.seq, Body { message: Arc::new(stored.message), stored_bytes });
+                        let message = hold(&mut st, stored.message);
+                        st.bodies.insert(m.seq, Body { message, stored_bytes, ticket: 0 });
                     }
                     None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
                 }
@@ -951,6 +1016,7 @@ impl QuorumReplica {
             let mut st = self.state.lock();
             st.deleted = true;
             st.bodies.clear();
+            st.body_mem = 0;
             st.checked_out.clear();
             st.getters.clear();
             let consumers: Vec<Arc<Consumer>> = st.consumers.drain().map(|(_, c)| c.consumer).collect();
@@ -998,12 +1064,24 @@ fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, afte
     }
 }
 
-/// A message left the queue: its body and store record go. Returns its body, if this replica had it.
-fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) -> Option<MessageRef> {
+/// A message left the queue: its body and store record go.
+fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     st.checked_out.remove(&msg_id);
-    let body = st.bodies.remove(&msg_id)?;
+    let Some(body) = st.bodies.remove(&msg_id) else { return };
     acks.ack(group, msg_id, body.stored_bytes);
-    Some(body.message)
+    if let Some(m) = body.message {
+        st.body_mem = st.body_mem.saturating_sub(m.memory_bytes() as u64);
+    }
+}
+
+/// A new live message's body, held in memory while the replica's bodies fit in `BODY_BUDGET_BYTES`.
+fn hold(st: &mut ReplicaState, message: crate::message::Message) -> Option<MessageRef> {
+    let bytes = message.memory_bytes() as u64;
+    if st.body_mem + bytes > BODY_BUDGET_BYTES {
+        return None;
+    }
+    st.body_mem += bytes;
+    Some(Arc::new(message))
 }
 
 /// Adds settlements to the entry being built: one command per consumer and kind.
