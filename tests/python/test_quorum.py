@@ -107,8 +107,9 @@ def test_basic_get_and_nack_requeue_redelivers(ch, name):
     method, _, body = ch.basic_get(name)
     assert (body, method.redelivered, method.message_count) == (b"a", False, 1)
     ch.basic_nack(method.delivery_tag, requeue=True)
-    method, _, body = ch.basic_get(name)
+    method, props, body = ch.basic_get(name)
     assert (body, method.redelivered) == (b"a", True), "a requeued message comes back first, flagged"
+    assert props.headers["x-delivery-count"] == 1, "failed deliveries so far, as RabbitMQ 4"
     ch.basic_ack(method.delivery_tag)
     assert get_all(ch, name) == [(b"b", False)]
 

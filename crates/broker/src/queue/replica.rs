@@ -515,6 +515,7 @@ impl QuorumReplica {
             if settled {
                 forget(st, self.group, d.msg_id, &mut after.acks);
             }
+            let message = message.map(|m| if d.delivery_count > 0 { with_delivery_count(&m, d.delivery_count) } else { m });
             entries.push(message.map(|message| Entry { message, seq: d.msg_id, stored_bytes: 0, expires_at_ms: None, redelivered: d.redelivered }));
         }
         let ReplicaState { machine, consumers, getters, checked_out, .. } = st;
@@ -1072,6 +1073,27 @@ fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     if let Some(m) = body.message {
         st.body_mem = st.body_mem.saturating_sub(m.memory_bytes() as u64);
     }
+}
+
+/// A message returned before, as delivered: with the `x-delivery-count` header (failed deliveries so
+/// far), as RabbitMQ 4's quorum queues add it. A message whose properties do not decode goes as it is.
+fn with_delivery_count(message: &MessageRef, count: u32) -> MessageRef {
+    let Ok(mut props) = warren_protocol::properties::BasicProperties::decode(&message.properties) else {
+        return message.clone();
+    };
+    let mut headers = props.headers.take().unwrap_or_default();
+    headers.insert("x-delivery-count".to_string(), warren_protocol::field::FieldValue::I64(count as i64));
+    props.headers = Some(headers);
+    let mut raw = BytesMut::new();
+    props.encode(&mut raw);
+    Arc::new(crate::message::Message {
+        exchange: message.exchange.clone(),
+        routing_key: message.routing_key.clone(),
+        properties: raw.freeze(),
+        body: message.body.clone(),
+        persistent: message.persistent,
+        expiration_ms: message.expiration_ms,
+    })
 }
 
 /// A new live message's body, held in memory while the replica's bodies fit in `BODY_BUDGET_BYTES`.
