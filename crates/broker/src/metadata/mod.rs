@@ -426,18 +426,15 @@ impl Metadata {
             let mut record = ops.clone();
             record.push(Op::GroupApplied { index });
             let payload = serde_json::to_vec(&record).unwrap_or_default();
-            let mut delay = std::time::Duration::from_millis(10);
-            loop {
-                let written = crate::blocking::run(|| inner.repair_if_broken().and_then(|()| inner.log.append(&payload)));
-                match written {
-                    Ok(()) => break,
-                    Err(e) => {
-                        tracing::error!(error = %e, index, "could not write a metadata-group entry to the metadata log; retrying");
-                        std::thread::sleep(delay);
-                        delay = (delay * 2).min(std::time::Duration::from_secs(1));
-                    }
+            // Off the runtime's workers: the fsync, and the waits between retries.
+            crate::blocking::run(|| {
+                let mut delay = std::time::Duration::from_millis(10);
+                while let Err(e) = inner.repair_if_broken().and_then(|()| inner.log.append(&payload)) {
+                    tracing::error!(error = %e, index, "could not write a metadata-group entry to the metadata log; retrying");
+                    std::thread::sleep(delay);
+                    delay = (delay * 2).min(std::time::Duration::from_secs(1));
                 }
-            }
+            });
             for op in ops.iter().cloned() {
                 inner.state.apply(op);
             }
