@@ -8,12 +8,23 @@
 //! the leader's entries gets `NotAllowed`, which is fine). The identical initial membership entry on
 //! every member makes concurrent initialization safe.
 //!
-//! **Failover.** Group timers are slow on purpose (heartbeat 500 ms, election timeout 2–4 s, so
-//! thousands of idle groups cost little). When the failure detector declares a node down, each
-//! surviving voter of the groups that node led starts an election, staggered by a per-group rank
-//! so that one candidate usually runs alone; voters grant it despite their leader lease when they
-//! too see the old leader down (the vote is marked as a leadership transfer). Warren never serves
-//! lease reads, so granting early does not let a deposed leader answer stale reads.
+//! **Timers: one per node, not per group.** openraft's per-group tick is off (`enable_tick:
+//! false`): at 1,000 groups its ticks and heartbeats alone kept a core busy. Instead one node task,
+//! [`SWEEP_EVERY`], looks at every group:
+//! - a group this node leads whose log or commit index moved since the last look gets one
+//!   heartbeat (so followers learn the commit index and apply); an idle group sends nothing; every
+//!   [`LEADER_REFRESH`] a leader heartbeats anyway (a backstop);
+//! - a group with no leader, or whose leader's node the failure detector says is down, gets an
+//!   election from its live voters, one at a time: a per-group rank (rotating with the group id)
+//!   staggers them by [`ELECTION_STAGGER`], after [`LEADERLESS_GRACE`] when the leader is merely
+//!   unknown (a start), at once when its node is down; retried every [`ELECTION_RETRY`].
+//! - when a node comes (back) up, the groups this node leads that include it are heartbeaten at
+//!   once, so a restarted node learns its leaders before it would start elections.
+//!
+//! A voter that sees the old leader's node down grants a vote despite its leader lease (the request
+//! is marked as a leadership transfer). Warren never serves lease reads, so granting early does not
+//! let a deposed leader answer stale reads; a deposed leader cut off from the others cannot commit
+//! and steps down at the first message of the new term.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -38,20 +49,29 @@ use crate::transport::wire::{self, Dec, DecodeError, Enc, Wire};
 use crate::transport::{BoxFuture, Handler, LinkKind, Rpc, RpcError, Transport, TransportConfig};
 use crate::types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADATA_GROUP};
 
-/// Delay between the candidates of one group after its leader's node went down.
-const ELECTION_STAGGER: Duration = Duration::from_millis(300);
+/// How often the node looks at its groups (the node's one timer for all of them).
+pub const SWEEP_EVERY: Duration = Duration::from_millis(200);
+/// Delay between the candidates of one group (by rank).
+pub const ELECTION_STAGGER: Duration = Duration::from_millis(300);
+/// How long a group may have no known leader (its leader's node not known down) before an
+/// election: at a start, a leader usually makes itself known sooner.
+pub const LEADERLESS_GRACE: Duration = Duration::from_millis(1500);
+/// A candidate that did not win tries again after this long (plus its rank's stagger).
+pub const ELECTION_RETRY: Duration = Duration::from_millis(2000);
+/// A leader heartbeats its followers at least this often, even when idle.
+pub const LEADER_REFRESH: Duration = Duration::from_secs(30);
 /// How long [`ClusterNode::propose`] keeps trying (elections, forwarding) by default.
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout of one forwarded command or one status request to a peer.
 const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The Raft timers of every group, for 3 nodes sharing few cores and thousands of groups: a
-/// heartbeat every 500 ms (suppressed to followers that acknowledged replication within the last
-/// 500 ms), elections after 2–4 s of silence, pre-vote on. Failover of a dead node is the
-/// detector's job, not these timers'.
+/// The Raft configuration of every group: openraft's own tick is off (the node's sweep drives
+/// heartbeats and elections, see the module docs); the leader lease a voter honours is
+/// `election_timeout_max` (4 s) after the last message from its leader.
 pub fn group_config() -> openraft::Config {
     openraft::Config {
         cluster_name: "warren".to_owned(),
+        enable_tick: false,
         heartbeat_interval: 500,
         heartbeat_min_interval: Some(500),
         election_timeout_min: 2000,
@@ -167,6 +187,11 @@ trait GroupHandle: Send + Sync + 'static {
     fn write(&self, cmd: Command) -> BoxFuture<WriteOutcome>;
     fn metrics(&self) -> RaftMetrics<TypeConfig>;
     fn elect(&self) -> BoxFuture<()>;
+    /// openraft's `initialize`; a group that already has state (`NotAllowed`) is fine.
+    fn initialize(&self, nodes: BTreeMap<NodeId, NodeAddr>) -> BoxFuture<Result<(), String>>;
+    fn heartbeat(&self) -> BoxFuture<()>;
+    /// What the sweep looks at: (state, leader, last log index, committed index).
+    fn summary(&self) -> (ServerState, Option<NodeId>, Option<u64>, Option<u64>);
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>>;
     fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome>;
     fn shutdown(&self) -> BoxFuture<()>;
@@ -234,6 +259,30 @@ where
         })
     }
 
+    fn initialize(&self, nodes: BTreeMap<NodeId, NodeAddr>) -> BoxFuture<Result<(), String>> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            match raft.initialize(nodes).await {
+                Ok(()) | Err(RaftError::APIError(InitializeError::NotAllowed(_))) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
+
+    fn heartbeat(&self) -> BoxFuture<()> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            let _ = raft.trigger().heartbeat().await;
+        })
+    }
+
+    fn summary(&self) -> (ServerState, Option<NodeId>, Option<u64>, Option<u64>) {
+        use openraft::async_runtime::WatchReceiver;
+        let rx = self.raft.metrics();
+        let m = rx.borrow_watched();
+        (m.state, m.current_leader, m.last_log_index, m.local_committed.map(|c| c.index))
+    }
+
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>> {
         let raft = self.raft.clone();
         Box::pin(async move { raft.trigger().transfer_leader(to).await.map_err(|e| e.to_string()) })
@@ -267,6 +316,8 @@ struct NodeInner {
     /// Addresses of the nodes this node knows (the initial peers and nodes added since).
     addrs: RwLock<BTreeMap<NodeId, NodeAddr>>,
     groups: RwLock<HashMap<GroupId, Arc<dyn GroupHandle>>>,
+    /// New groups waiting for their preferred member to initialize them: (voters, since).
+    pending_init: parking_lot::Mutex<HashMap<GroupId, (BTreeMap<NodeId, NodeAddr>, Instant)>>,
     detector: Detector,
     raft_config: Arc<openraft::Config>,
     stop: watch::Sender<bool>,
@@ -405,6 +456,7 @@ impl ClusterNode {
             transport: transport.clone(),
             addrs: RwLock::new(addrs),
             groups: RwLock::new(HashMap::new()),
+            pending_init: parking_lot::Mutex::new(HashMap::new()),
             detector: Detector::default(),
             raft_config,
             stop,
@@ -414,6 +466,7 @@ impl ClusterNode {
         for peer in transport.peers() {
             node.watch_peer(peer);
         }
+        tokio::spawn(sweep(Arc::downgrade(&node.inner), node.inner.stop.subscribe()));
         tracing::info!(node_id = config.node_id, listen = %transport.local_addr(), peers = config.peers.len(), "cluster node started");
         Ok(node)
     }
@@ -428,10 +481,12 @@ impl ClusterNode {
                 .watch(transport, peer, stop, move |change| {
                     let Some(inner) = weak.upgrade() else { return };
                     match change {
-                        Change::Up(p) => tracing::info!(peer = p, "cluster node up"),
+                        Change::Up(p) => {
+                            tracing::info!(peer = p, "cluster node up");
+                            ClusterNode { inner }.announce_leadership_to(p);
+                        }
                         Change::Down(p) => {
-                            tracing::warn!(peer = p, "cluster node down: electing new leaders for the groups it led");
-                            ClusterNode { inner }.fail_over(p);
+                            tracing::warn!(peer = p, "cluster node down: the groups it led elect new leaders");
                         }
                     }
                 })
@@ -499,11 +554,15 @@ impl ClusterNode {
             groups.insert(group, Arc::new(Handle { raft: raft.clone() }));
         }
         if !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
-            match raft.initialize(nodes).await {
-                Ok(()) => tracing::debug!(group, "group initialized"),
-                // Entries from the leader arrived first: the group is already part of the cluster.
-                Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
-                Err(e) => return Err(raft_err(&e)),
+            if preferred_member(group, members) == Some(self.inner.id) {
+                match raft.initialize(nodes).await {
+                    Ok(()) => tracing::debug!(group, "group initialized"),
+                    // Entries from the leader arrived first: the group is already part of the cluster.
+                    Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
+                    Err(e) => return Err(raft_err(&e)),
+                }
+            } else {
+                self.inner.pending_init.lock().insert(group, (nodes, Instant::now()));
             }
         }
         Ok(raft)
@@ -596,43 +655,32 @@ impl ClusterNode {
         }
     }
 
-    /// After `down` went down: elect new leaders for the groups it led, one staggered candidate
-    /// at a time per group (see the module docs).
-    fn fail_over(&self, down: NodeId) {
-        let me = self.inner.id;
-        let groups: Vec<(GroupId, Arc<dyn GroupHandle>)> =
-            self.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
-        for (group, h) in groups {
-            let m = h.metrics();
-            if m.current_leader != Some(down) {
-                continue;
-            }
-            let live: Vec<NodeId> = m
-                .membership_config
-                .membership()
-                .voter_ids()
-                .filter(|id| *id == me || (*id != down && !self.inner.detector.is_down(*id)))
-                .collect();
-            let Some(pos) = live.iter().position(|id| *id == me) else { continue };
-            let rank = (pos + live.len() - (group as usize % live.len())) % live.len();
-            let node = self.clone();
-            tokio::spawn(async move {
-                for attempt in 0..3u32 {
-                    let wait = ELECTION_STAGGER * (rank as u32 + attempt * live.len() as u32);
-                    tokio::time::sleep(wait).await;
-                    let m = h.metrics();
-                    let leaderless = match m.current_leader {
-                        None => true,
-                        Some(l) => l == down || (l != me && node.inner.detector.is_down(l)),
-                    };
-                    if !leaderless || m.state == ServerState::Leader || !node.inner.detector.is_down(down) {
-                        return;
-                    }
-                    tracing::debug!(group, attempt, "electing after the leader's node went down");
-                    h.elect().await;
+    /// Heartbeats the groups this node leads that include `peer` (it just came up).
+    fn announce_leadership_to(&self, peer: NodeId) {
+        let groups: Vec<Arc<dyn GroupHandle>> = self.inner.groups.read().values().cloned().collect();
+        tokio::spawn(async move {
+            for h in groups {
+                let m = h.metrics();
+                if m.state == ServerState::Leader && m.membership_config.membership().get_node(&peer).is_some() {
+                    h.heartbeat().await;
                 }
-            });
-        }
+            }
+        });
+    }
+
+    /// This node's rank among the live voters of `group` for an election (0 goes first), or None
+    /// if it is not a voter.
+    fn election_rank(&self, group: GroupId, h: &dyn GroupHandle) -> Option<usize> {
+        let me = self.inner.id;
+        let m = h.metrics();
+        let live: Vec<NodeId> = m
+            .membership_config
+            .membership()
+            .voter_ids()
+            .filter(|id| *id == me || !self.inner.detector.is_down(*id))
+            .collect();
+        let pos = live.iter().position(|id| *id == me)?;
+        Some((pos + live.len() - (group as usize % live.len())) % live.len())
     }
 
     /// This node's view: members, reachability and its groups.
@@ -870,3 +918,93 @@ impl ClusterNode {
     }
 }
 
+
+/// The member that initializes a new group (and so first leads it): the voters in id order,
+/// rotated by the group id, so leadership of new groups spreads over the nodes.
+fn preferred_member(group: GroupId, members: &BTreeSet<NodeId>) -> Option<NodeId> {
+    if members.is_empty() {
+        return None;
+    }
+    members.iter().nth(group as usize % members.len()).copied()
+}
+
+/// How long a new group waits for its preferred member to initialize it before this member does
+/// (the preferred member may be down).
+pub const INIT_FALLBACK: Duration = Duration::from_secs(3);
+
+/// What the sweep remembers about a group between looks.
+#[derive(Default)]
+struct GroupTimer {
+    /// (last log index, committed index) at the last heartbeat.
+    seen: (Option<u64>, Option<u64>),
+    last_heartbeat: Option<Instant>,
+    leaderless_since: Option<Instant>,
+    last_election: Option<Instant>,
+}
+
+/// The node's one timer for all its groups (see the module docs).
+async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
+    let mut timers: HashMap<GroupId, GroupTimer> = HashMap::new();
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let Some(inner) = node.upgrade() else { return };
+        let node = ClusterNode { inner };
+        let me = node.inner.id;
+        let groups: Vec<(GroupId, Arc<dyn GroupHandle>)> =
+            node.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
+        timers.retain(|g, _| groups.iter().any(|(x, _)| x == g));
+        let now = Instant::now();
+        // New groups whose preferred member has not made itself heard: initialize them here.
+        let pending: Vec<(GroupId, BTreeMap<NodeId, NodeAddr>)> = {
+            let mut p = node.inner.pending_init.lock();
+            p.retain(|g, _| groups.iter().any(|(x, _)| x == g));
+            p.iter().filter(|(_, (_, since))| now.duration_since(*since) >= INIT_FALLBACK).map(|(g, (n, _))| (*g, n.clone())).collect()
+        };
+        for (group, nodes) in pending {
+            let Some((_, h)) = groups.iter().find(|(g, _)| *g == group) else { continue };
+            node.inner.pending_init.lock().remove(&group);
+            let has_members = h.metrics().membership_config.membership().voter_ids().next().is_some();
+            if !has_members {
+                tracing::info!(group, "the group's preferred member did not initialize it: initializing it here");
+                if let Err(e) = h.initialize(nodes).await {
+                    tracing::warn!(group, error = %e, "cannot initialize the group");
+                }
+            }
+        }
+        for (group, h) in groups {
+            let t = timers.entry(group).or_default();
+            let (state, leader, last_log, committed) = h.summary();
+            if state == ServerState::Leader {
+                t.leaderless_since = None;
+                let moved = (last_log, committed) != t.seen;
+                let stale = t.last_heartbeat.is_none_or(|at| now.duration_since(at) >= LEADER_REFRESH);
+                if moved || stale {
+                    t.seen = (last_log, committed);
+                    t.last_heartbeat = Some(now);
+                    h.heartbeat().await;
+                }
+                continue;
+            }
+            let leader_down = leader.is_some_and(|l| l != me && node.inner.detector.is_down(l));
+            if leader.is_some_and(|l| l != me) && !leader_down {
+                t.leaderless_since = None;
+                continue;
+            }
+            let since = *t.leaderless_since.get_or_insert(now);
+            let Some(rank) = node.election_rank(group, h.as_ref()) else { continue };
+            let grace = if leader_down { Duration::ZERO } else { LEADERLESS_GRACE };
+            let due = since + grace + ELECTION_STAGGER * rank as u32;
+            let retry_ok = t.last_election.is_none_or(|at| now.duration_since(at) >= ELECTION_RETRY + ELECTION_STAGGER * rank as u32);
+            if now >= due && retry_ok {
+                t.last_election = Some(now);
+                tracing::debug!(group, rank, ?leader, leader_down, "electing");
+                h.elect().await;
+            }
+        }
+    }
+}

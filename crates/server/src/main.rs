@@ -1,8 +1,10 @@
 //! The `warren` binary.
 
 mod alarms;
+mod cluster;
 mod config;
 mod connection;
+mod ctl;
 mod quorum;
 mod server;
 
@@ -22,6 +24,8 @@ enum Command {
     Server(ServerArgs),
     /// Load any AMQP 0-9-1 broker (Warren or RabbitMQ) and report rates and latencies.
     Bench(warren_bench::BenchArgs),
+    /// Ask a running cluster node about the cluster, or change it.
+    Ctl(ctl::CtlArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -29,6 +33,17 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Server(args) => run_server(args),
         Command::Bench(args) => warren_bench::run(args),
+        Command::Ctl(args) => ctl::run(args),
+    }
+}
+
+/// The log filter: openraft logs every vote and election at `info`, so its level is `warn` unless
+/// the filter names it (e.g. `info,openraft=info`).
+fn log_filter(configured: &str) -> String {
+    if configured.contains("openraft") {
+        configured.to_owned()
+    } else {
+        format!("{configured},openraft=warn")
     }
 }
 
@@ -40,8 +55,7 @@ fn run_server(args: ServerArgs) -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("WARREN_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
+    let filter = tracing_subscriber::EnvFilter::new(log_filter(&std::env::var("WARREN_LOG").unwrap_or_else(|_| config.log.clone())));
     tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
     tracing::info!("starting Warren {} ({})", env!("CARGO_PKG_VERSION"), config.summary());
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("warren").build() {

@@ -105,12 +105,14 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         );
     }
 
-    if let Some(cluster) = config.cluster() {
-        tracing::warn!(node_id = cluster.node_id, "cluster settings are accepted but the cluster node is not started yet (issue 10 in progress): running standalone");
-    }
-    // Quorum queues: each its own Raft group, its log in the node's WAL (`quorum`).
+    // The Raft logs of this node's groups (quorum queues; the metadata group when clustered), in the WAL.
     let raft_logs = warren_cluster::RaftLogs::open(broker.store().clone(), &report.store_queues)
-        .map_err(|e| format!("cannot open the Raft logs of quorum queues: {e}"))?;
+        .map_err(|e| format!("cannot open the Raft logs: {e}"))?;
+    // A cluster member (with --peers): the cluster port, the failure detector, the metadata group.
+    let cluster = match config.cluster() {
+        Some(settings) => Some(crate::cluster::start(&config, settings, &raft_logs).await?),
+        None => None,
+    };
     let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
     let quorum_groups = crate::quorum::QuorumGroups::new(raft_logs, STANDALONE_NODE_ID, node_addr);
     broker.set_quorum_host(quorum_groups.clone());
@@ -184,6 +186,9 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
     alarm_monitor.abort();
     reloader.abort();
     quorum_groups.shutdown().await;
+    if let Some(node) = &cluster {
+        node.shutdown().await;
+    }
     broker.close();
     tracing::info!("stopped");
     Ok(())

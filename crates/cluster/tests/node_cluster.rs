@@ -1,0 +1,184 @@
+//! Three cluster nodes in one process, on loopback ports, each with its own store in a temporary
+//! directory and the real log store: the metadata group elects a leader, a command proposed on a
+//! follower is forwarded and applied everywhere, stopping the leader's node gets a new leader within
+//! seconds and proposals go on, and the stopped node restarted on its data rejoins and catches up.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use warren_cluster::machine::testing::ListMachine;
+use warren_cluster::node::{group_config, NodeConfig};
+use warren_cluster::{ClusterNode, Command, NodeId, RaftLogs, StateMachine, METADATA_GROUP};
+use warren_store::{Store, StoreOptions};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+struct TestNode {
+    id: NodeId,
+    node: ClusterNode,
+    store: Store,
+    machine: ListMachine,
+}
+
+/// Faster than production timers so the test takes seconds; failover still goes through the
+/// failure detector.
+fn test_raft_config() -> openraft::Config {
+    openraft::Config { heartbeat_interval: 150, heartbeat_min_interval: Some(150), election_timeout_min: 800, election_timeout_max: 1600, ..group_config() }
+}
+
+async fn start_node(id: NodeId, dir: &Path, ports: &[(NodeId, u16)], groups: &[u64]) -> TestNode {
+    let opts = StoreOptions { segment_size: 1 << 20, ..StoreOptions::default() };
+    let (store, recovery) = Store::open(dir, opts).expect("store opens");
+    let logs: Arc<RaftLogs> = RaftLogs::open(store.clone(), &recovery.queues).expect("raft logs open");
+    let listen = format!("127.0.0.1:{}", ports.iter().find(|(i, _)| *i == id).expect("port").1);
+    let node = ClusterNode::start(NodeConfig {
+        node_id: id,
+        listen: listen.parse().expect("addr"),
+        peers: ports.iter().map(|(i, p)| (*i, format!("127.0.0.1:{p}"))).collect(),
+        secret: b"test-cluster-secret".to_vec(),
+        amqp_addr: format!("127.0.0.1:{}", 5000 + id),
+        raft: test_raft_config(),
+    })
+    .await
+    .expect("node starts");
+    let members: BTreeSet<NodeId> = ports.iter().map(|(i, _)| *i).collect();
+    let machine = ListMachine::default();
+    for &g in groups {
+        let m = if g == METADATA_GROUP { machine.clone() } else { ListMachine::default() };
+        let sm = StateMachine::open(&logs, g, m).await.expect("state machine opens");
+        node.start_group(g, &members, logs.log_store(g).expect("log store"), sm).await.expect("group starts");
+    }
+    TestNode { id, node, store, machine }
+}
+
+async fn stop_node(n: TestNode) {
+    n.node.shutdown().await;
+    n.store.close().expect("store closes");
+}
+
+/// Waits until every node names the same leader of `group`; returns it.
+async fn agreed_leader(nodes: &[&TestNode], group: u64, within: Duration) -> Option<NodeId> {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        let leaders: Vec<Option<NodeId>> = nodes.iter().map(|n| n.node.leader(group)).collect();
+        if let Some(Some(l)) = leaders.first() {
+            if leaders.iter().all(|x| *x == Some(*l)) && nodes.iter().any(|n| n.id == *l) {
+                return Some(*l);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+async fn wait_applied(n: &TestNode, want: &[Bytes], within: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if n.machine.commands() == want {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+fn dirs(root: &Path) -> Vec<PathBuf> {
+    (1..=3).map(|i| root.join(format!("node{i}"))).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_elect_forward_fail_over_and_rejoin() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let groups = [METADATA_GROUP];
+    // Started in reverse order: the order must not matter.
+    let n3 = start_node(3, &d[2], &ports, &groups).await;
+    let n2 = start_node(2, &d[1], &ports, &groups).await;
+    let n1 = start_node(1, &d[0], &ports, &groups).await;
+    let mut nodes = vec![n1, n2, n3];
+
+    let leader = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(15)).await.expect("a leader is elected");
+    let follower = nodes.iter().find(|n| n.id != leader).expect("a follower");
+    let reply = follower
+        .node
+        .propose(METADATA_GROUP, Command(Bytes::from_static(b"first")), Duration::from_secs(10))
+        .await
+        .expect("a command proposed on a follower is forwarded to the leader");
+    assert_eq!(reply.0.len(), 8, "the machine's reply (its index) comes back through the forward");
+    let mut want = vec![Bytes::from_static(b"first")];
+    for n in &nodes {
+        assert!(wait_applied(n, &want, Duration::from_secs(10)).await, "node {} applied {:?}", n.id, n.machine.commands());
+    }
+
+    // The cluster status, asked of any node, names the members and the leader with its followers.
+    let status = nodes[0].node.cluster_status().await;
+    assert_eq!(status.members.iter().map(|m| m.id).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert!(status.members.iter().all(|m| m.reachable), "{status:?}");
+    let g0 = status.groups.iter().find(|g| g.group == METADATA_GROUP).expect("group 0");
+    assert_eq!((g0.leader, g0.state.as_str(), g0.seen_by), (Some(leader), "leader", leader), "{g0:?}");
+    assert_eq!(g0.followers.len(), 2, "{g0:?}");
+
+    // Stop the leader's node.
+    let pos = nodes.iter().position(|n| n.id == leader).expect("leader node");
+    let stopped = nodes.remove(pos);
+    let stopped_id = stopped.id;
+    let killed_at = Instant::now();
+    stop_node(stopped).await;
+    let new_leader = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(10))
+        .await
+        .expect("the survivors elect a new leader");
+    let failover = killed_at.elapsed();
+    assert_ne!(new_leader, stopped_id);
+    eprintln!("failover: new leader {new_leader} {failover:?} after node {stopped_id} stopped");
+    for n in &nodes {
+        n.node
+            .propose(METADATA_GROUP, Command(Bytes::from(format!("after-{}", n.id))), Duration::from_secs(10))
+            .await
+            .expect("proposals go on with two of three nodes");
+    }
+    want.extend(nodes.iter().map(|n| Bytes::from(format!("after-{}", n.id))));
+    for n in &nodes {
+        assert!(wait_applied(n, &want, Duration::from_secs(10)).await, "node {} applied {:?}", n.id, n.machine.commands());
+    }
+
+    // Restart the stopped node on its data: it rejoins and catches up.
+    let restarted = start_node(stopped_id, &d[stopped_id as usize - 1], &ports, &groups).await;
+    assert!(wait_applied(&restarted, &want, Duration::from_secs(15)).await, "restarted node caught up: {:?}", restarted.machine.commands());
+    nodes.push(restarted);
+    let l = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(10)).await.expect("one leader");
+    let last = nodes.iter().find(|n| n.id == stopped_id).expect("restarted");
+    last.node.propose(METADATA_GROUP, Command(Bytes::from_static(b"last")), Duration::from_secs(10)).await.expect("proposal from the restarted node");
+    want.push(Bytes::from_static(b"last"));
+    for n in &nodes {
+        assert!(wait_applied(n, &want, Duration::from_secs(10)).await, "node {} applied {:?} (leader {l})", n.id, n.machine.commands());
+    }
+    for n in nodes {
+        stop_node(n).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_whose_first_member_is_absent_still_starts_and_the_late_node_catches_up() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let groups = [METADATA_GROUP];
+    // Node 1, which would initialize group 0, is not there: the others do it after a while.
+    let n2 = start_node(2, &d[1], &ports, &groups).await;
+    let n3 = start_node(3, &d[2], &ports, &groups).await;
+    let leader = agreed_leader(&[&n2, &n3], METADATA_GROUP, Duration::from_secs(15)).await.expect("two of three elect a leader");
+    assert!(leader == 2 || leader == 3);
+    n3.node.propose(METADATA_GROUP, Command(Bytes::from_static(b"without-1")), Duration::from_secs(10)).await.expect("commit with two of three");
+    let want = vec![Bytes::from_static(b"without-1")];
+    let n1 = start_node(1, &d[0], &ports, &groups).await;
+    assert!(wait_applied(&n1, &want, Duration::from_secs(15)).await, "the late node catches up: {:?}", n1.machine.commands());
+    for n in [n1, n2, n3] {
+        stop_node(n).await;
+    }
+}

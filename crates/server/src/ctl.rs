@@ -1,0 +1,155 @@
+//! `warren ctl`: asks a running node about its cluster, or to change it, over the node's cluster
+//! port (authenticated with the cluster secret, as `rabbitmqctl` is with the Erlang cookie).
+//!
+//! The node and the secret are found the way `warren server` finds its own settings (flags,
+//! `WARREN_*` variables, `--config FILE`): `--node HOST:PORT` if given, else the node's
+//! `cluster-addr` (or its entry in `peers`), and `cluster-secret`.
+
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use warren_cluster::node::{AdminRequest, ClusterStatus};
+use warren_cluster::transport::{ctl_request, Rpc};
+
+use crate::config::{Config, ServerArgs};
+
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The node to ask, HOST:PORT of its cluster port [default: this configuration's cluster address]
+    #[arg(long, value_name = "HOST:PORT", global = true)]
+    pub node: Option<String>,
+
+    /// Print JSON instead of tables
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// Seconds to wait for the answer
+    #[arg(long, value_name = "S", default_value_t = 15, global = true)]
+    pub timeout: u64,
+
+    #[command(flatten)]
+    pub server: ServerArgs,
+
+    #[command(subcommand)]
+    pub command: CtlCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum CtlCommand {
+    /// Members and their reachability; each Raft group's leader, followers and replication lag
+    ClusterStatus,
+    /// Adds a node to the cluster's metadata group (it must be running with the same secret)
+    AddNode {
+        /// The new node's id
+        id: u64,
+        /// Its cluster address, HOST:PORT
+        addr: String,
+    },
+    /// Removes a node from every group it is a voter of
+    RemoveNode {
+        /// The node's id
+        id: u64,
+    },
+    /// Moves a group's leadership to a node
+    TransferLeader {
+        /// The group (0: the metadata group; a quorum queue's group is its queue id)
+        group: u64,
+        /// The node to lead it
+        node: u64,
+    },
+}
+
+pub fn run(args: CtlArgs) -> std::process::ExitCode {
+    match run_inner(args) {
+        Ok(out) => {
+            println!("{out}");
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("warren ctl: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_inner(args: CtlArgs) -> Result<String, String> {
+    let config = Config::load(&args.server).map_err(|e| e.to_string())?;
+    let addr = match (&args.node, config.cluster()) {
+        (Some(n), _) => n.clone(),
+        (None, Some(c)) if c.listen.ip().is_unspecified() => format!("127.0.0.1:{}", c.listen.port()),
+        (None, Some(c)) => c.listen.to_string(),
+        (None, None) => return Err("no node to ask: give --node HOST:PORT, or the node's configuration (--config, --peers and --node-id)".into()),
+    };
+    if config.cluster_secret.is_empty() {
+        return Err("no cluster secret: give --cluster-secret, WARREN_CLUSTER_SECRET or the node's configuration".into());
+    }
+    let timeout = Duration::from_secs(args.timeout.max(1));
+    let (rpc, payload) = match &args.command {
+        CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),
+        CtlCommand::AddNode { id, addr } => (Rpc::Admin, admin(AdminRequest::AddNode { node: *id, addr: addr.clone() })?),
+        CtlCommand::RemoveNode { id } => (Rpc::Admin, admin(AdminRequest::RemoveNode { node: *id })?),
+        CtlCommand::TransferLeader { group, node } => {
+            (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *node })?)
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let answer = runtime.block_on(ctl_request(&addr, config.cluster_secret.as_bytes(), rpc, 0, &payload, timeout))?;
+    match args.command {
+        CtlCommand::ClusterStatus => {
+            let status: ClusterStatus = serde_json::from_slice(&answer).map_err(|e| format!("unexpected answer from {addr}: {e}"))?;
+            if args.json {
+                serde_json::to_string_pretty(&status).map_err(|e| e.to_string())
+            } else {
+                Ok(render(&status, &addr))
+            }
+        }
+        _ => Ok(String::from_utf8_lossy(&answer).into_owned()),
+    }
+}
+
+fn admin(req: AdminRequest) -> Result<Vec<u8>, String> {
+    serde_json::to_vec(&req).map_err(|e| e.to_string())
+}
+
+fn opt(v: Option<u64>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
+}
+
+/// The status as two tables: members, then groups.
+pub fn render(s: &ClusterStatus, asked: &str) -> String {
+    let mut out = format!("Cluster status from node {} ({asked})\n\nMembers\n", s.node_id);
+    out.push_str(&format!("  {:<6} {:<24} {:<24} {}\n", "node", "cluster address", "AMQP address", "reachable"));
+    for m in &s.members {
+        let amqp = if m.amqp_addr.is_empty() { "-" } else { &m.amqp_addr };
+        out.push_str(&format!(
+            "  {:<6} {:<24} {:<24} {}\n",
+            m.id,
+            m.cluster_addr,
+            amqp,
+            if m.reachable { "yes" } else { "no" }
+        ));
+    }
+    out.push_str(&format!("\nGroups ({})\n", s.groups.len()));
+    out.push_str(&format!(
+        "  {:<8} {:<7} {:<6} {:<10} {:<10} {:<10} {}\n",
+        "group", "leader", "term", "last log", "committed", "seen by", "followers (node: matched/lag)"
+    ));
+    for g in &s.groups {
+        let followers = if g.followers.is_empty() {
+            g.voters.iter().filter(|v| Some(**v) != g.leader).map(|v| format!("{v}: ?")).collect::<Vec<_>>().join(", ")
+        } else {
+            g.followers.iter().map(|f| format!("{}: {}/{}", f.id, opt(f.matched), opt(f.lag))).collect::<Vec<_>>().join(", ")
+        };
+        out.push_str(&format!(
+            "  {:<8} {:<7} {:<6} {:<10} {:<10} {:<10} {}\n",
+            g.group,
+            opt(g.leader),
+            g.term,
+            opt(g.last_log_index),
+            opt(g.committed),
+            format!("{} ({})", g.seen_by, g.state),
+            followers
+        ));
+    }
+    out
+}
