@@ -62,8 +62,10 @@ pub const ELECTION_RETRY: Duration = Duration::from_millis(2000);
 pub const LEADER_REFRESH: Duration = Duration::from_secs(30);
 /// How long [`ClusterNode::propose`] keeps trying (elections, forwarding) by default.
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Timeout of one forwarded command or one status request to a peer.
+/// Timeout of one forwarded command or admin request to a peer.
 const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Timeout of a peer's answer to a status request.
+const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The Raft configuration of every group: openraft's own tick is off (the node's sweep drives
 /// heartbeats and elections, see the module docs); the leader lease a voter honours is
@@ -713,15 +715,19 @@ impl ClusterNode {
         for g in status.groups.drain(..) {
             views.insert(g.group, g);
         }
-        for peer in self.inner.transport.peers() {
-            if !self.is_reachable(peer) {
-                continue;
-            }
-            let Ok(answer) =
-                self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Status, 0, b"local", PEER_CALL_TIMEOUT).await
-            else {
-                continue;
-            };
+        // Every peer at once (a stopped one costs one timeout, not one each).
+        let asks: Vec<_> = self
+            .inner
+            .transport
+            .peers()
+            .into_iter()
+            .map(|peer| {
+                let t = self.inner.transport.clone();
+                tokio::spawn(async move { t.request(peer, LinkKind::Bulk, Rpc::Status, 0, b"local", STATUS_TIMEOUT).await })
+            })
+            .collect();
+        for ask in asks {
+            let Ok(Ok(answer)) = ask.await else { continue };
             let Ok(theirs) = serde_json::from_slice::<ClusterStatus>(&answer) else { continue };
             for g in theirs.groups {
                 let better = match views.get(&g.group) {
