@@ -546,14 +546,18 @@ impl ClusterNode {
         let raft = openraft::Raft::new(self.inner.id, self.inner.raft_config.clone(), network, log_store, machine)
             .await
             .map_err(|e| raft_err(&e))?;
-        {
+        // (No lock guard may live across an await: the future must be Send.)
+        let registered = {
             let mut groups = self.inner.groups.write();
-            if groups.contains_key(&group) {
-                drop(groups);
-                let _ = raft.shutdown().await;
-                return Err(NodeError::GroupExists(group));
+            let fresh = !groups.contains_key(&group);
+            if fresh {
+                groups.insert(group, Arc::new(Handle { raft: raft.clone() }));
             }
-            groups.insert(group, Arc::new(Handle { raft: raft.clone() }));
+            fresh
+        };
+        if !registered {
+            let _ = raft.shutdown().await;
+            return Err(NodeError::GroupExists(group));
         }
         if !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
             if preferred_member(group, members) == Some(self.inner.id) {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use warren_cluster::machine::testing::ListMachine;
-use warren_cluster::node::{group_config, NodeConfig};
+use warren_cluster::node::{group_config, AdminRequest, NodeConfig};
 use warren_cluster::{ClusterNode, Command, NodeId, RaftLogs, StateMachine, METADATA_GROUP};
 use warren_store::{Store, StoreOptions};
 
@@ -54,6 +54,20 @@ async fn start_node(id: NodeId, dir: &Path, ports: &[(NodeId, u16)], groups: &[u
         node.start_group(g, &members, logs.log_store(g).expect("log store"), sm).await.expect("group starts");
     }
     TestNode { id, node, store, machine }
+}
+
+/// `start_group` and `propose` can be spawned on a multi-threaded runtime.
+#[allow(dead_code)]
+fn futures_are_send(node: &ClusterNode, logs: &Arc<RaftLogs>) {
+    fn send<T: Send>(_: &T) {}
+    let members = BTreeSet::new();
+    let f = async {
+        let sm = StateMachine::open(logs, 9, ListMachine::default()).await.expect("sm");
+        node.start_group(9, &members, logs.log_store(9).expect("ls"), sm).await
+    };
+    send(&f);
+    send(&node.propose(9, Command(Bytes::new()), Duration::from_secs(1)));
+    send(&node.cluster_status());
 }
 
 async fn stop_node(n: TestNode) {
@@ -158,9 +172,27 @@ async fn three_nodes_elect_forward_fail_over_and_rejoin() {
     for n in &nodes {
         assert!(wait_applied(n, &want, Duration::from_secs(10)).await, "node {} applied {:?} (leader {l})", n.id, n.machine.commands());
     }
+
+    // An operator moves the leadership (asked of any node: it runs on the leader).
+    let to = nodes.iter().map(|n| n.id).find(|id| *id != l).expect("a follower");
+    let asked = nodes.iter().find(|n| n.id != l && n.id != to).unwrap_or(&nodes[0]);
+    asked.node.admin(AdminRequest::TransferLeader { group: METADATA_GROUP, node: to }).await.expect("transfer started");
+    let moved = agreed_leader_is(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, to, Duration::from_secs(10)).await;
+    assert!(moved, "leadership moved to node {to}");
     for n in nodes {
         stop_node(n).await;
     }
+}
+
+async fn agreed_leader_is(nodes: &[&TestNode], group: u64, want: NodeId, within: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < within {
+        if nodes.iter().all(|n| n.node.leader(group) == Some(want)) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
