@@ -709,6 +709,13 @@ struct ReadPlan {
 }
 
 impl Group {
+    /// Whether a read of `[start, end)` now would ask the store (rather than only memory).
+    pub fn reads_store(&self, store: &Store, start: u64, end: u64) -> bool {
+        let mut g = self.inner.lock();
+        g.evict_readable(store);
+        start.max(g.first_index) < end.min(g.cached_from())
+    }
+
     /// The entries in `[start, end)` that the log has, in order: a purged beginning and a missing
     /// end are left out, nothing in between is. At most about `max_bytes` are read from the store
     /// (at least one entry), unless `max_bytes` is `usize::MAX`.

@@ -43,7 +43,15 @@ impl LogStore {
 
     fn read(&self, range: impl RangeBounds<u64>, max_bytes: usize) -> io::Result<Vec<Entry>> {
         let (start, end) = bounds(range);
-        self.group.read(&self.shared.store, start, end, max_bytes)
+        let read = || self.group.read(&self.shared.store, start, end, max_bytes);
+        // Older entries may come from the store's files: let the runtime's other tasks run
+        // meanwhile (on a multi-threaded runtime; a current-thread one cannot hand them over).
+        let multi_thread = tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if multi_thread && self.group.reads_store(&self.shared.store, start, end) {
+            tokio::task::block_in_place(read)
+        } else {
+            read()
+        }
     }
 }
 
