@@ -5,6 +5,7 @@ mod cluster;
 mod config;
 mod connection;
 mod ctl;
+mod metadata_group;
 mod quorum;
 mod server;
 

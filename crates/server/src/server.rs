@@ -110,7 +110,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         .map_err(|e| format!("cannot open the Raft logs: {e}"))?;
     // A cluster member (with --peers): the cluster port, the failure detector, the metadata group.
     let cluster = match config.cluster() {
-        Some(settings) => Some(crate::cluster::start(&config, settings, &raft_logs).await?),
+        Some(settings) => Some(crate::cluster::start(&config, settings, &raft_logs, &broker).await?),
         None => None,
     };
     let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
