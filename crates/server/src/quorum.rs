@@ -82,7 +82,7 @@ impl Group {
         let (proposals, rx) = mpsc::unbounded_channel();
         match cluster {
             None => runtime.spawn(submit_in_order(raft.clone(), rx)),
-            Some((node, group)) => runtime.spawn(forward_in_order(node, group, rx)),
+            Some((node, group)) => runtime.spawn(forward_in_order(node, group, raft.clone(), rx)),
         };
         Group { raft, proposals, runtime }
     }
@@ -156,9 +156,28 @@ async fn submit_in_order(mut raft: watch::Receiver<Running>, mut proposals: mpsc
 
 /// Submits a group's proposals through the cluster node (forwarded to the leader wherever it is),
 /// one at a time: the next waits for the previous one's reply, so entries apply in proposal order.
-async fn forward_in_order(node: ClusterNode, group: GroupId, mut proposals: mpsc::UnboundedReceiver<(Bytes, ProposeDone)>) {
+async fn forward_in_order(
+    node: ClusterNode,
+    group: GroupId,
+    mut raft: watch::Receiver<Running>,
+    mut proposals: mpsc::UnboundedReceiver<(Bytes, ProposeDone)>,
+) {
     while let Some((entry, done)) = proposals.recv().await {
-        let result = node.propose(group, Command(entry), QUORUM_TIMEOUT).await;
+        let deadline = tokio::time::Instant::now() + QUORUM_TIMEOUT;
+        // A member proposes once its own group runs (else nobody may have the group yet).
+        if matches!(*raft.borrow(), Running::Starting) {
+            let _ = tokio::time::timeout_at(deadline, raft.wait_for(|r| !matches!(r, Running::Starting))).await;
+        }
+        let result = loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match node.propose(group, Command(entry.clone()), left).await {
+                // The group is still starting on its members: proposed nowhere, so try again.
+                Err(warren_cluster::node::ProposeError::NoGroup(_)) if !left.is_zero() => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                other => break other,
+            }
+        };
         done(result.map(|reply| reply.0).map_err(|e| e.to_string()));
     }
 }
