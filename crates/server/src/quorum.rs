@@ -219,7 +219,6 @@ impl QuorumGroups {
     }
 
     /// A cluster member: groups have members on several nodes (`members_of`).
-    #[allow(dead_code)] // until the server starts the cluster node
     pub fn clustered(logs: Arc<RaftLogs>, node: ClusterNode, peers: Vec<NodeId>) -> Arc<QuorumGroups> {
         let id = node.node_id();
         let addr = node.node_addr(id).unwrap_or_default();
@@ -249,7 +248,6 @@ impl QuorumGroups {
     }
 
     /// The groups this node leads now, with their queues.
-    #[allow(dead_code)] // until the server starts the cluster node
     fn led(&self) -> Vec<Arc<Queue>> {
         self.groups
             .lock()
@@ -266,7 +264,6 @@ const CONSUMERS_DOWN_AFTER: Duration = Duration::from_secs(5);
 
 /// In a cluster: when the failure detector has seen a node down for `CONSUMERS_DOWN_AFTER`, the
 /// groups this node leads return what that node's consumers held (`Queue::consumers_down`).
-#[allow(dead_code)] // until the server starts the cluster node
 async fn watch_nodes(groups: Weak<QuorumGroups>) {
     let mut down_since: HashMap<NodeId, Option<tokio::time::Instant>> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));

@@ -113,8 +113,17 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
         Some(settings) => Some(crate::cluster::start(&config, settings, &raft_logs, &broker).await?),
         None => None,
     };
-    let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
-    let quorum_groups = crate::quorum::QuorumGroups::new(raft_logs, STANDALONE_NODE_ID, node_addr);
+    // Quorum queues: each its own Raft group (`quorum`), on this node alone or on members of the cluster.
+    let quorum_groups = match (&cluster, config.cluster()) {
+        (Some(node), Some(settings)) => {
+            let peers = settings.peers.iter().map(|(id, _)| *id).collect();
+            crate::quorum::QuorumGroups::clustered(raft_logs.clone(), node.clone(), peers)
+        }
+        _ => {
+            let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
+            crate::quorum::QuorumGroups::new(raft_logs.clone(), STANDALONE_NODE_ID, node_addr)
+        }
+    };
     broker.set_quorum_host(quorum_groups.clone());
 
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
