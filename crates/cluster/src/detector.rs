@@ -22,6 +22,14 @@ pub const DOWN_AFTER: Duration = Duration::from_millis(1200);
 struct Health {
     up: bool,
     last_ok: Option<Instant>,
+    /// When watching began: a peer never heard from counts as down only [`DOWN_AFTER`] later.
+    since: Instant,
+}
+
+impl Health {
+    fn new() -> Health {
+        Health { up: false, last_ok: None, since: Instant::now() }
+    }
 }
 
 /// Who is reachable, as the pings say.
@@ -43,9 +51,12 @@ impl Detector {
         self.health.lock().get(&peer).is_some_and(|h| h.up)
     }
 
-    /// Whether the peer is known down (it was up, or has been tried, and does not answer).
+    /// Whether the peer is known down: it answered once and no longer does, or it has not answered
+    /// for [`DOWN_AFTER`] since watching began. A peer not heard from *yet* is not down: at start
+    /// its first ping may still be on its way, and calling it down would elect against a live
+    /// leader (a spurious election on every start).
     pub fn is_down(&self, peer: NodeId) -> bool {
-        self.health.lock().get(&peer).is_some_and(|h| !h.up)
+        self.health.lock().get(&peer).is_some_and(|h| !h.up && (h.last_ok.is_some() || h.since.elapsed() >= DOWN_AFTER))
     }
 
     /// Pings `peer` until `stop` is set, calling `on_change` at each transition.
@@ -56,7 +67,7 @@ impl Detector {
         mut stop: watch::Receiver<bool>,
         on_change: impl Fn(Change) + Send + Sync + 'static,
     ) {
-        self.health.lock().insert(peer, Health { up: false, last_ok: None });
+        self.health.lock().insert(peer, Health::new());
         let mut tick = tokio::time::interval(PING_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -71,7 +82,7 @@ impl Detector {
             let now = Instant::now();
             let change = {
                 let mut health = self.health.lock();
-                let h = health.entry(peer).or_insert(Health { up: false, last_ok: None });
+                let h = health.entry(peer).or_insert_with(Health::new);
                 let ok = answer.is_ok();
                 let gone = matches!(answer, Err(RpcError::NotConnected(_)) | Err(RpcError::Lost(_)));
                 if ok {

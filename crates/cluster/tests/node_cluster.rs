@@ -131,7 +131,16 @@ async fn three_nodes_elect_forward_fail_over_and_rejoin() {
     }
 
     // The cluster status, asked of any node, names the members and the leader with its followers.
-    let status = nodes[0].node.cluster_status().await;
+    // Reachability is the failure detector's view: right after the election its first pings may
+    // still be on their way, so ask until every member is seen (or 10 s pass).
+    let asked = Instant::now();
+    let status = loop {
+        let status = nodes[0].node.cluster_status().await;
+        if status.members.iter().all(|m| m.reachable) || asked.elapsed() > Duration::from_secs(10) {
+            break status;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(status.members.iter().map(|m| m.id).collect::<Vec<_>>(), vec![1, 2, 3]);
     assert!(status.members.iter().all(|m| m.reachable), "{status:?}");
     let g0 = status.groups.iter().find(|g| g.group == METADATA_GROUP).expect("group 0");
