@@ -10,6 +10,7 @@ as one cluster: `--node-id N --cluster-addr ADDR:PORT --peers 1=ADDR:PORT,2=...,
 each node is a standalone broker (`Cluster.clustered` says which).
 """
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -211,16 +212,39 @@ class Cluster:
     def targets(self):
         return [node.target for node in self]
 
-    def leader(self, queue=None):
-        """The node leading `queue`'s group (None: the metadata group), from `warren ctl cluster-status`.
+    def leader(self, queue=None, timeout=20):
+        """The node leading `queue`'s group (None: the metadata group), from `warren ctl
+        cluster-status --json` asked of any live node; waits until a leader is known.
 
-        Not built yet: the status command's format is the `node` part's (issue 10). Until it exists,
-        tests that need the leader skip."""
-        import pytest
-        status = self.node(next(iter(self.nodes))).ctl("cluster-status")
-        if status.returncode != 0:
-            pytest.skip(f"needs `warren ctl cluster-status` ({status.stderr.strip()[:200]})")
-        raise NotImplementedError("parse `warren ctl cluster-status` here once its format is settled:\n" + status.stdout)
+        The status names groups by id (a quorum queue's group id is its queue id), not by queue
+        name: a test's cluster holds one quorum queue, so its group is the one group besides 0."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            for node in self:
+                if not node.alive() or node.paused:
+                    continue
+                status = node.ctl("--node", f"{node.host}:{node.cluster_port}", "--json", "--timeout", "3", "cluster-status")
+                if status.returncode != 0:
+                    last = status.stderr.strip()[:200]
+                    continue
+                try:
+                    groups = json.loads(status.stdout).get("groups", [])
+                except ValueError:
+                    last = status.stdout[:200]
+                    continue
+                if queue is None:
+                    wanted = [g for g in groups if g.get("group") == 0]
+                else:
+                    wanted = [g for g in groups if g.get("group") != 0]
+                    if len({g.get("group") for g in wanted}) > 1:
+                        raise AssertionError(f"several quorum queue groups, cannot tell {queue!r}'s: {groups}")
+                leaders = [g.get("leader") for g in wanted if g.get("leader")]
+                if leaders:
+                    return leaders[0]
+                last = f"no leader yet: {wanted}"
+            time.sleep(0.2)
+        raise AssertionError(f"no leader of {queue or 'the metadata group'} within {timeout} s ({last})")
 
     def destroy(self):
         """Kills every node and removes the topology. Returns the nodes' log tails for a failed test."""
