@@ -5,9 +5,10 @@ reconnects to the next node when its own fails), does its fault REPEATS times (w
 heal until confirms flow again), drains the queue and asks the checker: nothing confirmed lost,
 nothing unexpected; duplicates and the longest pause in confirms per fault are printed.
 
-Skipped until the cluster exists: remove the `skip` marker below once quorum queues work end to
-end (the `cluster` fixture also skips while `warren server` has no `--peers`); set
-WARREN_CLUSTER_FAULTS=1 to run them anyway while building it. `Cluster.leader` must parse
+Skipped until the cluster passes them: remove a test's `not_yet` marker once it passes 3 times in a
+row (the `cluster` fixture also skips while `warren server` has no `--peers`); set
+WARREN_CLUSTER_FAULTS=1 to run them anyway while building it. Kill -9 of all three runs always
+(about 10-12 s). `Cluster.leader` must parse
 `warren ctl cluster-status` first. Expected length: about 5 × (fault + recovery) per test, 1–2 min
 each, 5–10 min for the file.
 """
@@ -19,11 +20,9 @@ from checker import check
 from nemesis import Nemesis
 from workload import Workload, drain
 
-pytestmark = [
-    pytest.mark.cluster_fault,
-    pytest.mark.skipif(os.environ.get("WARREN_CLUSTER_FAULTS") != "1",
-                       reason="needs --peers: the cluster and quorum queues of issue 10 are not built yet"),
-]
+pytestmark = [pytest.mark.cluster_fault]
+not_yet = pytest.mark.skipif(os.environ.get("WARREN_CLUSTER_FAULTS") != "1",
+                             reason="the cluster does not pass this fault yet (WARREN_CLUSTER_FAULTS=1 runs it)")
 
 QUEUE = "faults-q"
 QUORUM = {"x-queue-type": "quorum"}
@@ -52,16 +51,19 @@ def run_faults(cluster, history, fault, repeats=REPEATS):
     return report
 
 
+@not_yet
 def test_kill9_of_the_leader_then_restart(cluster, history):
     nemesis = Nemesis(cluster, history)
     run_faults(cluster, history, lambda r: nemesis.kill9_restart(cluster.leader(QUEUE), seconds=1.0))
 
 
+@not_yet
 def test_isolating_the_leader_then_healing(cluster, history):
     nemesis = Nemesis(cluster, history)
     run_faults(cluster, history, lambda r: nemesis.isolate_heal(cluster.leader(QUEUE), PAST_ELECTION))
 
 
+@not_yet
 def test_cutting_one_pair_while_both_reach_the_third(cluster, history):
     nemesis = Nemesis(cluster, history)
 
@@ -73,6 +75,7 @@ def test_cutting_one_pair_while_both_reach_the_third(cluster, history):
     run_faults(cluster, history, fault)
 
 
+@not_yet
 def test_sigstop_of_the_leader_past_the_election_timeout(cluster, history):
     nemesis = Nemesis(cluster, history)
     run_faults(cluster, history, lambda r: nemesis.pause_resume(cluster.leader(QUEUE), PAST_ELECTION))

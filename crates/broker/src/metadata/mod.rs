@@ -23,7 +23,7 @@ use group::{MetadataGroup, ProposeFailed};
 use log::{LogError, OnCorruption, RecordLog};
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::path::Path;
 use std::sync::Arc;
@@ -147,23 +147,68 @@ impl State {
         }
     }
 
-    /// Gives each new queue (id 0, from the metadata group) its id: the next unused one, as every
-    /// node applying the same entries to the same state finds it.
-    fn assign_ids(&self, ops: &mut [Op]) {
+    /// Admits a metadata-group entry's ops: drops the declaration of a queue or exchange that
+    /// exists already (nodes declaring the same name concurrently each propose one: the first in
+    /// log order wins, as it does in every node's in-memory topology, `VHost::apply_committed`),
+    /// and gives each new queue (id 0) its id: the next unused one, as every node applying the
+    /// same entries to the same state finds it. Without the drop, a later duplicate replaced the
+    /// first's id in this state only: after a restart the queue came back under that other id
+    /// (another Raft group, another store queue), and its messages were kept aside: lost.
+    fn admit(&self, ops: Vec<Op>) -> Vec<Op> {
+        // Names declared (true) or deleted (false) by the ops before, in this entry.
+        let mut queues: HashMap<(String, String), bool> = HashMap::new();
+        let mut exchanges: HashMap<(String, String), bool> = HashMap::new();
         let mut next = self.next_queue_id.max(1);
-        for op in ops {
-            match op {
-                Op::QueueDeclared { queue, .. } => {
+        let mut admitted = Vec::with_capacity(ops.len());
+        for mut op in ops {
+            match &mut op {
+                Op::QueueDeclared { vhost, queue } => {
+                    let key = (vhost.clone(), queue.name.clone());
+                    let exists = queues.get(&key).copied().unwrap_or_else(|| self.queue(vhost, &queue.name).is_some());
+                    if exists {
+                        continue;
+                    }
+                    queues.insert(key, true);
                     if queue.id == 0 {
                         queue.id = next;
                     }
                     next = next.max(queue.last_store_id().saturating_add(1));
                 }
-                Op::QueueDeleted { id, .. } => next = next.max(id.saturating_add(1)),
+                Op::QueueDeleted { vhost, name, id } => {
+                    next = next.max(id.saturating_add(1));
+                    let key = (vhost.clone(), name.clone());
+                    // `apply` removes the queue only if the id is its current one.
+                    let current = match queues.get(&key) {
+                        Some(_) => admitted.iter().rev().find_map(|o| match o {
+                            Op::QueueDeclared { vhost: v, queue: q } if *v == key.0 && q.name == key.1 => Some(q.id),
+                            _ => None,
+                        }),
+                        None => self.queue(vhost, name).map(|q| q.id),
+                    };
+                    if current == Some(*id) {
+                        queues.insert(key, false);
+                    }
+                }
+                Op::ExchangeDeclared { vhost, exchange } => {
+                    let key = (vhost.clone(), exchange.name.clone());
+                    let exists = exchanges
+                        .get(&key)
+                        .copied()
+                        .unwrap_or_else(|| self.vhosts.get(vhost.as_str()).is_some_and(|v| v.exchanges.contains_key(&exchange.name)));
+                    if exists {
+                        continue;
+                    }
+                    exchanges.insert(key, true);
+                }
+                Op::ExchangeDeleted { vhost, name } => {
+                    exchanges.insert((vhost.clone(), name.clone()), false);
+                }
                 Op::NextQueueId { value } => next = next.max(*value),
                 _ => {}
             }
+            admitted.push(op);
         }
+        admitted
     }
 
     /// The last metadata-group entry this state includes (cluster only).
@@ -412,16 +457,16 @@ impl Metadata {
         }
     }
 
-    /// Applies metadata-group entry `index` to the durable state: assigns new queues their ids,
+    /// Applies metadata-group entry `index` to the durable state: drops re-declarations, assigns new queues their ids,
     /// writes the ops (with the index) to the log, and returns them for the in-memory topology.
     /// None: this node had already applied it (a replay after a restart). Retries a failing disk
     /// (the group cannot skip an entry): the node's metadata waits until the write succeeds.
-    pub fn apply_group_entry(&self, index: u64, mut ops: Vec<Op>) -> Option<Vec<Op>> {
+    pub fn apply_group_entry(&self, index: u64, ops: Vec<Op>) -> Option<Vec<Op>> {
         let mut inner = self.inner.lock();
         if inner.state.group_applied.is_some_and(|a| a >= index) {
             return None;
         }
-        inner.state.assign_ids(&mut ops);
+        let ops = inner.state.admit(ops);
         if !ops.is_empty() {
             let mut record = ops.clone();
             record.push(Op::GroupApplied { index });

@@ -303,3 +303,26 @@ fn a_queue_id_of_u64_max_does_not_overflow_the_next_queue_id() {
     s.apply(Op::QueueDeleted { vhost: "/".into(), name: "far".into(), id: u64::MAX });
     assert_eq!(s.next_queue_id, u64::MAX);
 }
+
+/// Three nodes declaring one queue at once propose three declarations: the first in the group's
+/// log wins (as in every node's topology), also after a restart. A later one must not replace its
+/// id: the queue would come back under another id, and its messages be kept aside (lost).
+#[test]
+fn concurrent_declarations_of_one_name_keep_the_first_queue_id_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    let first = m.apply_group_entry(1, vec![queue("/", "q", 0)]).unwrap();
+    assert!(matches!(&first[..], [Op::QueueDeclared { queue, .. }] if queue.id == 1));
+    assert!(m.apply_group_entry(2, vec![queue("/", "q", 0)]).unwrap().is_empty(), "a re-declaration is dropped");
+    // In one entry too, and a re-declaration after a delete is a new queue.
+    let del = Op::QueueDeleted { vhost: "/".into(), name: "q".into(), id: 1 };
+    let ops = m.apply_group_entry(3, vec![queue("/", "q", 0), del, queue("/", "q", 0), queue("/", "q", 0)]).unwrap();
+    let ids: Vec<u64> = ops.iter().filter_map(|o| if let Op::QueueDeclared { queue, .. } = o { Some(queue.id) } else { None }).collect();
+    assert_eq!(ids, vec![2]);
+    assert!(m.apply_group_entry(4, vec![exchange("/", "ex"), exchange("/", "ex")]).unwrap().len() == 1);
+    drop(m);
+    let m = open(dir.path());
+    let defs = m.vhost("/");
+    assert_eq!(defs.queues.iter().map(|q| (q.name.as_str(), q.id)).collect::<Vec<_>>(), vec![("q", 2)]);
+    assert_eq!(defs.exchanges.len(), 1);
+}
