@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use log_store_common::*;
+use openraft::async_runtime::WatchReceiver;
 use openraft::SnapshotPolicy;
 use warren_cluster::machine::testing::ListMachine;
 use warren_cluster::types::{Command, NodeAddr};
@@ -53,4 +54,37 @@ async fn a_single_voter_group_applies_its_commands_again_after_a_restart() {
     assert_eq!(machine.commands().last(), Some(&cmd(1000)));
     raft.shutdown().await.unwrap();
     store.close().unwrap();
+}
+
+/// With openraft's timers off (`single_voter_config`), only the explicit election at start makes
+/// the group lead: at first start and after each restart on its data it leads again, keeps leading
+/// while idle, and applies new commands after the old ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_voter_group_without_timers_leads_again_after_each_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let lead = Duration::from_secs(10);
+    let mut written = Vec::new();
+    for start in 0..3u64 {
+        let (store, logs) = open(dir.path());
+        let machine = ListMachine::default();
+        let raft = start_single_voter(&logs, 12, 1, addr(), machine.clone(), None, lead).await.unwrap();
+        assert!(!raft.config().enable_tick && !raft.config().enable_elect && !raft.config().enable_heartbeat);
+        // Leading means its blank entry, the last in the log, commits; everything before it applies.
+        let last = raft.metrics().borrow_watched().last_log_index;
+        raft.wait(Some(lead)).applied_index_at_least(last, "re-applied").await.unwrap();
+        assert_eq!(machine.commands(), written, "start {start}: the old commands, once, in order");
+        // Idle longer than any election timeout: nothing steps it down or elects anew.
+        let term = raft.metrics().borrow_watched().current_term;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let m = raft.metrics().borrow_watched().clone();
+        assert_eq!((m.current_leader, m.current_term), (Some(1), term), "start {start}: still the leader, same term");
+        for i in 0..5 {
+            let c = cmd(start * 100 + i);
+            raft.client_write(Command(c.clone())).await.unwrap();
+            written.push(c);
+        }
+        assert_eq!(machine.commands(), written, "start {start}: the new commands applied after the old");
+        raft.shutdown().await.unwrap();
+        store.close().unwrap();
+    }
 }
