@@ -1,11 +1,13 @@
-"""The command-line contract: flags win over WARREN_* environment variables, which win over the file."""
+"""The command-line contract: flags win over WARREN_* environment variables, which win over the file;
+and no subcommand panics when its output is a closed pipe (`warren ... | head -1`)."""
 import os
 import signal
 import subprocess
 
+import pika
 import pytest
 
-from conftest import BIN, eventually, free_port
+from conftest import BIN, Broker, eventually, free_port
 
 pytestmark = pytest.mark.needs_process
 
@@ -101,3 +103,66 @@ def test_a_signal_during_startup_does_not_kill_the_broker(tmp_path, sig):
             assert proc.wait(30) == 0
         if other_end is not None:
             os.close(other_end)
+
+
+def run_with_closed_output(args, close_stderr=False, timeout=60):
+    """Runs `warren ARGS` with the read end of its stdout pipe (and of stderr's, if asked) closed
+    before it writes, as `warren ... | head -0` would; returns (exit code, stderr)."""
+    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()
+    if close_stderr:
+        proc.stderr.close()
+        return proc.wait(timeout), ""
+    err = proc.stderr.read().decode(errors="replace")
+    return proc.wait(timeout), err
+
+
+def test_bench_ends_quietly_when_its_output_is_a_closed_pipe(broker):
+    """println!/eprintln! panic on EPIPE (Rust ignores SIGPIPE): the summary and progress lines must
+    not. The run still completes and exits with its own code."""
+    bench = ["bench", "--uri", broker.url, "--pmessages", "200", "--confirm", "50", "--queue", "bench-pipe"]
+    code, err = run_with_closed_output([*bench, "--progress-every", "0"])
+    assert code == 0 and "panicked" not in err, err
+    # Progress lines every 50 ms into a closed stderr too (where a panic could not even be seen).
+    code, _ = run_with_closed_output([*bench, "--progress-every", "0.05", "--rate", "1000"], close_stderr=True)
+    assert code == 0
+
+
+def test_ctl_and_help_end_quietly_when_their_output_is_a_closed_pipe(tmp_path):
+    cluster_port = free_port()
+    node = Broker(tmp_path / "data", tmp_path / "warren.log")
+    node.extra_args = ["--node-id", "1", "--peers", f"1=127.0.0.1:{cluster_port}", "--cluster-secret", "pipe-test-secret"]
+    node.start()
+    try:
+        ctl = ["ctl", "--node", f"127.0.0.1:{cluster_port}", "--timeout", "5", "--cluster-secret"]
+        code, err = run_with_closed_output([*ctl, "pipe-test-secret", "cluster-status"])
+        assert code == 0 and "panicked" not in err, err
+        # An error message into a closed stderr: the failure's exit code, not a panic's (101).
+        code, _ = run_with_closed_output([*ctl, "not-the-secret", "cluster-status"], close_stderr=True)
+        assert code == 1
+    finally:
+        node.kill9()
+    code, err = run_with_closed_output(["--help"])
+    assert code == 0 and "panicked" not in err, err
+
+
+def test_server_keeps_serving_when_its_log_pipe_is_closed(tmp_path):
+    """`warren server 2>&1 | head -1`: once the reader has gone, logging must not panic the threads
+    that log (connections, the store, the cluster), and the broker goes on serving."""
+    port = free_port()
+    proc = subprocess.Popen([BIN, "server", "--amqp-port", str(port), "--http-port", str(free_port()),
+                             "--data-dir", str(tmp_path / "data")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        eventually(lambda: b"accepting AMQP" in proc.stdout.readline(), timeout=30)
+        proc.stdout.close()
+        for i in range(3):  # each connection logs as it opens and closes
+            conn = pika.BlockingConnection(pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{port}/%2F"))
+            ch = conn.channel()
+            ch.queue_declare(f"log-pipe-{i}")
+            ch.basic_publish("", f"log-pipe-{i}", b"m")
+            assert ch.basic_get(f"log-pipe-{i}", auto_ack=True)[2] == b"m"
+            conn.close()
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0

@@ -5,6 +5,9 @@
 //! into HDR histograms. The client speaks AMQP through the workspace codec (`warren-protocol`) with
 //! hand-rolled hot paths, so it costs well under a microsecond of CPU per message. See docs/bench.md.
 
+#[macro_use]
+pub mod output;
+
 mod client;
 mod consumer;
 mod producer;
@@ -122,7 +125,7 @@ const CONSUME_STALL: Duration = Duration::from_secs(10);
 /// Runs the benchmark; the exit code says whether it completed as asked.
 pub fn run(mut args: BenchArgs) -> std::process::ExitCode {
     if let Err(e) = validate(&mut args) {
-        eprintln!("warren bench: {e}");
+        report!("warren bench: {e}");
         return std::process::ExitCode::from(EXIT_USAGE);
     }
     let runtime = if args.threads <= 1 {
@@ -133,14 +136,14 @@ pub fn run(mut args: BenchArgs) -> std::process::ExitCode {
     let runtime = match runtime {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("warren bench: cannot start the runtime: {e}");
+            report!("warren bench: cannot start the runtime: {e}");
             return std::process::ExitCode::from(EXIT_ERROR);
         }
     };
     let code = match runtime.block_on(bench(args)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("warren bench: error: {e}");
+            report!("warren bench: error: {e}");
             EXIT_ERROR
         }
     };
@@ -172,14 +175,14 @@ fn validate(args: &mut BenchArgs) -> Result<(), String> {
     args.cmessages = args.cmessages.filter(|n| *n > 0);
     args.multi_ack_every = args.multi_ack_every.max(1);
     if !args.auto_ack && args.prefetch > 0 && args.multi_ack_every > args.prefetch as u64 {
-        eprintln!(
+        report!(
             "warren bench: --multi-ack-every {} is more than --prefetch {}: consumers would stall; acking every {}",
             args.multi_ack_every, args.prefetch, args.prefetch
         );
         args.multi_ack_every = args.prefetch as u64;
     }
     if args.size < 8 && args.consumers > 0 && args.producers > 0 {
-        eprintln!("warren bench: --size {} has no room for the send time: no end-to-end latency", args.size);
+        report!("warren bench: --size {} has no room for the send time: no end-to-end latency", args.size);
     }
     queue_arguments(args)?;
     Uri::parse(&args.uri).map_err(|e| e.to_string())?;
@@ -298,10 +301,10 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
         tokio::spawn(async move {
             while tokio::signal::ctrl_c().await.is_ok() {
                 if flag.swap(true, Ordering::Relaxed) {
-                    eprintln!("warren bench: interrupted twice: exiting without a summary");
+                    report!("warren bench: interrupted twice: exiting without a summary");
                     std::process::exit(130);
                 }
-                eprintln!("warren bench: stopping (Ctrl-C again to exit at once)");
+                report!("warren bench: stopping (Ctrl-C again to exit at once)");
             }
         });
     }
@@ -371,7 +374,7 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
             .collect();
     }
     if args.time.is_none() && args.pmessages.is_none() && args.cmessages.is_none() {
-        eprintln!("warren bench: no --time, --pmessages or --cmessages: running until interrupted (Ctrl-C)");
+        report!("warren bench: no --time, --pmessages or --cmessages: running until interrupted (Ctrl-C)");
     }
 
     let deadline = args.time.map(|t| started + Duration::from_secs_f64(t));
@@ -392,7 +395,7 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
         }
         for t in producers.iter_mut().chain(consumers.iter_mut()) {
             if let Some(Err(e)) = t.reap(Duration::ZERO).await {
-                eprintln!("warren bench: error: {e}");
+                report!("warren bench: error: {e}");
                 errors.push(e);
             }
         }
@@ -421,7 +424,7 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
             }
             let quiet_since = last_consumed.1.max(producers_done_at.unwrap_or(now));
             if now - quiet_since > CONSUME_STALL {
-                eprintln!(
+                report!(
                     "warren bench: consumers received nothing for {} s with {} of {} messages in: giving up",
                     CONSUME_STALL.as_secs(),
                     c.consumed,
@@ -458,7 +461,8 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
     }
     let cpu = cpu_seconds() - cpu_start;
     let summary = Summary::new(&args, &stats, elapsed.as_secs_f64(), at_end, stats.counters.get(), cpu);
-    summary.print(&args);
+    // A reader that went away (`| head -1`) does not fail the run; see output.rs.
+    output::stdout(&summary.render(&args)).map_err(|e| format!("cannot write the summary: {e}"))?;
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&summary.json())? + "\n")
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -493,11 +497,11 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
         }
     }
     if interrupted.load(Ordering::Relaxed) {
-        eprintln!("warren bench: interrupted");
+        report!("warren bench: interrupted");
     }
     failures.extend(incomplete.iter().map(|e| format!("incomplete: {e}")));
     for f in &failures {
-        eprintln!("warren bench: {f}");
+        report!("warren bench: {f}");
     }
     Ok(if !errors.is_empty() {
         EXIT_ERROR
@@ -530,7 +534,7 @@ impl Progress {
         } else {
             "-".into()
         };
-        eprintln!(
+        report!(
             "{:6.1}s  sent {:>8.0}/s  confirmed {:>8.0}/s  consumed {:>8.0}/s  in flight {:>7}  confirm p50/p99 {}  e2e p50/p99 {}",
             (now - started).as_secs_f64(),
             rate(c.sent, self.counts.sent),
@@ -602,10 +606,11 @@ impl Summary {
         (n > 0).then(|| self.cpu * 1e6 / n as f64)
     }
 
-    fn print(&self, args: &BenchArgs) {
+    /// The summary printed at the end of a run.
+    fn render(&self, args: &BenchArgs) -> String {
         let (t, e) = (self.total, self.at_end);
-        println!(
-            "warren bench: {:.2} s, {} producer(s), {} consumer(s){}{}{}",
+        let mut out = format!(
+            "warren bench: {:.2} s, {} producer(s), {} consumer(s){}{}{}\n",
             self.elapsed,
             args.producers,
             args.consumers,
@@ -614,11 +619,11 @@ impl Summary {
             if args.confirm > 0 { format!(", confirms ({} in flight)", args.confirm) } else { String::new() },
         );
         if args.producers > 0 {
-            println!("  sent      {:>11}  {:>10.0} msg/s  {:>8.1} MB/s", t.sent, self.rate(e.sent), self.mb(e.sent));
+            out += &format!("  sent      {:>11}  {:>10.0} msg/s  {:>8.1} MB/s\n", t.sent, self.rate(e.sent), self.mb(e.sent));
         }
         if args.confirm > 0 {
-            println!(
-                "  confirmed {:>11}  {:>10.0} msg/s  {:>8.1} MB/s  nacked {}",
+            out += &format!(
+                "  confirmed {:>11}  {:>10.0} msg/s  {:>8.1} MB/s  nacked {}\n",
                 t.confirmed,
                 self.rate(e.confirmed),
                 self.mb(e.confirmed),
@@ -626,13 +631,13 @@ impl Summary {
             );
         }
         if args.consumers > 0 {
-            println!("  consumed  {:>11}  {:>10.0} msg/s  {:>8.1} MB/s", t.consumed, self.rate(e.consumed), self.consumed_mb());
+            out += &format!("  consumed  {:>11}  {:>10.0} msg/s  {:>8.1} MB/s\n", t.consumed, self.rate(e.consumed), self.consumed_mb());
         }
-        println!("  returned {}, redelivered {}", t.returned, t.redelivered);
-        let line = |name: &str, v: &Percentiles| {
+        out += &format!("  returned {}, redelivered {}\n", t.returned, t.redelivered);
+        for (name, v) in [("confirm latency", &self.confirm), ("end-to-end latency", &self.e2e)] {
             if v[5] > 0 {
-                println!(
-                    "  {name:<19} p50 {}  p95 {}  p99 {}  p99.9 {}  max {}",
+                out += &format!(
+                    "  {name:<19} p50 {}  p95 {}  p99 {}  p99.9 {}  max {}\n",
                     fmt_us(v[0]),
                     fmt_us(v[1]),
                     fmt_us(v[2]),
@@ -640,15 +645,14 @@ impl Summary {
                     fmt_us(v[4])
                 );
             }
-        };
-        line("confirm latency", &self.confirm);
-        line("end-to-end latency", &self.e2e);
-        println!(
-            "  client CPU {:.2} s ({:.0}% of one core): {} µs per message sent or consumed",
+        }
+        out += &format!(
+            "  client CPU {:.2} s ({:.0}% of one core): {} µs per message sent or consumed\n",
             self.cpu,
             100.0 * self.cpu / self.elapsed.max(1e-9),
             self.cpu_per_msg_us().map_or_else(|| "-".to_string(), |v| format!("{v:.2}"))
         );
+        out
     }
 
     fn json(&self) -> serde_json::Value {

@@ -200,7 +200,7 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
                 }
                 let until = *drain_until.get_or_insert_with(|| Instant::now() + cfg.drain);
                 if Instant::now() >= until {
-                    eprintln!(
+                    report!(
                         "warren bench: producer {}: {} messages still unconfirmed {} s after the last was sent",
                         cfg.id,
                         window.outstanding,
@@ -236,7 +236,7 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
                                         Method::BasicReturn(_) => returned += 1,
                                         Method::ConnectionBlocked(b) => {
                                             if !blocked {
-                                                eprintln!("warren bench: producer {}: the broker blocked the connection: {}", cfg.id, b.reason);
+                                                report!("warren bench: producer {}: the broker blocked the connection: {}", cfg.id, b.reason);
                                             }
                                             blocked = true;
                                         }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Args, Subcommand};
 use warren_cluster::node::{AdminRequest, ClusterStatus};
+use warren_bench::output;
 use warren_cluster::transport::{ctl_request, Rpc};
 
 use crate::config::{Config, ServerArgs};
@@ -61,12 +62,16 @@ pub enum CtlCommand {
 
 pub fn run(args: CtlArgs) -> std::process::ExitCode {
     match run_inner(args) {
-        Ok(out) => {
-            println!("{out}");
-            std::process::ExitCode::SUCCESS
-        }
+        // Not println!/eprintln!: they panic when the reader has gone (`warren ctl ... | head -1`).
+        Ok(out) => match output::stdout(&format!("{out}\n")) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                output::stderr(format_args!("warren ctl: cannot write the answer: {e}\n"));
+                std::process::ExitCode::FAILURE
+            }
+        },
         Err(e) => {
-            eprintln!("warren ctl: {e}");
+            output::stderr(format_args!("warren ctl: {e}\n"));
             std::process::ExitCode::FAILURE
         }
     }

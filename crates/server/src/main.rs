@@ -11,6 +11,8 @@ mod server;
 
 use clap::{Parser, Subcommand};
 use config::{Config, ServerArgs};
+// Not eprintln!: it panics when stderr is a closed pipe.
+use warren_bench::output;
 
 #[derive(Parser)]
 #[command(name = "warren", version, about = "Warren: a message broker that speaks AMQP 0-9-1")]
@@ -52,17 +54,19 @@ fn run_server(args: ServerArgs) -> std::process::ExitCode {
     let config = match Config::load(&args).and_then(|c| c.validate().map(|_| c)) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("warren: {e}");
+            output::stderr(format_args!("warren: {e}\n"));
             return std::process::ExitCode::from(2);
         }
     };
     let filter = tracing_subscriber::EnvFilter::new(log_filter(&std::env::var("WARREN_LOG").unwrap_or_else(|_| config.log.clone())));
-    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    // A log reader that went away (`warren server 2>&1 | head`) must not stop the broker: without
+    // this, each failed write is reported with eprintln!, which panics once stderr is closed too.
+    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).log_internal_errors(false).init();
     tracing::info!("starting Warren {} ({})", env!("CARGO_PKG_VERSION"), config.summary());
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("warren").build() {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("warren: cannot start the runtime: {e}");
+            output::stderr(format_args!("warren: cannot start the runtime: {e}\n"));
             return std::process::ExitCode::FAILURE;
         }
     };
@@ -71,7 +75,7 @@ fn run_server(args: ServerArgs) -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");
-            eprintln!("warren: {e}");
+            output::stderr(format_args!("warren: {e}\n"));
             std::process::ExitCode::FAILURE
         }
     }
