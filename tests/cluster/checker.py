@@ -77,6 +77,23 @@ class History:
         finally:
             f.healed = time.monotonic()
 
+    def dump(self, path):
+        """Writes the history as JSON (times in seconds since the start) for a failed run's post-mortem."""
+        import json
+        with self._lock:
+            rel = lambda t: round(t - self.started, 4)  # noqa: E731
+            data = {
+                "attempted": sorted(self.attempted),
+                "confirmed": {i: [rel(t), node] for i, (t, node) in self.confirmed.items()},
+                "nacked": sorted(self.nacked),
+                "received": dict(self.received),
+                "received_from": self.received_from,
+                "faults": [[f.name, rel(f.start), f.healed and rel(f.healed)] for f in self.faults],
+                "events": [[rel(t), who, what] for t, who, what in self.events],
+            }
+        with open(path, "w") as f:
+            json.dump(data, f)
+
     def end(self):
         """Marks the end of the workload (publishers stopped); later confirms are not paused ones."""
         self.ended = time.monotonic()

@@ -73,13 +73,16 @@ _reports = []  # (test id, report) of every checked history, printed at the end 
 
 
 @pytest.fixture
-def history(request):
+def history(request, tmp_path):
     h = History()
     yield h
     if h.report is not None:
         _reports.append((request.node.nodeid, h.report))
     failed = getattr(request.node, "rep_call", None)
     if failed is not None and failed.failed:
+        dump = tmp_path / "history.json"
+        h.dump(dump)
+        print(f"---- the whole history: {dump} ----")
         print("---- client events (last 60) ----")
         for t, who, what in h.events[-60:]:
             print(f"{t - h.started:8.2f}s {who}: {what}")

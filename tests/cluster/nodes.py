@@ -64,6 +64,7 @@ class Node:
         self.cluster_port = CLUSTER_PORT
         self.peers = peers  # {node id: "addr:port"} when clustered, else None
         self.extra_args = list(extra_args)
+        self.extra_env = {}  # added to the environment of the node's next starts (test-only hooks)
         self.proc = None
         self.paused = False
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +96,7 @@ class Node:
 
     def env(self):
         # Clients reach a node over its links, not loopback: let `guest` log in from anywhere.
-        env = {**os.environ, "WARREN_LOOPBACK_USERS": ""}
+        env = {**os.environ, "WARREN_LOOPBACK_USERS": "", **self.extra_env}
         if "--cluster-secret" in server_help():
             env["WARREN_CLUSTER_SECRET"] = CLUSTER_SECRET  # for the nodes and `warren ctl`
         return env

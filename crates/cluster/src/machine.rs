@@ -129,6 +129,7 @@ impl<M: GroupMachine> RaftStateMachine<TypeConfig> for StateMachine<M> {
     {
         while let Some(item) = entries.next().await {
             let (entry, responder) = item?;
+            tracing::debug!(target: "warren_cluster::apply", group = self.group.id, log_id = %entry.log_id, "apply");
             let reply = match entry.payload {
                 EntryPayload::Blank => Bytes::new(),
                 EntryPayload::Normal(command) => self.machine.lock().apply(entry.log_id.index, &command.0),

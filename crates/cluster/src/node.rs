@@ -70,8 +70,18 @@ const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 /// The Raft configuration of every group: openraft's own tick is off (the node's sweep drives
 /// heartbeats and elections, see the module docs); the leader lease a voter honours is
 /// `election_timeout_max` (4 s) after the last message from its leader.
+///
+/// A restarted leader never leads again in its old term (`enable_leader_restore` off, openraft's
+/// default is on). A leader commits with two followers' fsyncs and none of its own, so a leader
+/// killed with writes still queued comes back with a shorter log than the one it replicated.
+/// Leading again in the same term, it would give its next entries the log ids of those lost ones;
+/// the followers, holding entries with the same ids, would take them as already there and ack,
+/// and the restarted leader would apply and confirm messages no other node has
+/// (`tests/cluster/test_raft_safety.py`). It waits for an election instead, which the others'
+/// longer logs win.
 pub fn group_config() -> openraft::Config {
     openraft::Config {
+        enable_leader_restore: Some(false),
         cluster_name: "warren".to_owned(),
         enable_tick: false,
         heartbeat_interval: 500,
