@@ -905,32 +905,33 @@ impl Queue {
     /// Dispatches again once the pending delivered mark is durable.
     fn resume_when_marked(self: &Arc<Self>, st: &mut QueueState) {
         let Some((_, ticket)) = st.mark_pending else { return };
-        if st.mark_waiter {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        st.mark_waiter = true;
-        let queue = self.clone();
-        let mut durable = self.store.durable();
-        rt.spawn(async move {
-            let _ = durable.wait_for(|&d| d >= ticket).await;
-            queue.state.lock().mark_waiter = false;
-            queue.dispatch();
-        });
+        self.resume_when(st, ticket, Store::durable, |st| &mut st.mark_waiter);
     }
 
     /// Dispatches again once the store can read the head back (see `Head::Unreadable`).
     fn resume_when_readable(self: &Arc<Self>, st: &mut QueueState, ticket: SyncTicket) {
-        if st.readable_waiter {
+        self.resume_when(st, ticket, Store::readable, |st| &mut st.readable_waiter);
+    }
+
+    /// Dispatches again once the store's `watermark` (durable or readable) reaches `ticket`, from a
+    /// task; `waiting` is the state's flag that keeps it to one such task per watermark.
+    fn resume_when(
+        self: &Arc<Self>,
+        st: &mut QueueState,
+        ticket: SyncTicket,
+        watermark: fn(&Store) -> tokio::sync::watch::Receiver<u64>,
+        waiting: fn(&mut QueueState) -> &mut bool,
+    ) {
+        if *waiting(st) {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        st.readable_waiter = true;
+        *waiting(st) = true;
         let queue = self.clone();
-        let mut readable = self.store.readable();
+        let mut watermark = watermark(&self.store);
         rt.spawn(async move {
-            let _ = readable.wait_for(|&r| r >= ticket).await;
-            queue.state.lock().readable_waiter = false;
+            let _ = watermark.wait_for(|&w| w >= ticket).await;
+            *waiting(&mut queue.state.lock()) = false;
             queue.dispatch();
         });
     }

@@ -408,6 +408,17 @@ fn for_each_record(store: &Store, queue: u64, from_seq: u64, mut f: impl FnMut(u
     }
 }
 
+/// Adds `record` to `batch` as the state queue's next record, superseding `live` (the live record
+/// of its kind, (seq, payload bytes): acked, and now the new one).
+fn put_state_record(batch: &mut Batch, state_queue: u64, next_state_seq: &mut u64, live: &mut Option<(u64, u64)>, record: &[u8]) {
+    let seq = *next_state_seq;
+    *next_state_seq += 1;
+    batch.enqueue(state_queue, seq, 0, &[record]);
+    if let Some((old, len)) = live.replace((seq, record.len() as u64)) {
+        batch.ack(state_queue, old, len);
+    }
+}
+
 fn gone() -> io::Error {
     io::Error::other("the group was removed")
 }
@@ -460,12 +471,7 @@ impl GroupInner {
     /// live one, to `batch`.
     fn put_layout(&mut self, batch: &mut Batch, state_queue: u64, extra: &[Slot]) {
         let record = codec::encode_layout(&self.layout(extra));
-        let seq = self.next_state_seq;
-        self.next_state_seq += 1;
-        batch.enqueue(state_queue, seq, 0, &[&record]);
-        if let Some((old, len)) = self.layout_record.replace((seq, record.len() as u64)) {
-            batch.ack(state_queue, old, len);
-        }
+        put_state_record(batch, state_queue, &mut self.next_state_seq, &mut self.layout_record, &record);
         self.appends_since_layout = 0;
     }
 
@@ -644,12 +650,7 @@ impl GroupInner {
     /// Adds the hard-state record (superseding the live one) to `batch`.
     fn put_hard(&mut self, batch: &mut Batch, state_queue: u64) {
         let record = codec::encode_hard_state(&self.hard);
-        let seq = self.next_state_seq;
-        self.next_state_seq += 1;
-        batch.enqueue(state_queue, seq, 0, &[&record]);
-        if let Some((old, len)) = self.hard_record.replace((seq, record.len() as u64)) {
-            batch.ack(state_queue, old, len);
-        }
+        put_state_record(batch, state_queue, &mut self.next_state_seq, &mut self.hard_record, &record);
     }
 
     /// Stores a snapshot (superseding the stored one), unless the stored one is as new or newer.

@@ -103,12 +103,30 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-async fn send<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), HandshakeError> {
+/// A frame: `u32` length, body.
+fn framed(body: &[u8]) -> BytesMut {
     let mut b = BytesMut::with_capacity(4 + body.len());
     b.put_u32_le(body.len() as u32);
     b.put_slice(body);
-    w.write_all(&b).await.map_err(FrameError::Io)?;
+    b
+}
+
+async fn send<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), HandshakeError> {
+    w.write_all(&framed(body)).await.map_err(FrameError::Io)?;
     Ok(())
+}
+
+/// The dialer's Hello (see the module docs).
+fn hello(kind: LinkKind, from: NodeId, to: NodeId, amqp_addr: &str, nonce: &[u8; 16]) -> BytesMut {
+    let mut hello = BytesMut::new();
+    let mut e = Enc(&mut hello);
+    e.0.put_slice(MAGIC);
+    e.u8(kind as u8);
+    e.u64(from);
+    e.u64(to);
+    e.str(amqp_addr);
+    e.0.put_slice(nonce);
+    hello
 }
 
 async fn recv<R: AsyncRead + Unpin>(r: &mut R) -> Result<Dec, HandshakeError> {
@@ -119,20 +137,13 @@ fn nonce() -> [u8; 16] {
     rand::random()
 }
 
-fn read_nonce(d: &mut Dec) -> Result<[u8; 16], DecodeError> {
-    let mut n = [0u8; 16];
-    for b in &mut n {
+/// The magic (8 bytes), a nonce (16) or a mac (32).
+fn read_array<const N: usize>(d: &mut Dec) -> Result<[u8; N], DecodeError> {
+    let mut a = [0u8; N];
+    for b in &mut a {
         *b = d.u8()?;
     }
-    Ok(n)
-}
-
-fn read_mac(d: &mut Dec) -> Result<[u8; 32], DecodeError> {
-    let mut m = [0u8; 32];
-    for b in &mut m {
-        *b = d.u8()?;
-    }
-    Ok(m)
+    Ok(a)
 }
 
 /// The dialer's side. Returns the acceptor's AMQP address.
@@ -146,24 +157,16 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<String, HandshakeError> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let nd = nonce();
-        let mut hello = BytesMut::new();
-        let mut e = Enc(&mut hello);
-        e.0.put_slice(MAGIC);
-        e.u8(kind as u8);
-        e.u64(from);
-        e.u64(to);
-        e.str(amqp_addr);
-        e.0.put_slice(&nd);
-        send(s, &hello).await?;
+        send(s, &hello(kind, from, to, amqp_addr, &nd)).await?;
 
         let mut d = recv(s).await?;
-        if d.remaining() < 8 || (0..8).map(|_| d.u8()).collect::<Result<Vec<u8>, _>>()? != MAGIC {
+        if read_array::<8>(&mut d).ok() != Some(*MAGIC) {
             return Err(HandshakeError::BadMagic);
         }
         let id = d.u64()?;
         let peer_amqp = d.string()?;
-        let na = read_nonce(&mut d)?;
-        let their = read_mac(&mut d)?;
+        let na = read_array::<16>(&mut d)?;
+        let their = read_array::<32>(&mut d)?;
         d.finish()?;
         if !same(&their, &mac(secret, b'A', kind, from, to, &nd, &na)) {
             return Err(HandshakeError::BadSecret);
@@ -193,7 +196,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<Dialer, HandshakeError> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let mut d = recv(s).await?;
-        if d.remaining() < 8 || (0..8).map(|_| d.u8()).collect::<Result<Vec<u8>, _>>()? != MAGIC {
+        if read_array::<8>(&mut d).ok() != Some(*MAGIC) {
             return Err(HandshakeError::BadMagic);
         }
         let kind_byte = d.u8()?;
@@ -201,7 +204,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         let from = d.u64()?;
         let to = d.u64()?;
         let dialer_amqp = d.string()?;
-        let nd = read_nonce(&mut d)?;
+        let nd = read_array::<16>(&mut d)?;
         d.finish()?;
         if to != 0 && to != me {
             return Err(HandshakeError::Refused(format!("dialer expected node {to}, this is node {me}")));
@@ -219,7 +222,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         send(s, &ch).await?;
 
         let mut d = recv(s).await?;
-        let their = read_mac(&mut d)?;
+        let their = read_array::<32>(&mut d)?;
         d.finish()?;
         if !same(&their, &mac(secret, b'D', kind, from, to, &nd, &na)) {
             return Err(HandshakeError::BadSecret);
@@ -234,18 +237,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 /// Used by tests: the bytes of a valid Hello, to send garbage after it.
 #[doc(hidden)]
 pub fn hello_bytes(kind: LinkKind, from: NodeId, to: NodeId) -> Bytes {
-    let mut hello = BytesMut::new();
-    let mut e = Enc(&mut hello);
-    e.0.put_slice(MAGIC);
-    e.u8(kind as u8);
-    e.u64(from);
-    e.u64(to);
-    e.str("");
-    e.0.put_slice(&[0u8; 16]);
-    let mut framed = BytesMut::new();
-    framed.put_u32_le(hello.len() as u32);
-    framed.put_slice(&hello);
-    framed.freeze()
+    framed(&hello(kind, from, to, "", &[0u8; 16])).freeze()
 }
 
 #[cfg(test)]
