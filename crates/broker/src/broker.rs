@@ -273,14 +273,16 @@ impl Broker {
     pub fn apply_metadata_entry(&self, index: u64, entry: &[u8]) -> bytes::Bytes {
         let reply = match group::decode_entry(entry) {
             Ok(ops) => {
-                if let Some(ops) = self.metadata.apply_group_entry(index, ops) {
-                    self.apply_committed(&ops);
+                // A replay (None) answers no proposer: it was answered the first time.
+                let applied = self.metadata.apply_group_entry(index, ops);
+                if let Some(applied) = &applied {
+                    self.apply_committed(&applied.ops);
                 }
-                group::encode_reply(index, None)
+                group::encode_reply(Ok(group::Committed { index, conflict: applied.is_some_and(|a| a.conflict) }))
             }
             Err(e) => {
                 tracing::error!(index, error = %e, "refusing a metadata-group entry");
-                group::encode_reply(index, Some(&e))
+                group::encode_reply(Err(&e))
             }
         };
         self.metadata.group_entry_done(index);

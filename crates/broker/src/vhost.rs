@@ -191,32 +191,7 @@ impl VHost {
             if d.passive {
                 return Ok(());
             }
-            let received = ExchangeKind::parse(d.kind)?;
-            let inequivalent = |arg: &str, got: String, cur: String| {
-                BrokerError::precondition_failed(format!(
-                    "inequivalent arg '{arg}' for exchange '{}' in vhost '{}': received '{got}' but current is '{cur}'",
-                    d.name, self.name
-                ))
-            };
-            if received != existing.kind {
-                return Err(inequivalent("type", d.kind.to_string(), existing.kind.as_str().to_string()));
-            }
-            if d.durable != existing.durable {
-                return Err(inequivalent("durable", d.durable.to_string(), existing.durable.to_string()));
-            }
-            if d.auto_delete != existing.auto_delete {
-                return Err(inequivalent("auto_delete", d.auto_delete.to_string(), existing.auto_delete.to_string()));
-            }
-            if d.internal != existing.internal {
-                return Err(inequivalent("internal", d.internal.to_string(), existing.internal.to_string()));
-            }
-            if let Some(arg) = first_difference(d.arguments, &existing.arguments, &["alternate-exchange"]) {
-                return Err(BrokerError::precondition_failed(format!(
-                    "inequivalent arg '{arg}' for exchange '{}' in vhost '{}'",
-                    d.name, self.name
-                )));
-            }
-            return Ok(());
+            return self.check_exchange_equivalence(&existing, d);
         }
         if d.passive {
             return Err(self.no_exchange(d.name));
@@ -232,10 +207,56 @@ impl VHost {
         if d.durable {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
             let op = Op::ExchangeDeclared { vhost: self.name.clone(), exchange: exchange_def(&exchange) };
-            return self.make_durable(vec![op], || format!("the declaration of exchange '{}'", d.name));
+            if self.make_durable(vec![op], || format!("the declaration of exchange '{}'", d.name))? == Durable::Conflict {
+                // Another node's declaration of the name came first: answer as if it had existed.
+                return match self.find_exchange(d.name) {
+                    Some(existing) => self.check_exchange_equivalence(&existing, d),
+                    None => Err(self.deleted_meanwhile("exchange", d.name)),
+                };
+            }
+            return Ok(());
         }
         self.exchanges.write().insert(d.name.to_string(), exchange);
         Ok(())
+    }
+
+    /// A re-declaration must match the exchange (406 naming the first difference, as RabbitMQ).
+    fn check_exchange_equivalence(&self, existing: &Exchange, d: &ExchangeDeclare) -> Result<()> {
+        let received = ExchangeKind::parse(d.kind)?;
+        let inequivalent = |arg: &str, got: String, cur: String| {
+            BrokerError::precondition_failed(format!(
+                "inequivalent arg '{arg}' for exchange '{}' in vhost '{}': received '{got}' but current is '{cur}'",
+                d.name, self.name
+            ))
+        };
+        if received != existing.kind {
+            return Err(inequivalent("type", d.kind.to_string(), existing.kind.as_str().to_string()));
+        }
+        if d.durable != existing.durable {
+            return Err(inequivalent("durable", d.durable.to_string(), existing.durable.to_string()));
+        }
+        if d.auto_delete != existing.auto_delete {
+            return Err(inequivalent("auto_delete", d.auto_delete.to_string(), existing.auto_delete.to_string()));
+        }
+        if d.internal != existing.internal {
+            return Err(inequivalent("internal", d.internal.to_string(), existing.internal.to_string()));
+        }
+        if let Some(arg) = first_difference(d.arguments, &existing.arguments, &["alternate-exchange"]) {
+            return Err(BrokerError::precondition_failed(format!(
+                "inequivalent arg '{arg}' for exchange '{}' in vhost '{}'",
+                d.name, self.name
+            )));
+        }
+        Ok(())
+    }
+
+    /// A declaration that lost to another node's (`Durable::Conflict`) whose queue or exchange was
+    /// deleted before this node looked at it.
+    fn deleted_meanwhile(&self, kind: &str, name: &str) -> BrokerError {
+        BrokerError::precondition_failed(format!(
+            "{kind} '{name}' in vhost '{}' was declared at the same time on another node with other properties, then deleted",
+            self.name
+        ))
     }
 
     pub fn exchange_delete(&self, name: &str, if_unused: bool) -> Result<()> {
@@ -255,7 +276,8 @@ impl VHost {
         }
         if exchange.durable {
             let op = Op::ExchangeDeleted { vhost: self.name.clone(), name: name.to_string() };
-            return self.make_durable(vec![op], || format!("the deletion of exchange '{name}'"));
+            self.make_durable(vec![op], || format!("the deletion of exchange '{name}'"))?;
+            return Ok(());
         }
         self.remove_exchange_locked(&exchange);
         Ok(())
@@ -309,7 +331,8 @@ impl VHost {
         }
         if src.durable && binding.destination.durable() {
             let op = Op::Bound { vhost: self.name.clone(), binding: binding_def(&src.name, &binding) };
-            return self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name));
+            self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name))?;
+            return Ok(());
         }
         src.bind(binding);
         Ok(())
@@ -351,12 +374,7 @@ impl VHost {
         let _topology = self.lock_topology();
         if !d.name.is_empty() {
             if let Some(existing) = self.find_queue_caught_up(d.name) {
-                self.check_exclusive(&existing, d.connection_id)?;
-                if !d.passive {
-                    self.check_queue_equivalence(&existing, d)?;
-                }
-                existing.touch(crate::now_ms());
-                return Ok((existing.name.clone(), existing.message_count(), existing.consumer_count()));
+                return self.declare_existing(&existing, d);
             }
             if d.passive {
                 return Err(self.no_queue(d.name));
@@ -383,8 +401,7 @@ impl VHost {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
             let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments) };
             let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
-            self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
-            return Ok((name, 0, 0));
+            return self.declare_durable_queue(op, name, d);
         }
         let id = NEXT_TRANSIENT_QUEUE_ID.fetch_add(ids, Ordering::Relaxed);
         let queue = Queue::new(
@@ -437,8 +454,30 @@ impl VHost {
         // Made in memory, and its group started, by `apply_committed` (`restore_queue`).
         let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(1), auto_delete: false, arguments: table_to_json(d.arguments) };
         let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
-        self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))?;
+        self.declare_durable_queue(op, name, d)
+    }
+
+    /// Makes a queue's declaration durable. In a cluster, another node's declaration of the name
+    /// may have come first in the metadata group (this one is then dropped): answered as if the
+    /// queue had existed, so a declaration with other properties gets 406, as in RabbitMQ.
+    fn declare_durable_queue(&self, op: Op, name: String, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+        if self.make_durable(vec![op], || format!("the declaration of queue '{name}'"))? == Durable::Conflict {
+            return match self.find_queue(&name) {
+                Some(existing) => self.declare_existing(&existing, d),
+                None => Err(self.deleted_meanwhile("queue", &name)),
+            };
+        }
         Ok((name, 0, 0))
+    }
+
+    /// queue.declare of a queue that exists: its counts, if the declaration matches it.
+    fn declare_existing(&self, existing: &Queue, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+        self.check_exclusive(existing, d.connection_id)?;
+        if !d.passive {
+            self.check_queue_equivalence(existing, d)?;
+        }
+        existing.touch(crate::now_ms());
+        Ok((existing.name.clone(), existing.message_count(), existing.consumer_count()))
     }
 
     fn check_queue_equivalence(&self, existing: &Queue, d: &QueueDeclare) -> Result<()> {
@@ -805,23 +844,17 @@ impl VHost {
     /// [`VHost::apply_committed`] only once it is durable. Call under the topology lock, having
     /// checked the request. A failure is a connection error, 541 INTERNAL_ERROR, as RabbitMQ
     /// answers when its metadata store cannot commit a change.
-    fn make_durable(&self, ops: Vec<Op>, what: impl FnOnce() -> String) -> Result<()> {
+    fn make_durable(&self, ops: Vec<Op>, what: impl FnOnce() -> String) -> Result<Durable> {
         if ops.is_empty() {
-            return Ok(());
+            return Ok(Durable::Made);
         }
         if self.metadata.is_replicated() {
-            return self.metadata.commit_replicated(&ops).map_err(|e| {
-                let what = what();
-                let (why, outcome) = match e {
-                    GroupCommitError::NotCommitted(e) => (e, "nothing was changed"),
-                    GroupCommitError::Unknown(e) => (e, "it may still take effect"),
-                };
-                tracing::error!(vhost = %self.name, error = %why, "could not make {what} durable through the metadata group; {outcome}");
-                BrokerError::internal(format!(
-                    "could not make {what} in vhost '{}' durable: the cluster's metadata group did not commit it ({why}); {outcome}",
-                    self.name
-                ))
-            });
+            return match self.metadata.commit_replicated(&ops) {
+                Ok(()) => Ok(Durable::Made),
+                Err(GroupCommitError::Conflict) => Ok(Durable::Conflict),
+                Err(GroupCommitError::NotCommitted(e)) => Err(self.not_durable(what(), e, "nothing was changed")),
+                Err(GroupCommitError::Unknown(e)) => Err(self.not_durable(what(), e, "it may still take effect")),
+            };
         }
         self.metadata.commit(ops.clone()).map_err(|e| {
             let what = what();
@@ -834,7 +867,16 @@ impl VHost {
         for op in &ops {
             self.apply_committed(op);
         }
-        Ok(())
+        Ok(Durable::Made)
+    }
+
+    /// The metadata group did not commit `what` (541).
+    fn not_durable(&self, what: String, why: String, outcome: &str) -> BrokerError {
+        tracing::error!(vhost = %self.name, error = %why, "could not make {what} durable through the metadata group; {outcome}");
+        BrokerError::internal(format!(
+            "could not make {what} in vhost '{}' durable: the cluster's metadata group did not commit it ({why}); {outcome}",
+            self.name
+        ))
     }
 
     /// The id of a new durable queue taking `ids` store ids: from the node's counter when
@@ -958,6 +1000,16 @@ impl VHost {
             self.apply_committed(&Op::Bound { vhost: vhost.clone(), binding: binding.clone() });
         }
     }
+}
+
+/// What a durable change came to (`VHost::make_durable`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durable {
+    Made,
+    /// In a cluster: a declaration dropped by the metadata group, because another node declared
+    /// the name first (earlier in the group's log) with other properties (`State::admit`). That
+    /// queue or exchange exists on this node now. Only declarations conflict.
+    Conflict,
 }
 
 fn describe(v: Option<&warren_protocol::field::FieldValue>) -> String {

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
-use warren_broker::metadata::group::{self, BoxFuture, MetadataGroup, ProposeFailed};
+use warren_broker::metadata::group::{self, BoxFuture, Committed, MetadataGroup, ProposeFailed};
 use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
 use warren_broker::{Broker, BrokerOptions, Message, VHost};
 use warren_protocol::field::{FieldTable, FieldValue};
@@ -82,7 +82,7 @@ impl Sequencer {
 struct Member(Arc<Sequencer>);
 
 impl MetadataGroup for Member {
-    fn propose(&self, entry: Bytes, _timeout: Duration) -> BoxFuture<Result<u64, ProposeFailed>> {
+    fn propose(&self, entry: Bytes, _timeout: Duration) -> BoxFuture<Result<Committed, ProposeFailed>> {
         let seq = self.0.clone();
         Box::pin(async move {
             if *seq.down.lock() {
@@ -92,7 +92,8 @@ impl MetadataGroup for Member {
             log.push(entry.clone());
             let index = log.len() as u64;
             seq.members.lock().retain(|m| m.send((index, entry.clone())).is_ok());
-            Ok(index)
+            // The members apply it later: no conflict is known here (test_cluster_metadata.py has them).
+            Ok(Committed { index, conflict: false })
         })
     }
 }

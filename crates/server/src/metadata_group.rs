@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use warren_broker::metadata::group::{decode_reply, BoxFuture, MetadataGroup, ProposeFailed};
+use warren_broker::metadata::group::{decode_reply, BoxFuture, Committed, MetadataGroup, ProposeFailed};
 use warren_broker::Broker;
 use warren_cluster::{ClusterNode, Command, GroupMachine, ProposeError, METADATA_GROUP};
 
@@ -48,7 +48,7 @@ impl ClusterMetadata {
 }
 
 impl MetadataGroup for ClusterMetadata {
-    fn propose(&self, entry: Bytes, timeout: Duration) -> BoxFuture<Result<u64, ProposeFailed>> {
+    fn propose(&self, entry: Bytes, timeout: Duration) -> BoxFuture<Result<Committed, ProposeFailed>> {
         let node = self.node.clone();
         Box::pin(async move {
             // A leader without a quorum keeps an appended entry waiting for its commit: bound the

@@ -46,10 +46,20 @@ pub enum ProposeFailed {
     Unknown(String),
 }
 
+/// A committed entry, as the leader's apply answered (`encode_reply`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    /// Its log index.
+    pub index: u64,
+    /// A declaration in it was dropped: the queue or exchange exists (declared first, on another
+    /// node) with other properties (`AppliedEntry::conflict`).
+    pub conflict: bool,
+}
+
 /// The cluster's metadata group, as the broker sees it (implemented by the server).
 pub trait MetadataGroup: Send + Sync {
-    /// Proposes `entry` to group 0; resolves to its log index once committed (the leader's reply).
-    fn propose(&self, entry: Bytes, timeout: Duration) -> BoxFuture<Result<u64, ProposeFailed>>;
+    /// Proposes `entry` to group 0; resolves once committed, with the leader's reply.
+    fn propose(&self, entry: Bytes, timeout: Duration) -> BoxFuture<Result<Committed, ProposeFailed>>;
 }
 
 pub fn encode_entry(ops: &[Op]) -> Bytes {
@@ -89,16 +99,17 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<(u64, Vec<Op>), String> {
     }
 }
 
-/// The reply `apply` gives the proposer: the entry's index (or why it was refused: every node
-/// refuses the same entry the same way).
-pub fn encode_reply(index: u64, refused: Option<&str>) -> Bytes {
+/// The reply `apply` gives the proposer: the entry as committed, or why it was refused (every
+/// node answers the same entry the same way). A tag byte: 0 applied, 2 applied with a conflict
+/// (then the index, u64 little-endian), 1 refused (then the reason).
+pub fn encode_reply(reply: Result<Committed, &str>) -> Bytes {
     let mut out = Vec::with_capacity(9);
-    match refused {
-        None => {
-            out.push(0);
+    match reply {
+        Ok(Committed { index, conflict }) => {
+            out.push(if conflict { 2 } else { 0 });
             out.extend_from_slice(&index.to_le_bytes());
         }
-        Some(why) => {
+        Err(why) => {
             out.push(1);
             out.extend_from_slice(why.as_bytes());
         }
@@ -106,10 +117,12 @@ pub fn encode_reply(index: u64, refused: Option<&str>) -> Bytes {
     Bytes::from(out)
 }
 
-/// The index in an `apply` reply, or the refusal.
-pub fn decode_reply(reply: &[u8]) -> Result<u64, String> {
+/// The committed entry in an `apply` reply, or the refusal.
+pub fn decode_reply(reply: &[u8]) -> Result<Committed, String> {
     match reply.split_first() {
-        Some((0, rest)) if rest.len() == 8 => Ok(u64::from_le_bytes(rest.try_into().unwrap_or([0; 8]))),
+        Some((tag @ (0 | 2), rest)) if rest.len() == 8 => {
+            Ok(Committed { index: u64::from_le_bytes(rest.try_into().unwrap_or([0; 8])), conflict: *tag == 2 })
+        }
         Some((1, why)) => Err(String::from_utf8_lossy(why).into_owned()),
         _ => Err(format!("a metadata reply of {} bytes that is not one", reply.len())),
     }
@@ -134,4 +147,18 @@ pub fn block_on<T>(fut: BoxFuture<T>) -> Result<T, String> {
 /// Remaining time to `deadline`.
 pub fn left(deadline: Instant) -> Duration {
     deadline.saturating_duration_since(Instant::now())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_round_trip() {
+        for committed in [Committed { index: 7, conflict: false }, Committed { index: u64::MAX, conflict: true }] {
+            assert_eq!(decode_reply(&encode_reply(Ok(committed))), Ok(committed));
+        }
+        assert_eq!(decode_reply(&encode_reply(Err("bad entry"))), Err("bad entry".to_string()));
+        assert!(decode_reply(&[2, 1, 2]).is_err() && decode_reply(&[]).is_err() && decode_reply(&[3; 9]).is_err());
+    }
 }

@@ -154,59 +154,64 @@ impl State {
     /// same entries to the same state finds it. Without the drop, a later duplicate replaced the
     /// first's id in this state only: after a restart the queue came back under that other id
     /// (another Raft group, another store queue), and its messages were kept aside: lost.
-    fn admit(&self, ops: Vec<Op>) -> Vec<Op> {
-        // Names declared (true) or deleted (false) by the ops before, in this entry.
-        let mut queues: HashMap<(String, String), bool> = HashMap::new();
-        let mut exchanges: HashMap<(String, String), bool> = HashMap::new();
+    /// A dropped declaration with other properties than the existing one is a conflict: its
+    /// proposer answers 406 (inequivalent arg), as RabbitMQ answers the second of two such.
+    fn admit(&self, ops: Vec<Op>) -> AppliedEntry {
+        // Declared (Some) or deleted (None) by the ops before, in this entry.
+        let mut queues: HashMap<(String, String), Option<QueueDef>> = HashMap::new();
+        let mut exchanges: HashMap<(String, String), Option<ExchangeDef>> = HashMap::new();
         let mut next = self.next_queue_id.max(1);
-        let mut admitted = Vec::with_capacity(ops.len());
+        let mut admitted = AppliedEntry { ops: Vec::with_capacity(ops.len()), conflict: false };
         for mut op in ops {
             match &mut op {
                 Op::QueueDeclared { vhost, queue } => {
                     let key = (vhost.clone(), queue.name.clone());
-                    let exists = queues.get(&key).copied().unwrap_or_else(|| self.queue(vhost, &queue.name).is_some());
-                    if exists {
+                    let existing = match queues.get(&key) {
+                        Some(declared) => declared.clone(),
+                        None => self.queue(vhost, &queue.name).cloned(),
+                    };
+                    if let Some(existing) = existing {
+                        // The id is the existing one's, or 0 (assigned here).
+                        admitted.conflict |= existing.auto_delete != queue.auto_delete || existing.arguments != queue.arguments;
                         continue;
                     }
-                    queues.insert(key, true);
                     if queue.id == 0 {
                         queue.id = next;
                     }
                     next = next.max(queue.last_store_id().saturating_add(1));
+                    queues.insert(key, Some(queue.clone()));
                 }
                 Op::QueueDeleted { vhost, name, id } => {
                     next = next.max(id.saturating_add(1));
                     let key = (vhost.clone(), name.clone());
                     // `apply` removes the queue only if the id is its current one.
                     let current = match queues.get(&key) {
-                        Some(_) => admitted.iter().rev().find_map(|o| match o {
-                            Op::QueueDeclared { vhost: v, queue: q } if *v == key.0 && q.name == key.1 => Some(q.id),
-                            _ => None,
-                        }),
+                        Some(declared) => declared.as_ref().map(|q| q.id),
                         None => self.queue(vhost, name).map(|q| q.id),
                     };
                     if current == Some(*id) {
-                        queues.insert(key, false);
+                        queues.insert(key, None);
                     }
                 }
                 Op::ExchangeDeclared { vhost, exchange } => {
                     let key = (vhost.clone(), exchange.name.clone());
-                    let exists = exchanges
-                        .get(&key)
-                        .copied()
-                        .unwrap_or_else(|| self.vhosts.get(vhost.as_str()).is_some_and(|v| v.exchanges.contains_key(&exchange.name)));
-                    if exists {
+                    let existing = match exchanges.get(&key) {
+                        Some(declared) => declared.clone(),
+                        None => self.exchange(vhost, &exchange.name).cloned(),
+                    };
+                    if let Some(existing) = existing {
+                        admitted.conflict |= existing != *exchange;
                         continue;
                     }
-                    exchanges.insert(key, true);
+                    exchanges.insert(key, Some(exchange.clone()));
                 }
                 Op::ExchangeDeleted { vhost, name } => {
-                    exchanges.insert((vhost.clone(), name.clone()), false);
+                    exchanges.insert((vhost.clone(), name.clone()), None);
                 }
                 Op::NextQueueId { value } => next = next.max(*value),
                 _ => {}
             }
-            admitted.push(op);
+            admitted.ops.push(op);
         }
         admitted
     }
@@ -219,6 +224,11 @@ impl State {
     /// The queue named `name` in `vhost`, if durable.
     pub fn queue(&self, vhost: &str, name: &str) -> Option<&QueueDef> {
         self.vhosts.get(vhost)?.queues.get(name)
+    }
+
+    /// The exchange named `name` in `vhost`, if durable.
+    pub fn exchange(&self, vhost: &str, name: &str) -> Option<&ExchangeDef> {
+        self.vhosts.get(vhost)?.exchanges.get(name)
     }
 
     /// The shortest list of changes that builds this state from nothing.
@@ -294,6 +304,18 @@ pub enum GroupCommitError {
     NotCommitted(String),
     /// It may have been (or will be) applied: the outcome is unknown to this node.
     Unknown(String),
+    /// Applied, but a declaration in it was dropped: another node had declared the name first
+    /// (earlier in the group's log), with other properties. It exists here now.
+    Conflict,
+}
+
+/// A metadata-group entry as applied to the durable state (see `State::admit`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AppliedEntry {
+    /// The ops as applied: re-declarations dropped, new queues' ids assigned.
+    pub ops: Vec<Op>,
+    /// A declaration was dropped as it names an existing queue or exchange with other properties.
+    pub conflict: bool,
 }
 
 /// What opening found, for the startup log.
@@ -412,12 +434,17 @@ impl Metadata {
         };
         let deadline = Instant::now() + group::COMMIT_TIMEOUT;
         let proposed = group.propose(group::encode_entry(ops), group::COMMIT_TIMEOUT);
-        let index = match group::block_on(proposed).map_err(GroupCommitError::NotCommitted)? {
-            Ok(index) => index,
+        let committed = match group::block_on(proposed).map_err(GroupCommitError::NotCommitted)? {
+            Ok(committed) => committed,
             Err(ProposeFailed::NotCommitted(e)) => return Err(GroupCommitError::NotCommitted(e)),
             Err(ProposeFailed::Unknown(e)) => return Err(GroupCommitError::Unknown(e)),
         };
-        self.wait_applied(index, deadline).map_err(|e| GroupCommitError::Unknown(format!("committed as entry {index}, but {e}")))
+        let index = committed.index;
+        self.wait_applied(index, deadline).map_err(|e| GroupCommitError::Unknown(format!("committed as entry {index}, but {e}")))?;
+        if committed.conflict {
+            return Err(GroupCommitError::Conflict);
+        }
+        Ok(())
     }
 
     /// Waits until this node has applied entry `index`.
@@ -444,7 +471,7 @@ impl Metadata {
         }
         let deadline = Instant::now() + group::BARRIER_TIMEOUT;
         let result = match group::block_on(group.propose(group::encode_entry(&[]), group::BARRIER_TIMEOUT)) {
-            Ok(Ok(index)) => self.wait_applied(index, deadline),
+            Ok(Ok(committed)) => self.wait_applied(committed.index, deadline),
             Ok(Err(ProposeFailed::NotCommitted(e) | ProposeFailed::Unknown(e))) | Err(e) => Err(e),
         };
         match result {
@@ -461,12 +488,13 @@ impl Metadata {
     /// writes the ops (with the index) to the log, and returns them for the in-memory topology.
     /// None: this node had already applied it (a replay after a restart). Retries a failing disk
     /// (the group cannot skip an entry): the node's metadata waits until the write succeeds.
-    pub fn apply_group_entry(&self, index: u64, ops: Vec<Op>) -> Option<Vec<Op>> {
+    pub fn apply_group_entry(&self, index: u64, ops: Vec<Op>) -> Option<AppliedEntry> {
         let mut inner = self.inner.lock();
         if inner.state.group_applied.is_some_and(|a| a >= index) {
             return None;
         }
-        let ops = inner.state.admit(ops);
+        let applied = inner.state.admit(ops);
+        let ops = &applied.ops;
         if !ops.is_empty() {
             let mut record = ops.clone();
             record.push(Op::GroupApplied { index });
@@ -488,7 +516,7 @@ impl Metadata {
         if !ops.is_empty() {
             inner.compact_if_due();
         }
-        Some(ops)
+        Some(applied)
     }
 
     /// Marks entry `index` applied here (after its in-memory changes are made): proposers

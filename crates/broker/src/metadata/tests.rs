@@ -311,18 +311,54 @@ fn a_queue_id_of_u64_max_does_not_overflow_the_next_queue_id() {
 fn concurrent_declarations_of_one_name_keep_the_first_queue_id_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let m = open(dir.path());
-    let first = m.apply_group_entry(1, vec![queue("/", "q", 0)]).unwrap();
+    let first = m.apply_group_entry(1, vec![queue("/", "q", 0)]).unwrap().ops;
     assert!(matches!(&first[..], [Op::QueueDeclared { queue, .. }] if queue.id == 1));
-    assert!(m.apply_group_entry(2, vec![queue("/", "q", 0)]).unwrap().is_empty(), "a re-declaration is dropped");
+    let again = m.apply_group_entry(2, vec![queue("/", "q", 0)]).unwrap();
+    assert!(again.ops.is_empty() && !again.conflict, "an identical re-declaration is dropped, and is no conflict");
     // In one entry too, and a re-declaration after a delete is a new queue.
     let del = Op::QueueDeleted { vhost: "/".into(), name: "q".into(), id: 1 };
-    let ops = m.apply_group_entry(3, vec![queue("/", "q", 0), del, queue("/", "q", 0), queue("/", "q", 0)]).unwrap();
+    let ops = m.apply_group_entry(3, vec![queue("/", "q", 0), del, queue("/", "q", 0), queue("/", "q", 0)]).unwrap().ops;
     let ids: Vec<u64> = ops.iter().filter_map(|o| if let Op::QueueDeclared { queue, .. } = o { Some(queue.id) } else { None }).collect();
     assert_eq!(ids, vec![2]);
-    assert!(m.apply_group_entry(4, vec![exchange("/", "ex"), exchange("/", "ex")]).unwrap().len() == 1);
+    assert!(m.apply_group_entry(4, vec![exchange("/", "ex"), exchange("/", "ex")]).unwrap().ops.len() == 1);
     drop(m);
     let m = open(dir.path());
     let defs = m.vhost("/");
     assert_eq!(defs.queues.iter().map(|q| (q.name.as_str(), q.id)).collect::<Vec<_>>(), vec![("q", 2)]);
     assert_eq!(defs.exchanges.len(), 1);
+}
+
+/// Two nodes declaring one name at once with other properties: the second declaration in the
+/// group's log is dropped and reported as a conflict (its proposer answers 406, as RabbitMQ), on
+/// every node alike; the first one's properties stay.
+#[test]
+fn a_concurrent_declaration_with_other_properties_is_a_conflict() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    let quorum = |name: &str| {
+        let mut op = queue("/", name, 0);
+        if let Op::QueueDeclared { queue, .. } = &mut op {
+            queue.arguments = json!([["x-queue-type", {"t": "longstr", "v": "quorum"}]]);
+        }
+        op
+    };
+    assert!(!m.apply_group_entry(1, vec![quorum("q")]).unwrap().conflict);
+    let classic = m.apply_group_entry(2, vec![queue("/", "q", 0)]).unwrap();
+    assert!(classic.ops.is_empty() && classic.conflict);
+    let mut auto_delete = quorum("q");
+    if let Op::QueueDeclared { queue, .. } = &mut auto_delete {
+        queue.auto_delete = true;
+    }
+    assert!(m.apply_group_entry(3, vec![auto_delete]).unwrap().conflict);
+    assert!(!m.apply_group_entry(4, vec![quorum("q")]).unwrap().conflict, "the same properties: no conflict");
+    // Exchanges: another type.
+    assert!(!m.apply_group_entry(5, vec![exchange("/", "ex")]).unwrap().conflict);
+    let mut fanout = exchange("/", "ex");
+    if let Op::ExchangeDeclared { exchange, .. } = &mut fanout {
+        exchange.kind = "fanout".into();
+    }
+    let applied = m.apply_group_entry(6, vec![fanout, bound("/", "ex", "q", "k")]).unwrap();
+    assert!(applied.conflict && applied.ops.len() == 1, "only the declaration is dropped");
+    assert_eq!(m.state().exchange("/", "ex").map(|e| e.kind.as_str()), Some("topic"));
+    assert_eq!(m.state().queue("/", "q").map(|q| q.arguments.clone()), Some(json!([["x-queue-type", {"t": "longstr", "v": "quorum"}]])));
 }
