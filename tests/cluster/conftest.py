@@ -41,9 +41,9 @@ def pytest_runtest_makereport(item, call):
     setattr(item, "rep_" + rep.when, rep)
 
 
-def _cluster(tmp_path, request, clustered):
+def _cluster(tmp_path, request, clustered, extra_env=None):
     skip_unless_namespaces()
-    c = Cluster(tmp_path, clustered=clustered).create()
+    c = Cluster(tmp_path, clustered=clustered, extra_env=extra_env).create()
     try:
         c.start()
         yield c
@@ -67,6 +67,19 @@ def cluster(tmp_path, request):
     if not cluster_flags_supported():
         pytest.skip("needs --peers: `warren server` has no cluster flags yet")
     yield from _cluster(tmp_path, request, clustered=True)
+
+
+@pytest.fixture
+def powerloss_cluster(tmp_path, request):
+    """`cluster`, each node on the store's power-loss simulator (`WARREN_TEST_SIMULATED_DISK=1`,
+    fsyncs delayed 2 ms):
+    `Node.power_cut()` drops what the node had not fsynced, then kills it."""
+    if not cluster_flags_supported():
+        pytest.skip("needs --peers: `warren server` has no cluster flags yet")
+    # The simulator's fsync is instant: the delay keeps writes waiting for their fsync, as on a
+    # disk, so that a cut finds some to drop.
+    env = {"WARREN_TEST_SIMULATED_DISK": "1", "WARREN_TEST_FSYNC_DELAY_MS": "2"}
+    yield from _cluster(tmp_path, request, clustered=True, extra_env=env)
 
 
 _reports = []  # (test id, report) of every checked history, printed at the end of the run

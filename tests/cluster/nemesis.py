@@ -19,6 +19,24 @@ class Nemesis:
             time.sleep(seconds)
             node.start()
 
+    def power_cut_restart(self, n, seconds=0.5):
+        """Cut node n's power (it runs on the power-loss simulator: what it had not fsynced is
+        dropped, then it dies as by SIGKILL), leave it down `seconds`, restart it on what is left."""
+        node = self.cluster.node(n)
+        with self.history.fault(f"power cut n{n}"):
+            dropped = node.power_cut()
+            self.history.event(f"n{n}", dropped[dropped.find("files="):] or dropped)  # what the cut dropped
+            time.sleep(seconds)
+            node.start()
+
+    def graceful_restart(self, n):
+        """Stop node n with SIGTERM (a clean shutdown: it must exit 0), then start it again."""
+        node = self.cluster.node(n)
+        with self.history.fault(f"restart n{n}"):
+            code = node.terminate()
+            assert code == 0, f"{node} exited with {code} on SIGTERM:\n{node.log_tail()}"
+            node.start()
+
     def kill9_all_restart(self, seconds=0.5):
         """kill -9 every node at once, then restart them all."""
         with self.history.fault("kill -9 all"):

@@ -2,7 +2,8 @@
 
 `Node` starts one (`ip netns exec`), with its own data directory and log, listening on its
 namespace's stable address; it can be killed with SIGKILL, stopped with SIGTERM, frozen with SIGSTOP
-and thawed with SIGCONT, and restarted on the same data directory. `Cluster` is three of them on a
+and thawed with SIGCONT, have its power cut (with `WARREN_TEST_SIMULATED_DISK` in `extra_env`: the
+node drops what it had not fsynced, then dies as by SIGKILL), and restarted on the same data directory. `Cluster` is three of them on a
 `netns.Topology`. Every namespace has its own ports, so all nodes use the same AMQP and cluster ports.
 
 When the binary's `server --help` lists `--peers` (the cluster flags of issue 10), nodes are started
@@ -12,6 +13,7 @@ each node is a standalone broker (`Cluster.clustered` says which).
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -54,7 +56,7 @@ def skip_unless_namespaces():
 
 
 class Node:
-    def __init__(self, n, topology, base_dir, peers=None, extra_args=()):
+    def __init__(self, n, topology, base_dir, peers=None, extra_args=(), extra_env=None):
         self.id = n
         self.topology = topology
         self.dir = Path(base_dir) / f"n{n}"
@@ -64,7 +66,7 @@ class Node:
         self.cluster_port = CLUSTER_PORT
         self.peers = peers  # {node id: "addr:port"} when clustered, else None
         self.extra_args = list(extra_args)
-        self.extra_env = {}  # added to the environment of the node's next starts (test-only hooks)
+        self.extra_env = dict(extra_env or {})  # added to the environment of the node's next starts (test-only hooks)
         self.proc = None
         self.paused = False
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -146,6 +148,26 @@ class Node:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
+    def power_cut(self, timeout=20):
+        """SIGUSR2 to a node started with WARREN_TEST_SIMULATED_DISK: its data directory is rewritten
+        to what a machine crash would leave (unsynced writes dropped), then it kills itself (SIGKILL).
+        Returns the server's "power cut" log line (what was dropped)."""
+        assert self.extra_env.get("WARREN_TEST_SIMULATED_DISK") not in (None, "", "0"), \
+            f"{self} does not run on the power-loss simulator"
+        offset = self.log_path.stat().st_size
+        if self.paused:
+            self.resume()
+        self.proc.send_signal(signal.SIGUSR2)
+        code = self.proc.wait(timeout)
+        if code != -signal.SIGKILL:
+            raise AssertionError(f"{self} exited with {code} on SIGUSR2, not by its power cut:\n{self.log_tail()}")
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            text = re.sub(r"\x1b\[[0-9;]*m", "", f.read().decode(errors="replace"))  # no colours
+        lines = [ln for ln in text.splitlines() if "power cut" in ln]
+        assert lines, f"{self} died without logging its power cut:\n{self.log_tail()}"
+        return lines[-1]
+
     def pause(self):
         """SIGSTOP: the process keeps its sockets open but does nothing, like a long GC or VM stall."""
         self.proc.send_signal(signal.SIGSTOP)
@@ -179,11 +201,12 @@ class Cluster:
     """Three nodes on their own topology. `clustered` is True when they were started as one cluster
     (the binary has the cluster flags, or `clustered=True` was asked), else each is standalone."""
 
-    def __init__(self, base_dir, clustered=None, extra_args=(), nodes=(1, 2, 3)):
+    def __init__(self, base_dir, clustered=None, extra_args=(), nodes=(1, 2, 3), extra_env=None):
         self.base_dir = Path(base_dir)
         self.clustered = cluster_flags_supported() if clustered is None else clustered
         self.topology = Topology(nodes)
         self.extra_args = extra_args
+        self.extra_env = extra_env
         self.nodes = {}
 
     def create(self):
@@ -191,7 +214,8 @@ class Cluster:
         peers = None
         if self.clustered:
             peers = {n: f"{self.topology.addr(n)}:{CLUSTER_PORT}" for n in self.topology.nodes}
-        self.nodes = {n: Node(n, self.topology, self.base_dir, peers, self.extra_args) for n in self.topology.nodes}
+        self.nodes = {n: Node(n, self.topology, self.base_dir, peers, self.extra_args, self.extra_env)
+                      for n in self.topology.nodes}
         return self
 
     def start(self, timeout=30):
@@ -213,6 +237,62 @@ class Cluster:
     def targets(self):
         return [node.target for node in self]
 
+    def statuses(self):
+        """`warren ctl --json cluster-status` of each live node that answers: yields (node, status
+        dict) or (node, error string)."""
+        for node in self:
+            if not node.alive() or node.paused:
+                continue
+            status = node.ctl("--node", f"{node.host}:{node.cluster_port}", "--json", "--timeout", "3", "cluster-status")
+            if status.returncode != 0:
+                yield node, status.stderr.strip()[:200]
+                continue
+            try:
+                yield node, json.loads(status.stdout)
+            except ValueError:
+                yield node, status.stdout[:200]
+
+    def wait_caught_up(self, n, timeout=60):
+        """Waits until node n (just restarted) holds, in every group it is a voter of, at least
+        what the group's leader had when n was first seen back: each leader lists n as a follower
+        whose matched index reached the leader's last log index of then (or n leads the group).
+        Returns the seconds it took."""
+        started = time.monotonic()
+        deadline = started + timeout
+        targets = {}  # group -> the leader's last log index when n was first seen back
+        last = ""
+        while time.monotonic() < deadline:
+            for node, status in self.statuses():
+                if not isinstance(status, dict):
+                    last = f"{node}: {status}"
+                    continue
+                leads = [g for g in status.get("groups", []) if g.get("state") == "leader"]
+                mine = [g for g in status.get("groups", []) if n in (g.get("voters") or [])]
+                if not mine or any(g.get("leader") is None for g in mine):
+                    last = f"{node}: groups without a leader: {mine}"
+                    continue
+                behind = []
+                for g in leads:
+                    if n not in (g.get("voters") or []):
+                        continue
+                    gid = g["group"]
+                    if g.get("leader") == n:
+                        targets.setdefault(gid, 0)
+                        continue
+                    targets.setdefault(gid, g.get("last_log_index") or 0)
+                    f = [f for f in g.get("followers", []) if f.get("id") == n]
+                    matched = f[0].get("matched") if f else None
+                    if matched is None or matched < targets[gid]:
+                        behind.append((gid, matched, targets[gid]))
+                known = {g["group"] for g in leads}
+                missing = [g["group"] for g in mine if g["group"] not in known]
+                if not behind and not missing:
+                    return time.monotonic() - started
+                last = f"{node}: n{n} behind in {behind}, leaders' views missing for groups {missing}"
+                break  # one answering node's view is the whole cluster's (it asks its peers)
+            time.sleep(0.2)
+        raise AssertionError(f"n{n} not caught up within {timeout} s ({last})")
+
     def leader(self, queue=None, timeout=20):
         """The node leading `queue`'s group (None: the metadata group), from `warren ctl
         cluster-status --json` asked of any live node; waits until a leader is known.
@@ -222,18 +302,11 @@ class Cluster:
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
-            for node in self:
-                if not node.alive() or node.paused:
+            for node, status in self.statuses():
+                if not isinstance(status, dict):
+                    last = status
                     continue
-                status = node.ctl("--node", f"{node.host}:{node.cluster_port}", "--json", "--timeout", "3", "cluster-status")
-                if status.returncode != 0:
-                    last = status.stderr.strip()[:200]
-                    continue
-                try:
-                    groups = json.loads(status.stdout).get("groups", [])
-                except ValueError:
-                    last = status.stdout[:200]
-                    continue
+                groups = status.get("groups", [])
                 if queue is None:
                     wanted = [g for g in groups if g.get("group") == 0]
                 else:

@@ -77,13 +77,19 @@ impl Broker {
     /// Only a queue the log says was deleted, or a transient queue of the previous run, loses
     /// what the store still held for it.
     pub fn open(data_dir: &Path, opts: BrokerOptions) -> Result<(Arc<Broker>, RecoveryReport), OpenError> {
+        Broker::open_on(data_dir, opts, warren_store::Disk::real())
+    }
+
+    /// [`Broker::open`] with every durable write (the store's and the metadata log's) going through
+    /// `disk`: the power-loss simulator in tests (`WARREN_TEST_SIMULATED_DISK`), else the real disk.
+    pub fn open_on(data_dir: &Path, opts: BrokerOptions, disk: warren_store::Disk) -> Result<(Arc<Broker>, RecoveryReport), OpenError> {
         let started = Instant::now();
         // Durably: the metadata log and the store are fsynced inside it.
         warren_store::create_dir_durably(data_dir)
             .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
         let metadata_mode = OnCorruption::from(opts.store.recovery_mode);
-        let (store, recovery) = Store::open(&data_dir.join("store"), opts.store)?;
-        let (metadata, opened) = Metadata::open(data_dir, metadata_mode)?;
+        let (store, recovery) = Store::open_on(&data_dir.join("store"), opts.store, disk.clone())?;
+        let (metadata, opened) = Metadata::open_on(data_dir, metadata_mode, &disk)?;
         if let Some(offset) = opened.torn_tail_at {
             tracing::warn!(offset, "the metadata log had a torn tail (an unacknowledged change a crash interrupted); it was cut and kept aside");
         }

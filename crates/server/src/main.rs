@@ -6,6 +6,7 @@ mod config;
 mod connection;
 mod ctl;
 mod metadata_group;
+mod powercut;
 mod quorum;
 mod server;
 

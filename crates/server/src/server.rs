@@ -58,7 +58,7 @@ impl StoreActivity {
 /// Re-reads the configuration (file, environment, flags) on SIGHUP.
 pub type Reload = Box<dyn Fn() -> Result<Config, crate::config::ConfigError> + Send + Sync>;
 
-pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::error::Error>> {
+pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::error::Error>> {
     // Installed before anything else: a SIGTERM, SIGINT or SIGHUP that comes during recovery or just
     // after the listener binds is then handled, instead of killing the process (their default action).
     let stop_signals = ShutdownSignals::install().map_err(|e| format!("cannot handle SIGTERM/SIGINT: {e}"))?;
@@ -78,7 +78,10 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
             "fsync runs on an interval: confirms wait up to one interval longer, and a machine crash can lose messages accepted but not yet confirmed"
         );
     }
-    let (broker, report) = Broker::open(
+    // The real disk, unless a test asked for the power-loss simulator (`powercut`).
+    let (disk, data_dir) = crate::powercut::disk(&config.data_dir)?;
+    config.data_dir = data_dir;
+    let (broker, report) = Broker::open_on(
         &config.data_dir,
         BrokerOptions {
             default_vhost: config.default_vhost.clone(),
@@ -87,6 +90,7 @@ pub async fn run(config: Config, reload: Reload) -> Result<(), Box<dyn std::erro
             loopback_users: config.loopback_users.clone(),
             store,
         },
+        disk,
     )?;
     tracing::info!(
         queues = report.queues,

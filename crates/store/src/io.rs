@@ -148,6 +148,96 @@ impl Disk {
     }
 }
 
+/// Files written through a [`Disk`] by code outside the store (the broker's metadata log), so that a
+/// simulated disk models them too. On the real disk each call is the plain system call: unlike the
+/// store's own writes, nothing here waits for space.
+impl Disk {
+    /// Opens `path` for writing: created (or truncated to nothing) if `create`, else it must exist.
+    pub fn open_file(&self, path: &Path, create: bool) -> io::Result<DiskFile> {
+        let mut opts = OpenOptions::new();
+        opts.write(true);
+        if create {
+            opts.create(true).truncate(true);
+        }
+        match &self.sim {
+            None => Ok(DiskFile { file: opts.open(path)?, sim: None }),
+            Some(sim) => {
+                let (file, sim) = sim.open(path, create, || opts.open(path))?;
+                Ok(DiskFile { file, sim })
+            }
+        }
+    }
+
+    /// Renames `from` to `to` (replacing it); durable once the directories are fsynced.
+    pub fn rename_file(&self, from: &Path, to: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => std::fs::rename(from, to),
+            Some(sim) => sim.rename(from, to),
+        }
+    }
+
+    /// Removes the file `path`; durable once its directory is fsynced.
+    pub fn delete_file(&self, path: &Path) -> io::Result<()> {
+        self.remove_file(path)
+    }
+
+    /// Creates directory `path` and its missing parents (not durably: fsync their parents).
+    pub fn make_dirs(&self, path: &Path) -> io::Result<()> {
+        match &self.sim {
+            None => std::fs::create_dir_all(path),
+            Some(sim) => sim.create_dir_all(path),
+        }
+    }
+
+    /// Fsyncs the directory `dir`: creations, renames and deletions in it become durable.
+    pub fn fsync_dir(&self, dir: &Path) -> io::Result<()> {
+        self.sync_dir(dir)
+    }
+}
+
+/// A file opened with [`Disk::open_file`].
+pub struct DiskFile {
+    file: File,
+    sim: Option<SimFile>,
+}
+
+impl DiskFile {
+    pub fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.write_all_at(buf, offset),
+            Some(s) => s.write_at(buf, offset, || self.file.write_all_at(buf, offset)),
+        }
+    }
+
+    pub fn set_len(&self, len: u64) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.set_len(len),
+            Some(s) => s.set_len(len, || self.file.set_len(len)),
+        }
+    }
+
+    /// `fdatasync`.
+    pub fn sync_data(&self) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.sync_data(),
+            Some(s) => s.sync(),
+        }
+    }
+
+    /// `fsync`.
+    pub fn sync_all(&self) -> io::Result<()> {
+        match &self.sim {
+            None => self.file.sync_all(),
+            Some(s) => s.sync(),
+        }
+    }
+
+    /// The file's length.
+    pub fn size(&self) -> io::Result<u64> {
+        Ok(self.file.metadata()?.len())
+    }
+}
+
 /// A file opened for writing through a [`Disk`].
 pub(crate) struct IoFile {
     file: File,

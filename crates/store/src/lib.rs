@@ -35,7 +35,7 @@ mod writer;
 pub use batch::Batch;
 pub use error::StoreError;
 pub use format::Damage;
-pub use io::Disk;
+pub use io::{Disk, DiskFile};
 pub use qlog::{ReadBatch, StoredMessage};
 pub use damaged::damaged_dir;
 pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, RecoveryMode, TornTail};

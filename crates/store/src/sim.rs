@@ -74,6 +74,17 @@ pub enum Fault {
     Error(i32),
 }
 
+/// What a [`SimDisk::power_cut_now`] found not yet durable (and so dropped, under [`Loss::Unsynced`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pending {
+    /// Files with changes written since their last sync.
+    pub files: usize,
+    /// Bytes of those writes.
+    pub bytes: u64,
+    /// Directory entry changes (creates, renames, deletes) not yet covered by a directory fsync.
+    pub entries: usize,
+}
+
 /// What survives a simulated power loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Loss {
@@ -236,6 +247,36 @@ impl SimDisk {
     /// power back on, with nothing pending. Call it only once no store is open on this disk.
     pub fn power_loss(&self, loss: Loss) -> io::Result<()> {
         let mut st = self.state.lock();
+        self.lose(&mut st, loss)
+    }
+
+    /// The power goes off now, in a running process: every later operation fails with `EIO` and
+    /// changes nothing, and the files under the root are rewritten at once to what survives (see
+    /// [`Loss`]). Unlike [`SimDisk::power_loss`] the power stays off, so the stores still open on this
+    /// disk cannot touch the rewritten files; the process is expected to die right after, as a
+    /// machine would (the server's `WARREN_TEST_SIMULATED_DISK` hook). Returns what was pending.
+    pub fn power_cut_now(&self, loss: Loss) -> io::Result<Pending> {
+        let mut st = self.state.lock();
+        st.powered_off = true;
+        let pending = Pending {
+            files: st.inodes.values().filter(|i| !i.pending.is_empty()).count(),
+            bytes: st
+                .inodes
+                .values()
+                .flat_map(|i| &i.pending)
+                .map(|op| match op {
+                    DataOp::Write { data, .. } => data.len() as u64,
+                    _ => 0,
+                })
+                .sum(),
+            entries: st.pending_entries.len(),
+        };
+        self.lose(&mut st, loss)?;
+        st.powered_off = true;
+        Ok(pending)
+    }
+
+    fn lose(&self, st: &mut State, loss: Loss) -> io::Result<()> {
         let mut rng = Rng(match loss {
             Loss::Unsynced => 0,
             Loss::Torn { seed } => seed ^ 0x9e37_79b9_7f4a_7c15,

@@ -18,11 +18,15 @@
 //! ([`OnCorruption::Skip`]), in which case the bad bytes are skipped and the frames found are
 //! returned (the caller then rewrites the log). Nothing is deleted: bytes cut or skipped are kept
 //! in `damaged/<log file name>.<offset>` beside the log, as the store keeps its own.
+//!
+//! Every write, fsync, rename and delete goes through a `warren_store::Disk` (plain system calls on
+//! the real disk), so the store's power-loss simulator covers this file too.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs;
 use std::io::{self, BufWriter, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
+use warren_store::{Disk, DiskFile};
 
 pub const MAGIC: &[u8; 8] = b"WRNMETA\n";
 pub const VERSION: u32 = 1;
@@ -89,8 +93,9 @@ pub struct Replayed {
 }
 
 pub struct RecordLog {
+    disk: Disk,
     path: PathBuf,
-    file: File,
+    file: DiskFile,
     /// Bytes of valid frames (and header) in the file; the next frame goes here.
     len: u64,
     /// An append failed: what is on disk after `len` is unknown, and the page cache may not be
@@ -100,15 +105,15 @@ pub struct RecordLog {
 
 impl RecordLog {
     /// Opens (or creates, empty) the log at `path` and returns every record in it.
-    pub fn open(path: &Path, on_corruption: OnCorruption) -> Result<(RecordLog, Replayed), LogError> {
+    pub fn open(disk: &Disk, path: &Path, on_corruption: OnCorruption) -> Result<(RecordLog, Replayed), LogError> {
         let io_err = |source| LogError::Io { path: path.display().to_string(), source };
         let leftover = compacting_path(path);
         if leftover.exists() {
             tracing::warn!(file = %leftover.display(), "removing an unfinished metadata compaction (the log it would have replaced is intact)");
-            fs::remove_file(&leftover).map_err(io_err)?;
+            disk.delete_file(&leftover).map_err(io_err)?;
         }
         if !path.exists() {
-            let log = RecordLog::create(path, &[]).map_err(io_err)?;
+            let log = RecordLog::create(disk, path, &[]).map_err(io_err)?;
             return Ok((log, Replayed::default()));
         }
         let bytes = fs::read(path).map_err(io_err)?;
@@ -126,7 +131,7 @@ impl RecordLog {
                     if on_corruption != OnCorruption::Skip {
                         return Err(LogError::Corrupt { path: path.display().to_string(), offset: pos as u64 });
                     }
-                    let aside = keep_damaged(path, pos, &bytes[pos..next]).map_err(io_err)?;
+                    let aside = keep_damaged(disk, path, pos, &bytes[pos..next]).map_err(io_err)?;
                     tracing::error!(file = %path.display(), offset = pos, bytes = next - pos, kept = %aside.display(),
                         "skipping a corrupt metadata record (recovery mode tolerate-any-corruption); what it held is lost");
                     out.skipped.push((pos as u64, (next - pos) as u64));
@@ -136,7 +141,7 @@ impl RecordLog {
                     if on_corruption == OnCorruption::RefuseAll {
                         return Err(LogError::TornTail { path: path.display().to_string(), offset: pos as u64 });
                     }
-                    let aside = keep_damaged(path, pos, &bytes[pos..]).map_err(io_err)?;
+                    let aside = keep_damaged(disk, path, pos, &bytes[pos..]).map_err(io_err)?;
                     tracing::warn!(file = %path.display(), offset = pos, bytes = bytes.len() - pos, kept = %aside.display(),
                         "cut a torn tail off the metadata log (an append a crash interrupted; it was never acknowledged)");
                     out.torn = Some((pos as u64, aside));
@@ -144,26 +149,26 @@ impl RecordLog {
                 }
             }
         }
-        let file = OpenOptions::new().write(true).open(path).map_err(io_err)?;
+        let file = disk.open_file(path, false).map_err(io_err)?;
         if out.torn.is_some() {
             file.set_len(pos as u64).map_err(io_err)?;
             file.sync_all().map_err(io_err)?;
         }
-        Ok((RecordLog { path: path.to_path_buf(), file, len: pos as u64, broken: false }, out))
+        Ok((RecordLog { disk: disk.clone(), path: path.to_path_buf(), file, len: pos as u64, broken: false }, out))
     }
 
     /// Creates the log at `path` holding `records`, atomically (it replaces any file there).
-    pub fn create(path: &Path, records: &[Vec<u8>]) -> io::Result<RecordLog> {
+    pub fn create(disk: &Disk, path: &Path, records: &[Vec<u8>]) -> io::Result<RecordLog> {
         let tmp = compacting_path(path);
-        let file = write_snapshot(&tmp, records).and_then(|f| {
-            fs::rename(&tmp, path)?;
-            sync_dir(path)?;
+        let file = write_snapshot(disk, &tmp, records).and_then(|f| {
+            disk.rename_file(&tmp, path)?;
+            sync_dir(disk, path)?;
             Ok(f)
         });
         match file {
-            Ok(file) => Ok(RecordLog { path: path.to_path_buf(), len: file.metadata()?.len(), file, broken: false }),
+            Ok(file) => Ok(RecordLog { disk: disk.clone(), path: path.to_path_buf(), len: file.size()?, file, broken: false }),
             Err(e) => {
-                let _ = fs::remove_file(&tmp);
+                let _ = disk.delete_file(&tmp);
                 Err(e)
             }
         }
@@ -204,7 +209,7 @@ impl RecordLog {
     /// Replaces the log with one holding exactly `records` (compaction, or repair after a failed
     /// append). On error the old log stays in place, unchanged.
     pub fn rewrite(&mut self, records: &[Vec<u8>]) -> io::Result<()> {
-        *self = RecordLog::create(&self.path, records)?;
+        *self = RecordLog::create(&self.disk.clone(), &self.path, records)?;
         Ok(())
     }
 }
@@ -276,10 +281,28 @@ fn next_valid_frame(bytes: &[u8], from: usize) -> Option<usize> {
     (from..bytes.len().saturating_sub(FRAME_HEADER)).find(|&p| frame_at(bytes, p).is_some())
 }
 
+/// Sequential writes to a [`DiskFile`] (for a `BufWriter`).
+struct Appending<'a> {
+    file: &'a DiskFile,
+    at: u64,
+}
+
+impl Write for Appending<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.file.write_all_at(buf, self.at)?;
+        self.at += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Writes a complete log (header and `records`) at `path` and fsyncs it; returns it open for writing.
-fn write_snapshot(path: &Path, records: &[Vec<u8>]) -> io::Result<File> {
-    let file = OpenOptions::new().write(true).create(true).truncate(true).open(path)?;
-    let mut w = BufWriter::with_capacity(256 * 1024, &file);
+fn write_snapshot(disk: &Disk, path: &Path, records: &[Vec<u8>]) -> io::Result<DiskFile> {
+    let file = disk.open_file(path, true)?;
+    let mut w = BufWriter::with_capacity(256 * 1024, Appending { file: &file, at: 0 });
     w.write_all(&encode_header())?;
     for r in records {
         w.write_all(&encode_frame(r)?)?;
@@ -287,29 +310,28 @@ fn write_snapshot(path: &Path, records: &[Vec<u8>]) -> io::Result<File> {
     w.flush()?;
     drop(w);
     file.sync_all()?;
-    sync_dir(path)?;
+    sync_dir(disk, path)?;
     Ok(file)
 }
 
 /// Keeps bytes cut or skipped at `offset` of the log in `damaged/<log file name>.<offset>`.
-fn keep_damaged(log: &Path, offset: usize, bytes: &[u8]) -> io::Result<PathBuf> {
+fn keep_damaged(disk: &Disk, log: &Path, offset: usize, bytes: &[u8]) -> io::Result<PathBuf> {
     let dir = log.parent().unwrap_or(Path::new(".")).join("damaged");
-    fs::create_dir_all(&dir)?;
+    disk.make_dirs(&dir)?;
     let name = log.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let path = dir.join(format!("{name}.{offset}"));
-    let mut f = File::create(&path)?;
-    f.write_all(bytes)?;
+    let f = disk.open_file(&path, true)?;
+    f.write_all_at(bytes, 0)?;
     f.sync_all()?;
-    sync_dir(&path)?;
-    if let Some(parent) = dir.parent() {
-        File::open(parent)?.sync_all()?;
-    }
+    sync_dir(disk, &path)?;
+    sync_dir(disk, &dir)?;
     Ok(path)
 }
 
-pub fn sync_dir(path: &Path) -> io::Result<()> {
+/// Fsyncs the directory holding `path` (its entry becomes durable).
+pub fn sync_dir(disk: &Disk, path: &Path) -> io::Result<()> {
     match path.parent() {
-        Some(dir) if !dir.as_os_str().is_empty() => File::open(dir)?.sync_all(),
-        _ => File::open(".")?.sync_all(),
+        Some(dir) if !dir.as_os_str().is_empty() => disk.fsync_dir(dir),
+        _ => disk.fsync_dir(Path::new(".")),
     }
 }

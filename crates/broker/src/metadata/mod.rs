@@ -329,6 +329,11 @@ pub struct OpenReport {
 impl Metadata {
     /// Opens `dir/metadata.log` (importing `dir/definitions.json` if there is no log yet).
     pub fn open(dir: &Path, on_corruption: OnCorruption) -> Result<(Metadata, OpenReport), MetadataError> {
+        Metadata::open_on(dir, on_corruption, &warren_store::Disk::real())
+    }
+
+    /// [`Metadata::open`] with the log's writes going through `disk` (a simulated one in tests).
+    pub fn open_on(dir: &Path, on_corruption: OnCorruption, disk: &warren_store::Disk) -> Result<(Metadata, OpenReport), MetadataError> {
         let path = dir.join(FILE_NAME);
         let legacy = dir.join(definitions::FILE_NAME);
         let mut report = OpenReport::default();
@@ -345,15 +350,15 @@ impl Metadata {
                     state.apply(op);
                 }
             }
-            RecordLog::create(&path, &state.snapshot_records().map_err(io_err)?).map_err(io_err)?;
+            RecordLog::create(disk, &path, &state.snapshot_records().map_err(io_err)?).map_err(io_err)?;
             let done = dir.join(format!("{}.migrated", definitions::FILE_NAME));
-            std::fs::rename(&legacy, &done).and_then(|()| log::sync_dir(&done)).map_err(io_err)?;
+            disk.rename_file(&legacy, &done).and_then(|()| log::sync_dir(disk, &done)).map_err(io_err)?;
             tracing::info!(from = %legacy.display(), to = %path.display(), "imported the durable topology; the old file is kept as {}", done.display());
             report.migrated_from = Some(legacy.display().to_string());
         } else if legacy.exists() {
             tracing::warn!(file = %legacy.display(), "ignoring {}: {} holds the durable topology", definitions::FILE_NAME, FILE_NAME);
         }
-        let (mut log, replayed) = RecordLog::open(&path, on_corruption)?;
+        let (mut log, replayed) = RecordLog::open(disk, &path, on_corruption)?;
         let mut state = State::default();
         for (offset, payload) in &replayed.records {
             let ops: Vec<Op> = serde_json::from_slice(payload).map_err(|e| MetadataError::Record {
