@@ -29,12 +29,14 @@ class Nemesis:
             time.sleep(seconds)
             node.start()
 
-    def graceful_restart(self, n):
-        """Stop node n with SIGTERM (a clean shutdown: it must exit 0), then start it again."""
+    def graceful_restart(self, n, seconds=0.5):
+        """Stop node n with SIGTERM (a clean shutdown: it must exit 0), leave it down `seconds` (an
+        upgrade swaps the binary), start it again."""
         node = self.cluster.node(n)
         with self.history.fault(f"restart n{n}"):
             code = node.terminate()
             assert code == 0, f"{node} exited with {code} on SIGTERM:\n{node.log_tail()}"
+            time.sleep(seconds)
             node.start()
 
     def kill9_all_restart(self, seconds=0.5):

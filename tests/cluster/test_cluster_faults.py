@@ -12,6 +12,7 @@ of all three run always (about 15-30 s each). Expected length: about 5 × (fault
 each, 5–10 min for the file.
 """
 import os
+import time
 
 import pytest
 
@@ -106,19 +107,23 @@ def test_power_cut_of_one_node_at_a_time(powerloss_cluster, history):
 
 
 def test_rolling_restart_of_all_three(cluster, history):
-    """The upgrade path: each node in turn is stopped cleanly (SIGTERM), started again and waited
-    for until it has caught up (`warren ctl cluster-status`), under the standard workload. Nothing
+    """The upgrade path: each node in turn is stopped cleanly (SIGTERM), left down 1 s, started
+    again and waited for until it has caught up (`warren ctl cluster-status`), then 2 s more of
+    load before the next; two rolls (n1, n2, n3, n1, n2, n3) under the standard workload. Nothing
     confirmed may be lost and confirms must resume after each restart; the longest pause in
     confirms per restart is reported."""
     nemesis = Nemesis(cluster, history)
     caught_up = []
 
     def fault(r):
-        n = r + 1
-        nemesis.graceful_restart(n)
+        n = r % 3 + 1
+        nemesis.graceful_restart(n, seconds=1.0)
         caught_up.append((f"n{n}", round(cluster.wait_caught_up(n), 2)))
+        time.sleep(2.0)
 
-    report = run_faults(cluster, history, fault, repeats=3)
+    report = run_faults(cluster, history, fault, repeats=6)
     print("caught up after each restart (s):", caught_up)
     print("longest pause in confirms per restart (s):", [round(p.longest, 2) for p in report.pauses])
+    # Available throughout: at most 2.8 s seen in 3 runs (a restart of the queue's leader).
+    assert all(p.longest < 5.0 for p in report.pauses), f"a pause in confirms of 5 s or more:\n{report}"
 
