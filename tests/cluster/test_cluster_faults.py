@@ -8,7 +8,8 @@ nothing unexpected; duplicates and the longest pause in confirms per fault are p
 Skipped until the cluster passes them: remove a test's `not_yet` marker once it passes 3 times in a
 row (the `cluster` fixture also skips while `warren server` has no `--peers`); set
 WARREN_CLUSTER_FAULTS=1 to run them anyway while building it. Kill -9 of the leader and kill -9
-of all three run always (about 15-30 s each). Expected length: about 5 × (fault + recovery) per test, 1–2 min
+of all three run always (about 15-30 s each), and so do the power cut of one node at a time
+(~15 s) and the rolling restart (~40 s). Expected length: about 5 × (fault + recovery) per test, 1–2 min
 each, 5–10 min for the file.
 """
 import os
