@@ -72,13 +72,13 @@ def cluster(tmp_path, request):
 @pytest.fixture
 def powerloss_cluster(tmp_path, request):
     """`cluster`, each node on the store's power-loss simulator (`WARREN_TEST_SIMULATED_DISK=1`,
-    fsyncs delayed 2 ms):
+    fsyncs delayed 2 ms; `WARREN_CLUSTER_POWER_LOSS=torn` also keeps a torn prefix of the unsynced writes):
     `Node.power_cut()` drops what the node had not fsynced, then kills it."""
     if not cluster_flags_supported():
         pytest.skip("needs --peers: `warren server` has no cluster flags yet")
     # The simulator's fsync is instant: the delay keeps writes waiting for their fsync, as on a
     # disk, so that a cut finds some to drop.
-    env = {"WARREN_TEST_SIMULATED_DISK": "1", "WARREN_TEST_FSYNC_DELAY_MS": "2"}
+    env = {"WARREN_TEST_SIMULATED_DISK": os.environ.get("WARREN_CLUSTER_POWER_LOSS", "1"), "WARREN_TEST_FSYNC_DELAY_MS": "2"}
     yield from _cluster(tmp_path, request, clustered=True, extra_env=env)
 
 
