@@ -42,6 +42,14 @@ pub trait GroupMachine: Send + 'static {
     /// Replaces the whole state by a snapshot's. An error is bad bytes (a damaged or foreign
     /// snapshot): the group stops rather than go on with a wrong state.
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String>;
+
+    /// A snapshot from the leader was just restored (not one of this node's own at a start): what
+    /// the snapshot does not carry is fetched now (a quorum queue: the bodies of its live
+    /// messages), before the snapshot is stored and before any later entry applies. Default:
+    /// nothing. An error stops the install (the leader sends the snapshot again).
+    fn installed(&mut self) -> crate::transport::BoxFuture<Result<(), String>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// What openraft sends and installs as a snapshot: the machine's bytes.
@@ -159,6 +167,8 @@ impl<M: GroupMachine> RaftStateMachine<TypeConfig> for StateMachine<M> {
 
     async fn install_snapshot(&mut self, meta: &SnapshotMeta, snapshot: SnapshotData) -> Result<(), io::Error> {
         self.machine.lock().restore(&snapshot).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("installing a snapshot: {e}")))?;
+        let installed = self.machine.lock().installed();
+        installed.await.map_err(|e| io::Error::other(format!("completing a snapshot's install: {e}")))?;
         self.applied = meta.last_log_id;
         self.membership = meta.last_membership.clone();
         save_snapshot(&self.group, &self.shared, meta, &snapshot).await

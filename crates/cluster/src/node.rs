@@ -90,7 +90,22 @@ pub fn group_config() -> openraft::Config {
         election_timeout_max: 4000,
         install_snapshot_timeout: 30_000,
         enable_pre_vote: Some(true),
-        ..openraft::Config::default()
+        ..snapshot_policy()
+    }
+}
+
+/// Test-only: `WARREN_TEST_SNAPSHOT_EVERY=<n>` makes every group snapshot each `n` entries and keep
+/// `n / 5` entries after it (default: openraft's 5,000 and 1,000), so a test brings a follower back
+/// through a snapshot without writing thousands of entries.
+fn snapshot_policy() -> openraft::Config {
+    let default = openraft::Config::default();
+    match std::env::var("WARREN_TEST_SNAPSHOT_EVERY").ok().and_then(|v| v.parse::<u64>().ok()).filter(|n| *n > 0) {
+        Some(n) => openraft::Config {
+            snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(n),
+            max_in_snapshot_log_to_keep: n / 5,
+            ..default
+        },
+        None => default,
     }
 }
 
@@ -333,7 +348,12 @@ struct NodeInner {
     detector: Detector,
     raft_config: Arc<openraft::Config>,
     stop: watch::Sender<bool>,
+    /// Answers `Rpc::Bodies` (the server's quorum queues).
+    body_source: RwLock<Option<BodySource>>,
 }
+
+/// What answers a peer's body request for a group: (group, request) → answer.
+pub type BodySource = Arc<dyn Fn(GroupId, Bytes) -> BoxFuture<Result<Bytes, String>> + Send + Sync>;
 
 /// A cluster member. Cheap to clone.
 #[derive(Clone)]
@@ -472,6 +492,7 @@ impl ClusterNode {
             detector: Detector::default(),
             raft_config,
             stop,
+            body_source: RwLock::new(None),
         });
         transport.set_handler(Arc::new(NodeHandler(Arc::downgrade(&inner))));
         let node = ClusterNode { inner };
@@ -589,6 +610,16 @@ impl ClusterNode {
         let h = self.inner.groups.write().remove(&group).ok_or(NodeError::NoGroup(group))?;
         h.shutdown().await;
         Ok(())
+    }
+
+    /// Sets what answers peers' body requests (`Rpc::Bodies`).
+    pub fn set_body_source(&self, source: BodySource) {
+        *self.inner.body_source.write() = Some(source);
+    }
+
+    /// Asks `peer` for bodies of `group` (its body source answers); the bytes are the caller's.
+    pub async fn fetch_bodies(&self, peer: NodeId, group: GroupId, request: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
+        self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Bodies, group, request, timeout).await
     }
 
     /// The groups running on this node.
@@ -896,6 +927,13 @@ impl ClusterNode {
                 return self.admin(req).await.map(Bytes::from);
             }
             _ if from == 0 => return Err("only status and admin requests are accepted from warren ctl".to_owned()),
+            Rpc::Bodies => {
+                let source = self.inner.body_source.read().clone();
+                return match source {
+                    Some(source) => source(group, payload).await,
+                    None => Err("this node serves no bodies".to_owned()),
+                };
+            }
             _ => {}
         }
         let Some(h) = self.handle(group) else {
@@ -933,7 +971,7 @@ impl ClusterNode {
             }
             // Forwarded commands are written here or refused with a hint, never forwarded again.
             Rpc::Propose => Ok(h.write(Command(payload)).await.encode()),
-            Rpc::Ping | Rpc::Status | Rpc::Admin => Err("unexpected".to_owned()),
+            Rpc::Ping | Rpc::Status | Rpc::Admin | Rpc::Bodies => Err("unexpected".to_owned()),
         }
     }
 }

@@ -41,8 +41,19 @@ const LEAD_WITHIN: Duration = Duration::from_secs(60);
 
 type QueueRaft = warren_cluster::types::Raft<StateMachine<QueueMachine>>;
 
-/// A quorum queue as its group's state machine.
-pub struct QueueMachine(Arc<Queue>);
+/// A quorum queue as its group's state machine. In a cluster it also knows where to fetch the
+/// bodies a snapshot from the leader does not carry.
+pub struct QueueMachine(Arc<Queue>, Option<BodyPeers>);
+
+/// Where a replica that installed a snapshot fetches the bodies of its live messages.
+#[derive(Clone)]
+struct BodyPeers {
+    node: ClusterNode,
+    group: GroupId,
+    members: BTreeSet<NodeId>,
+    /// The group's state on this node: a stopped group stops fetching.
+    running: watch::Receiver<Running>,
+}
 
 impl GroupMachine for QueueMachine {
     fn apply(&mut self, index: u64, command: &Bytes) -> Bytes {
@@ -56,6 +67,78 @@ impl GroupMachine for QueueMachine {
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
         self.0.restore_replicated(snapshot)
     }
+
+    fn installed(&mut self) -> warren_cluster::transport::BoxFuture<Result<(), String>> {
+        let queue = self.0.clone();
+        let peers = self.1.clone();
+        Box::pin(async move {
+            let Some(request) = queue.snapshot_installed() else { return Ok(()) };
+            match peers {
+                Some(peers) => fetch_bodies(&queue, peers, request).await,
+                None => Err("a snapshot was installed on a node without peers to fetch its bodies from".to_string()),
+            }
+        })
+    }
+}
+
+/// What one body request may take.
+const BODY_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Fetches the bodies of a just-installed snapshot's live messages: from the group's leader first
+/// (it sent the snapshot), else another member; a peer that cannot answer (behind, down, a bad
+/// answer) is skipped, and the round starts again after a pause, until every body is here or the
+/// group stops. Nothing later in the group applies meanwhile (the store's records rise by msg id).
+async fn fetch_bodies(queue: &Arc<Queue>, peers: BodyPeers, first: Bytes) -> Result<(), String> {
+    let me = peers.node.node_id();
+    let mut request = first;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let mut order: Vec<NodeId> = peers.members.iter().copied().filter(|m| *m != me).collect();
+        if let Some(leader) = peers.node.leader(peers.group).filter(|l| *l != me) {
+            order.retain(|m| *m != leader);
+            order.insert(0, leader);
+        }
+        let mut progressed = false;
+        'peers: for peer in order {
+            loop {
+                if matches!(*peers.running.borrow(), Running::Stopped) || queue.is_deleted() {
+                    return Err("the queue's group stopped while fetching a snapshot's bodies".to_string());
+                }
+                let answer = match peers.node.fetch_bodies(peer, peers.group, &request, BODY_CALL_TIMEOUT).await {
+                    Ok(a) => a,
+                    Err(e) => {
+                        tracing::warn!(queue = %queue.name, peer, error = %e, "could not fetch a snapshot's bodies from a peer; trying another");
+                        continue 'peers;
+                    }
+                };
+                match queue.bodies_fetched(&request, answer) {
+                    Ok(Some(next)) => {
+                        request = next;
+                        progressed = true;
+                    }
+                    Ok(None) => return Ok(()),
+                    Err(e) => {
+                        tracing::warn!(queue = %queue.name, peer, error = %e, "a peer's answer with a snapshot's bodies was refused; trying another");
+                        continue 'peers;
+                    }
+                }
+            }
+        }
+        if progressed {
+            pause = Duration::from_millis(100);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
+}
+
+/// Answers a peer's body request from the queue of `group` on this node (store reads: blocking).
+async fn serve_bodies(groups: Weak<QuorumGroups>, group: GroupId, request: Bytes) -> Result<Bytes, String> {
+    let queue = groups
+        .upgrade()
+        .and_then(|g| g.groups.lock().get(&group).and_then(|(_, q)| q.upgrade()))
+        .ok_or_else(|| format!("no quorum queue of group {group} on this node"))?;
+    tokio::task::spawn_blocking(move || queue.serve_bodies(&request)).await.map_err(|e| e.to_string())?
 }
 
 /// The state of one group's Raft on this node.
@@ -231,6 +314,10 @@ impl QuorumGroups {
             groups: Mutex::new(HashMap::new()),
         });
         groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
+        if let Some((node, _)) = &groups.cluster {
+            let weak = Arc::downgrade(&groups);
+            node.set_body_source(Arc::new(move |group, request| Box::pin(serve_bodies(weak.clone(), group, request))));
+        }
         groups
     }
 
@@ -315,12 +402,13 @@ impl QuorumHost for QuorumGroups {
         }
         if let Some((node, _)) = &self.cluster {
             let (logs, node, runtime) = (self.logs.clone(), node.clone(), self.runtime.clone());
+            let peers = BodyPeers { node: node.clone(), group, members: members.clone(), running: tx.subscribe() };
             // `ClusterNode::start_group`'s future is not `Send`: it runs on a blocking thread of its
             // own (the group's tasks it spawns run on the runtime as any other).
             self.runtime.spawn_blocking(move || {
                 let name = queue.name.clone();
                 let started = async {
-                    let machine = StateMachine::open(&logs, group, QueueMachine(queue)).await.map_err(|e| e.to_string())?;
+                    let machine = StateMachine::open(&logs, group, QueueMachine(queue, Some(peers))).await.map_err(|e| e.to_string())?;
                     let log_store = logs.log_store(group).map_err(|e| e.to_string())?;
                     node.start_group(group, &members, log_store, machine).await.map_err(|e| e.to_string())
                 };
@@ -346,7 +434,7 @@ impl QuorumHost for QuorumGroups {
         let (logs, node, addr) = (self.logs.clone(), self.node, self.addr.clone());
         self.runtime.spawn(async move {
             let name = queue.name.clone();
-            match start_single_voter(&logs, group, node, addr, QueueMachine(queue), None, LEAD_WITHIN).await {
+            match start_single_voter(&logs, group, node, addr, QueueMachine(queue, None), None, LEAD_WITHIN).await {
                 Ok(raft) => {
                     tracing::debug!(queue = %name, group, "quorum queue's group leads on this node");
                     let mut stopped = false;

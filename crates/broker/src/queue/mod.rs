@@ -388,6 +388,33 @@ impl Queue {
         }
     }
 
+    /// A snapshot from a peer replaced a quorum queue's state (`restore_replicated`): returns the
+    /// first request for the bodies of its live messages this node lacks (None: nothing to fetch).
+    /// The caller sends it to a peer (the cluster's body-fetch RPC, answered by
+    /// [`Queue::serve_bodies`]) and hands the answers to [`Queue::bodies_fetched`] until it returns
+    /// None, before any later entry of the group applies.
+    pub fn snapshot_installed(self: &Arc<Self>) -> Option<bytes::Bytes> {
+        self.replica.as_ref().and_then(|r| r.snapshot_installed(self))
+    }
+
+    /// A peer's answer to a body request: writes the bodies to this node's store; returns the next
+    /// request, or None once every live message of the snapshot has its body here. Err: a bad
+    /// answer (ask another peer).
+    pub fn bodies_fetched(self: &Arc<Self>, request: &[u8], answer: bytes::Bytes) -> std::result::Result<Option<bytes::Bytes>, String> {
+        match &self.replica {
+            Some(r) => r.bodies_fetched(self, request, answer),
+            None => Ok(None),
+        }
+    }
+
+    /// Answers a peer's body request from this node's store. Blocking: call it off the runtime.
+    pub fn serve_bodies(&self, request: &[u8]) -> std::result::Result<bytes::Bytes, String> {
+        match &self.replica {
+            Some(r) => r.serve_bodies(request),
+            None => Err(format!("queue '{}' is not a quorum queue", self.name)),
+        }
+    }
+
     /// Whether this node can deliver this queue's messages (basic.get, basic.consume): a quorum queue
     /// needs a replica on this node.
     pub fn check_consumable(&self) -> Result<()> {

@@ -39,6 +39,7 @@ use crate::message::{decode_stored, MessageRef};
 use crate::publisher::{Publisher, PublisherSession};
 use crate::queue::Entry;
 use crate::queue_args::QueueArgs;
+use crate::quorum::bodies::{BodiesAnswer, BodiesRequest, BodyRecord, MAX_ANSWER_BYTES};
 use crate::quorum::{
     run_ids, Attach, ConsumerId, Delivery, Effect, Encoder, MsgId, QueueConfig, QuorumMachine, Reason, Refusal,
     Reply, SessionId, DEFAULT_DELIVERY_LIMIT, MAX_MESSAGES_PER_ENTRY,
@@ -133,6 +134,18 @@ struct Body {
     ticket: SyncTicket,
 }
 
+/// The bodies of a snapshot's live messages, being fetched from a peer (see [`crate::quorum::bodies`]).
+struct BodyFetch {
+    /// The snapshot's msg ids end here (entries after it have larger ids).
+    until: MsgId,
+    started: std::time::Instant,
+    messages: u64,
+    bytes: u64,
+}
+
+/// What one body-fetch request asks a peer for.
+const FETCH_BYTES: u32 = 4 << 20;
+
 /// A basic.consume on this node.
 struct LocalConsumer {
     consumer: Arc<Consumer>,
@@ -156,6 +169,10 @@ struct ReplicaState {
     body_mem: u64,
     /// Records from this msg id on are not in the store yet (replayed entries below it are).
     stored_until: u64,
+    /// The store append of the last record written (a peer's body fetch waits until it is readable).
+    last_ticket: SyncTicket,
+    /// A snapshot from a peer was installed and the bodies of its live messages are being fetched.
+    fetch: Option<BodyFetch>,
     consumers: HashMap<u64, LocalConsumer>,
     getters: HashMap<u64, Getter>,
     /// Messages delivered on this node (or in a consumer's backlog) and not settled: their consumer.
@@ -236,6 +253,8 @@ struct After {
     /// Deliveries to consumers gone from this node: returned.
     returns: Vec<(ConsumerId, MsgId)>,
     discards: Vec<(ConsumerId, MsgId)>,
+    /// Consumers (basic.get's) whose messages go back uncounted.
+    detaches: Vec<ConsumerId>,
     cancelled: Vec<Arc<Consumer>>,
     gets_done: bool,
     expired: bool,
@@ -295,6 +314,8 @@ impl QuorumReplica {
                 bodies: HashMap::new(),
                 body_mem: 0,
                 stored_until: 0,
+                last_ticket: 0,
+                fetch: None,
                 consumers: HashMap::new(),
                 getters: HashMap::new(),
                 checked_out: HashMap::new(),
@@ -458,6 +479,7 @@ impl QuorumReplica {
             }
         };
         st.stored_until = msg_id + 1;
+        st.last_ticket = st.last_ticket.max(ticket);
         if stored.message.expiration_ms.is_some() {
             st.saw_expiration = true;
         }
@@ -532,9 +554,11 @@ impl QuorumReplica {
                     getter.done = Some(true);
                 }
                 (None, _) => {
-                    tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body for a message taken by basic.get; discarding it");
+                    // Never discarded (that would remove it for the whole cluster): the getter lets
+                    // it go back, not counted as a failed delivery.
+                    tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body on this node for a message taken by basic.get; returning it");
                     if !settled {
-                        after.discards.push((consumer, d.msg_id));
+                        after.detaches.push(consumer);
                     }
                     getter.done = Some(false);
                 }
@@ -554,10 +578,9 @@ impl QuorumReplica {
         };
         for (d, entry) in msgs.iter().zip(entries) {
             let Some(entry) = entry else {
-                tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body for a delivered message; discarding it");
-                if !settled {
-                    after.discards.push((consumer, d.msg_id));
-                }
+                // Never discarded (a discard removes it for the whole cluster): it stays checked out
+                // to the consumer and goes back, uncounted, when the consumer does.
+                tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body on this node for a delivered message; it stays with the consumer undelivered");
                 continue;
             };
             if !settled {
@@ -584,8 +607,12 @@ impl QuorumReplica {
         for c in after.cancelled.drain(..) {
             c.channel.consumer_cancelled_by_server(&c.tag);
         }
-        if !after.settles.is_empty() || !after.returns.is_empty() || !after.discards.is_empty() {
+        if !after.settles.is_empty() || !after.returns.is_empty() || !after.discards.is_empty() || !after.detaches.is_empty() {
             let mut p = self.proposals.lock();
+            for c in after.detaches.drain(..) {
+                p.encoder.detach(c, true);
+                p.command(Waiter::None);
+            }
             for (list, kind) in [(&after.settles, Settle::Ack), (&after.returns, Settle::Reject { requeue: true }), (&after.discards, Settle::Reject { requeue: false })] {
                 push_settlements(&mut p, list.iter().copied(), kind);
             }
@@ -616,6 +643,155 @@ impl QuorumReplica {
     /// Replaces the machine's state by a snapshot's.
     pub(super) fn restore_snapshot(&self, snapshot: &[u8]) -> std::result::Result<(), String> {
         self.state.lock().machine.restore(snapshot).map_err(|e| e.to_string())
+    }
+
+    /// A snapshot from a peer was installed (`restore_snapshot`): bodies of messages it no longer
+    /// lists go, and the first request for the bodies of its live messages this node lacks is
+    /// returned (None: nothing to fetch). Those bodies must be in the store before any later entry
+    /// applies (records rise by msg id): the caller fetches them ([`QuorumReplica::bodies_fetched`])
+    /// before returning to the group.
+    pub(super) fn snapshot_installed(&self, queue: &Arc<Queue>) -> Option<Bytes> {
+        let mut after = After::default();
+        let request = {
+            let mut st = self.state.lock();
+            let gone: Vec<MsgId> = st.bodies.keys().copied().filter(|id| !st.machine.is_live(*id)).collect();
+            for id in gone {
+                forget(&mut st, self.group, id, &mut after.acks);
+            }
+            let ReplicaState { machine, checked_out, .. } = &mut *st;
+            checked_out.retain(|id, _| machine.is_live(*id));
+            let until = st.machine.last_index().map_or(0, |i| (i + 1) << 16);
+            let from = st.stored_until;
+            if from < until {
+                st.fetch = Some(BodyFetch { until, started: std::time::Instant::now(), messages: 0, bytes: 0 });
+                Some(BodiesRequest { from, until, max_bytes: FETCH_BYTES }.encode())
+            } else {
+                None
+            }
+        };
+        self.finish(queue, after);
+        request
+    }
+
+    /// A peer's answer to `request`: the live messages among its records are written to this node's
+    /// store (as they would have been at apply) and held. Returns the next request, or None once the
+    /// snapshot's bodies are all here. An answer that does not decode is an error (ask elsewhere).
+    pub(super) fn bodies_fetched(&self, queue: &Arc<Queue>, request: &[u8], answer: Bytes) -> std::result::Result<Option<Bytes>, String> {
+        let request = BodiesRequest::decode(request).map_err(|e| format!("bad body request: {e}"))?;
+        let answer = BodiesAnswer::decode(&answer, &request).map_err(|e| format!("bad body answer: {e}"))?;
+        let mut after = After::default();
+        let next = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                st.fetch = None;
+                return Ok(None);
+            }
+            let Some(until) = st.fetch.as_ref().map(|f| f.until) else { return Ok(None) };
+            for r in answer.records {
+                // Already stored here (an earlier answer), or no longer live.
+                if r.msg_id < st.stored_until || !st.machine.is_live(r.msg_id) || st.bodies.contains_key(&r.msg_id) {
+                    continue;
+                }
+                let Some(stored) = decode_stored(&r.payload) else {
+                    return Err(format!("message {} from the peer does not decode", r.msg_id));
+                };
+                let ticket = self.store.append_enqueue(self.group, r.msg_id, r.timestamp_ms, &[&r.payload]).map_err(|e| e.to_string())?;
+                st.stored_until = r.msg_id + 1;
+                st.last_ticket = st.last_ticket.max(ticket);
+                if stored.message.expiration_ms.is_some() {
+                    st.saw_expiration = true;
+                }
+                let stored_bytes = r.payload.len() as u64;
+                let message = hold(&mut st, stored.message);
+                st.bodies.insert(r.msg_id, Body { message, stored_bytes, ticket });
+                if let Some(f) = st.fetch.as_mut() {
+                    f.messages += 1;
+                    f.bytes += stored_bytes;
+                }
+            }
+            if !answer.complete {
+                Some(BodiesRequest { from: answer.next.max(st.stored_until), until, max_bytes: FETCH_BYTES }.encode())
+            } else {
+                st.stored_until = st.stored_until.max(until);
+                if let Some(f) = st.fetch.take() {
+                    let secs = f.started.elapsed().as_secs_f64().max(1e-6);
+                    tracing::info!(
+                        queue = %queue.name,
+                        messages = f.messages,
+                        bytes = f.bytes,
+                        secs = format!("{secs:.2}"),
+                        msgs_per_s = format!("{:.0}", f.messages as f64 / secs),
+                        mb_per_s = format!("{:.1}", f.bytes as f64 / secs / 1e6),
+                        "caught up from a snapshot: fetched the bodies of its live messages from a peer"
+                    );
+                }
+                // Messages the snapshot has checked out to this node's consumers (assigned by entries
+                // this node skipped) go to them now.
+                let node = self.node();
+                let locals: Vec<u64> = st.consumers.keys().copied().collect();
+                for local in locals {
+                    let id = ConsumerId { node, local };
+                    let msgs: Vec<Delivery> = st
+                        .machine
+                        .checked_out_by(id)
+                        .into_iter()
+                        .filter(|m| !st.checked_out.contains_key(m))
+                        .map(|msg_id| Delivery { msg_id, redelivered: true, delivery_count: 0 })
+                        .collect();
+                    if !msgs.is_empty() {
+                        self.deliver(queue, &mut st, id, false, msgs, &mut after);
+                    }
+                }
+                None
+            }
+        };
+        self.finish(queue, after);
+        Ok(next)
+    }
+
+    /// A peer asks for this replica's stored records of live messages (it installed a snapshot).
+    /// Blocking (store reads, a short wait for the store's writer): called off the runtime.
+    pub(super) fn serve_bodies(&self, request: &[u8]) -> std::result::Result<Bytes, String> {
+        let request = BodiesRequest::decode(request).map_err(|e| format!("bad body request: {e}"))?;
+        let (applied_until, ticket) = {
+            let st = self.state.lock();
+            if st.fetch.is_some() {
+                return Err("this replica is itself fetching the bodies of a snapshot".to_string());
+            }
+            (st.machine.last_index().map_or(0, |i| (i + 1) << 16), st.last_ticket)
+        };
+        if applied_until < request.until {
+            return Err(format!("this replica has applied less of the log ({applied_until:#x}) than asked ({:#x})", request.until));
+        }
+        let deadline = std::time::Instant::now() + READABLE_WAIT;
+        while !self.store.is_readable(ticket) {
+            if std::time::Instant::now() >= deadline {
+                return Err("the store has not made the records readable yet".to_string());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let max_bytes = (request.max_bytes as usize).clamp(1, MAX_ANSWER_BYTES);
+        let mut answer = BodiesAnswer { records: Vec::new(), next: request.from, complete: false };
+        let mut bytes = 0usize;
+        while bytes < max_bytes {
+            let batch = self.store.read(self.group, answer.next, READ_BACK_MESSAGES, max_bytes - bytes).map_err(|e| e.to_string())?;
+            let progressed = batch.next_seq > answer.next || !batch.messages.is_empty();
+            for m in batch.messages {
+                if m.seq >= request.until {
+                    answer.complete = true;
+                    break;
+                }
+                bytes += m.payload.len();
+                answer.next = m.seq + 1;
+                answer.records.push(BodyRecord { msg_id: m.seq, timestamp_ms: m.timestamp_ms, payload: m.payload });
+            }
+            answer.next = answer.next.max(batch.next_seq.min(request.until));
+            if answer.complete || !progressed || answer.next >= request.until {
+                answer.complete = true;
+                break;
+            }
+        }
+        Ok(answer.encode())
     }
 
     /// At a start: loads what the store holds for this queue (the bodies of its live messages).

@@ -379,6 +379,18 @@ impl QuorumMachine {
         self.consumers.get(&consumer).map(|c| c.checked_out.keys().copied().collect()).unwrap_or_default()
     }
 
+    /// Whether `id` is a live message: ready, or checked out to a consumer.
+    pub fn is_live(&self, id: MsgId) -> bool {
+        if self.ready.returned.contains_key(&id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id)) {
+            return true;
+        }
+        // Fresh runs are in id order: the last run starting at or before `id`.
+        let at = self.ready.fresh.partition_point(|r| r.first <= id);
+        let Some(run) = at.checked_sub(1).and_then(|i| self.ready.fresh.get(i)) else { return false };
+        let offset = id - run.first;
+        offset % run.step() == 0 && offset / run.step() < run.count as u64
+    }
+
     /// The last pub seq applied for a session.
     pub fn session_seq(&self, session: SessionId) -> Option<u64> {
         self.sessions.get(&session).map(|s| s.seq)

@@ -9,6 +9,8 @@
 //! - [`machine`]: the state, `apply`, consumers and assignment, TTL, limits, dead-lettering.
 //! - [`ready`]: the ready messages, compact (runs of ids, per-message state only where it differs).
 //! - [`snapshot`]: the state without bodies, and its restore.
+//! - [`bodies`]: what a replica that installed a snapshot asks a peer for (the bodies of its live
+//!   messages), and the answer.
 //!
 //! Cost per message in memory (x86-64): a fresh (never delivered) message costs its share of a
 //! 24-byte run of ids with one expiry (an entry's messages: 0.24 B each in a 100-message batch; or
@@ -20,6 +22,7 @@
 //! reject-publish; no message priorities; no `reject-publish-dlx`; dead-lettering is at-most-once
 //! (the wrapper re-publishes after the message has left the queue).
 
+pub mod bodies;
 pub mod codec;
 pub mod command;
 pub mod machine;

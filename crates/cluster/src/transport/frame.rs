@@ -34,6 +34,10 @@ pub enum Rpc {
     Status = 8,
     /// `warren ctl add-node`, `remove-node`, `transfer-leader`: node-wide membership operations.
     Admin = 9,
+    /// A replica that installed a snapshot asks a peer for the stored bodies of its live messages
+    /// (quorum queues: snapshots carry no bodies). Opaque bytes to the cluster; served by the
+    /// node's body source (`ClusterNode::set_body_source`).
+    Bodies = 10,
 }
 
 impl Rpc {
@@ -48,6 +52,7 @@ impl Rpc {
             7 => Rpc::Ping,
             8 => Rpc::Status,
             9 => Rpc::Admin,
+            10 => Rpc::Bodies,
             _ => return None,
         })
     }

@@ -1,0 +1,183 @@
+"""A quorum-queue replica that was down while the others snapshotted and purged their Raft log past
+it comes back through an InstallSnapshot, which carries the queue's state but no message bodies: it
+must fetch the bodies of the live messages from a peer before it applies anything after the snapshot,
+and deliver every confirmed message to its own consumers (never discard one for want of its body: a
+discard removes the message for the whole cluster).
+
+Three real `warren server` processes on loopback. `WARREN_TEST_SNAPSHOT_EVERY` (test-only) makes the
+groups snapshot every 40 entries (keeping 8), so a few hundred confirmed publishes put the returning
+node past the leader's log. About 15 s. The large-backlog variant (memory stays bounded while the
+returning node fetches hundreds of MB) is opt-in: WARREN_CATCHUP_BIG=1 (about a minute).
+"""
+import os
+import re
+import threading
+import time
+
+import pika
+import pytest
+
+from conftest import Broker, eventually, free_port
+
+pytestmark = [pytest.mark.warren_only]
+
+SECRET = "catchup-test-secret"
+QUORUM = {"x-queue-type": "quorum"}
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARREN_TEST_SNAPSHOT_EVERY", "40")
+    ids = [1, 2, 3]
+    cports = {i: free_port() for i in ids}
+    peers = ",".join(f"{i}=127.0.0.1:{cports[i]}" for i in ids)
+    nodes = {}
+    for i in ids:
+        b = Broker(tmp_path / f"node{i}", tmp_path / f"node{i}.log")
+        b.extra_args = ["--node-id", str(i), "--peers", peers, "--cluster-secret", SECRET]
+        nodes[i] = b
+    for i in reversed(ids):
+        nodes[i].start()
+    yield nodes
+    for i, b in nodes.items():
+        if b.alive():
+            b.kill9()
+        text = b.log_text()
+        if "panicked" in text:
+            print(f"---- node {i} log ----\n" + text[-5000:])
+
+
+def declare_everywhere(nodes, name):
+    c = nodes[1].connection()
+    c.channel().queue_declare(name, durable=True, arguments=QUORUM)
+    c.close()
+
+    def everywhere():
+        for b in nodes.values():
+            c = b.connection()
+            try:
+                c.channel().queue_declare(name, passive=True)
+            finally:
+                if c.is_open:
+                    c.close()
+        return True
+
+    eventually(everywhere, timeout=10)
+
+
+def publish_confirmed(node, name, bodies):
+    """One publish at a time, each confirmed before the next: one Raft entry each (or close)."""
+    c = node.connection()
+    ch = c.channel()
+    ch.confirm_delivery()
+    for body in bodies:
+        ch.basic_publish("", name, body, pika.BasicProperties(delivery_mode=2))
+    c.close()
+
+
+def publish_in_parallel(node, name, bodies, connections=4):
+    parts = [bodies[i::connections] for i in range(connections)]
+    errors = []
+
+    def run(part):
+        try:
+            publish_confirmed(node, name, part)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in parts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def consume_all(node, name, count, timeout=60, prefetch=50):
+    """Manual acks, through `node` only. Returns the bodies delivered (duplicates kept)."""
+    c = node.connection()
+    ch = c.channel()
+    ch.basic_qos(prefetch_count=prefetch)
+    got = []
+
+    def on_message(chan, method, props, body):
+        got.append(body)
+        chan.basic_ack(method.delivery_tag)
+
+    ch.basic_consume(name, on_message)
+    deadline = time.time() + timeout
+    while len(set(got)) < count and time.time() < deadline:
+        c.process_data_events(time_limit=0.2)
+    ch.basic_cancel(ch.consumer_tags[0])
+    c.process_data_events(time_limit=0.2)
+    c.close()
+    return got
+
+
+def ready_count(node, name):
+    c = node.connection()
+    try:
+        return c.channel().queue_declare(name, passive=True).method.message_count
+    finally:
+        if c.is_open:
+            c.close()
+
+
+def test_a_node_back_through_a_snapshot_delivers_every_confirmed_message(cluster):
+    name = "qq-catchup"
+    declare_everywhere(cluster, name)
+    # Live before the outage: the returning node has these bodies in its own store.
+    before = [f"before-{i}".encode() for i in range(30)]
+    publish_confirmed(cluster[1], name, before)
+    cluster[3].kill9()
+    # Hundreds of entries while it is down: the leader snapshots and purges its log past node 3.
+    during = [f"during-{i}-".encode() + b"x" * (i % 7 * 300) for i in range(400)]
+    publish_in_parallel(cluster[1], name, during)
+    cluster[3].start()
+    confirmed = before + during
+    got = consume_all(cluster[3], name, len(confirmed))
+    log3 = cluster[3].log_text()
+    missing = set(confirmed) - set(got)
+    assert not missing, f"{len(missing)} confirmed messages never delivered through the returning node, e.g. {[m[:12] for m in sorted(missing)[:5]]}"
+    assert "discarding it" not in log3, "a replica discarded a message it had no body for"
+    assert "caught up" in log3 or "fetched the bodies" in log3, "node 3 did not come back through a snapshot"
+    # Every message was acked once: the queue is empty everywhere.
+    eventually(lambda: all(ready_count(b, name) == 0 for b in cluster.values()), timeout=20)
+
+
+def rss_kb(proc):
+    with open(f"/proc/{proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(os.environ.get("WARREN_CATCHUP_BIG") != "1", reason="opt-in: WARREN_CATCHUP_BIG=1 (about a minute)")
+def test_a_node_back_after_a_long_outage_fetches_a_large_backlog_with_bounded_memory(cluster):
+    name = "qq-catchup-big"
+    declare_everywhere(cluster, name)
+    cluster[3].kill9()
+    size = 64 << 10
+    count = int(os.environ.get("WARREN_CATCHUP_MESSAGES", "4000"))  # 4000 x 64 KiB = 250 MiB
+    bodies = [f"big-{i:06}-".encode().ljust(size, b"y") for i in range(count)]
+    publish_in_parallel(cluster[1], name, bodies, connections=8)
+    start = time.time()
+    cluster[3].start()
+    peak = 0
+    # Node 3 catches up (its log says so), its memory sampled meanwhile.
+    while time.time() - start < 300:
+        peak = max(peak, rss_kb(cluster[3].proc))
+        if "fetched the bodies" in cluster[3].log_text():
+            break
+        time.sleep(0.05)
+    log3 = cluster[3].log_text()
+    m = re.search(r"fetched the bodies.*", log3)
+    assert m, "node 3 did not fetch the bodies of a snapshot"
+    print("catch-up:", m.group(0))
+    print(f"node 3 peak RSS while catching up: {peak // 1024} MiB for a {count * size >> 20} MiB backlog")
+    assert peak < 400 << 10, f"node 3 used {peak // 1024} MiB while catching up a {count * size >> 20} MiB backlog"
+    got = consume_all(cluster[3], name, count, timeout=240, prefetch=200)
+    missing = set(bodies) - set(got)
+    assert not missing, f"{len(missing)} confirmed messages never delivered through the returning node"
+    assert "discarding it" not in cluster[3].log_text()
