@@ -151,6 +151,9 @@ struct LocalConsumer {
     consumer: Arc<Consumer>,
     /// Delivered to it by the machine, not yet taken by its channel (flow, prefetch, room).
     backlog: VecDeque<Entry>,
+    /// Assigned to it by the machine, but this node has no body for them (a store that failed to
+    /// give one back): held, undelivered, until the consumer goes (then returned, as its backlog).
+    bodiless: Vec<MsgId>,
 }
 
 /// A basic.get under way on this node.
@@ -579,8 +582,12 @@ impl QuorumReplica {
         for (d, entry) in msgs.iter().zip(entries) {
             let Some(entry) = entry else {
                 // Never discarded (a discard removes it for the whole cluster): it stays checked out
-                // to the consumer and goes back, uncounted, when the consumer does.
+                // to the consumer, undelivered, and goes back when the consumer goes.
                 tracing::error!(queue = %queue.name, msg_id = d.msg_id, "no body on this node for a delivered message; it stays with the consumer undelivered");
+                if !settled {
+                    checked_out.insert(d.msg_id, consumer);
+                    local.bodiless.push(d.msg_id);
+                }
                 continue;
             };
             if !settled {
@@ -1008,7 +1015,7 @@ impl QuorumReplica {
             if st.deleted {
                 return Err(BrokerError::not_found(format!("no queue '{}'", queue.name)));
             }
-            st.consumers.insert(local, LocalConsumer { consumer, backlog: VecDeque::new() });
+            st.consumers.insert(local, LocalConsumer { consumer, backlog: VecDeque::new(), bodiless: Vec::new() });
             // consume-ok before any delivery: those come once the Attach is applied.
             on_registered();
         }
@@ -1033,7 +1040,7 @@ impl QuorumReplica {
                 st.checked_out.retain(|_, c| *c != id);
                 Vec::new()
             } else {
-                let ids: Vec<MsgId> = removed.backlog.iter().map(|e| e.seq).collect();
+                let ids: Vec<MsgId> = removed.backlog.iter().map(|e| e.seq).chain(removed.bodiless.iter().copied()).collect();
                 for m in &ids {
                     st.checked_out.remove(m);
                 }
