@@ -867,3 +867,38 @@ fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
         }
     }
 }
+
+#[test]
+fn is_live_names_ready_checked_out_and_returned_messages_only() {
+    let mut q = Q::new(QueueConfig::default());
+    // One entry of three messages (a run of step 1), then single messages of consecutive entries
+    // (a run of step 2^16, as a publisher waiting for each confirm makes them).
+    q.publish(S1, 0, 1..=3, None);
+    let batch: Vec<MsgId> = (0..3).map(|i| msg_id(q.index, i)).collect();
+    let mut singles = Vec::new();
+    for s in 4..=6 {
+        q.index -= 1; // consecutive indexes
+        q.publish(S1, 0, s..=s, None);
+        singles.push(msg_id(q.index, 0));
+    }
+    for id in batch.iter().chain(&singles) {
+        assert!(q.m.is_live(*id), "{id:#x} is ready");
+    }
+    assert!(!q.m.is_live(batch[2] + 1), "past a run's end");
+    assert!(!q.m.is_live(singles[0] + 1), "between a per-entry run's ids");
+    assert!(!q.m.is_live(0) && !q.m.is_live(msg_id(q.index + 1, 0)));
+    // Checked out, returned and settled.
+    let held = delivered_ids(&q.attach(C1, 2, 0), C1);
+    assert_eq!(held, batch[..2]);
+    assert!(held.iter().all(|id| q.m.is_live(*id)));
+    q.apply(|e| e.settle(C1, &held[..1]));
+    assert!(!q.m.is_live(held[0]), "settled");
+    q.apply(|e| e.detach(C1, true));
+    assert!(q.m.is_live(held[1]), "returned");
+    // A snapshot's machine says the same.
+    let mut restored = QuorumMachine::new(QueueConfig::default());
+    restored.restore(&q.m.snapshot()).unwrap();
+    for id in batch.iter().chain(&singles) {
+        assert_eq!(restored.is_live(*id), q.m.is_live(*id));
+    }
+}
