@@ -134,8 +134,15 @@ def test_a_node_back_through_a_snapshot_delivers_every_confirmed_message(cluster
     # Hundreds of entries while it is down: the leader snapshots and purges its log past node 3.
     during = [f"during-{i}-".encode() + b"x" * (i % 7 * 300) for i in range(400)]
     publish_in_parallel(cluster[1], name, during)
+    # The leader builds its snapshots and purges its log in the background: a pause, more entries
+    # (another snapshot past node 3) and another pause, so that node 3 cannot come back through the
+    # log alone.
+    time.sleep(1)
+    late = [f"late-{i}".encode() for i in range(100)]
+    publish_in_parallel(cluster[1], name, late)
+    time.sleep(1)
     cluster[3].start()
-    confirmed = before + during
+    confirmed = before + during + late
     got = consume_all(cluster[3], name, len(confirmed))
     log3 = cluster[3].log_text()
     missing = set(confirmed) - set(got)
