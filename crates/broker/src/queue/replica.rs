@@ -256,7 +256,7 @@ struct After {
     /// Deliveries to consumers gone from this node: returned.
     returns: Vec<(ConsumerId, MsgId)>,
     discards: Vec<(ConsumerId, MsgId)>,
-    /// Consumers (basic.get's) whose messages go back uncounted.
+    /// basic.get consumers whose message goes back uncounted (no body here, or the channel closed).
     detaches: Vec<ConsumerId>,
     cancelled: Vec<Arc<Consumer>>,
     gets_done: bool,
@@ -565,7 +565,8 @@ impl QuorumReplica {
                     }
                     getter.done = Some(false);
                 }
-                (Some(_), None) if !settled => after.returns.push((consumer, d.msg_id)),
+                // The channel closed before get-ok: back, not a failed delivery (as a closed channel's unacked).
+                (Some(_), None) if !settled => after.detaches.push(consumer),
                 (Some(_), None) => {}
             }
             after.gets_done = true;
