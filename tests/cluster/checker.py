@@ -33,6 +33,7 @@ class History:
     def __init__(self):
         self._lock = threading.Lock()
         self.started = time.monotonic()
+        self.wall_offset = time.time() - self.started  # monotonic + wall_offset = Unix time
         self.ended = None
         self.attempted = set()
         self.confirmed = {}  # id -> (monotonic time, node label)
@@ -42,6 +43,7 @@ class History:
         self.faults = []
         self.events = []  # (monotonic time, who, what): connects, errors, reconnects
         self.report = None  # the last `check` of this history
+        self.on_fault = None  # called with a line at each fault's start and heal (Nemesis: node logs)
 
     def attempt(self, ids):
         with self._lock:
@@ -72,10 +74,14 @@ class History:
         f = Fault(name, time.monotonic())
         with self._lock:
             self.faults.append(f)
+        if self.on_fault:
+            self.on_fault(f"fault {name}: start")
         try:
             yield f
         finally:
             f.healed = time.monotonic()
+            if self.on_fault:
+                self.on_fault(f"fault {name}: healed")
 
     def dump(self, path):
         """Writes the history as JSON (times in seconds since the start) for a failed run's post-mortem."""
@@ -139,6 +145,24 @@ class Report:
 
     def assert_valid(self):
         assert self.valid, f"checker failed:\n{self}"
+
+
+def write_timeline(history, path):
+    """Writes the history's faults, client events and confirms per 100 ms, in wall-clock UTC time (the
+    node logs' clock), to `path`: to line a pause up with what the nodes and clients did."""
+    def wall(t):
+        u = t + history.wall_offset
+        return time.strftime("%H:%M:%S", time.gmtime(u)) + f".{int(u * 1000) % 1000:03d}"
+
+    with history._lock:
+        lines = [(f.start, f"fault {f.name}: start") for f in history.faults]
+        lines += [(f.healed, f"fault {f.name}: healed") for f in history.faults if f.healed is not None]
+        lines += [(t, f"{who}: {what}") for t, who, what in history.events]
+        per_tick = Counter((int(t * 10), node) for t, node in history.confirmed.values())
+    lines += [(tick / 10, f"confirmed {n} via {node}") for (tick, node), n in per_tick.items()]
+    with open(path, "w") as f:
+        for t, what in sorted(lines, key=lambda x: x[0]):
+            f.write(f"{wall(t)} {what}\n")
 
 
 def longest_pause(times, start, end):

@@ -10,6 +10,7 @@ import time
 class Nemesis:
     def __init__(self, cluster, history):
         self.cluster, self.history = cluster, history
+        history.on_fault = cluster.mark  # fault windows in the node logs, with wall-clock times
 
     def kill9_restart(self, n, seconds=0.5):
         """kill -9 node n, leave it down `seconds`, restart it on the same data directory."""

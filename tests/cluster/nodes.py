@@ -182,6 +182,12 @@ class Node:
         self.kill9()
         return self.start(wait=wait)
 
+    def mark(self, text):
+        """Appends a harness line with the wall-clock time to this node's log."""
+        stamp = time.strftime("%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}"
+        with open(self.log_path, "ab") as log:
+            log.write(f"---- harness: {stamp} UTC {text} ----\n".encode())
+
     def log_text(self):
         try:
             return self.log_path.read_text(errors="replace")
@@ -295,13 +301,16 @@ class Cluster:
 
     def leader(self, queue=None, timeout=20):
         """The node leading `queue`'s group (None: the metadata group), from `warren ctl
-        cluster-status --json` asked of any live node; waits until a leader is known.
+        cluster-status --json` asked of every live node; waits until a leader is known.
 
+        Every node is asked and the claim of the highest term wins: a leader cut off a moment ago
+        still names itself (its links may not be back yet), while the others follow a newer one.
         The status names groups by id (a quorum queue's group id is its queue id), not by queue
         name: a test's cluster holds one quorum queue, so its group is the one group besides 0."""
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
+            claims = []  # (term, leader)
             for node, status in self.statuses():
                 if not isinstance(status, dict):
                     last = status
@@ -313,12 +322,18 @@ class Cluster:
                     wanted = [g for g in groups if g.get("group") != 0]
                     if len({g.get("group") for g in wanted}) > 1:
                         raise AssertionError(f"several quorum queue groups, cannot tell {queue!r}'s: {groups}")
-                leaders = [g.get("leader") for g in wanted if g.get("leader")]
-                if leaders:
-                    return leaders[0]
-                last = f"no leader yet: {wanted}"
+                claims += [(g.get("term") or 0, g.get("leader")) for g in wanted if g.get("leader")]
+                if not claims:
+                    last = f"no leader yet: {wanted}"
+            if claims:
+                return max(claims)[1]
             time.sleep(0.2)
         raise AssertionError(f"no leader of {queue or 'the metadata group'} within {timeout} s ({last})")
+
+    def mark(self, text):
+        """Writes a harness line into every node's log (to line faults up with what the nodes did)."""
+        for node in self:
+            node.mark(text)
 
     def destroy(self):
         """Kills every node and removes the topology. Returns the nodes' log tails for a failed test."""

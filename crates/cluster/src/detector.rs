@@ -16,11 +16,14 @@ use crate::transport::{LinkKind, Rpc, RpcError, Transport};
 use crate::types::NodeId;
 
 pub const PING_EVERY: Duration = Duration::from_millis(200);
+/// Silence after which a peer is down. Equal to openraft's leader lease (`node::LEADER_LEASE`).
 pub const DOWN_AFTER: Duration = Duration::from_millis(1200);
 
 #[derive(Debug, Clone, Copy)]
 struct Health {
     up: bool,
+    /// When it last came up (its first answer after being down or unknown).
+    up_since: Option<Instant>,
     last_ok: Option<Instant>,
     /// When watching began: a peer never heard from counts as down only [`DOWN_AFTER`] later.
     since: Instant,
@@ -28,7 +31,7 @@ struct Health {
 
 impl Health {
     fn new() -> Health {
-        Health { up: false, last_ok: None, since: Instant::now() }
+        Health { up: false, up_since: None, last_ok: None, since: Instant::now() }
     }
 }
 
@@ -49,6 +52,11 @@ impl Detector {
     /// Whether the peer answered recently (false for a peer never heard from).
     pub fn is_up(&self, peer: NodeId) -> bool {
         self.health.lock().get(&peer).is_some_and(|h| h.up)
+    }
+
+    /// How long the peer has been answering without a break (None while it is not up).
+    pub fn up_for(&self, peer: NodeId) -> Option<Duration> {
+        self.health.lock().get(&peer).filter(|h| h.up).and_then(|h| h.up_since).map(|t| t.elapsed())
     }
 
     /// Whether the peer is known down: it answered once and no longer does, or it has not answered
@@ -92,6 +100,7 @@ impl Detector {
                 match (h.up, ok, gone || silent) {
                     (false, true, _) => {
                         h.up = true;
+                        h.up_since = Some(now);
                         Some(Change::Up(peer))
                     }
                     (true, false, true) => {

@@ -17,14 +17,33 @@
 //! - a group with no leader, or whose leader's node the failure detector says is down, gets an
 //!   election from its live voters, one at a time: a per-group rank (rotating with the group id)
 //!   staggers them by [`ELECTION_STAGGER`], after [`LEADERLESS_GRACE`] when the leader is merely
-//!   unknown (a start), at once when its node is down; retried every [`ELECTION_RETRY`].
+//!   unknown (a start), at once when its node is down; retried every [`ELECTION_RETRY`]. Only a
+//!   node that hears from a majority of the voters campaigns, and every election starts with a
+//!   pre-vote: a node that cannot win (its log is behind, the others still hear the leader) leaves
+//!   the terms alone, so it neither outbids the voter that can win nor deposes a live leader when
+//!   its link heals;
+//! - a group this node leads whose preferred member (the one that first led it) has been back for
+//!   [`REBALANCE_SETTLE`] and has caught up is handed back to it (leaders spread over the nodes
+//!   again after a node returns); a transfer that does not land is asked again (openraft's leader
+//!   takes no writes while a transfer is pending);
 //! - when a node comes (back) up, the groups this node leads that include it are heartbeaten at
 //!   once, so a restarted node learns its leaders before it would start elections.
 //!
-//! A voter that sees the old leader's node down grants a vote despite its leader lease (the request
-//! is marked as a leadership transfer). Warren never serves lease reads, so granting early does not
+//! **Leases.** openraft's leader lease is [`LEADER_LEASE`], the failure detector's silence limit: a
+//! follower refuses pre-votes until that long after its leader's last message, and a leader takes
+//! no new writes when no quorum answered it for that long (so a leader cut off from the majority
+//! stops taking writes; it could not commit them anyway). An idle group's leader heartbeats rarely,
+//! so a write refused for an expired lease renews it with one heartbeat round and is retried. A
+//! voter that sees the old leader's node down grants a vote despite its lease (the request is
+//! marked as a leadership transfer). Warren never serves lease reads, so granting early does not
 //! let a deposed leader answer stale reads; a deposed leader cut off from the others cannot commit
 //! and steps down at the first message of the new term.
+//!
+//! **Forwarding.** A command is sent to the leader this node knows; a leader whose node the
+//! detector says is down is not sent anything (the proposal waits for the election), and a command
+//! already sent stops waiting, its outcome unknown, once the target falls silent or another leader
+//! is known: a stopped or cut-off leader never answers, and this node's later proposals to the
+//! group wait behind it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -32,7 +51,7 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::error::{ClientWriteError, ForwardReason, InitializeError, RaftError};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest, TransferLeaderResponse,
     VoteRequest, VoteResponse,
@@ -56,20 +75,32 @@ pub const ELECTION_STAGGER: Duration = Duration::from_millis(300);
 /// How long a group may have no known leader (its leader's node not known down) before an
 /// election: at a start, a leader usually makes itself known sooner.
 pub const LEADERLESS_GRACE: Duration = Duration::from_millis(1500);
-/// A candidate that did not win tries again after this long (plus its rank's stagger).
-pub const ELECTION_RETRY: Duration = Duration::from_millis(2000);
+/// A candidate whose election did not end with a leader tries again after this long (plus its
+/// rank's stagger). Elections start with a pre-vote, so a try that cannot win changes nothing.
+pub const ELECTION_RETRY: Duration = Duration::from_millis(1000);
+/// openraft's leader lease (`election_timeout_max` in [`group_config`]): a follower refuses pre-votes
+/// until this long after the last message from its leader, and a leader refuses new writes when no
+/// quorum answered it for this long. Equal to the detector's `DOWN_AFTER`: by the time a leader is
+/// found silent, its followers' leases have run out.
+pub const LEADER_LEASE: Duration = Duration::from_millis(1200);
+/// How long a write refused for an expired lease waits for one heartbeat round to renew it.
+const LEASE_RENEW_WAIT: Duration = Duration::from_millis(1000);
 /// A leader heartbeats its followers at least this often, even when idle.
 pub const LEADER_REFRESH: Duration = Duration::from_secs(30);
 /// How long [`ClusterNode::propose`] keeps trying (elections, forwarding) by default.
 pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Timeout of one forwarded command or admin request to a peer.
 const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a forwarded command's wait looks at the target's health and the group's leader.
+const FORWARD_CHECK_EVERY: Duration = Duration::from_millis(50);
 /// Timeout of a peer's answer to a status request.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The Raft configuration of every group: openraft's own tick is off (the node's sweep drives
-/// heartbeats and elections, see the module docs); the leader lease a voter honours is
-/// `election_timeout_max` (4 s) after the last message from its leader.
+/// heartbeats and elections, see the module docs). `election_timeout_max` is openraft's leader
+/// lease ([`LEADER_LEASE`]); `election_timeout_min` only bounds vote requests (3/4 of it) and must
+/// exceed `heartbeat_interval + heartbeat_min_interval` plus a tick; `heartbeat_interval` bounds
+/// an AppendEntries request (3/4 of it).
 ///
 /// A restarted leader never leads again in its old term (`enable_leader_restore` off, openraft's
 /// default is on). A leader commits with two followers' fsyncs and none of its own, so a leader
@@ -85,9 +116,9 @@ pub fn group_config() -> openraft::Config {
         cluster_name: "warren".to_owned(),
         enable_tick: false,
         heartbeat_interval: 500,
-        heartbeat_min_interval: Some(500),
-        election_timeout_min: 2000,
-        election_timeout_max: 4000,
+        heartbeat_min_interval: Some(200),
+        election_timeout_min: 1000,
+        election_timeout_max: LEADER_LEASE.as_millis() as u64,
         install_snapshot_timeout: 30_000,
         enable_pre_vote: Some(true),
         ..snapshot_policy()
@@ -219,6 +250,9 @@ trait GroupHandle: Send + Sync + 'static {
     fn heartbeat(&self) -> BoxFuture<()>;
     /// What the sweep looks at: (state, leader, last log index, committed index).
     fn summary(&self) -> (ServerState, Option<NodeId>, Option<u64>, Option<u64>);
+    /// For a leader: its term, the group's preferred member and every voter's lag behind the
+    /// leader's last log index (None: not known to have anything yet).
+    fn leader_view(&self, group: GroupId) -> Option<(u64, Option<NodeId>, Vec<(NodeId, Option<u64>)>)>;
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>>;
     fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome>;
     fn shutdown(&self) -> BoxFuture<()>;
@@ -236,6 +270,20 @@ fn write_outcome<T>(r: Result<T, RaftError<TypeConfig, ClientWriteError<TypeConf
         Err(RaftError::APIError(e)) => WriteOutcome::Fatal(e.to_string()),
         Err(RaftError::Fatal(e)) => WriteOutcome::Fatal(e.to_string()),
     }
+}
+
+/// Heartbeats the group's followers and waits (at most [`LEASE_RENEW_WAIT`]) until a quorum has
+/// answered one sent after the last quorum acknowledgement, so the leader takes writes again.
+async fn renew_lease<SM: RaftStateMachine<TypeConfig>>(raft: &openraft::Raft<TypeConfig, SM>) {
+    use openraft::async_runtime::WatchReceiver;
+    let before = raft.metrics().borrow_watched().last_quorum_acked;
+    if raft.trigger().heartbeat().await.is_err() {
+        return;
+    }
+    let _ = raft
+        .wait(Some(LEASE_RENEW_WAIT))
+        .metrics(|m| m.state != ServerState::Leader || m.last_quorum_acked > before, "leader lease renewed")
+        .await;
 }
 
 impl<SM> GroupHandle for Handle<SM>
@@ -271,7 +319,23 @@ where
 
     fn write(&self, cmd: Command) -> BoxFuture<WriteOutcome> {
         let raft = self.raft.clone();
-        Box::pin(async move { write_outcome(raft.client_write(cmd).await, |r| r.data) })
+        Box::pin(async move {
+            let mut renewed = false;
+            loop {
+                match raft.client_write(cmd.clone()).await {
+                    // The leader's quorum lease ran out (an idle group heartbeats rarely, see
+                    // `sweep`): the command was not appended. One heartbeat round renews the lease
+                    // when a quorum still answers; a leader cut off from it stays refused.
+                    Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))
+                        if f.reason == ForwardReason::LeaseExpired && !renewed =>
+                    {
+                        renewed = true;
+                        renew_lease(&raft).await;
+                    }
+                    r => return write_outcome(r, |r| r.data),
+                }
+            }
+        })
     }
 
     fn metrics(&self) -> RaftMetrics<TypeConfig> {
@@ -282,7 +346,10 @@ where
     fn elect(&self) -> BoxFuture<()> {
         let raft = self.raft.clone();
         Box::pin(async move {
-            let _ = raft.trigger().elect(false).await;
+            // Pre-vote first: a node that cannot win (its log is behind, the others still hear
+            // the leader, it is cut off) leaves every term as it is, so it neither disturbs a
+            // live leader when it comes back nor outbids the voter that can win.
+            let _ = raft.trigger().elect(true).await;
         })
     }
 
@@ -308,6 +375,25 @@ where
         let rx = self.raft.metrics();
         let m = rx.borrow_watched();
         (m.state, m.current_leader, m.last_log_index, m.local_committed.map(|c| c.index))
+    }
+
+    fn leader_view(&self, group: GroupId) -> Option<(u64, Option<NodeId>, Vec<(NodeId, Option<u64>)>)> {
+        use openraft::async_runtime::WatchReceiver;
+        let rx = self.raft.metrics();
+        let m = rx.borrow_watched();
+        if m.state != ServerState::Leader {
+            return None;
+        }
+        let voters: BTreeSet<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let last = m.last_log_index.unwrap_or(0);
+        let lags = voters
+            .iter()
+            .map(|v| {
+                let matched = m.replication.as_ref().and_then(|r| r.get(v)).and_then(|l| l.as_ref()).map(|l| l.index);
+                (*v, matched.map(|i| last.saturating_sub(i)))
+            })
+            .collect();
+        Some((m.current_term, preferred_member(group, &voters), lags))
     }
 
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>> {
@@ -655,7 +741,10 @@ impl ClusterNode {
             let target = hint.take().or_else(|| local.as_ref().and_then(|h| h.metrics().current_leader));
             let outcome = match (target, &local) {
                 (Some(t), Some(h)) if t == self.inner.id => h.write(command.clone()).await,
-                (Some(t), _) => self.forward(t, group, &payload, deadline).await,
+                // The leader's node is silent (dead, stopped or cut off): wait for the election
+                // rather than for a call that cannot be answered.
+                (Some(t), _) if self.inner.detector.is_down(t) => WriteOutcome::NotLeader(None),
+                (Some(t), _) => self.forward(t, group, local.as_deref(), &payload, deadline).await,
                 (None, Some(_)) => WriteOutcome::NotLeader(None),
                 (None, None) => {
                     // The group is not here: ask the peers in turn.
@@ -665,7 +754,7 @@ impl ClusterNode {
                     }
                     let p = peers[tried_peers % peers.len()];
                     tried_peers += 1;
-                    self.forward(p, group, &payload, deadline).await
+                    self.forward(p, group, None, &payload, deadline).await
                 }
             };
             match outcome {
@@ -687,9 +776,32 @@ impl ClusterNode {
         }
     }
 
-    async fn forward(&self, to: NodeId, group: GroupId, payload: &[u8], deadline: Instant) -> WriteOutcome {
+    /// Sends a command to the node `to` (the group's leader, as far as this node knows) and returns
+    /// what it said. The wait ends early, with the outcome unknown, when `to` falls silent (the
+    /// failure detector says it is down) or when this node's replica of the group (`local`) learns
+    /// of another leader: a leader that stopped or was cut off never answers, and waiting out the
+    /// call's timeout would hold up this node's later proposals to the group.
+    async fn forward(&self, to: NodeId, group: GroupId, local: Option<&dyn GroupHandle>, payload: &[u8], deadline: Instant) -> WriteOutcome {
         let left = deadline.saturating_duration_since(Instant::now()).min(PEER_CALL_TIMEOUT);
-        match self.inner.transport.request(to, LinkKind::Bulk, Rpc::Propose, group, payload, left).await {
+        let call = self.inner.transport.request(to, LinkKind::Bulk, Rpc::Propose, group, payload, left);
+        let leader_now = || local.and_then(|h| h.metrics().current_leader);
+        let known = leader_now(); // may differ from `to` (sent on a peer's hint)
+        let abandoned = async {
+            loop {
+                tokio::time::sleep(FORWARD_CHECK_EVERY).await;
+                if self.inner.detector.is_down(to) {
+                    return format!("node {to} stopped answering");
+                }
+                if let Some(l) = leader_now().filter(|l| *l != to && Some(*l) != known) {
+                    return format!("node {l} leads the group now");
+                }
+            }
+        };
+        let answer = tokio::select! {
+            a = call => a,
+            why = abandoned => return WriteOutcome::Unknown(format!("sent to node {to}, then {why}")),
+        };
+        match answer {
             Ok(answer) => WriteOutcome::decode(answer).unwrap_or_else(|e| WriteOutcome::Unknown(format!("bad answer from node {to}: {e}"))),
             // Not sent: safe to try again (maybe elsewhere).
             Err(RpcError::NotConnected(_)) => {
@@ -715,19 +827,17 @@ impl ClusterNode {
         });
     }
 
-    /// This node's rank among the live voters of `group` for an election (0 goes first), or None
-    /// if it is not a voter.
-    fn election_rank(&self, group: GroupId, h: &dyn GroupHandle) -> Option<usize> {
+    /// This node's rank among the live voters of `group` for an election (0 goes first), and
+    /// whether a majority of the voters (this node included) answers the failure detector; None if
+    /// this node is not a voter.
+    fn election_rank(&self, group: GroupId, h: &dyn GroupHandle) -> Option<(usize, bool)> {
         let me = self.inner.id;
         let m = h.metrics();
-        let live: Vec<NodeId> = m
-            .membership_config
-            .membership()
-            .voter_ids()
-            .filter(|id| *id == me || !self.inner.detector.is_down(*id))
-            .collect();
+        let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let live: Vec<NodeId> = voters.iter().copied().filter(|id| *id == me || !self.inner.detector.is_down(*id)).collect();
         let pos = live.iter().position(|id| *id == me)?;
-        Some((pos + live.len() - (group as usize % live.len())) % live.len())
+        let reachable = voters.iter().filter(|id| **id == me || self.inner.detector.is_up(**id)).count();
+        Some(((pos + live.len() - (group as usize % live.len())) % live.len(), reachable * 2 > voters.len()))
     }
 
     /// This node's view: members, reachability and its groups.
@@ -998,6 +1108,82 @@ struct GroupTimer {
     last_heartbeat: Option<Instant>,
     leaderless_since: Option<Instant>,
     last_election: Option<Instant>,
+    /// A leadership transfer this node asked for as the group's leader: (term, to, when, tries).
+    transfer: Option<(u64, NodeId, Instant, u32)>,
+    /// No rebalancing of this group before then (a transfer did not take).
+    rebalance_after: Option<Instant>,
+    /// The leader at the last look (to log changes).
+    leader: Option<NodeId>,
+    /// The group's preferred member and when it was last computed (a leader that is the preferred
+    /// member has nothing to rebalance: most looks end there).
+    preferred: Option<(Option<NodeId>, Instant)>,
+}
+
+/// A leader hands its group back to the group's preferred member once that node has been up for
+/// this long (it returned after a restart or a fault) and has caught up.
+pub const REBALANCE_SETTLE: Duration = Duration::from_secs(1);
+/// How far behind the leader's log the preferred member may be for a rebalancing transfer (the
+/// leader takes no writes until the transfer is done, and the new leader first catches up).
+const REBALANCE_MAX_LAG: u64 = 64;
+/// A leader still leading this long after asking for a transfer asks again: openraft's leader takes
+/// no writes while a transfer is pending, so one that never lands must not leave it stuck.
+const TRANSFER_WAIT: Duration = Duration::from_secs(2);
+/// How long a leader trusts its last look at the group's membership (that it is the preferred member).
+const PREFERRED_RECHECK: Duration = Duration::from_secs(10);
+/// After a transfer that did not land, the group is not rebalanced again for this long.
+const REBALANCE_BACKOFF: Duration = Duration::from_secs(30);
+
+impl ClusterNode {
+    /// For a group this node leads: hands the leadership to the group's preferred member when it is
+    /// back and caught up (leaders spread over the nodes again after a node returns), and sees a
+    /// pending transfer through.
+    async fn rebalance(&self, group: GroupId, h: &dyn GroupHandle, t: &mut GroupTimer, now: Instant) {
+        let me = self.inner.id;
+        let fresh = t.preferred.is_some_and(|(p, at)| p == Some(me) && now.duration_since(at) < PREFERRED_RECHECK);
+        if t.transfer.is_none() && fresh {
+            return;
+        }
+        let Some((term, preferred, lags)) = h.leader_view(group) else { return };
+        t.preferred = Some((preferred, now));
+        let detector = &self.inner.detector;
+        if let Some((at_term, to, at, tries)) = t.transfer {
+            if at_term == term {
+                if now.duration_since(at) < TRANSFER_WAIT {
+                    return;
+                }
+                // Still leading, and taking no writes: ask again, the same node while it is up
+                // (twice at most), else the most caught-up other voter that answers.
+                let to = if tries < 2 && detector.is_up(to) {
+                    Some(to)
+                } else {
+                    lags.iter().filter(|(v, _)| *v != me && detector.is_up(*v)).min_by_key(|(_, lag)| lag.unwrap_or(u64::MAX)).map(|(v, _)| *v)
+                };
+                t.rebalance_after = Some(now + REBALANCE_BACKOFF);
+                if let Some(to) = to {
+                    tracing::info!(group, to, tries, "a leadership transfer did not land: asking again");
+                    t.transfer = Some((term, to, now, tries + 1));
+                    let _ = h.transfer_leader(to).await;
+                }
+                return;
+            }
+            t.transfer = None;
+        }
+        let Some(to) = preferred.filter(|p| *p != me) else { return };
+        if t.rebalance_after.is_some_and(|after| now < after) || !detector.up_for(to).is_some_and(|d| d >= REBALANCE_SETTLE) {
+            return;
+        }
+        let caught_up = lags.iter().any(|(v, lag)| *v == to && lag.is_some_and(|l| l <= REBALANCE_MAX_LAG));
+        if !caught_up {
+            return;
+        }
+        tracing::info!(group, to, "the group's preferred member is back: handing it the leadership");
+        t.transfer = Some((term, to, now, 1));
+        if let Err(e) = h.transfer_leader(to).await {
+            tracing::warn!(group, to, error = %e, "cannot start a leadership transfer");
+            t.transfer = None;
+            t.rebalance_after = Some(now + REBALANCE_BACKOFF);
+        }
+    }
 }
 
 /// The node's one timer for all its groups (see the module docs).
@@ -1037,6 +1223,10 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
         for (group, h) in groups {
             let t = timers.entry(group).or_default();
             let (state, leader, last_log, committed) = h.summary();
+            if leader != t.leader {
+                tracing::debug!(group, ?leader, was = ?t.leader, "group leader changed");
+                t.leader = leader;
+            }
             if state == ServerState::Leader {
                 t.leaderless_since = None;
                 let moved = (last_log, committed) != t.seen;
@@ -1046,18 +1236,24 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
                     t.last_heartbeat = Some(now);
                     h.heartbeat().await;
                 }
+                node.rebalance(group, h.as_ref(), t, now).await;
                 continue;
             }
+            t.transfer = None;
             let leader_down = leader.is_some_and(|l| l != me && node.inner.detector.is_down(l));
             if leader.is_some_and(|l| l != me) && !leader_down {
                 t.leaderless_since = None;
                 continue;
             }
             let since = *t.leaderless_since.get_or_insert(now);
-            let Some(rank) = node.election_rank(group, h.as_ref()) else { continue };
+            let Some((rank, quorum_reachable)) = node.election_rank(group, h.as_ref()) else { continue };
+            if !quorum_reachable {
+                continue; // cut off from the majority: no election could be won from here
+            }
             let grace = if leader_down { Duration::ZERO } else { LEADERLESS_GRACE };
-            let due = since + grace + ELECTION_STAGGER * rank as u32;
-            let retry_ok = t.last_election.is_none_or(|at| now.duration_since(at) >= ELECTION_RETRY + ELECTION_STAGGER * rank as u32);
+            let stagger = ELECTION_STAGGER * rank as u32;
+            let due = since + grace + stagger;
+            let retry_ok = t.last_election.is_none_or(|at| now.duration_since(at) >= ELECTION_RETRY + stagger);
             if now >= due && retry_ok {
                 t.last_election = Some(now);
                 tracing::debug!(group, rank, ?leader, leader_down, "electing");

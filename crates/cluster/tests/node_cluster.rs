@@ -223,3 +223,35 @@ async fn a_group_whose_first_member_is_absent_still_starts_and_the_late_node_cat
         stop_node(n).await;
     }
 }
+
+/// A group left idle past the leader lease (its leader heartbeats an idle group only every
+/// `LEADER_REFRESH`, so no quorum has answered it lately) still takes a command at once, from the
+/// leader and from a follower: the refused write renews the lease with one heartbeat round. Before,
+/// it waited for the 30 s backstop heartbeat (24 s measured).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_idle_past_the_leader_lease_takes_commands_at_once() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let groups = [METADATA_GROUP];
+    let mut nodes = Vec::new();
+    for i in 1..=3 {
+        nodes.push(start_node(i, &d[i as usize - 1], &ports, &groups).await);
+    }
+    let leader = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(15)).await.expect("a leader is elected");
+    let lease = Duration::from_millis(test_raft_config().election_timeout_max);
+    let mut want = Vec::new();
+    for (round, asked) in [leader, nodes.iter().map(|n| n.id).find(|id| *id != leader).expect("a follower")].into_iter().enumerate() {
+        tokio::time::sleep(lease * 2).await;
+        let cmd = Bytes::from(format!("after-idle-{round}"));
+        let n = nodes.iter().find(|n| n.id == asked).expect("node");
+        n.node.propose(METADATA_GROUP, Command(cmd.clone()), Duration::from_secs(5)).await.expect("taken well before the idle heartbeat");
+        want.push(cmd);
+    }
+    for n in &nodes {
+        assert!(wait_applied(n, &want, Duration::from_secs(10)).await, "node {} applied {:?}", n.id, n.machine.commands());
+    }
+    for n in nodes {
+        stop_node(n).await;
+    }
+}
