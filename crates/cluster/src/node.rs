@@ -21,7 +21,8 @@
 //!   node that hears from a majority of the voters campaigns, and every election starts with a
 //!   pre-vote: a node that cannot win (its log is behind, the others still hear the leader) leaves
 //!   the terms alone, so it neither outbids the voter that can win nor deposes a live leader when
-//!   its link heals;
+//!   its link heals. A leader that asks for a vote leads no more (it restarted and came back a
+//!   follower): its followers elect as if its node were down (`leader_gone`);
 //! - a group this node leads whose preferred member (the one that first led it) has been back for
 //!   [`REBALANCE_SETTLE`] and has caught up is handed back to it (leaders spread over the nodes
 //!   again after a node returns); a transfer that does not land is asked again (openraft's leader
@@ -77,7 +78,7 @@ pub const ELECTION_STAGGER: Duration = Duration::from_millis(300);
 pub const LEADERLESS_GRACE: Duration = Duration::from_millis(1500);
 /// A candidate whose election did not end with a leader tries again after this long (plus its
 /// rank's stagger). Elections start with a pre-vote, so a try that cannot win changes nothing.
-pub const ELECTION_RETRY: Duration = Duration::from_millis(1000);
+pub const ELECTION_RETRY: Duration = Duration::from_millis(500);
 /// openraft's leader lease (`election_timeout_max` in [`group_config`]): a follower refuses pre-votes
 /// until this long after the last message from its leader, and a leader refuses new writes when no
 /// quorum answered it for this long. Equal to the detector's `DOWN_AFTER`: by the time a leader is
@@ -431,6 +432,9 @@ struct NodeInner {
     groups: RwLock<HashMap<GroupId, Arc<dyn GroupHandle>>>,
     /// New groups waiting for their preferred member to initialize them: (voters, since).
     pending_init: parking_lot::Mutex<HashMap<GroupId, (BTreeMap<NodeId, NodeAddr>, Instant)>>,
+    /// Groups whose leader, as this node knows it, asked for a (pre-)vote: it no longer leads
+    /// (restarted: a restarted leader never leads again in its old term), though its node answers.
+    deposed: parking_lot::Mutex<HashMap<GroupId, NodeId>>,
     detector: Detector,
     raft_config: Arc<openraft::Config>,
     stop: watch::Sender<bool>,
@@ -575,6 +579,7 @@ impl ClusterNode {
             addrs: RwLock::new(addrs),
             groups: RwLock::new(HashMap::new()),
             pending_init: parking_lot::Mutex::new(HashMap::new()),
+            deposed: parking_lot::Mutex::new(HashMap::new()),
             detector: Detector::default(),
             raft_config,
             stop,
@@ -743,7 +748,7 @@ impl ClusterNode {
                 (Some(t), Some(h)) if t == self.inner.id => h.write(command.clone()).await,
                 // The leader's node is silent (dead, stopped or cut off): wait for the election
                 // rather than for a call that cannot be answered.
-                (Some(t), _) if self.inner.detector.is_down(t) => WriteOutcome::NotLeader(None),
+                (Some(t), _) if self.leader_gone(group, t) => WriteOutcome::NotLeader(None),
                 (Some(t), _) => self.forward(t, group, local.as_deref(), &payload, deadline).await,
                 (None, Some(_)) => WriteOutcome::NotLeader(None),
                 (None, None) => {
@@ -825,6 +830,24 @@ impl ClusterNode {
                 }
             }
         });
+    }
+
+    /// Whether `leader`, the leader of `group` as this node knows it, is gone: its node is down (as
+    /// the failure detector says), or it asked for a vote since (see `serve`). Forgets a deposed
+    /// leader once the group names another.
+    fn leader_gone(&self, group: GroupId, leader: NodeId) -> bool {
+        if self.inner.detector.is_down(leader) {
+            return true;
+        }
+        let mut deposed = self.inner.deposed.lock();
+        match deposed.get(&group) {
+            Some(d) if *d == leader => true,
+            Some(_) => {
+                deposed.remove(&group);
+                false
+            }
+            None => false,
+        }
     }
 
     /// This node's rank among the live voters of `group` for an election (0 goes first), and
@@ -1059,15 +1082,16 @@ impl ClusterNode {
             }
             Rpc::Vote | Rpc::PreVote => {
                 let mut req: VoteRequest<TypeConfig> = decode(payload)?;
-                if rpc == Rpc::Vote {
+                let leader = h.metrics().current_leader.filter(|l| *l != self.inner.id);
+                let candidate = req.vote.leader_id.node_id;
+                if leader == Some(candidate) {
+                    // The leader this node follows campaigns: it leads no more (it restarted), even
+                    // though its node answers. The sweep elects as for a leader that is down.
+                    self.inner.deposed.lock().insert(group, candidate);
+                } else if rpc == Rpc::Vote && leader.is_some_and(|l| self.leader_gone(group, l)) {
                     // The leader this node follows is down (as the detector says): grant despite
                     // the leader lease, as for a leadership transfer.
-                    let m = h.metrics();
-                    if let Some(l) = m.current_leader {
-                        if l != self.inner.id && l != req.vote.leader_id.node_id && self.inner.detector.is_down(l) {
-                            req.leadership_transfer = true;
-                        }
-                    }
+                    req.leadership_transfer = true;
                 }
                 Ok(wire::to_bytes(&h.vote(req, rpc == Rpc::PreVote).await?))
             }
@@ -1240,7 +1264,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
                 continue;
             }
             t.transfer = None;
-            let leader_down = leader.is_some_and(|l| l != me && node.inner.detector.is_down(l));
+            let leader_down = leader.is_some_and(|l| l != me && node.leader_gone(group, l));
             if leader.is_some_and(|l| l != me) && !leader_down {
                 t.leaderless_since = None;
                 continue;
@@ -1250,7 +1274,9 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             if !quorum_reachable {
                 continue; // cut off from the majority: no election could be won from here
             }
-            let grace = if leader_down { Duration::ZERO } else { LEADERLESS_GRACE };
+            // No grace either for a node that knows itself as the leader without leading (it
+            // restarted): the others may still name it and wait for it.
+            let grace = if leader_down || leader == Some(me) { Duration::ZERO } else { LEADERLESS_GRACE };
             let stagger = ELECTION_STAGGER * rank as u32;
             let due = since + grace + stagger;
             let retry_ok = t.last_election.is_none_or(|at| now.duration_since(at) >= ELECTION_RETRY + stagger);
