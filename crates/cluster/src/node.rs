@@ -63,6 +63,8 @@ use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+mod rebalance;
+
 use crate::detector::{Change, Detector};
 use crate::transport::raft::{GroupNetworkFactory, SnapshotMessage, SnapshotWire};
 use crate::transport::wire::{self, Dec, DecodeError, Enc, Wire};
@@ -437,6 +439,8 @@ struct NodeInner {
     deposed: parking_lot::Mutex<HashMap<GroupId, NodeId>>,
     detector: Detector,
     raft_config: Arc<openraft::Config>,
+    /// Leadership transfers under watch and rebalancing (`node::rebalance`).
+    rebalance: rebalance::Rebalancer,
     stop: watch::Sender<bool>,
     /// Answers `Rpc::Bodies` (the server's quorum queues).
     body_source: RwLock<Option<BodySource>>,
@@ -463,6 +467,10 @@ pub enum AdminRequest {
     TransferLeader { group: GroupId, node: NodeId },
     /// (between nodes) Remove `node` from the groups this node leads.
     RemoveFromLedGroups { node: NodeId },
+    /// Rebalances leadership on every node now (waiving the settle time for a while).
+    Rebalance,
+    /// (between nodes) Rebalance the groups this node leads now.
+    RebalanceHere,
 }
 
 /// A member as one node sees it.
@@ -582,6 +590,7 @@ impl ClusterNode {
             deposed: parking_lot::Mutex::new(HashMap::new()),
             detector: Detector::default(),
             raft_config,
+            rebalance: rebalance::Rebalancer::default(),
             stop,
             body_source: RwLock::new(None),
         });
@@ -591,6 +600,7 @@ impl ClusterNode {
             node.watch_peer(peer);
         }
         tokio::spawn(sweep(Arc::downgrade(&node.inner), node.inner.stop.subscribe()));
+        tokio::spawn(rebalance::run(Arc::downgrade(&node.inner), node.inner.stop.subscribe()));
         tracing::info!(node_id = config.node_id, listen = %transport.local_addr(), peers = config.peers.len(), "cluster node started");
         Ok(node)
     }
@@ -952,18 +962,61 @@ impl ClusterNode {
                 Ok(done.join("; "))
             }
             AdminRequest::RemoveFromLedGroups { node } => self.remove_from_led_groups(node).await,
-            AdminRequest::TransferLeader { group, node } => self
-                .on_group_leader(group, AdminRequest::TransferLeader { group, node }, move |h| {
+            AdminRequest::TransferLeader { group, node } => {
+                let this = self.clone();
+                self.on_group_leader(group, AdminRequest::TransferLeader { group, node }, move |h| {
+                    let this = this.clone();
                     Box::pin(async move {
-                        match h.transfer_leader(node).await {
+                        if node == this.inner.id {
+                            return WriteOutcome::Applied(Reply::default());
+                        }
+                        if !h.metrics().membership_config.membership().voter_ids().any(|v| v == node) {
+                            return WriteOutcome::Fatal(format!("node {node} is not a voter of group {group}"));
+                        }
+                        if !this.is_reachable(node) {
+                            return WriteOutcome::Fatal(format!("node {node} is not reachable"));
+                        }
+                        // Watched: a transfer that does not finish is sent again (`rebalance`).
+                        match this.start_transfer(group, &h, node).await {
                             Ok(()) => WriteOutcome::Applied(Reply::default()),
                             Err(e) => WriteOutcome::Fatal(e),
                         }
                     })
                 })
                 .await
-                .map(|_| format!("group {group}: leadership transfer to node {node} started")),
+                .map(|_| format!("group {group}: leadership transfer to node {node} started"))
+            }
+            AdminRequest::Rebalance => {
+                let asks: Vec<_> = self
+                    .inner
+                    .transport
+                    .peers()
+                    .into_iter()
+                    .map(|peer| {
+                        let t = self.inner.transport.clone();
+                        tokio::spawn(async move {
+                            let req = serde_json::to_vec(&AdminRequest::RebalanceHere).unwrap_or_default();
+                            (peer, t.request(peer, LinkKind::Bulk, Rpc::Admin, 0, &req, PEER_CALL_TIMEOUT).await)
+                        })
+                    })
+                    .collect();
+                let mut done = vec![self.rebalance_here().await];
+                for ask in asks {
+                    match ask.await {
+                        Ok((_, Ok(b))) => done.push(String::from_utf8_lossy(&b).into_owned()),
+                        Ok((peer, Err(e))) => done.push(format!("node {peer}: {e}")),
+                        Err(e) => done.push(e.to_string()),
+                    }
+                }
+                Ok(done.join("\n"))
+            }
+            AdminRequest::RebalanceHere => Ok(self.rebalance_here().await),
         }
+    }
+
+    async fn rebalance_here(&self) -> String {
+        self.inner.rebalance.force();
+        format!("node {}: {}", self.inner.id, self.rebalance_pass().await)
     }
 
     async fn remove_from_led_groups(&self, node: NodeId) -> Result<String, String> {

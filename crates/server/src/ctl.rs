@@ -51,12 +51,16 @@ pub enum CtlCommand {
         /// The node's id
         id: u64,
     },
+    /// Hands the leadership of quorum queues back to their preferred nodes now, where a node leads
+    /// more than its fair share (done automatically a few seconds after a node returns)
+    Rebalance,
     /// Moves a group's leadership to a node
     TransferLeader {
         /// The group (0: the metadata group; a quorum queue's group is its queue id)
         group: u64,
-        /// The node to lead it
-        node: u64,
+        /// The node to lead it (not named `node`: that is the global --node, and clap panicked on the clash)
+        #[arg(value_name = "NODE")]
+        to: u64,
     },
 }
 
@@ -93,8 +97,9 @@ fn run_inner(args: CtlArgs) -> Result<String, String> {
         CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),
         CtlCommand::AddNode { id, addr } => (Rpc::Admin, admin(AdminRequest::AddNode { node: *id, addr: addr.clone() })?),
         CtlCommand::RemoveNode { id } => (Rpc::Admin, admin(AdminRequest::RemoveNode { node: *id })?),
-        CtlCommand::TransferLeader { group, node } => {
-            (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *node })?)
+        CtlCommand::Rebalance => (Rpc::Admin, admin(AdminRequest::Rebalance)?),
+        CtlCommand::TransferLeader { group, to } => {
+            (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *to })?)
         }
     };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
@@ -123,15 +128,17 @@ fn opt(v: Option<u64>) -> String {
 /// The status as two tables: members, then groups.
 pub fn render(s: &ClusterStatus, asked: &str) -> String {
     let mut out = format!("Cluster status from node {} ({asked})\n\nMembers\n", s.node_id);
-    out.push_str(&format!("  {:<6} {:<24} {:<24} {}\n", "node", "cluster address", "AMQP address", "reachable"));
+    out.push_str(&format!("  {:<6} {:<24} {:<24} {:<10} {}\n", "node", "cluster address", "AMQP address", "reachable", "leads"));
     for m in &s.members {
         let amqp = if m.amqp_addr.is_empty() { "-" } else { &m.amqp_addr };
+        let leads = s.groups.iter().filter(|g| g.leader == Some(m.id) && g.state == "leader").count();
         out.push_str(&format!(
-            "  {:<6} {:<24} {:<24} {}\n",
+            "  {:<6} {:<24} {:<24} {:<10} {}\n",
             m.id,
             m.cluster_addr,
             amqp,
-            if m.reachable { "yes" } else { "no" }
+            if m.reachable { "yes" } else { "no" },
+            leads
         ));
     }
     out.push_str(&format!("\nGroups ({})\n", s.groups.len()));

@@ -81,3 +81,27 @@ fn run_server(args: ServerArgs) -> std::process::ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod cli_tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn every_ctl_command_parses() {
+        Cli::command().debug_assert();
+        for args in [
+            &["warren", "ctl", "--node", "127.0.0.1:1", "cluster-status", "--json"][..],
+            &["warren", "ctl", "rebalance"],
+            &["warren", "ctl", "--node", "127.0.0.1:1", "transfer-leader", "5", "2"],
+            &["warren", "ctl", "add-node", "4", "127.0.0.1:2"],
+            &["warren", "ctl", "remove-node", "4"],
+        ] {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert!(matches!(cli.command, Command::Ctl(_)));
+        }
+        let Command::Ctl(c) = Cli::parse_from(["warren", "ctl", "--node", "h:1", "transfer-leader", "5", "2"]).command else { unreachable!() };
+        assert_eq!(c.node.as_deref(), Some("h:1"));
+        assert!(matches!(c.command, ctl::CtlCommand::TransferLeader { group: 5, to: 2 }));
+    }
+}
