@@ -973,9 +973,6 @@ impl ClusterNode {
                         if !h.metrics().membership_config.membership().voter_ids().any(|v| v == node) {
                             return WriteOutcome::Fatal(format!("node {node} is not a voter of group {group}"));
                         }
-                        if !this.is_reachable(node) {
-                            return WriteOutcome::Fatal(format!("node {node} is not reachable"));
-                        }
                         // Watched: a transfer that does not finish is sent again (`rebalance`).
                         match this.start_transfer(group, &h, node).await {
                             Ok(()) => WriteOutcome::Applied(Reply::default()),
