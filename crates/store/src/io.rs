@@ -79,10 +79,10 @@ impl Disk {
             opts.custom_flags(libc::O_DIRECT);
         }
         let open = || match &self.sim {
-            None => Ok(IoFile { file: opts.open(path)?, sim: None, path: path.to_path_buf() }),
+            None => Ok(IoFile { disk: DiskFile { file: opts.open(path)?, sim: None }, path: path.to_path_buf() }),
             Some(sim) => {
                 let (file, sim) = sim.open(path, how == Open::CreateTruncate, || opts.open(path))?;
-                Ok(IoFile { file, sim, path: path.to_path_buf() })
+                Ok(IoFile { disk: DiskFile { file, sim }, path: path.to_path_buf() })
             }
         };
         match how {
@@ -238,10 +238,10 @@ impl DiskFile {
     }
 }
 
-/// A file opened for writing through a [`Disk`].
+/// A file opened for writing through a [`Disk`]: a [`DiskFile`] whose writes wait for space on a
+/// full disk.
 pub(crate) struct IoFile {
-    file: File,
-    sim: Option<SimFile>,
+    disk: DiskFile,
     /// For the log when a write waits for space.
     path: PathBuf,
 }
@@ -249,33 +249,21 @@ pub(crate) struct IoFile {
 impl IoFile {
     /// Writes all of `buf` at `offset`; on a full disk, waits for space and writes it again.
     pub fn write_all_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
-        retry_while_full("writing", &self.path, || match &self.sim {
-            None => self.file.write_all_at(buf, offset),
-            Some(s) => s.write_at(buf, offset, || self.file.write_all_at(buf, offset)),
-        })
+        retry_while_full("writing", &self.path, || self.disk.write_all_at(buf, offset))
     }
 
     pub fn set_len(&self, len: u64) -> io::Result<()> {
-        match &self.sim {
-            None => self.file.set_len(len),
-            Some(s) => s.set_len(len, || self.file.set_len(len)),
-        }
+        self.disk.set_len(len)
     }
 
     /// `fdatasync`: the file's data (and its size) become durable; not its directory entry.
     pub fn sync_data(&self) -> io::Result<()> {
-        match &self.sim {
-            None => self.file.sync_data(),
-            Some(s) => s.sync(),
-        }
+        self.disk.sync_data()
     }
 
     /// `fsync`: as `sync_data` (the model does not distinguish other metadata).
     pub fn sync_all(&self) -> io::Result<()> {
-        match &self.sim {
-            None => self.file.sync_all(),
-            Some(s) => s.sync(),
-        }
+        self.disk.sync_all()
     }
 
     /// Frees the disk blocks of `[offset, offset + len)` (block-aligned) without changing the file's
@@ -286,7 +274,7 @@ impl IoFile {
             // SAFETY: fallocate on a descriptor we own, for the duration of the call; no memory is passed.
             let rc = unsafe {
                 libc::fallocate(
-                    self.file.as_raw_fd(),
+                    self.disk.file.as_raw_fd(),
                     libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
                     offset as libc::off_t,
                     len as libc::off_t,
@@ -297,7 +285,7 @@ impl IoFile {
             }
             Ok(())
         };
-        match &self.sim {
+        match &self.disk.sim {
             None => real(),
             Some(s) => s.punch_hole(offset, len, real),
         }
@@ -305,10 +293,10 @@ impl IoFile {
 
     /// Reads are not modelled: they see what the running system sees.
     pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.file.read_exact_at(buf, offset)
+        self.disk.file.read_exact_at(buf, offset)
     }
 
     pub fn len(&self) -> io::Result<u64> {
-        Ok(self.file.metadata()?.len())
+        self.disk.size()
     }
 }
