@@ -198,3 +198,28 @@ def ch(conn):
 def name():
     """A unique name, so tests never collide on a shared broker."""
     return "t-" + uuid.uuid4().hex[:12]
+
+
+def three_node_cluster(tmp_path, secret):
+    """Three `warren server` nodes clustered on loopback (free AMQP and cluster ports), started in
+    reverse order (the order must not matter); yields {id: Broker} with `cluster_port` set on
+    each, and kill -9s the live ones after (printing the log tail of one that panicked). For
+    fixtures: `yield from three_node_cluster(...)`."""
+    ids = [1, 2, 3]
+    cports = {i: free_port() for i in ids}
+    peers = ",".join(f"{i}=127.0.0.1:{cports[i]}" for i in ids)
+    nodes = {}
+    for i in ids:
+        b = Broker(tmp_path / f"node{i}", tmp_path / f"node{i}.log")
+        b.extra_args = ["--node-id", str(i), "--peers", peers, "--cluster-secret", secret]
+        b.cluster_port = cports[i]
+        nodes[i] = b
+    for i in reversed(ids):
+        nodes[i].start()
+    yield nodes
+    for i, b in nodes.items():
+        if b.alive():
+            b.kill9()
+        text = b.log_text()
+        if "panicked" in text:
+            print(f"---- node {i} log ----\n" + text[-5000:])

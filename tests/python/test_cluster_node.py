@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, Broker, eventually, free_port
+from conftest import BIN, eventually, three_node_cluster
 
 pytestmark = [pytest.mark.needs_process, pytest.mark.warren_only]
 
@@ -32,22 +32,7 @@ def status(cluster_port):
 
 @pytest.fixture
 def cluster(tmp_path):
-    ids = [1, 2, 3]
-    cports = {i: free_port() for i in ids}
-    peers = ",".join(f"{i}=127.0.0.1:{cports[i]}" for i in ids)
-    nodes = {}
-    for i in ids:
-        b = Broker(tmp_path / f"node{i}", tmp_path / f"node{i}.log")
-        b.extra_args = ["--node-id", str(i), "--peers", peers, "--cluster-secret", SECRET]
-        b.cluster_port = cports[i]
-        nodes[i] = b
-    # Started in reverse order: the order must not matter.
-    for i in reversed(ids):
-        nodes[i].start()
-    yield nodes
-    for b in nodes.values():
-        if b.alive():
-            b.kill9()
+    yield from three_node_cluster(tmp_path, SECRET)
 
 
 def group0(st):

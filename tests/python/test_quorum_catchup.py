@@ -18,7 +18,7 @@ import time
 import pika
 import pytest
 
-from conftest import Broker, eventually, free_port
+from conftest import eventually, three_node_cluster
 
 pytestmark = [pytest.mark.warren_only]
 
@@ -29,23 +29,7 @@ QUORUM = {"x-queue-type": "quorum"}
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
     monkeypatch.setenv("WARREN_TEST_SNAPSHOT_EVERY", "40")
-    ids = [1, 2, 3]
-    cports = {i: free_port() for i in ids}
-    peers = ",".join(f"{i}=127.0.0.1:{cports[i]}" for i in ids)
-    nodes = {}
-    for i in ids:
-        b = Broker(tmp_path / f"node{i}", tmp_path / f"node{i}.log")
-        b.extra_args = ["--node-id", str(i), "--peers", peers, "--cluster-secret", SECRET]
-        nodes[i] = b
-    for i in reversed(ids):
-        nodes[i].start()
-    yield nodes
-    for i, b in nodes.items():
-        if b.alive():
-            b.kill9()
-        text = b.log_text()
-        if "panicked" in text:
-            print(f"---- node {i} log ----\n" + text[-5000:])
+    yield from three_node_cluster(tmp_path, SECRET)
 
 
 def declare_everywhere(nodes, name):

@@ -8,7 +8,7 @@ import time
 import pika
 import pytest
 
-from conftest import Broker, eventually, free_port
+from conftest import eventually, three_node_cluster
 
 pytestmark = [pytest.mark.warren_only]
 
@@ -18,24 +18,7 @@ QUORUM = {"x-queue-type": "quorum"}
 
 @pytest.fixture
 def cluster(tmp_path):
-    ids = [1, 2, 3]
-    cports = {i: free_port() for i in ids}
-    peers = ",".join(f"{i}=127.0.0.1:{cports[i]}" for i in ids)
-    nodes = {}
-    for i in ids:
-        b = Broker(tmp_path / f"node{i}", tmp_path / f"node{i}.log")
-        b.extra_args = ["--node-id", str(i), "--peers", peers, "--cluster-secret", SECRET]
-        b.cport = cports[i]
-        nodes[i] = b
-    for i in reversed(ids):
-        nodes[i].start()
-    yield nodes
-    for i, b in nodes.items():
-        if b.alive():
-            b.kill9()
-        text = b.log_text()
-        if "panicked" in text:
-            print(f"---- node {i} log ----\n" + text[-5000:])
+    yield from three_node_cluster(tmp_path, SECRET)
 
 
 def declare_on_one(nodes, name, node=1, **args):
@@ -105,7 +88,7 @@ def test_a_quorum_queue_is_served_by_every_node_and_survives_kill9_of_any_one(cl
             import subprocess, json
             from conftest import BIN
             for o in others:
-                out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[o].cport}", "--cluster-secret", SECRET, "cluster-status", "--json"], capture_output=True, text=True)
+                out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[o].cluster_port}", "--cluster-secret", SECRET, "cluster-status", "--json"], capture_output=True, text=True)
                 print("STATUS from", o, out.stdout[-3000:], out.stderr[-500:])
         assert sorted(got) == sorted(bodies), f"with node {victim} down"
         cluster[victim].start()

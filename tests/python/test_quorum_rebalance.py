@@ -22,7 +22,7 @@ QUEUES = [f"qq-rebalance-{i}" for i in range(6)]
 
 
 def ctl(node, *args):
-    out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{node.cport}", "--cluster-secret", SECRET, *args],
+    out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{node.cluster_port}", "--cluster-secret", SECRET, *args],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     return out.stdout

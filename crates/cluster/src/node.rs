@@ -897,25 +897,28 @@ impl ClusterNode {
 
     /// The cluster's status: this node's view of the members, and each group as its leader sees it
     /// (asked of every reachable peer), or as this node sees it when its leader cannot be asked.
+    /// Sends `payload` as `rpc` to every peer at once (a stopped one costs one timeout, not one
+    /// each); await the answers, each with its peer, in peer order.
+    fn ask_every_peer(&self, rpc: Rpc, payload: Bytes, timeout: Duration) -> Vec<tokio::task::JoinHandle<(NodeId, Result<Bytes, RpcError>)>> {
+        self.inner
+            .transport
+            .peers()
+            .into_iter()
+            .map(|peer| {
+                let (t, payload) = (self.inner.transport.clone(), payload.clone());
+                tokio::spawn(async move { (peer, t.request(peer, LinkKind::Bulk, rpc, 0, &payload, timeout).await) })
+            })
+            .collect()
+    }
+
     pub async fn cluster_status(&self) -> ClusterStatus {
         let mut status = self.local_status();
         let mut views: BTreeMap<GroupId, GroupStatus> = BTreeMap::new();
         for g in status.groups.drain(..) {
             views.insert(g.group, g);
         }
-        // Every peer at once (a stopped one costs one timeout, not one each).
-        let asks: Vec<_> = self
-            .inner
-            .transport
-            .peers()
-            .into_iter()
-            .map(|peer| {
-                let t = self.inner.transport.clone();
-                tokio::spawn(async move { t.request(peer, LinkKind::Bulk, Rpc::Status, 0, b"local", STATUS_TIMEOUT).await })
-            })
-            .collect();
-        for ask in asks {
-            let Ok(Ok(answer)) = ask.await else { continue };
+        for ask in self.ask_every_peer(Rpc::Status, Bytes::from_static(b"local"), STATUS_TIMEOUT) {
+            let Ok((_, Ok(answer))) = ask.await else { continue };
             let Ok(theirs) = serde_json::from_slice::<ClusterStatus>(&answer) else { continue };
             for g in theirs.groups {
                 let better = match views.get(&g.group) {
@@ -984,19 +987,8 @@ impl ClusterNode {
                 .map(|_| format!("group {group}: leadership transfer to node {node} started"))
             }
             AdminRequest::Rebalance => {
-                let asks: Vec<_> = self
-                    .inner
-                    .transport
-                    .peers()
-                    .into_iter()
-                    .map(|peer| {
-                        let t = self.inner.transport.clone();
-                        tokio::spawn(async move {
-                            let req = serde_json::to_vec(&AdminRequest::RebalanceHere).unwrap_or_default();
-                            (peer, t.request(peer, LinkKind::Bulk, Rpc::Admin, 0, &req, PEER_CALL_TIMEOUT).await)
-                        })
-                    })
-                    .collect();
+                let req = serde_json::to_vec(&AdminRequest::RebalanceHere).unwrap_or_default();
+                let asks = self.ask_every_peer(Rpc::Admin, Bytes::from(req), PEER_CALL_TIMEOUT);
                 let mut done = vec![self.rebalance_here().await];
                 for ask in asks {
                     match ask.await {
