@@ -462,6 +462,17 @@ impl QueueLog {
                     Ok((Record::Enqueue { queue, seq: rseq, timestamp_ms, payload }, n)) if queue == self.id && rseq < seg.end_seq => {
                         let start = pos + RECORD_HEADER_SIZE + format::ENQUEUE_FIXED_LEN;
                         pos += n;
+                        if rseq < own_next {
+                            // Below a record of ours before it in this segment: the store never writes
+                            // that (appends refuse a seq regression), so it is damage a checksum did not
+                            // catch. Never returned: reads hand out seqs in rising order.
+                            if rseq >= seq {
+                                tracing::error!(queue = self.id, segment = first, offset = offset + pos as u64 - n as u64, seq = rseq, after = own_next - 1,
+                                    "a record out of seq order in a queue segment is skipped");
+                            }
+                            self.cursor = Some((own_next, first, offset + pos as u64));
+                            continue;
+                        }
                         own_next = rseq + 1;
                         self.cursor = Some((own_next, first, offset + pos as u64));
                         if rseq < seq {
