@@ -150,12 +150,12 @@ impl Broker {
             match by_id.get(&rec.queue) {
                 Some(q) => {
                     q.restore(rec);
-                    report.messages += rec.live_count as usize;
+                    report.messages = report.messages.saturating_add(rec.live_count as usize);
                 }
                 // Deleted, a transient queue of the previous run, or nothing left: it may go.
                 None if rec.queue >= TRANSIENT_QUEUE_IDS || metadata.was_deleted(rec.queue) || rec.live_count == 0 => {
                     orphans.drop_queue(rec.queue);
-                    report.dropped += rec.live_count as usize;
+                    report.dropped = report.dropped.saturating_add(rec.live_count as usize);
                 }
                 None => {
                     tracing::error!(

@@ -405,7 +405,8 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
         });
     }
     out.queues.sort_by_key(|q| q.queue);
-    let live: u64 = out.queues.iter().map(|q| q.live_count).sum();
+    // Saturating: a damaged checkpoint can claim counts near u64::MAX (the fuzzer's input).
+    let live: u64 = out.queues.iter().fold(0, |sum, q| sum.saturating_add(q.live_count));
     tracing::info!(
         dir = %dir.display(),
         queues = out.queues.len(),
