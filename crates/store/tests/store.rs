@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use warren_store::{Batch, RecoveredQueue, Store, StoreError, StoreOptions, SyncPolicy};
+use warren_store::format::{ENQUEUE_FIXED_LEN, RECORD_HEADER_SIZE};
 
 fn opts() -> StoreOptions {
     StoreOptions {
@@ -705,9 +706,11 @@ fn a_resealed_record_out_of_seq_order_in_an_extent_keeps_reads_in_order() {
     let forged = files_with_ext(dir.path(), "wlog").into_iter().find_map(|p| {
         let mut data = std::fs::read(&p).unwrap();
         let at = data.windows(target.len()).position(|w| w == &target[..])?;
-        let record = at - 8 - 25;
-        data[record + 17..record + 25].copy_from_slice(&2000u64.to_le_bytes());
-        let crc = crc32c::crc32c(&data[record + 8..at + target.len()]);
+        // An enqueue record: length, checksum | kind, queue, seq, timestamp | payload.
+        let record = at - ENQUEUE_FIXED_LEN - RECORD_HEADER_SIZE;
+        let seq_at = record + RECORD_HEADER_SIZE + 1 + 8;
+        data[seq_at..seq_at + 8].copy_from_slice(&2000u64.to_le_bytes());
+        let crc = crc32c::crc32c(&data[record + RECORD_HEADER_SIZE..at + target.len()]);
         data[record + 4..record + 8].copy_from_slice(&crc.to_le_bytes());
         std::fs::write(&p, data).unwrap();
         Some(p)
