@@ -175,3 +175,23 @@ def test_a_leadership_transfer_to_a_node_that_stops_is_sent_elsewhere(cluster):
         assert eventually(lambda: (lambda gs: gs[0]["leader"] == other and gs[0]["state"] == "leader")(queue_groups(cluster[leader])), timeout=10)
     finally:
         cluster[target].proc.send_signal(signal.SIGCONT)
+
+
+def test_a_leadership_moved_by_hand_stays_where_it_was_put(cluster):
+    """`warren ctl transfer-leader` while every node is up: the new leader keeps the group. The sweep
+    hands a group back to its preferred member only when that member came back after the leader took
+    over (before, it undid the manual transfer about a second later)."""
+    name = QUEUES[0]
+    declare_on_one(cluster, name)
+    group = eventually(lambda: (lambda gs: gs[0] if len(gs) == 1 and gs[0]["state"] == "leader" else None)(queue_groups(cluster[1])), timeout=10)
+    leader = group["leader"]
+    target = next(n for n in (1, 2, 3) if n != leader)
+    time.sleep(3)  # every node up for longer than the hand-back's slack (2 s): none is "just back"
+    out = ctl(cluster[leader], "transfer-leader", str(group["group"]), str(target))
+    assert "leadership transfer to node" in out, out
+    led_by = lambda n: (lambda gs: len(gs) == 1 and gs[0]["state"] == "leader" and gs[0]["leader"] == n)(queue_groups(cluster[n]))  # noqa: E731
+    assert eventually(lambda: led_by(target), timeout=10)
+    # The hand-back waited for the preferred member to be up 1 s (REBALANCE_SETTLE): give it 5.
+    for _ in range(10):
+        time.sleep(0.5)
+        assert led_by(target), f"leadership went back from node {target}: {queue_groups(cluster[1])}"

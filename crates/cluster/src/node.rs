@@ -48,6 +48,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -58,6 +59,7 @@ use openraft::raft::{
     VoteRequest, VoteResponse,
 };
 use openraft::storage::{RaftLogStorage, RaftStateMachine};
+use openraft::type_config::alias::WatchReceiverOf;
 use openraft::{ChangeMembers, RaftMetrics, ServerState, Snapshot};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
@@ -263,6 +265,10 @@ trait GroupHandle: Send + Sync + 'static {
 
 struct Handle<SM: RaftStateMachine<TypeConfig>> {
     raft: openraft::Raft<TypeConfig, SM>,
+    /// The group's metrics, kept: `raft.metrics()` clones a watch receiver (atomic reference
+    /// counting on a shared, usually cold, cache line), and the sweep reads every group's metrics
+    /// five times a second (most of the node's idle CPU with 1,000 groups).
+    metrics: WatchReceiverOf<TypeConfig, RaftMetrics<TypeConfig>>,
 }
 
 fn write_outcome<T>(r: Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>, ok: impl FnOnce(T) -> Reply) -> WriteOutcome {
@@ -343,7 +349,7 @@ where
 
     fn metrics(&self) -> RaftMetrics<TypeConfig> {
         use openraft::async_runtime::WatchReceiver;
-        self.raft.metrics().borrow_watched().clone()
+        self.metrics.borrow_watched().clone()
     }
 
     fn elect(&self) -> BoxFuture<()> {
@@ -375,15 +381,13 @@ where
 
     fn summary(&self) -> (ServerState, Option<NodeId>, Option<u64>, Option<u64>) {
         use openraft::async_runtime::WatchReceiver;
-        let rx = self.raft.metrics();
-        let m = rx.borrow_watched();
+        let m = self.metrics.borrow_watched();
         (m.state, m.current_leader, m.last_log_index, m.local_committed.map(|c| c.index))
     }
 
     fn leader_view(&self, group: GroupId) -> Option<(u64, Option<NodeId>, Vec<(NodeId, Option<u64>)>)> {
         use openraft::async_runtime::WatchReceiver;
-        let rx = self.raft.metrics();
-        let m = rx.borrow_watched();
+        let m = self.metrics.borrow_watched();
         if m.state != ServerState::Leader {
             return None;
         }
@@ -432,6 +436,8 @@ struct NodeInner {
     /// Addresses of the nodes this node knows (the initial peers and nodes added since).
     addrs: RwLock<BTreeMap<NodeId, NodeAddr>>,
     groups: RwLock<HashMap<GroupId, Arc<dyn GroupHandle>>>,
+    /// Bumped after every change of `groups`: the sweep rebuilds its list of groups only then.
+    groups_version: AtomicU64,
     /// New groups waiting for their preferred member to initialize them: (voters, since).
     pending_init: parking_lot::Mutex<HashMap<GroupId, (BTreeMap<NodeId, NodeAddr>, Instant)>>,
     /// Groups whose leader, as this node knows it, asked for a (pre-)vote: it no longer leads
@@ -586,6 +592,7 @@ impl ClusterNode {
             transport: transport.clone(),
             addrs: RwLock::new(addrs),
             groups: RwLock::new(HashMap::new()),
+            groups_version: AtomicU64::new(0),
             pending_init: parking_lot::Mutex::new(HashMap::new()),
             deposed: parking_lot::Mutex::new(HashMap::new()),
             detector: Detector::default(),
@@ -683,7 +690,8 @@ impl ClusterNode {
             let mut groups = self.inner.groups.write();
             let fresh = !groups.contains_key(&group);
             if fresh {
-                groups.insert(group, Arc::new(Handle { raft: raft.clone() }));
+                groups.insert(group, Arc::new(Handle { raft: raft.clone(), metrics: raft.metrics() }));
+                self.inner.groups_version.fetch_add(1, Ordering::Release);
             }
             fresh
         };
@@ -709,6 +717,7 @@ impl ClusterNode {
     /// Stops group `group` on this node (its stored log stays; removing it is the caller's).
     pub async fn stop_group(&self, group: GroupId) -> Result<(), NodeError> {
         let h = self.inner.groups.write().remove(&group).ok_or(NodeError::NoGroup(group))?;
+        self.inner.groups_version.fetch_add(1, Ordering::Release);
         h.shutdown().await;
         Ok(())
     }
@@ -1064,6 +1073,7 @@ impl ClusterNode {
     pub async fn shutdown(&self) {
         let _ = self.inner.stop.send(true);
         let handles: Vec<Arc<dyn GroupHandle>> = self.inner.groups.write().drain().map(|(_, h)| h).collect();
+        self.inner.groups_version.fetch_add(1, Ordering::Release);
         for h in handles {
             h.shutdown().await;
         }
@@ -1183,6 +1193,8 @@ struct GroupTimer {
     /// The group's preferred member and when it was last computed (a leader that is the preferred
     /// member has nothing to rebalance: most looks end there).
     preferred: Option<(Option<NodeId>, Instant)>,
+    /// Since when this node leads the group, as the sweep first saw it (None: not leading).
+    leading_since: Option<Instant>,
 }
 
 /// A leader hands its group back to the group's preferred member once that node has been up for
@@ -1198,12 +1210,20 @@ const TRANSFER_WAIT: Duration = Duration::from_secs(2);
 const PREFERRED_RECHECK: Duration = Duration::from_secs(10);
 /// After a transfer that did not land, the group is not rebalanced again for this long.
 const REBALANCE_BACKOFF: Duration = Duration::from_secs(30);
+/// A leader hands a group back only to a preferred member that came (back) up after this node took
+/// the leadership, give or take this much (a node restarted at once can be back before the election
+/// that replaced it ends: up to the 1.2 s lease after a kill). So leadership that was moved on
+/// purpose (`warren ctl transfer-leader`) while every node was up stays where it was put.
+const HANDBACK_SLACK: Duration = Duration::from_secs(2);
+/// At most this many hand-backs start per sweep (200 ms) on a node: a node that returns to lead
+/// hundreds of groups again gets them over a few seconds, not in one burst of elections.
+const HANDBACKS_PER_SWEEP: u32 = 16;
 
 impl ClusterNode {
     /// For a group this node leads: hands the leadership to the group's preferred member when it is
     /// back and caught up (leaders spread over the nodes again after a node returns), and sees a
     /// pending transfer through.
-    async fn rebalance(&self, group: GroupId, h: &dyn GroupHandle, t: &mut GroupTimer, now: Instant) {
+    async fn rebalance(&self, group: GroupId, h: &dyn GroupHandle, t: &mut GroupTimer, now: Instant, handbacks: &mut u32) {
         let me = self.inner.id;
         let fresh = t.preferred.is_some_and(|(p, at)| p == Some(me) && now.duration_since(at) < PREFERRED_RECHECK);
         if t.transfer.is_none() && fresh {
@@ -1235,14 +1255,20 @@ impl ClusterNode {
             t.transfer = None;
         }
         let Some(to) = preferred.filter(|p| *p != me) else { return };
-        if t.rebalance_after.is_some_and(|after| now < after) || !detector.up_for(to).is_some_and(|d| d >= REBALANCE_SETTLE) {
+        if *handbacks == 0 || t.rebalance_after.is_some_and(|after| now < after) {
             return;
+        }
+        let Some(up_for) = detector.up_for(to).filter(|d| *d >= REBALANCE_SETTLE) else { return };
+        let leading_for = t.leading_since.map_or(Duration::ZERO, |at| now.duration_since(at));
+        if up_for >= leading_for + HANDBACK_SLACK {
+            return; // it was up when this node took over: the leadership was moved here on purpose
         }
         let caught_up = lags.iter().any(|(v, lag)| *v == to && lag.is_some_and(|l| l <= REBALANCE_MAX_LAG));
         if !caught_up {
             return;
         }
         tracing::info!(group, to, "the group's preferred member is back: handing it the leadership");
+        *handbacks -= 1;
         t.transfer = Some((term, to, now, 1));
         if let Err(e) = h.transfer_leader(to).await {
             tracing::warn!(group, to, error = %e, "cannot start a leadership transfer");
@@ -1254,7 +1280,10 @@ impl ClusterNode {
 
 /// The node's one timer for all its groups (see the module docs).
 async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
-    let mut timers: HashMap<GroupId, GroupTimer> = HashMap::new();
+    // The node's groups with their timers, rebuilt only when the set of groups changed (cloning
+    // 1,000 handles five times a second was a fifth of an idle node's CPU).
+    let mut swept: Vec<(GroupId, Arc<dyn GroupHandle>, GroupTimer)> = Vec::new();
+    let mut swept_version = None;
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -1265,18 +1294,24 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
         let Some(inner) = node.upgrade() else { return };
         let node = ClusterNode { inner };
         let me = node.inner.id;
-        let groups: Vec<(GroupId, Arc<dyn GroupHandle>)> =
-            node.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
-        timers.retain(|g, _| groups.iter().any(|(x, _)| x == g));
+        let version = node.inner.groups_version.load(Ordering::Acquire);
+        if swept_version != Some(version) {
+            swept_version = Some(version);
+            let mut timers: HashMap<GroupId, GroupTimer> = swept.drain(..).map(|(g, _, t)| (g, t)).collect();
+            swept = node.inner.groups.read().iter().map(|(g, h)| (*g, h.clone(), timers.remove(g).unwrap_or_default())).collect();
+        }
         let now = Instant::now();
         // New groups whose preferred member has not made itself heard: initialize them here.
         let pending: Vec<(GroupId, BTreeMap<NodeId, NodeAddr>)> = {
             let mut p = node.inner.pending_init.lock();
-            p.retain(|g, _| groups.iter().any(|(x, _)| x == g));
+            if !p.is_empty() {
+                let groups = node.inner.groups.read();
+                p.retain(|g, _| groups.contains_key(g));
+            }
             p.iter().filter(|(_, (_, since))| now.duration_since(*since) >= INIT_FALLBACK).map(|(g, (n, _))| (*g, n.clone())).collect()
         };
         for (group, nodes) in pending {
-            let Some((_, h)) = groups.iter().find(|(g, _)| *g == group) else { continue };
+            let Some(h) = node.inner.groups.read().get(&group).cloned() else { continue };
             node.inner.pending_init.lock().remove(&group);
             let has_members = h.metrics().membership_config.membership().voter_ids().next().is_some();
             if !has_members {
@@ -1286,8 +1321,9 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
                 }
             }
         }
-        for (group, h) in groups {
-            let t = timers.entry(group).or_default();
+        let mut handbacks = HANDBACKS_PER_SWEEP;
+        for (group, h, t) in swept.iter_mut() {
+            let group = *group;
             let (state, leader, last_log, committed) = h.summary();
             if leader != t.leader {
                 tracing::debug!(group, ?leader, was = ?t.leader, "group leader changed");
@@ -1295,6 +1331,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             }
             if state == ServerState::Leader {
                 t.leaderless_since = None;
+                t.leading_since.get_or_insert(now);
                 let moved = (last_log, committed) != t.seen;
                 let stale = t.last_heartbeat.is_none_or(|at| now.duration_since(at) >= LEADER_REFRESH);
                 if moved || stale {
@@ -1302,10 +1339,11 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
                     t.last_heartbeat = Some(now);
                     h.heartbeat().await;
                 }
-                node.rebalance(group, h.as_ref(), t, now).await;
+                node.rebalance(group, h.as_ref(), t, now, &mut handbacks).await;
                 continue;
             }
             t.transfer = None;
+            t.leading_since = None;
             let leader_down = leader.is_some_and(|l| l != me && node.leader_gone(group, l));
             if leader.is_some_and(|l| l != me) && !leader_down {
                 t.leaderless_since = None;

@@ -47,7 +47,7 @@ use crate::quorum::{
 use bytes::{Bytes, BytesMut};
 use parking_lot::{Mutex, RwLock};
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -185,8 +185,6 @@ struct ReplicaState {
     sessions: HashMap<u64, Weak<PublisherSession>>,
     /// `sessions` is pruned of ended sessions when it grows past this.
     sessions_pruned_at: usize,
-    /// Some message had its own TTL: the leader ticks.
-    saw_expiration: bool,
     last_tick_ms: u64,
     deleted: bool,
 }
@@ -274,6 +272,9 @@ pub struct QuorumReplica {
     own_session: u64,
     own_seq: AtomicU64,
     state: Mutex<ReplicaState>,
+    /// Some message had its own TTL: the leader ticks. Outside `state` so that the housekeeping
+    /// tick (every 100 ms, every queue) of a queue that can expire nothing takes no lock.
+    saw_expiration: AtomicBool,
     proposals: Mutex<Proposals>,
     replicator: RwLock<Option<Arc<dyn Replicator>>>,
     gets_done: Notify,
@@ -322,10 +323,10 @@ impl QuorumReplica {
                 consumers: HashMap::new(),
                 getters: HashMap::new(),
                 checked_out: HashMap::new(),
-                saw_expiration: false,
                 last_tick_ms: 0,
                 deleted: false,
             }),
+            saw_expiration: AtomicBool::new(false),
             proposals: Mutex::new(Proposals::new()),
             replicator: RwLock::new(None),
             gets_done: Notify::new(),
@@ -484,7 +485,7 @@ impl QuorumReplica {
         st.stored_until = msg_id + 1;
         st.last_ticket = st.last_ticket.max(ticket);
         if stored.message.expiration_ms.is_some() {
-            st.saw_expiration = true;
+            self.saw_expiration.store(true, Ordering::Relaxed);
         }
         let message = hold(st, stored.message);
         st.bodies.insert(msg_id, Body { message, stored_bytes: payload.len() as u64, ticket });
@@ -707,7 +708,7 @@ impl QuorumReplica {
                 st.stored_until = r.msg_id + 1;
                 st.last_ticket = st.last_ticket.max(ticket);
                 if stored.message.expiration_ms.is_some() {
-                    st.saw_expiration = true;
+                    self.saw_expiration.store(true, Ordering::Relaxed);
                 }
                 let stored_bytes = r.payload.len() as u64;
                 let message = hold(&mut st, stored.message);
@@ -1180,10 +1181,13 @@ impl QuorumReplica {
 
     /// Periodic: the leader proposes a Tick when messages or the queue can expire.
     pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
+        let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || self.saw_expiration.load(Ordering::Relaxed);
+        if !expiring {
+            return;
+        }
         {
             let mut st = self.state.lock();
-            let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || st.saw_expiration;
-            if st.deleted || !expiring || now_ms.saturating_sub(st.last_tick_ms) < TICK_EVERY_MS || !self.is_leader() {
+            if st.deleted || now_ms.saturating_sub(st.last_tick_ms) < TICK_EVERY_MS || !self.is_leader() {
                 return;
             }
             st.last_tick_ms = now_ms;
