@@ -151,6 +151,9 @@ impl<M: GroupMachine> RaftStateMachine<TypeConfig> for StateMachine<M> {
                 r.send(Reply(reply));
             }
         }
+        if let Some(applied) = self.applied {
+            self.group.applied(&self.shared.store, applied.index);
+        }
         Ok(())
     }
 

@@ -13,8 +13,9 @@
 //!   truncation and purge (before their acks).
 //!
 //! In memory, per group: for each unpurged entry its store seq and log id (the index is its place),
-//! the entries appended but not yet readable from the store (see [`Store::readable`]), the hard
-//! state and the stored snapshot's metadata. Entries are read back from the store.
+//! the entries appended but not yet readable from the store (see [`Store::readable`]) or not yet
+//! applied by this node (within a budget, see [`cache`]), the hard state and the stored snapshot's
+//! metadata. Other entries are read back from the store.
 //!
 //! Recovery ([`RaftLogs::open`]) reads each group's state records (the latest of each kind wins),
 //! takes the entries the layout names without reading them, and reads the entry records appended
@@ -30,6 +31,7 @@
 //! - `IOFlushed` fires only once the durable watermark has passed the append's ticket;
 //!   `save_vote` and snapshots return only once their record is durable.
 
+mod cache;
 mod flush;
 mod storage;
 
@@ -43,6 +45,7 @@ use warren_store::{Batch, RecoveredQueue, Store, StoreError, SyncTicket};
 
 use crate::codec::{self, DecodeError, HardState, Layout, LeaderId, Run, SnapshotMeta, StateRecord};
 use crate::types::{Entry, GroupId, LogId, Vote};
+use cache::{CacheBudget, EntryCache};
 use flush::Flusher;
 
 pub use storage::LogStore;
@@ -101,6 +104,8 @@ pub(crate) struct Shared {
     pub store: Store,
     pub flusher: Arc<Flusher>,
     pub options: LogsOptions,
+    /// The bytes of entries every group of the node keeps in memory.
+    cache_budget: Arc<CacheBudget>,
 }
 
 impl Shared {
@@ -133,7 +138,7 @@ impl RaftLogs {
 
     /// [`RaftLogs::open`] with settings.
     pub fn open_with(store: Store, recovered: &[RecoveredQueue], options: LogsOptions) -> Result<Arc<RaftLogs>, LogStoreError> {
-        let shared = Arc::new(Shared { flusher: Flusher::new(store.durable()), store, options });
+        let shared = Arc::new(Shared { flusher: Flusher::new(store.durable()), store, options, cache_budget: Arc::default() });
         let mut stats = RecoveryStats::default();
         let mut groups: HashMap<GroupId, (Option<&RecoveredQueue>, Option<&RecoveredQueue>)> = HashMap::new();
         for rec in recovered.iter().filter(|r| warren_store::is_raft_queue(r.queue)) {
@@ -151,7 +156,7 @@ impl RaftLogs {
                 tracing::error!(queue = id, "a store queue with both Raft bits set; ignored");
                 continue;
             }
-            let group = Group::recover(&shared.store, id, log, state, &mut cleanup, &mut stats)?;
+            let group = Group::recover(&shared.store, shared.cache_budget.clone(), id, log, state, &mut cleanup, &mut stats)?;
             map.insert(id, Arc::new(group));
         }
         if !cleanup.is_empty() {
@@ -183,7 +188,9 @@ impl RaftLogs {
     /// Returns the ticket of the drop; handles still held on the group fail from now on.
     pub fn remove_group(&self, group: GroupId) -> Result<SyncTicket, LogStoreError> {
         if let Some(g) = self.groups.lock().remove(&group) {
-            g.inner.lock().removed = true;
+            let mut g = g.inner.lock();
+            g.removed = true;
+            g.cached.clear();
         }
         let mut batch = Batch::new();
         batch.drop_queue(RAFT_LOG | group);
@@ -199,7 +206,7 @@ impl RaftLogs {
         if group >= GROUP_ID_LIMIT {
             return Err(LogStoreError::GroupId(group));
         }
-        Ok(self.groups.lock().entry(group).or_insert_with(|| Arc::new(Group::new(group))).clone())
+        Ok(self.groups.lock().entry(group).or_insert_with(|| Arc::new(Group::new(group, self.shared.cache_budget.clone()))).clone())
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
@@ -235,9 +242,12 @@ pub(crate) struct GroupInner {
     /// The Raft index of `slots[0]`.
     first_index: u64,
     slots: VecDeque<Slot>,
-    /// Entries of the slots from index `cached_from` on, in order: appended, not yet readable from
-    /// the store. (Appends are in ticket order, so the readable ones are a prefix.)
-    cached: VecDeque<Entry>,
+    /// Entries of the slots from index `cached_from` on, in order: appended, and not yet readable
+    /// from the store or not yet applied here (see [`cache`]). (Appends are in ticket order, so the
+    /// readable ones are a prefix.)
+    cached: EntryCache,
+    /// This node's state machine has applied every entry below this index.
+    applied_below: u64,
     next_log_seq: u64,
     next_state_seq: u64,
     hard: HardState,
@@ -254,13 +264,14 @@ pub(crate) struct GroupInner {
 }
 
 impl Group {
-    fn new(id: GroupId) -> Group {
+    fn new(id: GroupId, budget: Arc<CacheBudget>) -> Group {
         Group {
             id,
             inner: Mutex::new(GroupInner {
                 first_index: 0,
                 slots: VecDeque::new(),
-                cached: VecDeque::new(),
+                cached: EntryCache::new(budget),
+                applied_below: 0,
                 next_log_seq: 0,
                 next_state_seq: 0,
                 hard: HardState::default(),
@@ -284,8 +295,16 @@ impl Group {
     }
 
     /// Rebuilds a group from its live records; what recovery finds stale goes into `cleanup` (acks).
-    fn recover(store: &Store, id: GroupId, log: Option<&RecoveredQueue>, state: Option<&RecoveredQueue>, cleanup: &mut Batch, stats: &mut RecoveryStats) -> Result<Group, LogStoreError> {
-        let group = Group::new(id);
+    fn recover(
+        store: &Store,
+        budget: Arc<CacheBudget>,
+        id: GroupId,
+        log: Option<&RecoveredQueue>,
+        state: Option<&RecoveredQueue>,
+        cleanup: &mut Batch,
+        stats: &mut RecoveryStats,
+    ) -> Result<Group, LogStoreError> {
+        let group = Group::new(id, budget);
         {
             let mut g = group.inner.lock();
             let state_queue = RAFT_STATE | id;
@@ -516,11 +535,16 @@ impl GroupInner {
         }
     }
 
-    /// Drops cached entries the store can read now.
+    /// Drops cached entries the store can read now and this node has applied (or all readable
+    /// ones, oldest first, while the group or the node holds more than its budget).
     fn evict_readable(&mut self, store: &Store) {
         while !self.cached.is_empty() {
-            let at = (self.cached_from() - self.first_index) as usize;
+            let index = self.cached_from();
+            let at = (index - self.first_index) as usize;
             if !self.slots.get(at).is_some_and(|s| store.is_readable(s.ticket)) {
+                break;
+            }
+            if index >= self.applied_below && !self.cached.over() {
                 break;
             }
             self.cached.pop_front();
@@ -572,8 +596,10 @@ impl GroupInner {
         self.head = head;
         let ticket = appended.map_err(io::Error::other)?;
         self.next_log_seq += new_slots.len() as u64;
+        for (e, s) in entries.into_iter().zip(&new_slots) {
+            self.cached.push_back(e, s.len);
+        }
         self.slots.extend(new_slots.into_iter().map(|s| Slot { ticket, ..s }));
-        self.cached.extend(entries);
         Ok(ticket)
     }
 
@@ -696,7 +722,7 @@ impl GroupInner {
             plan.from_store.push((slot.seq, LogId::new(slot.leader, index)));
         }
         for index in start.max(cached_from)..end {
-            plan.cached.push(self.cached[(index - cached_from) as usize].clone());
+            plan.cached.extend(self.cached.get((index - cached_from) as usize).cloned());
         }
         plan
     }
@@ -710,6 +736,14 @@ struct ReadPlan {
 }
 
 impl Group {
+    /// This node's state machine applied the entries up to `index`: cached ones the store can read
+    /// are not needed in memory any more.
+    pub fn applied(&self, store: &Store, index: u64) {
+        let mut g = self.inner.lock();
+        g.applied_below = g.applied_below.max(index + 1);
+        g.evict_readable(store);
+    }
+
     /// Whether a read of `[start, end)` now would ask the store (rather than only memory).
     pub fn reads_store(&self, store: &Store, start: u64, end: u64) -> bool {
         let mut g = self.inner.lock();
@@ -765,4 +799,68 @@ impl Group {
 
 fn missing(group: GroupId, seq: u64) -> io::Error {
     io::Error::new(io::ErrorKind::NotFound, format!("group {group}: log record {seq} is missing from the store"))
+}
+
+#[cfg(test)]
+mod tests {
+    use openraft::vote::RaftLeaderId;
+    use openraft::EntryPayload;
+    use warren_store::StoreOptions;
+
+    use super::*;
+    use crate::types::Command;
+
+    fn entries(from: u64, count: u64, size: usize) -> Vec<Entry> {
+        (from..from + count)
+            .map(|i| Entry { log_id: LogId::new(LeaderId::new(1, 1), i), payload: EntryPayload::Normal(Command(Bytes::from(vec![i as u8; size]))) })
+            .collect()
+    }
+
+    async fn wait_readable(logs: &RaftLogs, ticket: SyncTicket) {
+        logs.shared.readable(ticket).await.unwrap();
+    }
+
+    /// Entries stay in memory until applied here, even once the store can read them (a read back
+    /// is a pread of the shared WAL); then they go, and the node's budget counts them out.
+    #[tokio::test]
+    async fn entries_stay_cached_until_applied_then_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let g = logs.group(5).unwrap();
+        let ticket = g.inner.lock().append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 100)).unwrap();
+        wait_readable(&logs, ticket).await;
+        assert!(!g.reads_store(&store, 0, 10), "readable but not applied: still in memory");
+        assert!(logs.shared.cache_budget.bytes() > 1000);
+        g.applied(&store, 4);
+        assert!(g.reads_store(&store, 0, 5) && !g.reads_store(&store, 5, 10), "the applied ones go, the rest stay");
+        g.applied(&store, 9);
+        assert!(g.reads_store(&store, 9, 10));
+        assert_eq!(logs.shared.cache_budget.bytes(), 0);
+        // What they read back is what was appended.
+        assert_eq!(g.read(&store, 0, 10, usize::MAX).unwrap(), entries(0, 10, 100));
+    }
+
+    /// A group that never applies (a follower that never learns the commit) keeps at most its
+    /// budget of readable entries; a removed group gives its bytes back.
+    #[tokio::test]
+    async fn readable_entries_past_the_group_budget_go_unapplied() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let g = logs.group(6).unwrap();
+        let entry = 256 << 10;
+        let count = 2 * cache::GROUP_CACHE_BYTES / entry as u64;
+        let mut ticket = 0;
+        for i in 0..count {
+            ticket = g.inner.lock().append(&store, g.log_queue(), g.state_queue(), 256, entries(i, 1, entry)).unwrap();
+        }
+        wait_readable(&logs, ticket).await;
+        assert!(g.reads_store(&store, 0, 1));
+        let cached = logs.shared.cache_budget.bytes();
+        assert!(cached <= cache::GROUP_CACHE_BYTES, "{cached} bytes cached");
+        assert!(cached > cache::GROUP_CACHE_BYTES - entry as u64, "the budget's worth stays: {cached} bytes cached");
+        logs.remove_group(6).unwrap();
+        assert_eq!(logs.shared.cache_budget.bytes(), 0);
+    }
 }
