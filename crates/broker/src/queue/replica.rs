@@ -154,6 +154,8 @@ struct LocalConsumer {
     /// Assigned to it by the machine, but this node has no body for them (a store that failed to
     /// give one back): held, undelivered, until the consumer goes (then returned, as its backlog).
     bodiless: Vec<MsgId>,
+    /// Its Attach is proposed and not answered yet (the machine may not know it yet).
+    attaching: bool,
 }
 
 /// A basic.get under way on this node.
@@ -257,6 +259,8 @@ struct After {
     /// basic.get consumers whose message goes back uncounted (no body here, or the channel closed).
     detaches: Vec<ConsumerId>,
     cancelled: Vec<Arc<Consumer>>,
+    /// Local consumers to attach again (the machine lost them: see `QuorumReplica::lost_consumers`).
+    reattach: Vec<u64>,
     gets_done: bool,
     expired: bool,
 }
@@ -398,12 +402,16 @@ impl QuorumReplica {
         let mut after = After::default();
         let reply = {
             let mut st = self.state.lock();
+            let consumers_before = st.machine.consumers.len();
             let (effects, reply) = st.machine.apply(index, entry);
             if !effects.is_empty() {
                 let leader = self.is_leader();
                 for effect in effects {
                     self.perform(queue, &mut st, entry, effect, leader, &mut after);
                 }
+            }
+            if st.machine.consumers.len() < consumers_before && !st.consumers.is_empty() {
+                self.lost_consumers(&mut st, &mut after);
             }
             reply.encode()
         };
@@ -605,6 +613,28 @@ impl QuorumReplica {
         }
     }
 
+    /// Local consumers the machine no longer has although this node never cancelled them: another
+    /// node detached them (`consumers_down`: this node was unreachable for a while, and its
+    /// consumers' messages went to others). The client still waits on them, so they are attached
+    /// again (RabbitMQ's quorum queues do the same when a node comes back). What they held is the
+    /// queue's again: their backlog here is dropped (it would be delivered twice), and acks of
+    /// what their channel still holds are not proposed (the machine would ignore them).
+    fn lost_consumers(&self, st: &mut ReplicaState, after: &mut After) {
+        let node = self.node();
+        let ReplicaState { machine, consumers, checked_out, .. } = st;
+        for (local, c) in consumers.iter_mut() {
+            let id = ConsumerId { node, local: *local };
+            if c.attaching || machine.consumers.contains_key(&id) {
+                continue;
+            }
+            c.backlog.clear();
+            c.bodiless.clear();
+            checked_out.retain(|_, holder| *holder != id);
+            c.attaching = true;
+            after.reattach.push(*local);
+        }
+    }
+
     /// Does what was found under the lock.
     fn finish(&self, queue: &Arc<Queue>, mut after: After) {
         if !after.acks.is_empty() {
@@ -616,8 +646,21 @@ impl QuorumReplica {
         for c in after.cancelled.drain(..) {
             c.channel.consumer_cancelled_by_server(&c.tag);
         }
-        if !after.settles.is_empty() || !after.returns.is_empty() || !after.discards.is_empty() || !after.detaches.is_empty() {
+        let reattach: Vec<(u64, Attach)> = if after.reattach.is_empty() {
+            Vec::new()
+        } else {
+            let st = self.state.lock();
+            after.reattach.iter().filter_map(|l| st.consumers.get(l).map(|c| (*l, self.attach_of(*l, &c.consumer)))).collect()
+        };
+        for (local, _) in &reattach {
+            tracing::info!(queue = %queue.name, consumer = local, "a consumer of this node was detached by another node (unreachable a while): attaching it again");
+        }
+        if !after.settles.is_empty() || !after.returns.is_empty() || !after.discards.is_empty() || !after.detaches.is_empty() || !reattach.is_empty() {
             let mut p = self.proposals.lock();
+            for (local, attach) in &reattach {
+                p.encoder.attach(attach);
+                p.command(Waiter::Attach(*local));
+            }
             for c in after.detaches.drain(..) {
                 p.encoder.detach(c, true);
                 p.command(Waiter::None);
@@ -893,9 +936,19 @@ impl QuorumReplica {
                     session.resolved(self.group, [(seq, false)]);
                 }
                 Waiter::Attach(local) => {
+                    let mut st = self.state.lock();
                     if matches!(reply, Some(Reply::Refused(Refusal::ExclusiveConsumer))) {
-                        if let Some(c) = self.state.lock().consumers.remove(&local) {
+                        if let Some(c) = st.consumers.remove(&local) {
                             after.cancelled.push(c.consumer);
+                        }
+                    } else if let Some(c) = st.consumers.get_mut(&local) {
+                        // Not applied (no quorum within the timeout, or the leader changed and the
+                        // outcome is unknown): proposed again, so that the consumer is not left
+                        // registered here and unknown to the queue. Attaching twice is harmless.
+                        let applied = reply.is_some();
+                        c.attaching = !applied;
+                        if !applied {
+                            after.reattach.push(local);
                         }
                     }
                 }
@@ -1005,19 +1058,13 @@ impl QuorumReplica {
     pub(super) fn add_consumer(&self, queue: &Arc<Queue>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
         self.check_member(queue)?;
         let local = self.new_local_id();
-        let attach = Attach {
-            consumer: self.consumer_id(local),
-            prefetch: if consumer.no_ack { NO_ACK_PREFETCH } else { consumer.prefetch },
-            auto_ack: false,
-            exclusive: consumer.exclusive,
-            priority: consumer.priority,
-        };
+        let attach = self.attach_of(local, &consumer);
         {
             let mut st = self.state.lock();
             if st.deleted {
                 return Err(BrokerError::not_found(format!("no queue '{}'", queue.name)));
             }
-            st.consumers.insert(local, LocalConsumer { consumer, backlog: VecDeque::new(), bodiless: Vec::new() });
+            st.consumers.insert(local, LocalConsumer { consumer, backlog: VecDeque::new(), bodiless: Vec::new(), attaching: true });
             // consume-ok before any delivery: those come once the Attach is applied.
             on_registered();
         }
@@ -1026,6 +1073,16 @@ impl QuorumReplica {
         p.command(Waiter::Attach(local));
         self.flush(queue, &mut p);
         Ok(())
+    }
+
+    fn attach_of(&self, local: u64, consumer: &Consumer) -> Attach {
+        Attach {
+            consumer: self.consumer_id(local),
+            prefetch: if consumer.no_ack { NO_ACK_PREFETCH } else { consumer.prefetch },
+            auto_ack: false,
+            exclusive: consumer.exclusive,
+            priority: consumer.priority,
+        }
     }
 
     /// basic.cancel, or the consumer's channel closed.
