@@ -41,6 +41,10 @@ pub struct QueueDef {
     pub id: u64,
     pub auto_delete: bool,
     pub arguments: Value,
+    /// In a cluster, the node a durable classic queue lives on (the declaring client's node);
+    /// absent standalone, for quorum queues, and in definitions from before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub home: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -80,7 +84,7 @@ pub fn exchange_def(ex: &Exchange) -> ExchangeDef {
 }
 
 pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
-    QueueDef { name: q.name.clone(), id: q.id, auto_delete: q.auto_delete, arguments: table_to_json(&q.arguments) }
+    QueueDef { name: q.name.clone(), id: q.id, auto_delete: q.auto_delete, arguments: table_to_json(&q.arguments), home: q.home_node() }
 }
 
 pub fn binding_def(source: &str, b: &crate::exchange::Binding) -> BindingDef {
@@ -104,7 +108,7 @@ pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::que
     }
     let mut queues = Vec::new();
     for q in &defs.queues {
-        queues.push(vhost.restore_queue(q.name.clone(), q.id, q.auto_delete, table_from_json(&q.arguments)));
+        queues.push(vhost.restore_queue(q.name.clone(), q.id, q.auto_delete, table_from_json(&q.arguments), q.home));
     }
     for b in &defs.bindings {
         let Ok(source) = vhost.exchange(&b.source) else { continue };

@@ -399,7 +399,9 @@ impl VHost {
         let ids = 1 + args.max_priority as u64;
         if durable {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
-            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments) };
+            // In a cluster it lives on this node, whose client declared it (`queue::remote`).
+            let home = self.metadata.is_replicated().then(|| self.quorum.node()).filter(|n| *n != 0);
+            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home };
             let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
             return self.declare_durable_queue(op, name, d);
         }
@@ -452,7 +454,7 @@ impl VHost {
             )));
         }
         // Made in memory, and its group started, by `apply_committed` (`restore_queue`).
-        let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(1), auto_delete: false, arguments: table_to_json(d.arguments) };
+        let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(1), auto_delete: false, arguments: table_to_json(d.arguments), home: None };
         let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
         self.declare_durable_queue(op, name, d)
     }
@@ -540,6 +542,10 @@ impl VHost {
             None => return Ok(0),
         };
         self.check_exclusive(&queue, connection_id)?;
+        if if_unused || if_empty {
+            // Only a classic queue's home knows whether it is in use or empty.
+            queue.check_home("delete it with if-unused or if-empty")?;
+        }
         if if_unused && queue.consumer_count() > 0 {
             return Err(BrokerError::precondition_failed(format!("queue '{name}' in vhost '{}' in use", self.name)));
         }
@@ -815,7 +821,7 @@ impl VHost {
     }
 
     /// Recreates a durable queue from the metadata log.
-    pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable) -> Arc<Queue> {
+    pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable, home: Option<u64>) -> Arc<Queue> {
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         if args.queue_type == QueueType::Quorum {
             let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone());
@@ -828,6 +834,9 @@ impl VHost {
             return queue;
         }
         let queue = Queue::new(name.clone(), id, true, None, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
+        if let Some(home) = home {
+            queue.set_home(home, self.quorum.clone());
+        }
         self.queues.write().insert(name, queue.clone());
         queue
     }
@@ -923,7 +932,7 @@ impl VHost {
                     }
                     return;
                 }
-                let queue = self.restore_queue(def.name.clone(), def.id, def.auto_delete, table_from_json(&def.arguments));
+                let queue = self.restore_queue(def.name.clone(), def.id, def.auto_delete, table_from_json(&def.arguments), def.home);
                 if queue.args.retention_ms > 0 {
                     for store_id in queue.store_ids() {
                         self.store.set_retention(store_id, queue.args.retention_ms);

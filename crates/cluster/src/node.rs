@@ -453,10 +453,15 @@ struct NodeInner {
     stop: watch::Sender<bool>,
     /// Answers `Rpc::Bodies` (the server's quorum queues).
     body_source: RwLock<Option<BodySource>>,
+    /// Answers `Rpc::Publish` (the server's classic queues whose home is this node).
+    home_service: RwLock<Option<HomeService>>,
 }
 
 /// What answers a peer's body request for a group: (group, request) → answer.
 pub type BodySource = Arc<dyn Fn(GroupId, Bytes) -> BoxFuture<Result<Bytes, String>> + Send + Sync>;
+
+/// What takes a peer's batch of messages for classic queues living on this node: request → answer.
+pub type HomeService = Arc<dyn Fn(Bytes) -> BoxFuture<Result<Bytes, String>> + Send + Sync>;
 
 /// A cluster member. Cheap to clone.
 #[derive(Clone)]
@@ -604,6 +609,7 @@ impl ClusterNode {
             rebalance: rebalance::Rebalancer::default(),
             stop,
             body_source: RwLock::new(None),
+            home_service: RwLock::new(None),
         });
         transport.set_handler(Arc::new(NodeHandler(Arc::downgrade(&inner))));
         let node = ClusterNode { inner };
@@ -735,6 +741,16 @@ impl ClusterNode {
     /// Asks `peer` for bodies of `group` (its body source answers); the bytes are the caller's.
     pub async fn fetch_bodies(&self, peer: NodeId, group: GroupId, request: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
         self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Bodies, group, request, timeout).await
+    }
+
+    /// Sets what takes peers' messages for classic queues living on this node (`Rpc::Publish`).
+    pub fn set_home_service(&self, service: HomeService) {
+        *self.inner.home_service.write() = Some(service);
+    }
+
+    /// Sends `batch` to `peer`'s home service; the bytes are the caller's.
+    pub async fn send_to_home(&self, peer: NodeId, batch: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
+        self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Publish, 0, batch, timeout).await
     }
 
     /// The groups running on this node.
@@ -1124,6 +1140,13 @@ impl ClusterNode {
                     None => Err("this node serves no bodies".to_owned()),
                 };
             }
+            Rpc::Publish => {
+                let service = self.inner.home_service.read().clone();
+                return match service {
+                    Some(service) => service(payload).await,
+                    None => Err("this node takes no messages for classic queues yet (starting)".to_owned()),
+                };
+            }
             _ => {}
         }
         let Some(h) = self.handle(group) else {
@@ -1163,7 +1186,7 @@ impl ClusterNode {
             }
             // Forwarded commands are written here or refused with a hint, never forwarded again.
             Rpc::Propose => Ok(h.write(Command(payload)).await.encode()),
-            Rpc::Ping | Rpc::Status | Rpc::Admin | Rpc::Bodies => Err("unexpected".to_owned()),
+            Rpc::Ping | Rpc::Status | Rpc::Admin | Rpc::Bodies | Rpc::Publish => Err("unexpected".to_owned()),
         }
     }
 }

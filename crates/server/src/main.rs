@@ -1,6 +1,7 @@
 //! The `warren` binary.
 
 mod alarms;
+mod classic_home;
 mod cluster;
 mod config;
 mod connection;

@@ -380,6 +380,13 @@ impl QuorumHost for QuorumGroups {
         self.node
     }
 
+    fn forward_to_home(&self, home: u64, batch: Bytes, done: warren_broker::queue::remote::ForwardDone) {
+        match &self.cluster {
+            Some((node, _)) => crate::classic_home::forward(&self.runtime, node, home, batch, done),
+            None => done(Err("this node is not in a cluster".to_string())),
+        }
+    }
+
     fn start(&self, queue: Arc<Queue>) {
         let group = queue.id;
         let members = match &self.cluster {

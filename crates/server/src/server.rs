@@ -129,6 +129,10 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
         }
     };
     broker.set_quorum_host(quorum_groups.clone());
+    if let Some(node) = &cluster {
+        // Messages other nodes forward to the classic queues living on this node.
+        node.set_home_service(crate::classic_home::service(Arc::downgrade(&broker), node.node_id()));
+    }
 
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())

@@ -11,6 +11,7 @@
 //! the store (the "span": seqs `[span_from, next_seq)`), and the queue reads them back in order
 //! as the window drains. Ready messages = window, then span; every window seq is below `span_from`.
 
+pub mod remote;
 pub mod replica;
 
 use crate::channel::{Channel, Consumer, Settle};
@@ -221,6 +222,8 @@ pub struct Queue {
     /// A quorum queue: its replica does the queue's work (`replica`), and the classic state above
     /// stays empty. None: a classic queue.
     replica: Option<replica::QuorumReplica>,
+    /// A durable classic queue in a cluster: its home node (`remote`). Set once, at declaration.
+    home: std::sync::OnceLock<remote::RemoteHome>,
 }
 
 /// A read of a lane's span, and the store's durable watermark just before it: messages become readable
@@ -321,7 +324,26 @@ impl Queue {
             }),
             drained: tokio::sync::Notify::new(),
             replica,
+            home: std::sync::OnceLock::new(),
         })
+    }
+
+    /// A classic queue in a cluster lives on node `home` (`remote`): on other nodes its messages are
+    /// forwarded there, and consumers are refused.
+    pub fn set_home(&self, home: u64, runtime: Arc<replica::QuorumRuntime>) {
+        if self.replica.is_none() {
+            let _ = self.home.set(remote::RemoteHome::new(home, runtime));
+        }
+    }
+
+    /// The home node of a classic queue in a cluster (None: standalone, or a quorum queue).
+    pub fn home_node(&self) -> Option<u64> {
+        self.home.get().map(|h| h.home)
+    }
+
+    /// The forwarding side, when this classic queue's home is another node.
+    fn remote_home(&self) -> Option<&remote::RemoteHome> {
+        self.home.get().filter(|h| h.is_elsewhere())
     }
 
     /// Whether this is a quorum queue.
@@ -420,6 +442,14 @@ impl Queue {
     pub fn check_consumable(&self) -> Result<()> {
         match &self.replica {
             Some(r) => r.check_member(self),
+            None => self.check_home("consume or get its messages"),
+        }
+    }
+
+    /// Refuses what only the home node of a classic queue can do (consume, get, purge) elsewhere.
+    pub(crate) fn check_home(&self, what: &str) -> Result<()> {
+        match self.home.get() {
+            Some(h) => remote::not_here(h, &self.name, what),
             None => Ok(()),
         }
     }
@@ -470,6 +500,9 @@ impl Queue {
     ) -> Result<Enqueued> {
         if let Some(r) = &self.replica {
             return r.publish(self, message, stored_header, now_ms, publisher);
+        }
+        if let Some(remote) = self.remote_home() {
+            return Ok(remote.publish(self, message, now_ms, publisher));
         }
         // A classic queue's confirm needs only the store ticket; `publisher` is for quorum queues.
         let mut after = AfterUnlock::default();
@@ -886,6 +919,9 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.wait_until_drained(max).await;
         }
+        if let Some(remote) = self.remote_home() {
+            return remote.wait_until_drained(max).await;
+        }
         let notified = self.drained.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
@@ -987,6 +1023,10 @@ impl Queue {
             r.tick(self, now_ms);
             return false;
         }
+        if self.remote_home().is_some() {
+            // Its home decides x-expires (nothing is used here), and the copy here holds nothing.
+            return false;
+        }
         let mut after = AfterUnlock::default();
         let expired_unused = {
             let mut st = self.state.lock();
@@ -1068,6 +1108,7 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.add_consumer(self, consumer, on_registered);
         }
+        self.check_home("consume from it")?;
         {
             let mut st = self.state.lock();
             if st.deleted {
@@ -1243,6 +1284,7 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.purge(self);
         }
+        self.check_home("purge it")?;
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = self.state.lock();

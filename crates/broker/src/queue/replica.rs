@@ -79,6 +79,12 @@ pub trait QuorumHost: Send + Sync {
     fn start(&self, queue: Arc<Queue>);
     /// The queue was deleted: stops its group and removes its log.
     fn remove(&self, group: u64);
+    /// Sends a batch of messages to the home node of a classic queue (`super::remote`); `done` is
+    /// called exactly once, later, with the home's answer.
+    fn forward_to_home(&self, home: u64, batch: Bytes, done: super::remote::ForwardDone) {
+        let _ = (home, batch);
+        done(Err("this node is not in a cluster".to_string()));
+    }
 }
 
 /// The node's quorum-queue runtime, shared by its vhosts: set by the server before it serves.
@@ -98,7 +104,8 @@ impl QuorumRuntime {
         self.host.read().clone()
     }
 
-    fn node(&self) -> u64 {
+    /// This node's id (0 until the server sets the host).
+    pub(crate) fn node(&self) -> u64 {
         self.node.load(Ordering::Acquire)
     }
 }
