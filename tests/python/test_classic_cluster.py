@@ -1,10 +1,12 @@
 """A durable classic queue in a three-node cluster lives on one node, its home (the node whose
 client declared it): publishes through the other nodes are forwarded there and confirmed only once
-the home has them durable; consumers, basic.get and queue.purge elsewhere are refused with a reply
-naming the home; with the home down, publishes through the others are nacked, never confirmed, and
-what was confirmed is there when the home is back. Before, every node kept its own copy and a
-message stayed in the copy of the node it was published on (consumers elsewhere never saw it).
-About 15 s."""
+the home has them durable; consumers on every node are served (deliveries relayed from the home,
+acks and requeues relayed back); basic.get and queue.purge elsewhere are refused with a reply
+naming the home; with the home down, publishes through the others are nacked, never confirmed,
+consumers elsewhere are cancelled, and what was confirmed is there when the home is back; a
+consumer's node killed: what it held is delivered to the others. Before, every node kept its own
+copy and a message stayed in the copy of the node it was published on (consumers elsewhere never
+saw it). About 25 s."""
 import time
 
 import pika
@@ -100,7 +102,6 @@ def test_a_classic_queue_lives_on_its_declaring_node_and_takes_publishes_from_ev
 
     for other in (1, 3):
         for what, action in [
-            ("consume", lambda ch: ch.basic_consume(name, lambda *a: None)),
             ("get", lambda ch: ch.basic_get(name)),
             ("purge", lambda ch: ch.queue_purge(name)),
             ("delete if-empty", lambda ch: ch.queue_delete(name, if_empty=True)),
@@ -144,3 +145,83 @@ def test_with_the_home_down_publishes_elsewhere_are_nacked_and_what_was_confirme
     got = drain_by_get(cluster[1], name)
     assert [b for b in got if b.startswith(b"before-")] == before, "every message confirmed before the kill -9 is there, in order"
     assert b"after" in got
+
+
+class Consumer:
+    """A pika consumer with manual acks on one node; `ack=False` holds what it gets."""
+
+    def __init__(self, node, name, prefetch=20, ack=True):
+        self.conn = node.connection()
+        self.ch = self.conn.channel()
+        self.ch.basic_qos(prefetch_count=prefetch)
+        self.got, self.held, self.cancelled = [], [], False
+        self.ack = ack
+        self.ch.add_on_cancel_callback(lambda frame: setattr(self, "cancelled", True))
+        self.ch.basic_consume(name, self.on_message)
+
+    def on_message(self, ch, method, props, body):
+        self.got.append(body)
+        if self.ack:
+            ch.basic_ack(method.delivery_tag)
+        else:
+            self.held.append(method.delivery_tag)
+
+    def pump(self, seconds):
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            self.conn.process_data_events(time_limit=0.05)
+
+
+def pump_all(consumers, until, timeout=15):
+    deadline = time.time() + timeout
+    while not until() and time.time() < deadline:
+        for c in consumers:
+            c.pump(0.05)
+    return until()
+
+
+def test_consumers_on_every_node_share_a_classic_queue_and_a_dead_consumer_node_gives_back_what_it_held(cluster):
+    name = "classic-relay"
+    declare_on(cluster, name, home=2)
+    c1, c3 = Consumer(cluster[1], name), Consumer(cluster[3], name)
+    sent = []
+    for i, node in cluster.items():
+        bodies = [f"n{i}-{k}".encode() for k in range(200)]
+        confirmed, _ = publish_confirmed(node, name, bodies)
+        assert confirmed == bodies
+        sent += bodies
+    assert pump_all([c1, c3], lambda: len(c1.got) + len(c3.got) >= len(sent)), (len(c1.got), len(c3.got))
+    assert sorted(c1.got + c3.got) == sorted(sent), "every message once, to consumers on nodes without the queue"
+    assert c1.got and c3.got, "both consumers get a share"
+
+    # A nack with requeue on node 3 comes back (to one of the consumers), redelivered.
+    c3.ack = False
+    c1.ch.basic_cancel(c1.ch.consumer_tags[0])
+    c1.pump(0.5)
+    confirmed, _ = publish_confirmed(cluster[1], name, [b"requeue-me"])
+    assert pump_all([c3], lambda: c3.held)
+    c3.ch.basic_nack(c3.held.pop(), requeue=True)
+    c3.ack = True
+    assert pump_all([c3], lambda: c3.got.count(b"requeue-me") == 2), "a requeued message is delivered again"
+
+    # A consumer's node killed with unacked messages: the home gives them to the other consumer.
+    holder = Consumer(cluster[3], name, prefetch=10, ack=False)
+    c3.ch.basic_cancel(c3.ch.consumer_tags[0])
+    c3.pump(0.5)
+    held = [f"held-{k}".encode() for k in range(10)]
+    publish_confirmed(cluster[1], name, held)
+    assert pump_all([holder], lambda: len(holder.got) == 10), holder.got
+    cluster[3].kill9()
+    other = Consumer(cluster[1], name)
+    assert pump_all([other], lambda: sorted(other.got) == sorted(held), timeout=20), \
+        f"what the killed node's consumer held comes back: {other.got}"
+
+
+def test_with_the_home_down_consumers_on_other_nodes_are_cancelled(cluster):
+    name = "classic-relay-home-down"
+    declare_on(cluster, name, home=1)
+    c2 = Consumer(cluster[2], name)
+    publish_confirmed(cluster[3], name, [b"one"])
+    assert pump_all([c2], lambda: c2.got == [b"one"])
+    cluster[1].kill9()
+    assert pump_all([c2], lambda: c2.cancelled, timeout=20), "the client is told its consumer is gone (basic.cancel)"

@@ -78,9 +78,8 @@ def test_declare_on_one_node_then_publish_and_consume_on_others_right_after_decl
         c3.queue_declare(name, passive=True)
         # And the default exchange on node 3 routes to it by name.
         c3.basic_publish("", name, b"m", mandatory=True)
-    # A consumer on node 3 may subscribe to a queue declared on node 1 just before (a quorum queue:
-    # a classic one lives on node 1 and serves its consumers there, test_classic_cluster.py).
-    c1.queue_declare("fresh", durable=True, arguments={"x-queue-type": "quorum"})
+    # A consumer on node 3 may subscribe to a queue declared on node 1 just before.
+    declare_topology(c1, "fresh")
     c3.basic_consume("fresh", lambda *a: None, auto_ack=True)
 
 

@@ -453,15 +453,15 @@ struct NodeInner {
     stop: watch::Sender<bool>,
     /// Answers `Rpc::Bodies` (the server's quorum queues).
     body_source: RwLock<Option<BodySource>>,
-    /// Answers `Rpc::Publish` (the server's classic queues whose home is this node).
-    home_service: RwLock<Option<HomeService>>,
+    /// Answers `Rpc::Classic` (the server's classic queues).
+    classic_service: RwLock<Option<ClassicService>>,
 }
 
 /// What answers a peer's body request for a group: (group, request) → answer.
 pub type BodySource = Arc<dyn Fn(GroupId, Bytes) -> BoxFuture<Result<Bytes, String>> + Send + Sync>;
 
-/// What takes a peer's batch of messages for classic queues living on this node: request → answer.
-pub type HomeService = Arc<dyn Fn(Bytes) -> BoxFuture<Result<Bytes, String>> + Send + Sync>;
+/// What answers a peer's request about classic queues: request → answer.
+pub type ClassicService = Arc<dyn Fn(NodeId, Bytes) -> BoxFuture<Result<Bytes, String>> + Send + Sync>;
 
 /// A cluster member. Cheap to clone.
 #[derive(Clone)]
@@ -609,7 +609,7 @@ impl ClusterNode {
             rebalance: rebalance::Rebalancer::default(),
             stop,
             body_source: RwLock::new(None),
-            home_service: RwLock::new(None),
+            classic_service: RwLock::new(None),
         });
         transport.set_handler(Arc::new(NodeHandler(Arc::downgrade(&inner))));
         let node = ClusterNode { inner };
@@ -743,14 +743,14 @@ impl ClusterNode {
         self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Bodies, group, request, timeout).await
     }
 
-    /// Sets what takes peers' messages for classic queues living on this node (`Rpc::Publish`).
-    pub fn set_home_service(&self, service: HomeService) {
-        *self.inner.home_service.write() = Some(service);
+    /// Sets what answers peers' requests about classic queues (`Rpc::Classic`).
+    pub fn set_classic_service(&self, service: ClassicService) {
+        *self.inner.classic_service.write() = Some(service);
     }
 
-    /// Sends `batch` to `peer`'s home service; the bytes are the caller's.
-    pub async fn send_to_home(&self, peer: NodeId, batch: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
-        self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Publish, 0, batch, timeout).await
+    /// Sends a request about classic queues to `peer`; the bytes are the caller's.
+    pub async fn classic_request(&self, peer: NodeId, request: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
+        self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Classic, 0, request, timeout).await
     }
 
     /// The groups running on this node.
@@ -1140,11 +1140,11 @@ impl ClusterNode {
                     None => Err("this node serves no bodies".to_owned()),
                 };
             }
-            Rpc::Publish => {
-                let service = self.inner.home_service.read().clone();
+            Rpc::Classic => {
+                let service = self.inner.classic_service.read().clone();
                 return match service {
-                    Some(service) => service(payload).await,
-                    None => Err("this node takes no messages for classic queues yet (starting)".to_owned()),
+                    Some(service) => service(from, payload).await,
+                    None => Err("this node serves no classic queue requests yet (starting)".to_owned()),
                 };
             }
             _ => {}
@@ -1186,7 +1186,7 @@ impl ClusterNode {
             }
             // Forwarded commands are written here or refused with a hint, never forwarded again.
             Rpc::Propose => Ok(h.write(Command(payload)).await.encode()),
-            Rpc::Ping | Rpc::Status | Rpc::Admin | Rpc::Bodies | Rpc::Publish => Err("unexpected".to_owned()),
+            Rpc::Ping | Rpc::Status | Rpc::Admin | Rpc::Bodies | Rpc::Classic => Err("unexpected".to_owned()),
         }
     }
 }

@@ -1,46 +1,227 @@
-//! The home side of classic queues in a cluster (`warren_broker::queue::remote`): takes the batches
-//! other nodes forward for the classic queues living on this node, and answers once what it took is
-//! durable here. Whatever a peer sends is checked: an unknown vhost or queue, a queue whose home is
-//! not this node, or a malformed batch is an error answer (the sender nacks those messages).
+//! Classic queues across the nodes of a cluster, the server's side (`warren_broker::queue::remote`
+//! is the broker's): answers other nodes' requests (`Rpc::Classic`) about the classic queues living
+//! on this node — batches of publishes (answered once durable here), consumers relayed from other
+//! nodes (`HomeRelays`) — and takes the deliveries a home pushes to consumers on this node.
+//! Whatever a peer sends is checked: a malformed request, an unknown vhost or queue, a queue whose
+//! home is not this node is an error answer.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use warren_broker::channel::{AckWhenWritten, Channel, ClientSink, Consumer, Delivery, UNACKED_BYTES_LIMIT};
+use warren_broker::consumers::ConsumerArgs;
 use warren_broker::message::{decode_stored, encode_header};
-use warren_broker::queue::remote::{decode_batch, encode_answer, FORWARD_TIMEOUT};
+use warren_broker::queue::remote::relay::incarnation_of;
+use warren_broker::queue::remote::wire::{encode_flags, encode_ids, QueueRef, Relayed, Request};
+use warren_broker::queue::remote::{RequestDone, REQUEST_TIMEOUT};
 use warren_broker::queue::Enqueued;
-use warren_broker::Broker;
-use warren_cluster::node::HomeService;
+use warren_broker::{Broker, Queue};
+use warren_cluster::node::ClassicService;
 use warren_cluster::{ClusterNode, NodeId};
 
-/// What serves `Rpc::Publish` on this node.
-pub fn service(broker: Weak<Broker>, me: NodeId) -> HomeService {
-    Arc::new(move |batch| {
-        let broker = broker.clone();
-        Box::pin(async move {
-            let broker = broker.upgrade().ok_or_else(|| "the node is stopping".to_string())?;
-            take(&broker, me, batch).await
-        })
-    })
+/// Relay consumers of a node unreachable this long are closed (what they hold goes back), as
+/// quorum queues detach a down node's consumers.
+const RELAYS_DOWN_AFTER: Duration = Duration::from_secs(5);
+/// A relay's deliveries on their way to its node, at most (no-ack consumers have no prefetch).
+const PUSH_BYTES: usize = 4 << 20;
+/// Relay channels are not a client's: no connection id a client can have.
+const RELAY_CONNECTION: u64 = u64::MAX;
+
+/// This node's classic-queue service: what `Rpc::Classic` reaches.
+pub struct ClassicHome {
+    broker: Weak<Broker>,
+    node: ClusterNode,
+    runtime: tokio::runtime::Handle,
+    relays: Mutex<HashMap<u64, HomeRelay>>,
 }
 
-async fn take(broker: &Broker, me: NodeId, batch: Bytes) -> Result<Bytes, String> {
-    let batch = decode_batch(&batch).map_err(|e| format!("bad batch for a classic queue: {e}"))?;
-    let vhost = broker.vhost(&batch.vhost).ok_or_else(|| format!("no vhost '{}' on node {me}", batch.vhost))?;
-    let queue = vhost
-        .queue(&batch.queue, 0)
-        .ok()
-        .filter(|q| q.id == batch.queue_id)
-        .ok_or_else(|| format!("no queue '{}' (id {}) in vhost '{}' on node {me}", batch.queue, batch.queue_id, batch.vhost))?;
-    if queue.home_node() != Some(me) {
-        return Err(format!("classic queue '{}' does not live on node {me} (its home is {:?})", batch.queue, queue.home_node()));
+/// A consumer of another node, on a queue living here.
+struct HomeRelay {
+    from: NodeId,
+    channel: Arc<Channel>,
+    consumer: Arc<Consumer>,
+}
+
+impl ClassicHome {
+    /// Starts the service on `node` (and its watch of the relays of unreachable nodes).
+    pub fn start(broker: Weak<Broker>, node: ClusterNode) -> Arc<ClassicHome> {
+        let home = Arc::new(ClassicHome { broker, node: node.clone(), runtime: tokio::runtime::Handle::current(), relays: Mutex::new(HashMap::new()) });
+        let weak = Arc::downgrade(&home);
+        let service: ClassicService = Arc::new(move |from, request| {
+            let home = weak.clone();
+            Box::pin(async move {
+                let home = home.upgrade().ok_or_else(|| "the node is stopping".to_string())?;
+                home.serve(from, request).await
+            })
+        });
+        node.set_classic_service(service);
+        home.runtime.spawn(watch_nodes(Arc::downgrade(&home)));
+        home
     }
-    let mut refused = Vec::with_capacity(batch.messages.len());
+
+    /// Sends a request to another node (the broker's `QuorumHost::classic_request`).
+    pub fn request(&self, peer: NodeId, request: Bytes, done: RequestDone) {
+        let node = self.node.clone();
+        self.runtime.spawn(async move {
+            done(node.classic_request(peer, &request, REQUEST_TIMEOUT).await.map_err(|e| e.to_string()));
+        });
+    }
+
+    async fn serve(self: &Arc<Self>, from: NodeId, request: Bytes) -> Result<Bytes, String> {
+        let broker = self.broker.upgrade().ok_or_else(|| "the node is stopping".to_string())?;
+        let request = Request::decode(&request).map_err(|e| format!("bad classic queue request: {e}"))?;
+        match request {
+            Request::Publish { queue, messages } => take(&broker, self.me(), &queue, messages).await,
+            Request::Open { queue, relay, tag, prefetch, no_ack, exclusive, priority } => {
+                let q = self.home_queue(&broker, &queue)?;
+                self.open(from, q, relay, tag, prefetch, no_ack, exclusive, priority).map(|()| Bytes::new())
+            }
+            Request::Settle { relay, how, tags } => {
+                let channel = self.relays.lock().get(&relay).filter(|r| r.from == from).map(|r| r.channel.clone());
+                let channel = channel.ok_or_else(|| format!("no consumer relay {relay} here"))?;
+                for tag in tags {
+                    // A tag the channel does not hold (settled twice by a confused peer) is skipped.
+                    let _ = channel.settle(tag, false, how);
+                }
+                Ok(Bytes::new())
+            }
+            Request::Cancel { relay } => {
+                let relay = self.relays.lock().get(&relay).filter(|r| r.from == from).map(|r| (r.channel.clone(), r.consumer.tag.clone()));
+                if let Some((channel, tag)) = relay {
+                    channel.cancel(&tag);
+                }
+                Ok(Bytes::new())
+            }
+            Request::Close { relay } => {
+                let gone = {
+                    let mut relays = self.relays.lock();
+                    match relays.get(&relay) {
+                        Some(r) if r.from == from => relays.remove(&relay),
+                        _ => None,
+                    }
+                };
+                if let Some(r) = gone {
+                    r.channel.close();
+                }
+                Ok(Bytes::new())
+            }
+            Request::Check { relays } => {
+                let known = self.relays.lock();
+                let unknown: Vec<u64> = relays.into_iter().filter(|id| known.get(id).is_none_or(|r| r.from != from)).collect();
+                Ok(encode_ids(&unknown))
+            }
+            Request::Deliver { queue, relay, deliveries } => {
+                let q = deliver_here(&broker, from, &queue, relay, deliveries)?;
+                // The home pushes again once this is answered: a client slower than the pushes
+                // (a no-ack consumer has no prefetch) holds the answer back.
+                let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT - Duration::from_secs(2);
+                while q.remote_home().is_some_and(|r| r.relay_backlog_full(relay)) && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Ok(Bytes::new())
+            }
+        }
+    }
+
+    fn me(&self) -> NodeId {
+        self.node.node_id()
+    }
+
+    fn home_queue(&self, broker: &Broker, queue: &QueueRef) -> Result<Arc<Queue>, String> {
+        let q = find_queue(broker, queue)?;
+        if q.home_node() != Some(self.me()) {
+            return Err(format!("classic queue '{}' does not live on node {} (its home is {:?})", queue.name, self.me(), q.home_node()));
+        }
+        Ok(q)
+    }
+
+    /// A consumer of node `from` on a queue living here: a relay channel of its own, its deliveries
+    /// pushed to `from`.
+    #[allow(clippy::too_many_arguments)]
+    fn open(self: &Arc<Self>, from: NodeId, queue: Arc<Queue>, relay: u64, tag: String, prefetch: u32, no_ack: bool, exclusive: bool, priority: i32) -> Result<(), String> {
+        // A relay of an earlier run of `from` is stale: that run's consumers are gone.
+        let stale: Vec<HomeRelay> = {
+            let mut relays = self.relays.lock();
+            if relays.contains_key(&relay) {
+                return Ok(()); // asked again
+            }
+            let ids: Vec<u64> = relays.iter().filter(|(id, r)| r.from == from && incarnation_of(**id) != incarnation_of(relay)).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| relays.remove(&id)).collect()
+        };
+        for r in stale {
+            r.channel.close();
+        }
+        let sink = Arc::new_cyclic(|me| RelaySink {
+            me: me.clone(),
+            home: Arc::downgrade(self),
+            to: from,
+            relay,
+            queue: warren_broker::queue::remote::queue_ref(&queue),
+            store_queue: Arc::downgrade(&queue),
+            state: Mutex::new(SinkState::default()),
+        });
+        let channel = Channel::new(1, RELAY_CONNECTION, sink.clone());
+        sink.state.lock().channel = Arc::downgrade(&channel);
+        channel.qos(prefetch.min(u16::MAX as u32) as u16, false);
+        let consumer = channel.new_consumer(Arc::from(tag.as_str()), queue.clone(), no_ack, exclusive, ConsumerArgs { priority });
+        self.relays.lock().insert(relay, HomeRelay { from, channel: channel.clone(), consumer: consumer.clone() });
+        let registered = queue.add_consumer(consumer.clone(), || channel.add_consumer(consumer.clone()));
+        if let Err(e) = registered {
+            self.relays.lock().remove(&relay);
+            channel.close();
+            return Err(e.to_string());
+        }
+        Ok(())
+    }
+
+    /// `node` is unreachable: its relays close, and what they held goes back to the queues.
+    fn node_down(&self, node: NodeId) {
+        let gone: Vec<HomeRelay> = {
+            let mut relays = self.relays.lock();
+            let ids: Vec<u64> = relays.iter().filter(|(_, r)| r.from == node).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| relays.remove(&id)).collect()
+        };
+        if !gone.is_empty() {
+            tracing::info!(node, consumers = gone.len(), "a node of the cluster is down: closing its consumers of classic queues here");
+        }
+        for r in gone {
+            r.channel.close();
+        }
+    }
+
+    /// A push to a relay's node failed or was refused: the relay closes.
+    fn relay_failed(&self, relay: u64, error: &str) {
+        let gone = self.relays.lock().remove(&relay);
+        if let Some(r) = gone {
+            tracing::warn!(node = r.from, queue = %r.consumer.queue.name, error, "could not deliver to a consumer on another node; its messages go back to the queue");
+            r.channel.close();
+        }
+    }
+}
+
+fn find_queue(broker: &Broker, queue: &QueueRef) -> Result<Arc<Queue>, String> {
+    let vhost = broker.vhost(&queue.vhost).ok_or_else(|| format!("no vhost '{}'", queue.vhost))?;
+    vhost
+        .queue(&queue.name, RELAY_CONNECTION)
+        .ok()
+        .filter(|q| q.id == queue.id)
+        .ok_or_else(|| format!("no queue '{}' (id {}) in vhost '{}'", queue.name, queue.id, queue.vhost))
+}
+
+/// Takes a batch of publishes for a queue living here; answers once they are durable.
+async fn take(broker: &Broker, me: NodeId, queue: &QueueRef, messages: Vec<Bytes>) -> Result<Bytes, String> {
+    let q = find_queue(broker, queue)?;
+    if q.home_node() != Some(me) {
+        return Err(format!("classic queue '{}' does not live on node {me} (its home is {:?})", queue.name, q.home_node()));
+    }
+    let mut refused = Vec::with_capacity(messages.len());
     let mut ticket = None;
     let now = warren_broker::now_ms();
-    let mut header = bytes::BytesMut::new();
-    for payload in &batch.messages {
+    let mut header = BytesMut::new();
+    for payload in &messages {
         let Some(stored) = decode_stored(payload) else {
             refused.push(true);
             continue;
@@ -48,14 +229,14 @@ async fn take(broker: &Broker, me: NodeId, batch: Bytes) -> Result<Bytes, String
         let message = Arc::new(stored.message);
         header.clear();
         encode_header(&message, Some(now), &mut header);
-        match queue.publish(&message, &header, now, false, None) {
+        match q.publish(&message, &header, now, false, None) {
             Ok(Enqueued::Accepted { ticket: t, .. }) => {
                 ticket = ticket.max(t);
                 refused.push(false);
             }
             Ok(Enqueued::Rejected) => refused.push(true),
             Err(e) => {
-                tracing::warn!(queue = %queue.name, error = %e, "a message forwarded by another node was refused");
+                tracing::warn!(queue = %q.name, error = %e, "a message forwarded by another node was refused");
                 refused.push(true);
             }
         }
@@ -63,24 +244,184 @@ async fn take(broker: &Broker, me: NodeId, batch: Bytes) -> Result<Bytes, String
     if let Some(ticket) = ticket {
         // Answered once durable: the sender confirms on this answer.
         let mut durable = broker.store().durable();
-        let waited = tokio::time::timeout(FORWARD_TIMEOUT - Duration::from_secs(1), async {
-            durable.wait_for(|d| *d >= ticket).await.map(|_| ())
-        })
-        .await;
+        let waited = tokio::time::timeout(REQUEST_TIMEOUT - Duration::from_secs(1), async { durable.wait_for(|d| *d >= ticket).await.map(|_| ()) }).await;
         match waited {
             Ok(Ok(())) => {}
             Ok(Err(_)) => return Err("the store stopped before the messages were durable".to_string()),
             Err(_) => return Err("the messages were not durable in time".to_string()),
         }
     }
-    Ok(encode_answer(&refused))
+    Ok(encode_flags(&refused))
 }
 
-/// Sends a batch to a classic queue's home (the broker's side of `QuorumHost::forward_to_home`).
-pub fn forward(runtime: &tokio::runtime::Handle, node: &ClusterNode, home: NodeId, batch: Bytes, done: warren_broker::queue::remote::ForwardDone) {
-    let node = node.clone();
-    runtime.spawn(async move {
-        let answer = node.send_to_home(home, &batch, FORWARD_TIMEOUT).await.map_err(|e| e.to_string());
-        done(answer);
-    });
+/// Deliveries a home pushed to a consumer on this node.
+fn deliver_here(broker: &Broker, from: NodeId, queue: &QueueRef, relay: u64, deliveries: Vec<Relayed>) -> Result<Arc<Queue>, String> {
+    let q = find_queue(broker, queue)?;
+    let remote = q.remote_home().filter(|r| r.home == from).ok_or_else(|| format!("classic queue '{}' does not live on node {from}", queue.name))?;
+    let mut messages = Vec::with_capacity(deliveries.len());
+    for d in deliveries {
+        let stored = decode_stored(&d.message).ok_or_else(|| "a relayed message does not decode".to_string())?;
+        messages.push((d.tag, d.redelivered, Arc::new(stored.message)));
+    }
+    remote.relay_delivered(&q, relay, messages)?;
+    Ok(q)
 }
+
+/// Closes the relays of nodes unreachable for `RELAYS_DOWN_AFTER`.
+async fn watch_nodes(home: Weak<ClassicHome>) {
+    let mut down_since: HashMap<NodeId, Option<tokio::time::Instant>> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let Some(home) = home.upgrade() else { return };
+        let nodes: Vec<NodeId> = {
+            let mut n: Vec<NodeId> = home.relays.lock().values().map(|r| r.from).collect();
+            n.sort_unstable();
+            n.dedup();
+            n
+        };
+        down_since.retain(|n, _| nodes.contains(n));
+        for node in nodes {
+            if home.node.is_reachable(node) {
+                down_since.remove(&node);
+                continue;
+            }
+            let since = down_since.entry(node).or_insert_with(|| Some(tokio::time::Instant::now()));
+            if since.is_some_and(|t| t.elapsed() >= RELAYS_DOWN_AFTER) {
+                *since = None;
+                home.node_down(node);
+            }
+        }
+    }
+}
+
+/// The relay channel's "connection": deliveries go to the consumer's node in pushes, one at a time.
+struct RelaySink {
+    me: Weak<RelaySink>,
+    home: Weak<ClassicHome>,
+    to: NodeId,
+    relay: u64,
+    queue: QueueRef,
+    /// For the store acks of no-ack deliveries.
+    store_queue: Weak<Queue>,
+    state: Mutex<SinkState>,
+}
+
+#[derive(Default)]
+struct SinkState {
+    channel: Weak<Channel>,
+    waiting: Vec<(u64, bool, warren_broker::MessageRef, Option<AckWhenWritten>)>,
+    waiting_bytes: usize,
+    pushing: bool,
+    unacked_bytes: usize,
+    /// The channel asked to be dispatched again once there is room.
+    wake: bool,
+}
+
+impl RelaySink {
+    fn push_next(self: &Arc<Self>) {
+        let (request, acks) = {
+            let mut st = self.state.lock();
+            if st.pushing || st.waiting.is_empty() {
+                return;
+            }
+            st.pushing = true;
+            st.waiting_bytes = 0;
+            let taken = std::mem::take(&mut st.waiting);
+            let mut acks = Vec::new();
+            let mut deliveries = Vec::with_capacity(taken.len());
+            for (tag, redelivered, message, ack) in taken {
+                let mut encoded = BytesMut::with_capacity(64 + message.body.len());
+                encode_header(&message, None, &mut encoded);
+                encoded.extend_from_slice(&message.body);
+                deliveries.push(Relayed { tag, redelivered, message: encoded.freeze() });
+                acks.extend(ack);
+            }
+            (Request::Deliver { queue: self.queue.clone(), relay: self.relay, deliveries }, acks)
+        };
+        let Some(home) = self.home.upgrade() else { return };
+        let me = self.clone();
+        let bytes = request.encode();
+        home.request(
+            self.to,
+            bytes,
+            Box::new(move |answer| {
+                // No-ack deliveries are consumed once pushed (or given up on), as once written to a socket.
+                if let Some(queue) = me.store_queue.upgrade().filter(|_| !acks.is_empty()) {
+                    let mut batch = warren_store::Batch::new();
+                    for a in &acks {
+                        a.add_to(&mut batch);
+                    }
+                    queue.append_acks(&mut batch);
+                }
+                let wake = {
+                    let mut st = me.state.lock();
+                    st.pushing = false;
+                    std::mem::take(&mut st.wake)
+                };
+                if let Err(e) = answer {
+                    if let Some(home) = me.home.upgrade() {
+                        home.relay_failed(me.relay, &e);
+                    }
+                    return;
+                }
+                me.push_next();
+                if wake {
+                    if let Some(channel) = me.state.lock().channel.upgrade() {
+                        channel.kick_consumers();
+                    }
+                }
+            }),
+        );
+    }
+}
+
+impl ClientSink for RelaySink {
+    fn send(&self, delivery: Delivery) {
+        let Delivery::Deliver { delivery_tag, redelivered, message, ack_when_written, .. } = delivery else {
+            // A cancel (the queue was deleted here): the consumer's node deletes its copy too and
+            // cancels the consumer itself.
+            return;
+        };
+        let start = {
+            let mut st = self.state.lock();
+            st.waiting_bytes += message.memory_bytes();
+            st.waiting.push((delivery_tag, redelivered, message, ack_when_written));
+            !st.pushing
+        };
+        if start {
+            // `send` must not block (it runs under the queue's lock): the push starts from a task.
+            if let Some(home) = self.home.upgrade() {
+                let me = self.me.clone();
+                home.runtime.spawn(async move {
+                    if let Some(sink) = me.upgrade() {
+                        sink.push_next();
+                    }
+                });
+            }
+        }
+    }
+
+    fn has_room(&self) -> bool {
+        self.state.lock().waiting_bytes < PUSH_BYTES
+    }
+
+    fn wake_when_room(&self, _channel: Weak<Channel>) {
+        self.state.lock().wake = true;
+    }
+
+    fn hold_unacked(&self, bytes: usize) {
+        self.state.lock().unacked_bytes += bytes;
+    }
+
+    fn release_unacked(&self, bytes: usize) {
+        // The channel dispatches its queues itself after a settlement.
+        let mut st = self.state.lock();
+        st.unacked_bytes = st.unacked_bytes.saturating_sub(bytes);
+    }
+
+    fn unacked_full(&self) -> bool {
+        self.state.lock().unacked_bytes >= UNACKED_BYTES_LIMIT
+    }
+}
+

@@ -293,12 +293,14 @@ pub struct QuorumGroups {
     cluster: Option<(ClusterNode, Vec<NodeId>)>,
     runtime: tokio::runtime::Handle,
     groups: Mutex<HashMap<GroupId, (watch::Sender<Running>, Weak<Queue>)>>,
+    /// In a cluster: requests about classic queues go through it (`classic_home`).
+    pub classic: std::sync::OnceLock<Arc<crate::classic_home::ClassicHome>>,
 }
 
 impl QuorumGroups {
     /// A node without peers: every group has this node as its only voter.
     pub fn new(logs: Arc<RaftLogs>, node: NodeId, addr: NodeAddr) -> Arc<QuorumGroups> {
-        Arc::new(QuorumGroups { logs, node, addr, cluster: None, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()) })
+        Arc::new(QuorumGroups { logs, node, addr, cluster: None, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()), classic: std::sync::OnceLock::new() })
     }
 
     /// A cluster member: groups have members on several nodes (`members_of`).
@@ -312,6 +314,7 @@ impl QuorumGroups {
             cluster: Some((node, peers)),
             runtime: tokio::runtime::Handle::current(),
             groups: Mutex::new(HashMap::new()),
+            classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
         if let Some((node, _)) = &groups.cluster {
@@ -380,9 +383,9 @@ impl QuorumHost for QuorumGroups {
         self.node
     }
 
-    fn forward_to_home(&self, home: u64, batch: Bytes, done: warren_broker::queue::remote::ForwardDone) {
-        match &self.cluster {
-            Some((node, _)) => crate::classic_home::forward(&self.runtime, node, home, batch, done),
+    fn classic_request(&self, node: u64, request: Bytes, done: warren_broker::queue::remote::RequestDone) {
+        match self.classic.get() {
+            Some(classic) => classic.request(node, request, done),
             None => done(Err("this node is not in a cluster".to_string())),
         }
     }

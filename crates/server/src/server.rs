@@ -130,8 +130,8 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     };
     broker.set_quorum_host(quorum_groups.clone());
     if let Some(node) = &cluster {
-        // Messages other nodes forward to the classic queues living on this node.
-        node.set_home_service(crate::classic_home::service(Arc::downgrade(&broker), node.node_id()));
+        // Classic queues across the nodes: publishes and consumers of other nodes, deliveries to ours.
+        let _ = quorum_groups.classic.set(crate::classic_home::ClassicHome::start(Arc::downgrade(&broker), node.clone()));
     }
 
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {

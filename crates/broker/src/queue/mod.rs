@@ -342,7 +342,7 @@ impl Queue {
     }
 
     /// The forwarding side, when this classic queue's home is another node.
-    fn remote_home(&self) -> Option<&remote::RemoteHome> {
+    pub fn remote_home(&self) -> Option<&remote::RemoteHome> {
         self.home.get().filter(|h| h.is_elsewhere())
     }
 
@@ -442,7 +442,7 @@ impl Queue {
     pub fn check_consumable(&self) -> Result<()> {
         match &self.replica {
             Some(r) => r.check_member(self),
-            None => self.check_home("consume or get its messages"),
+            None => self.check_home("get its messages"),
         }
     }
 
@@ -1004,6 +1004,9 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.dispatch(self);
         }
+        if let Some(remote) = self.remote_home() {
+            return remote.dispatch();
+        }
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -1023,8 +1026,9 @@ impl Queue {
             r.tick(self, now_ms);
             return false;
         }
-        if self.remote_home().is_some() {
+        if let Some(remote) = self.remote_home() {
             // Its home decides x-expires (nothing is used here), and the copy here holds nothing.
+            remote.tick(self, now_ms);
             return false;
         }
         let mut after = AfterUnlock::default();
@@ -1108,7 +1112,9 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.add_consumer(self, consumer, on_registered);
         }
-        self.check_home("consume from it")?;
+        if let Some(remote) = self.remote_home() {
+            return remote.add_consumer(self, consumer, on_registered);
+        }
         {
             let mut st = self.state.lock();
             if st.deleted {
@@ -1138,6 +1144,9 @@ impl Queue {
     pub fn remove_consumer(self: &Arc<Self>, consumer: &Arc<Consumer>) {
         if let Some(r) = &self.replica {
             return r.remove_consumer(self, consumer);
+        }
+        if let Some(remote) = self.remote_home() {
+            return remote.remove_consumer(self, consumer);
         }
         let mut after = AfterUnlock::default();
         {
@@ -1255,6 +1264,10 @@ impl Queue {
             r.settle(self, entries, how, publisher);
             return None;
         }
+        if let Some(remote) = self.remote_home() {
+            remote.settle(self, entries, how);
+            return None;
+        }
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -1299,6 +1312,9 @@ impl Queue {
     pub fn mark_deleted(self: &Arc<Self>) -> u32 {
         if let Some(r) = &self.replica {
             return r.delete(self);
+        }
+        if let Some(remote) = self.remote_home() {
+            remote.deleted(self);
         }
         let (n, consumers, mut acks) = {
             let mut st = self.state.lock();

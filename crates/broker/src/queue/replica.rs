@@ -79,10 +79,10 @@ pub trait QuorumHost: Send + Sync {
     fn start(&self, queue: Arc<Queue>);
     /// The queue was deleted: stops its group and removes its log.
     fn remove(&self, group: u64);
-    /// Sends a batch of messages to the home node of a classic queue (`super::remote`); `done` is
-    /// called exactly once, later, with the home's answer.
-    fn forward_to_home(&self, home: u64, batch: Bytes, done: super::remote::ForwardDone) {
-        let _ = (home, batch);
+    /// Sends a request about a classic queue to another node (`super::remote`); `done` is called
+    /// exactly once, later, with the answer.
+    fn classic_request(&self, node: u64, request: Bytes, done: super::remote::RequestDone) {
+        let _ = (node, request);
         done(Err("this node is not in a cluster".to_string()));
     }
 }

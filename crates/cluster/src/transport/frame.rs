@@ -38,9 +38,9 @@ pub enum Rpc {
     /// (quorum queues: snapshots carry no bodies). Opaque bytes to the cluster; served by the
     /// node's body source (`ClusterNode::set_body_source`).
     Bodies = 10,
-    /// Messages for a classic queue's home node (`warren_broker::queue::remote`): opaque bytes to the
-    /// cluster, served by the node's home service (`ClusterNode::set_home_service`).
-    Publish = 11,
+    /// Requests about classic queues (`warren_broker::queue::remote::wire`): opaque bytes to the
+    /// cluster, served by the node's classic service (`ClusterNode::set_classic_service`).
+    Classic = 11,
 }
 
 impl Rpc {
@@ -56,7 +56,7 @@ impl Rpc {
             8 => Rpc::Status,
             9 => Rpc::Admin,
             10 => Rpc::Bodies,
-            11 => Rpc::Publish,
+            11 => Rpc::Classic,
             _ => return None,
         })
     }

@@ -1,0 +1,355 @@
+//! What nodes send each other about classic queues (`Rpc::Classic`): the requests, their answers,
+//! in a versioned binary encoding the broker owns (the cluster only carries the bytes). Decoding
+//! never panics: anything malformed (from a peer) is an error, and counts never size an allocation
+//! beyond what the input could hold.
+//!
+//! Every request starts with `version u8 | op u8`. Names are `varint len | UTF-8`; a queue is named
+//! by `vhost | name | id varint` (the id guards against a queue deleted and declared again).
+//! - `PUBLISH` (to the home): `queue | count | count × (varint len | store encoding)`;
+//!   answer `version | count | count × u8` (1: refused).
+//! - `OPEN` (to the home): `queue | relay varint | tag | prefetch varint | no_ack | exclusive |
+//!   priority zigzag`: a consumer of another node; answer empty.
+//! - `SETTLE` (to the home): `relay | how u8 (0 ack, 1 requeue, 2 reject) | count | tags`.
+//! - `CANCEL` (to the home): `relay`: no more deliveries; what the consumer holds stays held.
+//! - `CLOSE` (to the home): `relay`: what the consumer holds goes back to the queue.
+//! - `CHECK` (to the home): `count | relays`; answer `count | the relays it does not know`.
+//! - `DELIVER` (from the home): `queue | relay | count | count × (tag varint | redelivered |
+//!   varint len | store encoding)`; answer empty, or an error for a relay the node does not know.
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use crate::channel::Settle;
+use crate::quorum::codec::{err, put_bool, put_var, put_zigzag, DecodeError, Reader};
+
+const VERSION: u8 = 1;
+
+const OP_PUBLISH: u8 = 1;
+const OP_OPEN: u8 = 2;
+const OP_SETTLE: u8 = 3;
+const OP_CANCEL: u8 = 4;
+const OP_CLOSE: u8 = 5;
+const OP_CHECK: u8 = 6;
+const OP_DELIVER: u8 = 7;
+
+/// A queue as nodes name it to each other.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueRef {
+    pub vhost: String,
+    pub name: String,
+    pub id: u64,
+}
+
+/// A delivery from the home to a consumer's node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Relayed {
+    /// The delivery tag on the home's relay channel.
+    pub tag: u64,
+    pub redelivered: bool,
+    /// The message's store encoding (`crate::message::decode_stored`).
+    pub message: Bytes,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Publish { queue: QueueRef, messages: Vec<Bytes> },
+    Open { queue: QueueRef, relay: u64, tag: String, prefetch: u32, no_ack: bool, exclusive: bool, priority: i32 },
+    Settle { relay: u64, how: Settle, tags: Vec<u64> },
+    Cancel { relay: u64 },
+    Close { relay: u64 },
+    Check { relays: Vec<u64> },
+    Deliver { queue: QueueRef, relay: u64, deliveries: Vec<Relayed> },
+}
+
+fn put_str(out: &mut BytesMut, s: &str) {
+    put_var(out, s.len() as u64);
+    out.put_slice(s.as_bytes());
+}
+
+fn put_queue(out: &mut BytesMut, q: &QueueRef) {
+    put_str(out, &q.vhost);
+    put_str(out, &q.name);
+    put_var(out, q.id);
+}
+
+fn put_blob(out: &mut BytesMut, b: &[u8]) {
+    put_var(out, b.len() as u64);
+    out.put_slice(b);
+}
+
+fn settle_code(how: Settle) -> u8 {
+    match how {
+        Settle::Ack => 0,
+        Settle::Reject { requeue: true } => 1,
+        Settle::Reject { requeue: false } => 2,
+    }
+}
+
+impl Request {
+    pub fn encode(&self) -> Bytes {
+        let mut out = BytesMut::with_capacity(64);
+        out.put_u8(VERSION);
+        match self {
+            Request::Publish { queue, messages } => {
+                out.reserve(messages.iter().map(|m| m.len() + 5).sum());
+                out.put_u8(OP_PUBLISH);
+                put_queue(&mut out, queue);
+                put_var(&mut out, messages.len() as u64);
+                for m in messages {
+                    put_blob(&mut out, m);
+                }
+            }
+            Request::Open { queue, relay, tag, prefetch, no_ack, exclusive, priority } => {
+                out.put_u8(OP_OPEN);
+                put_queue(&mut out, queue);
+                put_var(&mut out, *relay);
+                put_str(&mut out, tag);
+                put_var(&mut out, *prefetch as u64);
+                put_bool(&mut out, *no_ack);
+                put_bool(&mut out, *exclusive);
+                put_zigzag(&mut out, *priority as i64);
+            }
+            Request::Settle { relay, how, tags } => {
+                out.put_u8(OP_SETTLE);
+                put_var(&mut out, *relay);
+                out.put_u8(settle_code(*how));
+                put_var(&mut out, tags.len() as u64);
+                for t in tags {
+                    put_var(&mut out, *t);
+                }
+            }
+            Request::Cancel { relay } => {
+                out.put_u8(OP_CANCEL);
+                put_var(&mut out, *relay);
+            }
+            Request::Close { relay } => {
+                out.put_u8(OP_CLOSE);
+                put_var(&mut out, *relay);
+            }
+            Request::Check { relays } => {
+                out.put_u8(OP_CHECK);
+                put_var(&mut out, relays.len() as u64);
+                for r in relays {
+                    put_var(&mut out, *r);
+                }
+            }
+            Request::Deliver { queue, relay, deliveries } => {
+                out.reserve(deliveries.iter().map(|d| d.message.len() + 16).sum());
+                out.put_u8(OP_DELIVER);
+                put_queue(&mut out, queue);
+                put_var(&mut out, *relay);
+                put_var(&mut out, deliveries.len() as u64);
+                for d in deliveries {
+                    put_var(&mut out, d.tag);
+                    put_bool(&mut out, d.redelivered);
+                    put_blob(&mut out, &d.message);
+                }
+            }
+        }
+        out.freeze()
+    }
+
+    pub fn decode(buf: &Bytes) -> Result<Request, DecodeError> {
+        let mut r = Reader::new(buf);
+        let version = r.u8()?;
+        if version != VERSION {
+            return err(format!("unknown classic queue request version {version}"));
+        }
+        let op = r.u8()?;
+        let request = match op {
+            OP_PUBLISH => {
+                let queue = get_queue(&mut r)?;
+                let count = r.count(1)?;
+                let mut messages = Vec::with_capacity(count);
+                for _ in 0..count {
+                    messages.push(get_blob(&mut r, buf)?);
+                }
+                Request::Publish { queue, messages }
+            }
+            OP_OPEN => {
+                let queue = get_queue(&mut r)?;
+                let relay = r.var()?;
+                let tag = get_str(&mut r)?;
+                let prefetch = r.var_u32()?;
+                let no_ack = r.bool()?;
+                let exclusive = r.bool()?;
+                let priority = i32::try_from(r.zigzag()?).or_else(|_| err("consumer priority out of range"))?;
+                Request::Open { queue, relay, tag, prefetch, no_ack, exclusive, priority }
+            }
+            OP_SETTLE => {
+                let relay = r.var()?;
+                let how = match r.u8()? {
+                    0 => Settle::Ack,
+                    1 => Settle::Reject { requeue: true },
+                    2 => Settle::Reject { requeue: false },
+                    other => return err(format!("unknown settlement {other}")),
+                };
+                let count = r.count(1)?;
+                let mut tags = Vec::with_capacity(count);
+                for _ in 0..count {
+                    tags.push(r.var()?);
+                }
+                Request::Settle { relay, how, tags }
+            }
+            OP_CANCEL => Request::Cancel { relay: r.var()? },
+            OP_CLOSE => Request::Close { relay: r.var()? },
+            OP_CHECK => {
+                let count = r.count(1)?;
+                let mut relays = Vec::with_capacity(count);
+                for _ in 0..count {
+                    relays.push(r.var()?);
+                }
+                Request::Check { relays }
+            }
+            OP_DELIVER => {
+                let queue = get_queue(&mut r)?;
+                let relay = r.var()?;
+                let count = r.count(3)?;
+                let mut deliveries = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let tag = r.var()?;
+                    let redelivered = r.bool()?;
+                    let message = get_blob(&mut r, buf)?;
+                    deliveries.push(Relayed { tag, redelivered, message });
+                }
+                Request::Deliver { queue, relay, deliveries }
+            }
+            other => return err(format!("unknown classic queue request {other}")),
+        };
+        r.end()?;
+        Ok(request)
+    }
+}
+
+fn get_str(r: &mut Reader) -> Result<String, DecodeError> {
+    let n = r.var()?;
+    let n = r.check_count(n, 1)?;
+    String::from_utf8(r.bytes(n)?.to_vec()).or_else(|_| err("a name is not UTF-8"))
+}
+
+fn get_queue(r: &mut Reader) -> Result<QueueRef, DecodeError> {
+    Ok(QueueRef { vhost: get_str(r)?, name: get_str(r)?, id: r.var()? })
+}
+
+/// A length-prefixed part of `buf`, without copying.
+fn get_blob(r: &mut Reader, buf: &Bytes) -> Result<Bytes, DecodeError> {
+    let n = r.var()?;
+    let n = r.check_count(n, 1)?;
+    let start = r.pos();
+    r.bytes(n)?;
+    Ok(buf.slice(start..start + n))
+}
+
+/// A list of flags (the home's answer to `PUBLISH`: which messages it refused).
+pub fn encode_flags(flags: &[bool]) -> Bytes {
+    let mut out = BytesMut::with_capacity(8 + flags.len());
+    out.put_u8(VERSION);
+    put_var(&mut out, flags.len() as u64);
+    for f in flags {
+        out.put_u8(*f as u8);
+    }
+    out.freeze()
+}
+
+/// Decodes a list of flags; it must have `expected` of them.
+pub fn decode_flags(buf: &[u8], expected: usize) -> Result<Vec<bool>, DecodeError> {
+    let mut r = Reader::new(buf);
+    let version = r.u8()?;
+    if version != VERSION {
+        return err(format!("unknown classic queue answer version {version}"));
+    }
+    let count = r.count(1)?;
+    if count != expected {
+        return err(format!("an answer for {count} messages to a batch of {expected}"));
+    }
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        out.push(r.bool()?);
+    }
+    r.end()?;
+    Ok(out)
+}
+
+/// A list of ids (the home's answer to `CHECK`: the relays it does not know).
+pub fn encode_ids(ids: &[u64]) -> Bytes {
+    let mut out = BytesMut::with_capacity(8 + 10 * ids.len());
+    out.put_u8(VERSION);
+    put_var(&mut out, ids.len() as u64);
+    for id in ids {
+        put_var(&mut out, *id);
+    }
+    out.freeze()
+}
+
+pub fn decode_ids(buf: &[u8]) -> Result<Vec<u64>, DecodeError> {
+    let mut r = Reader::new(buf);
+    let version = r.u8()?;
+    if version != VERSION {
+        return err(format!("unknown classic queue answer version {version}"));
+    }
+    let count = r.count(1)?;
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        out.push(r.var()?);
+    }
+    r.end()?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue() -> QueueRef {
+        QueueRef { vhost: "/".into(), name: "orders".into(), id: 42 }
+    }
+
+    #[test]
+    fn every_request_round_trips_and_a_cut_or_garbage_one_is_an_error() {
+        let requests = vec![
+            Request::Publish { queue: queue(), messages: vec![Bytes::from_static(b"one"), Bytes::from(vec![7u8; 300]), Bytes::new()] },
+            Request::Open { queue: queue(), relay: 1 << 40 | 7, tag: "ctag-1".into(), prefetch: 250, no_ack: false, exclusive: true, priority: -5 },
+            Request::Settle { relay: 9, how: Settle::Reject { requeue: true }, tags: vec![1, 2, 300, u64::MAX] },
+            Request::Settle { relay: 9, how: Settle::Ack, tags: vec![] },
+            Request::Cancel { relay: 3 },
+            Request::Close { relay: 4 },
+            Request::Check { relays: vec![1, 2, 3] },
+            Request::Deliver {
+                queue: queue(),
+                relay: 5,
+                deliveries: vec![Relayed { tag: 1, redelivered: false, message: Bytes::from_static(b"m1") }, Relayed { tag: 2, redelivered: true, message: Bytes::new() }],
+            },
+        ];
+        for req in requests {
+            let bytes = req.encode();
+            assert_eq!(Request::decode(&bytes).unwrap(), req);
+            for cut in 0..bytes.len() {
+                assert!(Request::decode(&bytes.slice(..cut)).is_err(), "{req:?} cut at {cut} bytes");
+            }
+            let mut longer = bytes.to_vec();
+            longer.push(0);
+            assert!(Request::decode(&Bytes::from(longer)).is_err());
+        }
+        // A count far beyond the input must not allocate for it.
+        let huge = Bytes::from(vec![VERSION, OP_CHECK, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+        assert!(Request::decode(&huge).is_err());
+        for seed in 0..5000u32 {
+            let junk: Vec<u8> = (0..(seed % 80)).map(|i| (seed.wrapping_mul(2654435761).wrapping_add(i * 97) >> 7) as u8).collect();
+            let mut framed = vec![VERSION, (seed % 9) as u8];
+            framed.extend_from_slice(&junk);
+            let _ = Request::decode(&Bytes::from(framed));
+            let _ = decode_flags(&junk, 3);
+            let _ = decode_ids(&junk);
+        }
+    }
+
+    #[test]
+    fn answers_round_trip() {
+        let flags = encode_flags(&[false, true, false]);
+        assert_eq!(decode_flags(&flags, 3).unwrap(), vec![false, true, false]);
+        assert!(decode_flags(&flags, 2).is_err(), "an answer must cover the batch it answers");
+        assert!(decode_flags(&flags[..flags.len() - 1], 3).is_err());
+        let ids = encode_ids(&[5, 1 << 50]);
+        assert_eq!(decode_ids(&ids).unwrap(), vec![5, 1 << 50]);
+        assert!(decode_ids(&ids[..ids.len() - 1]).is_err());
+    }
+}
