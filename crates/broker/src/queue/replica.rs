@@ -170,10 +170,6 @@ struct Getter {
     channel: Weak<Channel>,
     connection: u64,
     number: u16,
-    /// basic.get with no-ack. Its Dequeue is proposed as an acked get all the same, and settled
-    /// once the get-ok is handed to the channel: a replica without the body returns the message
-    /// instead of losing it (a no-ack Dequeue would settle it for the whole cluster at apply).
-    no_ack: bool,
     /// Some(true): get-ok sent; Some(false): get-empty to send.
     done: Option<bool>,
 }
@@ -571,10 +567,8 @@ impl QuorumReplica {
             match (entries.swap_remove(0), channel) {
                 (Some(entry), Some(channel)) => {
                     let remaining = machine.ready_count().min(u32::MAX as u64) as u32;
-                    if channel.deliver_get(queue, entry, settled || getter.no_ack, remaining).is_none() {
+                    if channel.deliver_get(queue, entry, settled, remaining).is_none() {
                         checked_out.insert(d.msg_id, consumer);
-                    } else if !settled {
-                        after.settles.push((consumer, d.msg_id));
                     }
                     getter.done = Some(true);
                 }
@@ -1190,11 +1184,11 @@ impl QuorumReplica {
                 return Got::Empty;
             }
             let local = self.new_local_id();
-            st.getters.insert(local, Getter { channel: channel.weak(), connection: channel.connection_id, number: channel.number, no_ack, done: None });
+            st.getters.insert(local, Getter { channel: channel.weak(), connection: channel.connection_id, number: channel.number, done: None });
             local
         };
         let mut p = self.proposals.lock();
-        p.encoder.dequeue(self.consumer_id(local), false);
+        p.encoder.dequeue(self.consumer_id(local), no_ack);
         p.command(Waiter::Get(local));
         self.flush(queue, &mut p);
         Got::Later(GetWait::Replicated(local))
