@@ -74,7 +74,7 @@ impl ClassicHome {
         let broker = self.broker.upgrade().ok_or_else(|| "the node is stopping".to_string())?;
         let request = Request::decode(&request).map_err(|e| format!("bad classic queue request: {e}"))?;
         match request {
-            Request::Publish { queue, messages } => take(&broker, self.me(), &queue, messages).await,
+            Request::Publish { queue, messages } => take(&broker, self.home_queue(&broker, &queue)?, messages).await,
             Request::Open { queue, relay, tag, prefetch, no_ack, exclusive, priority } => {
                 let q = self.home_queue(&broker, &queue)?;
                 self.open(from, q, relay, tag, prefetch, no_ack, exclusive, priority).map(|()| Bytes::new())
@@ -212,11 +212,7 @@ fn find_queue(broker: &Broker, queue: &QueueRef) -> Result<Arc<Queue>, String> {
 }
 
 /// Takes a batch of publishes for a queue living here; answers once they are durable.
-async fn take(broker: &Broker, me: NodeId, queue: &QueueRef, messages: Vec<Bytes>) -> Result<Bytes, String> {
-    let q = find_queue(broker, queue)?;
-    if q.home_node() != Some(me) {
-        return Err(format!("classic queue '{}' does not live on node {me} (its home is {:?})", queue.name, q.home_node()));
-    }
+async fn take(broker: &Broker, q: Arc<Queue>, messages: Vec<Bytes>) -> Result<Bytes, String> {
     let mut refused = Vec::with_capacity(messages.len());
     let mut ticket = None;
     let now = warren_broker::now_ms();
