@@ -471,6 +471,16 @@ impl Channel {
         Ok(self.finish_settle(taken, how, publisher))
     }
 
+    /// Settles each of `tags` (those the channel holds; others are skipped) in one go: a consumer of
+    /// another node acking through its relay channel (`queue::remote`).
+    pub fn settle_tags(&self, tags: &[u64], how: Settle) -> Option<SyncTicket> {
+        let taken: Vec<Unacked> = {
+            let mut st = self.state.lock();
+            tags.iter().filter_map(|t| take_unacked(&mut st.unacked, *t, false).ok()).flatten().collect()
+        };
+        self.finish_settle(taken, how, None)
+    }
+
     /// basic.recover: every unacknowledged message goes back to its queue, redelivered.
     pub fn recover(&self) {
         let taken: Vec<Unacked> = self.state.lock().unacked.drain(..).collect();

@@ -82,10 +82,8 @@ impl ClassicHome {
             Request::Settle { relay, how, tags } => {
                 let channel = self.relays.lock().get(&relay).filter(|r| r.from == from).map(|r| r.channel.clone());
                 let channel = channel.ok_or_else(|| format!("no consumer relay {relay} here"))?;
-                for tag in tags {
-                    // A tag the channel does not hold (settled twice by a confused peer) is skipped.
-                    let _ = channel.settle(tag, false, how);
-                }
+                // A tag the channel does not hold (settled twice by a confused peer) is skipped.
+                channel.settle_tags(&tags, how);
                 Ok(Bytes::new())
             }
             Request::Cancel { relay } => {

@@ -268,19 +268,25 @@ impl RemoteHome {
         }
     }
 
+    /// Sends `requests` one after the other, each once the previous one is answered: a `CLOSE`
+    /// must not overtake the `SETTLE` before it (the home would requeue what the client acked).
     fn send_all(&self, queue: &Arc<Queue>, requests: Vec<Request>) {
-        for request in requests {
-            let name = queue.name.clone();
-            self.request(
-                &request,
-                Box::new(move |answer| {
-                    if let Err(e) = answer {
-                        // The relay is gone on the home, or the home is: its CHECK sorts it out.
-                        tracing::debug!(queue = %name, error = %e, "a request to a classic queue's home node failed");
-                    }
-                }),
-            );
-        }
+        let mut requests = std::collections::VecDeque::from(requests);
+        let Some(first) = requests.pop_front() else { return };
+        let weak = Arc::downgrade(queue);
+        self.request(
+            &first,
+            Box::new(move |answer| {
+                let Some(queue) = weak.upgrade() else { return };
+                if let Err(e) = answer {
+                    // The relay is gone on the home, or the home is: its CHECK sorts it out.
+                    tracing::debug!(queue = %queue.name, error = %e, "a request to a classic queue's home node failed");
+                }
+                if let Some(remote) = queue.remote_home() {
+                    remote.send_all(&queue, requests.into());
+                }
+            }),
+        );
     }
 }
 
