@@ -94,11 +94,15 @@ def _remove_namespace(name):
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
-    for _ in range(50):  # the namespace goes once its last process has exited
+    for _ in range(200):  # the namespace goes once its last process has exited (slower on a busy machine)
         if not run("ip", "netns", "pids", name, check=False).split():
             break
         time.sleep(0.05)
-    run("ip", "netns", "del", name, check=False)
+    for _ in range(50):  # a deletion can fail while the kernel still tears down what ran inside
+        run("ip", "netns", "del", name, check=False)
+        if name not in _namespaces():
+            return
+        time.sleep(0.1)
 
 
 def remove_leftovers():

@@ -1,12 +1,14 @@
 """A durable classic queue in a three-node cluster lives on one node, its home (the node whose
 client declared it): publishes through the other nodes are forwarded there and confirmed only once
 the home has them durable; consumers on every node are served (deliveries relayed from the home,
-acks and requeues relayed back); basic.get and queue.purge elsewhere are refused with a reply
+acks and requeues relayed back); basic.get, queue.purge and declare-ok's counts through any node
+are the home's (a message got elsewhere is held on the home until settled, and comes back if the
+getting channel closes or its node dies); queue.delete if-empty elsewhere is refused with a reply
 naming the home; with the home down, publishes through the others are nacked, never confirmed,
 consumers elsewhere are cancelled, and what was confirmed is there when the home is back; a
 consumer's node killed: what it held is delivered to the others. Before, every node kept its own
 copy and a message stayed in the copy of the node it was published on (consumers elsewhere never
-saw it). About 25 s."""
+saw it). About 40 s."""
 import time
 
 import pika
@@ -102,8 +104,6 @@ def test_a_classic_queue_lives_on_its_declaring_node_and_takes_publishes_from_ev
 
     for other in (1, 3):
         for what, action in [
-            ("get", lambda ch: ch.basic_get(name)),
-            ("purge", lambda ch: ch.queue_purge(name)),
             ("delete if-empty", lambda ch: ch.queue_delete(name, if_empty=True)),
         ]:
             answer = refused(cluster[other], name, action)
@@ -122,6 +122,76 @@ def test_a_classic_queue_lives_on_its_declaring_node_and_takes_publishes_from_ev
         c.process_data_events(time_limit=0.1)
     c.close()
     assert got == [b"live-1", b"live-2"]
+
+
+def counts_on(node, name):
+    c = node.connection()
+    try:
+        ok = c.channel().queue_declare(name, passive=True)
+        return ok.method.message_count, ok.method.consumer_count
+    finally:
+        c.close()
+
+
+def test_basic_get_purge_and_counts_through_any_node_are_the_homes(cluster):
+    name = "classic-get"
+    declare_on(cluster, name, home=2)
+    sent = [f"m-{k}".encode() for k in range(30)]
+    confirmed, _ = publish_confirmed(cluster[1], name, sent)
+    assert confirmed == sent
+    assert counts_on(cluster[3], name) == (30, 0), "a passive declare on another node counts the home's messages"
+
+    # basic.get with acks on node 1: acked ones are gone, a nacked one and those its closed
+    # channel held come back, redelivered.
+    c = cluster[1].connection()
+    ch = c.channel()
+    got = []
+    for k in range(5):
+        method, _, body = ch.basic_get(name, auto_ack=False)
+        assert method is not None, f"get {k} through node 1 finds a message"
+        assert method.message_count == 29 - k, "get-ok counts what stays on the home"
+        got.append((method.delivery_tag, body))
+    assert [b for _, b in got] == sent[:5], "in the queue's order"
+    ch.basic_ack(got[0][0])
+    ch.basic_ack(got[1][0])
+    ch.basic_nack(got[2][0], requeue=True)
+    # Acks and the requeue reached the home (2 unacked held).
+    eventually(lambda: counts_on(cluster[3], name) == (26, 0), timeout=10)
+    c.close()
+    eventually(lambda: counts_on(cluster[2], name) == (28, 0), timeout=10)
+
+    # basic.get without acks on node 3: the rest, each once.
+    rest = []
+    c = cluster[3].connection()
+    ch = c.channel()
+    while True:
+        method, _, body = ch.basic_get(name, auto_ack=True)
+        if method is None:
+            break
+        rest.append((body, method.redelivered))
+    c.close()
+    assert sorted(b for b, _ in rest) == sorted(sent[2:]), "what was not acked, once"
+    assert {b for b, r in rest if r} == set(sent[2:5]), "the nacked and the held ones come back redelivered"
+    assert counts_on(cluster[1], name) == (0, 0)
+
+    # queue.purge through node 1.
+    publish_confirmed(cluster[3], name, [b"p"] * 10)
+    c = cluster[1].connection()
+    purged = c.channel().queue_purge(name)
+    c.close()
+    assert purged.method.message_count == 10, "purge-ok counts what the home removed"
+    assert counts_on(cluster[2], name) == (0, 0)
+
+    # A getting node killed while holding messages: they go back to the queue on the home.
+    publish_confirmed(cluster[1], name, [b"h-1", b"h-2"])
+    c = cluster[3].connection()
+    ch = c.channel()
+    assert ch.basic_get(name, auto_ack=False)[2] == b"h-1"
+    assert ch.basic_get(name, auto_ack=False)[2] == b"h-2"
+    cluster[3].kill9()
+    eventually(lambda: counts_on(cluster[1], name) == (2, 0), timeout=20)
+    again = drain_by_get(cluster[1], name)
+    assert again == [b"h-1", b"h-2"], f"what the killed node's gets held comes back, in order: {again}"
 
 
 def test_with_the_home_down_publishes_elsewhere_are_nacked_and_what_was_confirmed_survives(cluster):

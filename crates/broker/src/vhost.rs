@@ -368,6 +368,17 @@ impl VHost {
 
     /// queue.declare: returns (name, message count, consumer count).
     pub fn queue_declare(&self, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+        let (name, messages, consumers) = self.declare_queue_locked(d)?;
+        // A classic queue living on another node: its counts are the home's, asked once the
+        // topology lock is released (the home may be slow to answer, or down).
+        if let Some(queue) = self.find_queue(&name).filter(|q| q.remote_home().is_some()) {
+            let (messages, consumers) = queue.declare_counts();
+            return Ok((name, messages, consumers));
+        }
+        Ok((name, messages, consumers))
+    }
+
+    fn declare_queue_locked(&self, d: &QueueDeclare) -> Result<(String, u32, u32)> {
         if direct_reply::is_reply_name(d.name) {
             return self.replies.declare(d.name, &self.name);
         }

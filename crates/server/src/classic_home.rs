@@ -1,7 +1,9 @@
 //! Classic queues across the nodes of a cluster, the server's side (`warren_broker::queue::remote`
 //! is the broker's): answers other nodes' requests (`Rpc::Classic`) about the classic queues living
 //! on this node — batches of publishes (answered once durable here), consumers relayed from other
-//! nodes (`HomeRelays`) — and takes the deliveries a home pushes to consumers on this node.
+//! nodes (relay channels), basic.gets of other nodes (a relay channel each, holding the message
+//! until it is settled), purges and counts — and takes the deliveries a home pushes to consumers on
+//! this node.
 //! Whatever a peer sends is checked: a malformed request, an unknown vhost or queue, a queue whose
 //! home is not this node is an error answer.
 
@@ -15,9 +17,9 @@ use warren_broker::channel::{AckWhenWritten, Channel, ClientSink, Consumer, Deli
 use warren_broker::consumers::ConsumerArgs;
 use warren_broker::message::{decode_stored, encode_header};
 use warren_broker::queue::remote::relay::incarnation_of;
-use warren_broker::queue::remote::wire::{encode_flags, encode_ids, QueueRef, Relayed, Request};
+use warren_broker::queue::remote::wire::{encode_flags, encode_got, encode_ids, GotMessage, QueueRef, Relayed, Request};
 use warren_broker::queue::remote::{RequestDone, REQUEST_TIMEOUT};
-use warren_broker::queue::Enqueued;
+use warren_broker::queue::{Enqueued, Got};
 use warren_broker::{Broker, Queue};
 use warren_cluster::node::ClassicService;
 use warren_cluster::{ClusterNode, NodeId};
@@ -38,11 +40,12 @@ pub struct ClassicHome {
     relays: Mutex<HashMap<u64, HomeRelay>>,
 }
 
-/// A consumer of another node, on a queue living here.
+/// A consumer of another node on a queue living here, or a basic.get of another node holding its
+/// message (no consumer).
 struct HomeRelay {
     from: NodeId,
     channel: Arc<Channel>,
-    consumer: Arc<Consumer>,
+    consumer: Option<Arc<Consumer>>,
 }
 
 impl ClassicHome {
@@ -87,7 +90,7 @@ impl ClassicHome {
                 Ok(Bytes::new())
             }
             Request::Cancel { relay } => {
-                let relay = self.relays.lock().get(&relay).filter(|r| r.from == from).map(|r| (r.channel.clone(), r.consumer.tag.clone()));
+                let relay = self.relays.lock().get(&relay).filter(|r| r.from == from).and_then(|r| Some((r.channel.clone(), r.consumer.as_ref()?.tag.clone())));
                 if let Some((channel, tag)) = relay {
                     channel.cancel(&tag);
                 }
@@ -121,6 +124,20 @@ impl ClassicHome {
                 }
                 Ok(Bytes::new())
             }
+            Request::Get { queue, relay, no_ack } => {
+                let q = self.home_queue(&broker, &queue)?;
+                self.get(from, q, relay, no_ack).await
+            }
+            Request::Purge { queue } => {
+                let q = self.home_queue(&broker, &queue)?;
+                // A purge waits for nothing on a classic queue (its acks are appended, not awaited).
+                let n = q.purge().map_err(|e| e.to_string())?;
+                Ok(encode_ids(&[n as u64]))
+            }
+            Request::Stat { queue } => {
+                let q = self.home_queue(&broker, &queue)?;
+                Ok(encode_ids(&[q.message_count() as u64, q.consumer_count() as u64]))
+            }
         }
     }
 
@@ -140,18 +157,10 @@ impl ClassicHome {
     /// pushed to `from`.
     #[allow(clippy::too_many_arguments)]
     fn open(self: &Arc<Self>, from: NodeId, queue: Arc<Queue>, relay: u64, tag: String, prefetch: u32, no_ack: bool, exclusive: bool, priority: i32) -> Result<(), String> {
-        // A relay of an earlier run of `from` is stale: that run's consumers are gone.
-        let stale: Vec<HomeRelay> = {
-            let mut relays = self.relays.lock();
-            if relays.contains_key(&relay) {
-                return Ok(()); // asked again
-            }
-            let ids: Vec<u64> = relays.iter().filter(|(id, r)| r.from == from && incarnation_of(**id) != incarnation_of(relay)).map(|(id, _)| *id).collect();
-            ids.into_iter().filter_map(|id| relays.remove(&id)).collect()
-        };
-        for r in stale {
-            r.channel.close();
+        if self.relays.lock().contains_key(&relay) {
+            return Ok(()); // asked again
         }
+        self.close_stale(from, relay);
         let sink = Arc::new_cyclic(|me| RelaySink {
             me: me.clone(),
             home: Arc::downgrade(self),
@@ -165,7 +174,7 @@ impl ClassicHome {
         sink.state.lock().channel = Arc::downgrade(&channel);
         channel.qos(prefetch.min(u16::MAX as u32) as u16, false);
         let consumer = channel.new_consumer(Arc::from(tag.as_str()), queue.clone(), no_ack, exclusive, ConsumerArgs { priority });
-        self.relays.lock().insert(relay, HomeRelay { from, channel: channel.clone(), consumer: consumer.clone() });
+        self.relays.lock().insert(relay, HomeRelay { from, channel: channel.clone(), consumer: Some(consumer.clone()) });
         let registered = queue.add_consumer(consumer.clone(), || channel.add_consumer(consumer.clone()));
         if let Err(e) = registered {
             self.relays.lock().remove(&relay);
@@ -173,6 +182,72 @@ impl ClassicHome {
             return Err(e.to_string());
         }
         Ok(())
+    }
+
+    /// A relay of an earlier run of `from` than `relay`'s is stale: that run's consumers and gets
+    /// are gone, and what they held goes back to the queues.
+    fn close_stale(&self, from: NodeId, relay: u64) {
+        let stale: Vec<HomeRelay> = {
+            let mut relays = self.relays.lock();
+            let ids: Vec<u64> = relays.iter().filter(|(id, r)| r.from == from && incarnation_of(**id) != incarnation_of(relay)).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| relays.remove(&id)).collect()
+        };
+        for r in stale {
+            r.channel.close();
+        }
+    }
+
+    /// basic.get of node `from`: the message, if any, taken for a relay channel of its own, which
+    /// holds it until `from` settles it (`SETTLE`, `CLOSE`) unless `no_ack`.
+    async fn get(self: &Arc<Self>, from: NodeId, queue: Arc<Queue>, relay: u64, no_ack: bool) -> Result<Bytes, String> {
+        if self.relays.lock().contains_key(&relay) {
+            return Err(format!("get relay {relay} is already in use"));
+        }
+        self.close_stale(from, relay);
+        let sink = Arc::new(GetSink::default());
+        let channel = Channel::new(1, RELAY_CONNECTION, sink.clone());
+        if !no_ack {
+            // Registered first: if `from` goes down meanwhile, the message goes back.
+            self.relays.lock().insert(relay, HomeRelay { from, channel: channel.clone(), consumer: None });
+        }
+        let give_up = |home: &Self| {
+            home.relays.lock().remove(&relay);
+            channel.close();
+        };
+        let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT - Duration::from_secs(2);
+        loop {
+            match queue.get(&channel, no_ack) {
+                Got::Message => break,
+                Got::Empty => {
+                    give_up(self);
+                    return Ok(encode_got(None));
+                }
+                Got::Later(wait) => {
+                    if tokio::time::timeout_at(deadline, queue.wait_for(wait)).await.is_err() {
+                        give_up(self);
+                        return Err("the queue's head was not readable in time".to_string());
+                    }
+                }
+            }
+        }
+        let Some(Delivery::GetOk { delivery_tag, redelivered, message_count, message, ack_when_written, .. }) = sink.taken.lock().take() else {
+            give_up(self);
+            return Err("basic.get found a message but delivered none".to_string());
+        };
+        let mut encoded = BytesMut::with_capacity(64 + message.body.len());
+        encode_header(&message, None, &mut encoded);
+        encoded.extend_from_slice(&message.body);
+        if no_ack {
+            // Consumed once answered, as once written to a socket (at most once, as RabbitMQ's).
+            if let Some(ack) = ack_when_written {
+                let mut batch = warren_store::Batch::new();
+                ack.add_to(&mut batch);
+                queue.append_acks(&mut batch);
+            }
+            channel.close();
+        }
+        let got = GotMessage { delivery: Relayed { tag: delivery_tag, redelivered, message: encoded.freeze() }, remaining: message_count };
+        Ok(encode_got(Some(&got)))
     }
 
     /// `node` is unreachable: its relays close, and what they held goes back to the queues.
@@ -194,7 +269,8 @@ impl ClassicHome {
     fn relay_failed(&self, relay: u64, error: &str) {
         let gone = self.relays.lock().remove(&relay);
         if let Some(r) = gone {
-            tracing::warn!(node = r.from, queue = %r.consumer.queue.name, error, "could not deliver to a consumer on another node; its messages go back to the queue");
+            let queue = r.consumer.as_ref().map(|c| c.queue.name.clone()).unwrap_or_default();
+            tracing::warn!(node = r.from, queue = %queue, error, "could not deliver to a consumer on another node; its messages go back to the queue");
             r.channel.close();
         }
     }
@@ -285,6 +361,20 @@ async fn watch_nodes(home: Weak<ClassicHome>) {
                 *since = None;
                 home.node_down(node);
             }
+        }
+    }
+}
+
+/// A get relay channel's "connection": keeps the get-ok for the answer.
+#[derive(Default)]
+struct GetSink {
+    taken: Mutex<Option<Delivery>>,
+}
+
+impl ClientSink for GetSink {
+    fn send(&self, delivery: Delivery) {
+        if matches!(delivery, Delivery::GetOk { .. }) {
+            *self.taken.lock() = Some(delivery);
         }
     }
 }

@@ -114,6 +114,8 @@ pub enum GetWait {
     Readable(SyncTicket),
     /// A quorum queue's Dequeue (this basic.get's id) being committed and applied (`replica`).
     Replicated(u64),
+    /// A classic queue's home node answering this basic.get (`remote::get`).
+    Remote(u64),
 }
 
 /// What `Queue::select_head` found.
@@ -359,6 +361,15 @@ impl Queue {
         ready_count(&st).min(u32::MAX as u64) as u32
     }
 
+    /// The counts of queue.declare-ok: a classic queue's home is asked for them (elsewhere this
+    /// node's copy holds nothing).
+    pub fn declare_counts(&self) -> (u32, u32) {
+        match self.remote_home() {
+            Some(remote) => remote.counts(self),
+            None => (self.message_count(), self.consumer_count()),
+        }
+    }
+
     pub fn consumer_count(&self) -> u32 {
         if let Some(r) = &self.replica {
             return r.consumer_count();
@@ -442,11 +453,12 @@ impl Queue {
     pub fn check_consumable(&self) -> Result<()> {
         match &self.replica {
             Some(r) => r.check_member(self),
-            None => self.check_home("get its messages"),
+            // A classic queue: on its home, or through it (`remote`).
+            None => Ok(()),
         }
     }
 
-    /// Refuses what only the home node of a classic queue can do (consume, get, purge) elsewhere.
+    /// Refuses what only the home node of a classic queue can do elsewhere (delete it if empty or unused).
     pub(crate) fn check_home(&self, what: &str) -> Result<()> {
         match self.home.get() {
             Some(h) => remote::not_here(h, &self.name, what),
@@ -1175,6 +1187,9 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.get(self, channel, no_ack);
         }
+        if let Some(remote) = self.remote_home() {
+            return remote.get(self, channel, no_ack);
+        }
         let mut after = AfterUnlock::default();
         let got = {
             let mut st = self.state.lock();
@@ -1251,6 +1266,11 @@ impl Queue {
                     r.wait_get(get).await;
                 }
             }
+            GetWait::Remote(get) => {
+                if let Some(remote) = self.remote_home() {
+                    remote.wait_get(get).await;
+                }
+            }
         }
     }
 
@@ -1297,7 +1317,9 @@ impl Queue {
         if let Some(r) = &self.replica {
             return r.purge(self);
         }
-        self.check_home("purge it")?;
+        if let Some(remote) = self.remote_home() {
+            return remote.purge(self);
+        }
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = self.state.lock();

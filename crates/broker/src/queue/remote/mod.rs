@@ -11,10 +11,12 @@
 //!   `REFUSE_BYTES`.
 //! - **Consumers** (`relay`): a consumer here has a relay consumer on the home, on a channel of its
 //!   own with the consumer's prefetch; the home pushes its deliveries here, and acks, nacks and
-//!   rejects go back. basic.get and queue.purge are the home's only (refused here, naming it).
+//!   rejects go back.
+//! - **basic.get, queue.purge, declare-ok's counts** (`get`): asked of the home each time.
 //!
 //! Requests and answers: `wire`.
 
+mod get;
 pub mod relay;
 pub mod wire;
 
@@ -53,6 +55,7 @@ pub struct RemoteHome {
     pending: Mutex<Pending>,
     drained: Notify,
     relays: relay::Relays,
+    gets: get::Gets,
 }
 
 #[derive(Default)]
@@ -65,7 +68,7 @@ struct Pending {
 
 impl RemoteHome {
     pub fn new(home: u64, runtime: Arc<QuorumRuntime>) -> RemoteHome {
-        RemoteHome { home, runtime, pending: Mutex::new(Pending::default()), drained: Notify::new(), relays: relay::Relays::default() }
+        RemoteHome { home, runtime, pending: Mutex::new(Pending::default()), drained: Notify::new(), relays: relay::Relays::default(), gets: get::Gets::default() }
     }
 
     /// Whether the home is another node (false on the home itself, and before the node knows its id).

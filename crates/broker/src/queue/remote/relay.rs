@@ -13,7 +13,7 @@
 //! for a while, and of an earlier run of a node (relay ids carry the run's `incarnation`).
 
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -41,7 +41,7 @@ pub fn incarnation_of(relay: u64) -> u64 {
     relay >> 32
 }
 
-fn new_relay_id() -> u64 {
+pub(super) fn new_relay_id() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     incarnation() << 32 | (NEXT.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff)
 }
@@ -57,6 +57,8 @@ struct State {
     /// Deliveries in the hands of this node's consumers, by the seq they carry here: (relay, tag on
     /// the home).
     held: HashMap<u64, (u64, u64)>,
+    /// Relays of basic.gets (`get`) holding a message: closed once it is settled.
+    gets: HashSet<u64>,
     next_seq: u64,
     next_check_ms: u64,
     checking: bool,
@@ -74,6 +76,19 @@ struct Relay {
     /// The home answered its `OPEN` (only then does a `CHECK` ask about it).
     opened: bool,
     cancelled: bool,
+}
+
+impl Relays {
+    /// A message basic.get took for get relay `relay` (tag `tag` on the home): the seq it carries
+    /// in the client's channel here.
+    pub(super) fn hold_got(&self, relay: u64, tag: u64) -> u64 {
+        let mut st = self.st.lock();
+        st.next_seq += 1;
+        let seq = st.next_seq;
+        st.held.insert(seq, (relay, tag));
+        st.gets.insert(relay);
+        seq
+    }
 }
 
 impl RemoteHome {
@@ -187,7 +202,7 @@ impl RemoteHome {
         let mut requests = Vec::new();
         {
             let mut st = self.relays.st.lock();
-            let State { by_id, held, .. } = &mut *st;
+            let State { by_id, held, gets, .. } = &mut *st;
             let mut by_relay: Vec<(u64, Vec<u64>)> = Vec::new();
             for e in entries {
                 let Some((relay, tag)) = held.remove(&e.seq) else { continue };
@@ -201,7 +216,9 @@ impl RemoteHome {
                     r.outstanding = r.outstanding.saturating_sub(tags.len());
                 }
                 requests.push(Request::Settle { relay, how, tags });
-                if by_id.get(&relay).is_some_and(|r| r.cancelled && r.outstanding == 0) {
+                if gets.remove(&relay) {
+                    requests.push(Request::Close { relay });
+                } else if by_id.get(&relay).is_some_and(|r| r.cancelled && r.outstanding == 0) {
                     by_id.remove(&relay);
                     requests.push(Request::Close { relay });
                 }
@@ -270,7 +287,7 @@ impl RemoteHome {
 
     /// Sends `requests` one after the other, each once the previous one is answered: a `CLOSE`
     /// must not overtake the `SETTLE` before it (the home would requeue what the client acked).
-    fn send_all(&self, queue: &Arc<Queue>, requests: Vec<Request>) {
+    pub(super) fn send_all(&self, queue: &Arc<Queue>, requests: Vec<Request>) {
         let mut requests = std::collections::VecDeque::from(requests);
         let Some(first) = requests.pop_front() else { return };
         let weak = Arc::downgrade(queue);

@@ -15,6 +15,11 @@
 //! - `CHECK` (to the home): `count | relays`; answer `count | the relays it does not know`.
 //! - `DELIVER` (from the home): `queue | relay | count | count × (tag varint | redelivered |
 //!   varint len | store encoding)`; answer empty, or an error for a relay the node does not know.
+//! - `GET` (to the home): `queue | relay | no_ack`: basic.get on another node, the message (if
+//!   any) held on the home by a relay channel of its own until `SETTLE`; answer `version | found`
+//!   then, if found, `tag varint | redelivered | remaining varint | varint len | store encoding`.
+//! - `PURGE` (to the home): `queue`; answer `version | 1 | count` (the messages it removed).
+//! - `STAT` (to the home): `queue`; answer `version | 2 | messages | consumers`.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -30,6 +35,9 @@ const OP_CANCEL: u8 = 4;
 const OP_CLOSE: u8 = 5;
 const OP_CHECK: u8 = 6;
 const OP_DELIVER: u8 = 7;
+const OP_GET: u8 = 8;
+const OP_PURGE: u8 = 9;
+const OP_STAT: u8 = 10;
 
 /// A queue as nodes name it to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +66,17 @@ pub enum Request {
     Close { relay: u64 },
     Check { relays: Vec<u64> },
     Deliver { queue: QueueRef, relay: u64, deliveries: Vec<Relayed> },
+    Get { queue: QueueRef, relay: u64, no_ack: bool },
+    Purge { queue: QueueRef },
+    Stat { queue: QueueRef },
+}
+
+/// The home's answer to `GET` when it had a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GotMessage {
+    pub delivery: Relayed,
+    /// Messages still ready on the home (basic.get-ok's message-count).
+    pub remaining: u32,
 }
 
 fn put_str(out: &mut BytesMut, s: &str) {
@@ -144,6 +163,20 @@ impl Request {
                     put_blob(&mut out, &d.message);
                 }
             }
+            Request::Get { queue, relay, no_ack } => {
+                out.put_u8(OP_GET);
+                put_queue(&mut out, queue);
+                put_var(&mut out, *relay);
+                put_bool(&mut out, *no_ack);
+            }
+            Request::Purge { queue } => {
+                out.put_u8(OP_PURGE);
+                put_queue(&mut out, queue);
+            }
+            Request::Stat { queue } => {
+                out.put_u8(OP_STAT);
+                put_queue(&mut out, queue);
+            }
         }
         out.freeze()
     }
@@ -213,6 +246,9 @@ impl Request {
                 }
                 Request::Deliver { queue, relay, deliveries }
             }
+            OP_GET => Request::Get { queue: get_queue(&mut r)?, relay: r.var()?, no_ack: r.bool()? },
+            OP_PURGE => Request::Purge { queue: get_queue(&mut r)? },
+            OP_STAT => Request::Stat { queue: get_queue(&mut r)? },
             other => return err(format!("unknown classic queue request {other}")),
         };
         r.end()?;
@@ -269,7 +305,41 @@ pub fn decode_flags(buf: &[u8], expected: usize) -> Result<Vec<bool>, DecodeErro
     Ok(out)
 }
 
-/// A list of ids (the home's answer to `CHECK`: the relays it does not know).
+/// The home's answer to `GET`.
+pub fn encode_got(got: Option<&GotMessage>) -> Bytes {
+    let mut out = BytesMut::with_capacity(16 + got.map_or(0, |g| g.delivery.message.len()));
+    out.put_u8(VERSION);
+    put_bool(&mut out, got.is_some());
+    if let Some(g) = got {
+        put_var(&mut out, g.delivery.tag);
+        put_bool(&mut out, g.delivery.redelivered);
+        put_var(&mut out, g.remaining as u64);
+        put_blob(&mut out, &g.delivery.message);
+    }
+    out.freeze()
+}
+
+pub fn decode_got(buf: &Bytes) -> Result<Option<GotMessage>, DecodeError> {
+    let mut r = Reader::new(buf);
+    let version = r.u8()?;
+    if version != VERSION {
+        return err(format!("unknown classic queue answer version {version}"));
+    }
+    let got = if r.bool()? {
+        let tag = r.var()?;
+        let redelivered = r.bool()?;
+        let remaining = r.var_u32()?;
+        let message = get_blob(&mut r, buf)?;
+        Some(GotMessage { delivery: Relayed { tag, redelivered, message }, remaining })
+    } else {
+        None
+    };
+    r.end()?;
+    Ok(got)
+}
+
+/// A list of ids (the home's answer to `CHECK`: the relays it does not know), or of counts
+/// (`PURGE`: how many it removed; `STAT`: messages and consumers).
 pub fn encode_ids(ids: &[u64]) -> Bytes {
     let mut out = BytesMut::with_capacity(8 + 10 * ids.len());
     out.put_u8(VERSION);
@@ -318,6 +388,9 @@ mod tests {
                 relay: 5,
                 deliveries: vec![Relayed { tag: 1, redelivered: false, message: Bytes::from_static(b"m1") }, Relayed { tag: 2, redelivered: true, message: Bytes::new() }],
             },
+            Request::Get { queue: queue(), relay: 1 << 33 | 2, no_ack: true },
+            Request::Purge { queue: queue() },
+            Request::Stat { queue: queue() },
         ];
         for req in requests {
             let bytes = req.encode();
@@ -334,11 +407,12 @@ mod tests {
         assert!(Request::decode(&huge).is_err());
         for seed in 0..5000u32 {
             let junk: Vec<u8> = (0..(seed % 80)).map(|i| (seed.wrapping_mul(2654435761).wrapping_add(i * 97) >> 7) as u8).collect();
-            let mut framed = vec![VERSION, (seed % 9) as u8];
+            let mut framed = vec![VERSION, (seed % 12) as u8];
             framed.extend_from_slice(&junk);
             let _ = Request::decode(&Bytes::from(framed));
             let _ = decode_flags(&junk, 3);
             let _ = decode_ids(&junk);
+            let _ = decode_got(&Bytes::from(junk));
         }
     }
 
@@ -351,5 +425,12 @@ mod tests {
         let ids = encode_ids(&[5, 1 << 50]);
         assert_eq!(decode_ids(&ids).unwrap(), vec![5, 1 << 50]);
         assert!(decode_ids(&ids[..ids.len() - 1]).is_err());
+        let got = GotMessage { delivery: Relayed { tag: 7, redelivered: true, message: Bytes::from_static(b"body") }, remaining: 12 };
+        let bytes = encode_got(Some(&got));
+        assert_eq!(decode_got(&bytes).unwrap(), Some(got));
+        for cut in 0..bytes.len() {
+            assert!(decode_got(&bytes.slice(..cut)).is_err());
+        }
+        assert_eq!(decode_got(&encode_got(None)).unwrap(), None);
     }
 }

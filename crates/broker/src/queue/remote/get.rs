@@ -1,0 +1,150 @@
+//! What a client asks of a classic queue once, on a node that is not its home: basic.get,
+//! queue.purge, and the counts of queue.declare-ok.
+//!
+//! basic.get (`GET`): the home takes the message for a relay channel of its own, one per get, so a
+//! message got with acks is held there until this node settles it (`SETTLE`, then `CLOSE`), and
+//! goes back to the queue if this node's channel closes first (its unacked are requeued through
+//! `Queue::settle`), if this node is down for a while or restarts (the home closes the relays of an
+//! unreachable node, or of an earlier run). A get the home does not answer is get-empty here (and
+//! its relay is closed, in case the home took a message for it); the client polls again.
+
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+use super::wire::{self, Request};
+use super::RemoteHome;
+use crate::channel::Channel;
+use crate::error::{BrokerError, Result};
+use crate::message::decode_stored;
+use crate::queue::{Entry, GetWait, Got, Queue};
+
+/// How long a passive queue.declare waits for the home's counts before answering without them.
+const STAT_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Default)]
+pub(super) struct Gets {
+    waiting: Mutex<HashMap<u64, Getter>>,
+    done: Notify,
+}
+
+/// A basic.get on its way to the home.
+struct Getter {
+    connection: u64,
+    number: u16,
+    /// Some(true): get-ok sent; Some(false): get-empty to send.
+    done: Option<bool>,
+}
+
+impl RemoteHome {
+    /// basic.get: asks the home; the channel's connection waits ([`Got::Later`]) and asks again.
+    pub(in crate::queue) fn get(&self, queue: &Arc<Queue>, channel: &Channel, no_ack: bool) -> Got {
+        let relay = {
+            let mut waiting = self.gets.waiting.lock();
+            let mine = waiting.iter().find(|(_, g)| g.connection == channel.connection_id && g.number == channel.number).map(|(id, g)| (*id, g.done));
+            match mine {
+                Some((id, Some(delivered))) => {
+                    waiting.remove(&id);
+                    return if delivered { Got::Message } else { Got::Empty };
+                }
+                Some((id, None)) => return Got::Later(GetWait::Remote(id)),
+                None => {}
+            }
+            let relay = super::relay::new_relay_id();
+            waiting.insert(relay, Getter { connection: channel.connection_id, number: channel.number, done: None });
+            relay
+        };
+        let weak_queue = Arc::downgrade(queue);
+        let weak_channel = channel.weak();
+        self.request(
+            &Request::Get { queue: super::queue_ref(queue), relay, no_ack },
+            Box::new(move |answer| {
+                let Some(queue) = weak_queue.upgrade() else { return };
+                let Some(remote) = queue.remote_home() else { return };
+                let delivered = remote.got(&queue, weak_channel, relay, no_ack, answer);
+                if let Some(g) = remote.gets.waiting.lock().get_mut(&relay) {
+                    g.done = Some(delivered);
+                }
+                remote.gets.done.notify_waiters();
+            }),
+        );
+        Got::Later(GetWait::Remote(relay))
+    }
+
+    /// The home's answer to basic.get `relay`: hands the message to the channel. Whether it did.
+    fn got(&self, queue: &Arc<Queue>, channel: Weak<Channel>, relay: u64, no_ack: bool, answer: std::result::Result<bytes::Bytes, String>) -> bool {
+        let got = match answer.and_then(|a| wire::decode_got(&a).map_err(|e| e.to_string())) {
+            Ok(Some(got)) => got,
+            Ok(None) => return false, // the home closed the relay itself
+            Err(e) => {
+                tracing::warn!(queue = %queue.name, home = self.home, error = %e, "basic.get through the home node of a classic queue failed; answering get-empty");
+                self.send_all(queue, vec![Request::Close { relay }]);
+                return false;
+            }
+        };
+        let channel = channel.upgrade().filter(|c| !c.is_closed());
+        let (Some(channel), Some(stored)) = (channel, decode_stored(&got.delivery.message)) else {
+            // The channel closed meanwhile (or the message does not decode): back to the queue.
+            if !no_ack {
+                self.send_all(queue, vec![Request::Close { relay }]);
+            }
+            return false;
+        };
+        let seq = if no_ack { 0 } else { self.relays.hold_got(relay, got.delivery.tag) };
+        let entry = Entry { message: Arc::new(stored.message), seq, stored_bytes: 0, expires_at_ms: None, redelivered: got.delivery.redelivered };
+        channel.deliver_get(queue, entry, no_ack, got.remaining);
+        true
+    }
+
+    /// Returns once basic.get `relay` is answered.
+    pub(in crate::queue) async fn wait_get(&self, relay: u64) {
+        loop {
+            let notified = self.gets.done.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.gets.waiting.lock().get(&relay).is_none_or(|g| g.done.is_some()) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// queue.purge: the home removes the ready messages (a blocking wait, as a purge is rare).
+    pub(in crate::queue) fn purge(&self, queue: &Arc<Queue>) -> Result<u32> {
+        let counts = self.ask_counts(Request::Purge { queue: super::queue_ref(queue) }, super::REQUEST_TIMEOUT, 1);
+        counts.map(|c| c[0].min(u32::MAX as u64) as u32).map_err(|e| {
+            BrokerError::internal(format!("the purge of classic queue '{}' failed on its home node {}: {e}", queue.name, self.home))
+        })
+    }
+
+    /// The home's counts of ready messages and consumers (queue.declare-ok); zeros if the home does
+    /// not answer in time.
+    pub(in crate::queue) fn counts(&self, queue: &Queue) -> (u32, u32) {
+        match self.ask_counts(Request::Stat { queue: super::queue_ref(queue) }, STAT_TIMEOUT, 2) {
+            Ok(c) => (c[0].min(u32::MAX as u64) as u32, c[1].min(u32::MAX as u64) as u32),
+            Err(e) => {
+                tracing::warn!(queue = %queue.name, home = self.home, error = %e, "no counts from the home node of a classic queue; declare-ok says 0");
+                (0, 0)
+            }
+        }
+    }
+
+    /// Sends `request` and waits (blocking, at most `timeout`) for its answer: `n` counts.
+    fn ask_counts(&self, request: Request, timeout: Duration, n: usize) -> std::result::Result<Vec<u64>, String> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.request(
+            &request,
+            Box::new(move |answer| {
+                let _ = tx.send(answer.and_then(|a| wire::decode_ids(&a).map_err(|e| e.to_string())));
+            }),
+        );
+        match crate::blocking::run(|| rx.recv_timeout(timeout)) {
+            Ok(Ok(counts)) if counts.len() == n => Ok(counts),
+            Ok(Ok(counts)) => Err(format!("an answer of {} counts, not {n}", counts.len())),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(format!("no answer within {} s", timeout.as_secs())),
+        }
+    }
+}
