@@ -87,6 +87,34 @@ def test_publish_confirm_consume_ack(conn, ch, name):
     eventually(lambda: ready(ch, name) == 0)
 
 
+def test_a_large_prefetch_is_enforced_though_the_machine_assigns_ahead(conn, ch, name):
+    """From prefetch 100 on, the queue's machine assigns a consumer twice its prefetch so that acks
+    make room at once (not one commit later); the client still never holds more than its prefetch,
+    and what was assigned ahead comes back to the queue with the consumer's channel."""
+    declare(ch, name)
+    publish_confirmed(ch, name, [str(i).encode() for i in range(500)])
+    cons = conn.channel()
+    cons.basic_qos(prefetch_count=100)
+    held = []
+    cons.basic_consume(name, lambda c, m, p, b: held.append((m.delivery_tag, b)))
+
+    def settle_for(seconds):
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            conn.process_data_events(time_limit=0.1)
+
+    settle_for(1.5)
+    assert len(held) == 100, f"{len(held)} unacked deliveries with prefetch 100"
+    cons.basic_ack(held[-1][0], multiple=True)
+    settle_for(1.5)
+    assert len(held) == 200, f"{len(held)} deliveries after acking the first 100"
+    assert [b for _, b in held] == [str(i).encode() for i in range(200)], "in order, each once"
+    cons.close()
+    eventually(lambda: ready(ch, name) == 400)
+    got = get_all(ch, name)
+    assert sorted(int(b) for b, _ in got) == list(range(100, 500))
+
+
 def test_no_ack_consumer_gets_everything_once(conn, ch, name):
     declare(ch, name)
     publish_confirmed(ch, name, [str(i).encode() for i in range(3000)])
