@@ -46,7 +46,7 @@ use crate::quorum::{
 };
 use bytes::{Bytes, BytesMut};
 use parking_lot::{Mutex, RwLock};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -184,7 +184,10 @@ struct Getter {
 
 struct ReplicaState {
     machine: QuorumMachine,
-    bodies: HashMap<MsgId, Body>,
+    /// By msg id: ordered, since ids rise as messages come and mostly leave oldest first, which
+    /// keeps a large backlog's inserts and removals on a few hot nodes (a hash table's were cache
+    /// misses: 6% of a node's time publishing a backlog).
+    bodies: BTreeMap<MsgId, Body>,
     /// Memory of the bodies held in `bodies`.
     body_mem: u64,
     /// Records from this msg id on are not in the store yet (replayed entries below it are).
@@ -196,7 +199,7 @@ struct ReplicaState {
     consumers: HashMap<u64, LocalConsumer>,
     getters: HashMap<u64, Getter>,
     /// Messages delivered on this node (or in a consumer's backlog) and not settled: their consumer.
-    checked_out: HashMap<MsgId, ConsumerId>,
+    checked_out: BTreeMap<MsgId, ConsumerId>,
     /// This node's publisher sessions that published to the queue, by id: the machine's `Published`
     /// effects resolve their pub seqs.
     sessions: HashMap<u64, Weak<PublisherSession>>,
@@ -334,14 +337,14 @@ impl QuorumReplica {
                 machine: QuorumMachine::new(queue_config(name, args)),
                 sessions: HashMap::new(),
                 sessions_pruned_at: 16,
-                bodies: HashMap::new(),
+                bodies: BTreeMap::new(),
                 body_mem: 0,
                 stored_until: 0,
                 last_ticket: 0,
                 fetch: None,
                 consumers: HashMap::new(),
                 getters: HashMap::new(),
-                checked_out: HashMap::new(),
+                checked_out: BTreeMap::new(),
                 last_tick_ms: 0,
                 deleted: false,
             }),
