@@ -5,6 +5,7 @@ consumer's connection dies. A standalone node's quorum queue is a single-voter R
 the node's WAL (docs/internals/cluster.md, "Quorum queues on the AMQP path"). Takes about 15 s.
 """
 
+import os
 import time
 
 import pika
@@ -292,6 +293,39 @@ def test_after_a_snapshot_purged_the_log_kill9_brings_back_the_bodies_from_the_s
     ch = broker.connection().channel()
     eventually(lambda: ready(ch, name) == 1500)
     assert sorted(int(b) for b, _ in get_all(ch, name)) == list(range(2000, 3500))
+
+
+def disk_bytes(path):
+    """Bytes allocated on disk under `path` (what a du would say)."""
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
+
+
+def test_a_settled_log_gives_its_disk_back_though_one_old_message_stays_unacked(broker, name):
+    """A quorum queue's Raft log is purged after snapshots taken by bytes (64 MiB since the last)
+    and once the queue is quiet, not only after openraft's 5,000 entries: 100 MB published and
+    settled leave the disk, though the first message is still unacked, and that message's body
+    (in the queue's own store records, not the purged log) survives a kill -9."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    publish_confirmed(ch, name, [b"old"])
+    holder = conn.channel()
+    method, _, body = holder.basic_get(name)
+    assert body == b"old"
+    pad = b"y" * 65536
+    publish_confirmed(ch, name, [b"%d:" % i + pad for i in range(1600)])  # ~100 MB, an entry each
+    assert disk_bytes(broker.data_dir) > 100e6
+    for i in range(1600):
+        m, _, body = ch.basic_get(name)
+        assert body == b"%d:" % i + pad
+        ch.basic_ack(m.delivery_tag)
+    # What stays: the WAL being written, the queue segment the unacked message is in (16 MiB), state.
+    eventually(lambda: disk_bytes(broker.data_dir) < 60e6, timeout=30)
+    broker.kill9()
+    broker.start()
+    ch = broker.connection().channel()
+    eventually(lambda: ready(ch, name) == 1)
+    assert get_all(ch, name) == [(b"old", True)]
 
 
 def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, name):

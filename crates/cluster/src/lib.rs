@@ -13,6 +13,6 @@ pub mod types;
 pub use node::{ClusterNode, ClusterStatus, NodeConfig, ProposeError};
 pub use openraft;
 pub use types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADATA_GROUP};
-pub use log_store::{LogStore, LogStoreError, LogsOptions, RaftLogs, RecoveryStats, RAFT_LOG, RAFT_STATE};
+pub use log_store::{Compaction, LogStore, LogStoreError, LogsOptions, RaftLogs, RecoveryStats, RAFT_LOG, RAFT_STATE};
 pub use machine::{GroupMachine, GroupSnapshot, SnapshotData, StateMachine};
 pub use single_voter::{single_voter_config, start_single_voter};

@@ -300,7 +300,9 @@ pub struct QuorumGroups {
 impl QuorumGroups {
     /// A node without peers: every group has this node as its only voter.
     pub fn new(logs: Arc<RaftLogs>, node: NodeId, addr: NodeAddr) -> Arc<QuorumGroups> {
-        Arc::new(QuorumGroups { logs, node, addr, cluster: None, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()), classic: std::sync::OnceLock::new() })
+        let groups = Arc::new(QuorumGroups { logs, node, addr, cluster: None, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()), classic: std::sync::OnceLock::new() });
+        groups.runtime.spawn(compact_logs(Arc::downgrade(&groups)));
+        groups
     }
 
     /// A cluster member: groups have members on several nodes (`members_of`).
@@ -317,6 +319,7 @@ impl QuorumGroups {
             classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
+        groups.runtime.spawn(compact_logs(Arc::downgrade(&groups)));
         if let Some((node, _)) = &groups.cluster {
             let weak = Arc::downgrade(&groups);
             node.set_body_source(Arc::new(move |group, request| Box::pin(serve_bodies(weak.clone(), group, request))));
@@ -345,6 +348,41 @@ impl QuorumGroups {
             .filter(|(tx, _)| matches!(&*tx.borrow(), Running::Running(r) if r.is_leader()))
             .filter_map(|(_, q)| q.upgrade())
             .collect()
+    }
+}
+
+/// How often every group's log is looked at for a snapshot and a purge.
+const COMPACT_EVERY: Duration = Duration::from_secs(1);
+
+/// Asks each group running on this node for the snapshots and purges its log wants (by bytes and
+/// when quiet: `RaftLogs::compaction`), so a log is given back once its messages are settled
+/// rather than after openraft's 5,000 entries, however large they are.
+async fn compact_logs(groups: Weak<QuorumGroups>) {
+    let mut tick = tokio::time::interval(COMPACT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(groups) = groups.upgrade() else { return };
+        let running: Vec<(GroupId, QueueRaft)> = groups
+            .groups
+            .lock()
+            .iter()
+            .filter_map(|(g, (tx, _))| match &*tx.borrow() {
+                Running::Running(raft) => Some((*g, raft.clone())),
+                _ => None,
+            })
+            .collect();
+        for (group, raft) in running {
+            let wanted = groups.logs.compaction(group);
+            if wanted.snapshot {
+                tracing::debug!(group, "asking for a snapshot of the group's log");
+                let _ = raft.trigger().snapshot().await;
+            }
+            if let Some(upto) = wanted.purge_upto {
+                tracing::debug!(group, upto, "asking for the group's log to be purged");
+                let _ = raft.trigger().purge_log(upto).await;
+            }
+        }
     }
 }
 

@@ -32,6 +32,7 @@
 //!   `save_vote` and snapshots return only once their record is durable.
 
 mod cache;
+mod compaction;
 mod flush;
 mod storage;
 
@@ -46,8 +47,10 @@ use warren_store::{Batch, RecoveredQueue, Store, StoreError, SyncTicket};
 use crate::codec::{self, DecodeError, HardState, Layout, LeaderId, Run, SnapshotMeta, StateRecord};
 use crate::types::{Entry, GroupId, LogId, Vote};
 use cache::{CacheBudget, EntryCache};
+use compaction::CompactionState;
 use flush::Flusher;
 
+pub use compaction::Compaction;
 pub use storage::LogStore;
 pub use warren_store::{RAFT_LOG_QUEUES as RAFT_LOG, RAFT_STATE_QUEUES as RAFT_STATE};
 
@@ -198,6 +201,18 @@ impl RaftLogs {
         Ok(self.shared.store.append(&mut batch)?)
     }
 
+    /// What group `group`'s Raft should be asked now to keep its log small (by bytes and when
+    /// quiet, see [`compaction`]); nothing for a group this node has no log of. Asked
+    /// periodically by whoever runs the group.
+    pub fn compaction(&self, group: GroupId) -> Compaction {
+        let Some(g) = self.groups.lock().get(&group).cloned() else { return Compaction::default() };
+        let mut g = g.inner.lock();
+        if g.removed {
+            return Compaction::default();
+        }
+        g.compaction(std::time::Instant::now())
+    }
+
     pub fn store(&self) -> &Store {
         &self.shared.store
     }
@@ -261,6 +276,7 @@ pub(crate) struct GroupInner {
     batch: Batch,
     head: Vec<u8>,
     removed: bool,
+    compaction: CompactionState,
 }
 
 impl Group {
@@ -282,6 +298,7 @@ impl Group {
                 batch: Batch::new(),
                 head: Vec::new(),
                 removed: false,
+                compaction: CompactionState::new(),
             }),
         }
     }
@@ -378,6 +395,7 @@ impl Group {
                 }
             }
             g.reset_first_index();
+            g.count_since_snapshot();
             stats.groups += 1;
             stats.entries += g.slots.len() as u64;
         }
@@ -596,6 +614,8 @@ impl GroupInner {
         self.head = head;
         let ticket = appended.map_err(io::Error::other)?;
         self.next_log_seq += new_slots.len() as u64;
+        self.compaction.since_snapshot += new_slots.iter().map(|s| s.len).sum::<u64>();
+        self.compaction.last_append = std::time::Instant::now();
         for (e, s) in entries.into_iter().zip(&new_slots) {
             self.cached.push_back(e, s.len);
         }
@@ -617,6 +637,7 @@ impl GroupInner {
         self.cached.truncate(self.cached.len() - drop_cached);
         let removed: Vec<Slot> = self.slots.drain(keep..).collect();
         let bytes = removed.iter().map(|s| s.len).sum();
+        self.compaction.since_snapshot = self.compaction.since_snapshot.saturating_sub(bytes);
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear();
         // The layout without the removed entries first: if the acks are durable, so is it.
@@ -703,6 +724,7 @@ impl GroupInner {
         let ticket = appended.map_err(io::Error::other)?;
         self.next_state_seq += 1;
         self.snapshot = Some(StoredSnapshot { seq, len: (head.len() + data.len()) as u64, ticket, meta: meta.clone() });
+        self.count_since_snapshot();
         Ok(ticket)
     }
 

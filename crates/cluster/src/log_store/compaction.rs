@@ -1,0 +1,172 @@
+//! When a group's log asks its Raft for a snapshot and a purge, by bytes and by quiet, on top of
+//! openraft's own policy (a snapshot every 5,000 entries, 1,000 kept after it), which counts
+//! entries only: an entry carries up to 4 MiB of messages, so 5,000 of them could keep gigabytes on
+//! disk after every message in them was settled (a snapshot holds the queue's state without
+//! bodies; the bodies of live messages are the queue's own store records).
+//!
+//! - **Busy**: once [`SNAPSHOT_AFTER_BYTES`] were appended since the last snapshot, snapshot; then
+//!   purge all but the last [`KEEP_BYTES`] up to the snapshot (a follower a little behind still
+//!   gets entries, further behind it gets the snapshot).
+//! - **Quiet**: no append for [`QUIET_AFTER`] and at least [`QUIET_MIN_BYTES`] appended since the
+//!   snapshot: snapshot and purge everything up to it, so a drained queue gives its log back.
+//!
+//! A group that applied nothing since its snapshot is not asked again (a snapshot could not move);
+//! a request not answered by a new snapshot is repeated after [`ASK_AGAIN_AFTER`].
+
+use std::time::{Duration, Instant};
+
+use super::GroupInner;
+
+pub const SNAPSHOT_AFTER_BYTES: u64 = 64 << 20;
+pub const KEEP_BYTES: u64 = 32 << 20;
+pub const QUIET_AFTER: Duration = Duration::from_secs(5);
+pub const QUIET_MIN_BYTES: u64 = 256 << 10;
+pub const ASK_AGAIN_AFTER: Duration = Duration::from_secs(10);
+
+/// What a group's Raft is asked to do now (see [`crate::RaftLogs::compaction`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Compaction {
+    /// Build a snapshot (openraft's `trigger().snapshot()`).
+    pub snapshot: bool,
+    /// Purge the log up to this index (openraft's `trigger().purge_log()`).
+    pub purge_upto: Option<u64>,
+}
+
+/// A group's bookkeeping for [`Compaction`].
+#[derive(Debug)]
+pub(crate) struct CompactionState {
+    /// Entry bytes appended after the stored snapshot's last index (exact at a snapshot and at a
+    /// start, then grown by appends and shrunk by truncations).
+    pub since_snapshot: u64,
+    pub last_append: Instant,
+    /// When a snapshot was last asked for, and the snapshot index then.
+    asked: Option<(Instant, Option<u64>)>,
+    /// The snapshot index a purge was last asked up to (or computed for), and whether quiet.
+    purged_for: Option<(u64, bool)>,
+}
+
+impl CompactionState {
+    pub fn new() -> CompactionState {
+        CompactionState { since_snapshot: 0, last_append: Instant::now(), asked: None, purged_for: None }
+    }
+}
+
+impl GroupInner {
+    fn snapshot_index(&self) -> Option<u64> {
+        self.snapshot.as_ref().and_then(|s| s.meta.last_log_id).map(|l| l.index)
+    }
+
+    /// Recomputes the bytes after the snapshot from the entries (after a snapshot, at a start).
+    pub(crate) fn count_since_snapshot(&mut self) {
+        let from = self.snapshot_index().map_or(0, |i| i + 1);
+        let skip = from.saturating_sub(self.first_index) as usize;
+        self.compaction.since_snapshot = self.slots.iter().skip(skip).map(|s| s.len).sum();
+    }
+
+    pub(crate) fn compaction(&mut self, now: Instant) -> Compaction {
+        let snapshot = self.snapshot_index();
+        let quiet = now.duration_since(self.compaction.last_append) >= QUIET_AFTER;
+        let c = &self.compaction;
+        let applied_past_snapshot = self.applied_below > snapshot.map_or(0, |i| i + 1);
+        let due = if quiet { c.since_snapshot >= QUIET_MIN_BYTES } else { c.since_snapshot >= SNAPSHOT_AFTER_BYTES };
+        let asked_recently = c.asked.is_some_and(|(at, s)| s == snapshot && now.duration_since(at) < ASK_AGAIN_AFTER);
+        let mut out = Compaction::default();
+        if due && applied_past_snapshot && !asked_recently {
+            out.snapshot = true;
+            self.compaction.asked = Some((now, snapshot));
+        }
+        if let Some(s) = snapshot {
+            let done = self.compaction.purged_for.is_some_and(|(i, q)| i == s && (q || !quiet));
+            if !done {
+                self.compaction.purged_for = Some((s, quiet));
+                out.purge_upto = self.purge_point(s, if quiet { 0 } else { KEEP_BYTES });
+            }
+        }
+        out
+    }
+
+    /// The index to purge up to so that about `keep` bytes of entries up to `snapshot` stay; None
+    /// when nothing more would go.
+    fn purge_point(&self, snapshot: u64, keep: u64) -> Option<u64> {
+        let top = snapshot.min(self.next_index().checked_sub(1)?);
+        let mut upto = top;
+        let mut kept = 0;
+        for slot in self.slots.range(..=top.checked_sub(self.first_index)? as usize).rev() {
+            if kept + slot.len > keep {
+                break;
+            }
+            kept += slot.len;
+            upto = upto.checked_sub(1)?;
+        }
+        (upto >= self.first_index && self.hard.purged.is_none_or(|p| p.index < upto)).then_some(upto)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use openraft::vote::RaftLeaderId;
+    use openraft::EntryPayload;
+    use warren_store::{Store, StoreOptions};
+
+    use super::*;
+    use crate::codec::{LeaderId, SnapshotMeta};
+    use crate::log_store::RaftLogs;
+    use crate::types::{Command, Entry, LogId};
+
+    const MIB: usize = 1 << 20;
+
+    fn entries(from: u64, count: u64) -> Vec<Entry> {
+        (from..from + count)
+            .map(|i| Entry { log_id: LogId::new(LeaderId::new(1, 1), i), payload: EntryPayload::Normal(Command(Bytes::from(vec![0u8; MIB]))) })
+            .collect()
+    }
+
+    fn meta(index: u64) -> SnapshotMeta {
+        SnapshotMeta { last_log_id: Some(LogId::new(LeaderId::new(1, 1), index)), last_membership: Default::default() }
+    }
+
+    /// Busy: a snapshot once 64 MiB were appended since the last one (asked once, not at every
+    /// look), then a purge that keeps 32 MiB before it. Quiet: a snapshot of what is left, and a
+    /// purge of everything up to it.
+    #[test]
+    fn a_log_asks_for_snapshots_by_bytes_and_when_quiet_and_purges_what_they_cover() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let g = logs.group(7).unwrap();
+        let mut g = g.inner.lock();
+        let (lq, sq) = (RAFT_LOG_OF_7, RAFT_STATE_OF_7);
+        let t0 = Instant::now();
+        g.append(&store, lq, sq, 256, entries(0, 60)).unwrap();
+        g.applied_below = 60;
+        assert_eq!(g.compaction(t0), Compaction::default(), "60 MiB: not yet");
+        g.append(&store, lq, sq, 256, entries(60, 10)).unwrap();
+        let t1 = Instant::now();
+        g.save_snapshot(&store, sq, &meta(59), b"state").unwrap();
+        g.compaction.since_snapshot += 64 << 20; // as if the snapshot were older
+        assert!(!g.compaction(t1).snapshot, "nothing applied since the snapshot: a new one could not cover more");
+        g.applied_below = 70;
+        assert_eq!(g.compaction(t1), Compaction { snapshot: true, purge_upto: None });
+        assert_eq!(g.compaction(t1), Compaction::default(), "asked already");
+
+        g.save_snapshot(&store, sq, &meta(65), b"state").unwrap();
+        assert_eq!(g.compaction.since_snapshot, 4 * (MIB as u64 + g.slots[0].len - MIB as u64));
+        let kept = KEEP_BYTES / g.slots[0].len; // whole entries within 32 MiB
+        assert_eq!(g.compaction(t1), Compaction { snapshot: false, purge_upto: Some(65 - kept) });
+        assert_eq!(g.compaction(t1), Compaction::default(), "asked already");
+
+        let later = g.compaction.last_append + QUIET_AFTER + Duration::from_millis(1);
+        assert_eq!(g.compaction(later), Compaction { snapshot: true, purge_upto: Some(65) }, "quiet: all it covers goes");
+        g.purge(&store, lq, sq, LogId::new(LeaderId::new(1, 1), 65)).unwrap();
+        g.save_snapshot(&store, sq, &meta(69), b"state").unwrap();
+        assert_eq!(g.compaction(later), Compaction { snapshot: false, purge_upto: Some(69) });
+        g.purge(&store, lq, sq, LogId::new(LeaderId::new(1, 1), 69)).unwrap();
+        assert_eq!(g.compaction(later + ASK_AGAIN_AFTER), Compaction::default(), "nothing left to snapshot or purge");
+    }
+
+    const RAFT_LOG_OF_7: u64 = crate::log_store::RAFT_LOG | 7;
+    const RAFT_STATE_OF_7: u64 = crate::log_store::RAFT_STATE | 7;
+}
