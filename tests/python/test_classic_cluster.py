@@ -194,7 +194,7 @@ def test_basic_get_purge_and_counts_through_any_node_are_the_homes(cluster):
     assert again == [b"h-1", b"h-2"], f"what the killed node's gets held comes back, in order: {again}"
 
 
-def test_with_the_home_down_publishes_elsewhere_are_nacked_and_what_was_confirmed_survives(cluster):
+def test_with_the_home_down_publishes_and_gets_elsewhere_fail_and_what_was_confirmed_survives(cluster):
     name = "classic-home-1"
     declare_on(cluster, name, home=1)
     before, _ = publish_confirmed(cluster[3], name, [f"before-{k}".encode() for k in range(50)])
@@ -205,6 +205,11 @@ def test_with_the_home_down_publishes_elsewhere_are_nacked_and_what_was_confirme
     assert not confirmed, "nothing is confirmed for a classic queue whose home is down"
     assert len(nacked) == 5
     assert time.monotonic() - started < 20, "the nacks come within the forward timeout"
+    # basic.get elsewhere is not get-empty (the queue may hold messages): 404 naming the home.
+    ch = cluster[3].connection().channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as closed:
+        ch.basic_get(name)
+    assert closed.value.reply_code == 404 and "home node 1" in closed.value.reply_text, closed.value
     cluster[1].start()
 
     def after_restart():

@@ -222,6 +222,10 @@ impl ClassicHome {
                     give_up(self);
                     return Ok(encode_got(None));
                 }
+                Got::Failed(e) => {
+                    give_up(self);
+                    return Err(e);
+                }
                 Got::Later(wait) => {
                     if tokio::time::timeout_at(deadline, queue.wait_for(wait)).await.is_err() {
                         give_up(self);

@@ -91,7 +91,7 @@ pub enum Enqueued {
 }
 
 /// What basic.get found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Got {
     /// basic.get-ok went to the channel.
     Message,
@@ -99,6 +99,9 @@ pub enum Got {
     Empty,
     /// The head needs something first; await [`Queue::wait_for`] and call `get` again.
     Later(GetWait),
+    /// The queue could not be asked (a classic queue's home node did not answer): the channel
+    /// closes with 404 and this text, rather than say get-empty of a queue that may hold messages.
+    Failed(String),
 }
 
 /// What a basic.get waits for (asynchronously, off the queue lock).
@@ -1549,6 +1552,7 @@ mod refill_tests {
                 Got::Message => {}
                 Got::Empty => break,
                 Got::Later(wait) => rt.block_on(queue.wait_for(wait)),
+                Got::Failed(e) => panic!("a local queue's get failed: {e}"),
             }
         }
         let seqs = sink.0.lock().clone();

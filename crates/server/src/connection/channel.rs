@@ -397,6 +397,10 @@ impl ChannelHandler {
             Got::Message => {}
             Got::Empty => self.reply(conn, Method::BasicGetEmpty(BasicGetEmpty { reserved_1: String::new() })),
             Got::Later(wait) => *conn.waiting_get.lock() = Some(WaitingGet { channel: self.number, queue, no_ack, wait }),
+            Got::Failed(text) => {
+                let get = Method::BasicGet(BasicGet::default());
+                self.fail(BrokerError::not_found(text), get.class_id(), get.method_id(), conn);
+            }
         }
     }
 

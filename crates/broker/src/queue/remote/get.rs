@@ -5,8 +5,9 @@
 //! message got with acks is held there until this node settles it (`SETTLE`, then `CLOSE`), and
 //! goes back to the queue if this node's channel closes first (its unacked are requeued through
 //! `Queue::settle`), if this node is down for a while or restarts (the home closes the relays of an
-//! unreachable node, or of an earlier run). A get the home does not answer is get-empty here (and
-//! its relay is closed, in case the home took a message for it); the client polls again.
+//! unreachable node, or of an earlier run). A get the home does not answer closes the client's
+//! channel with 404 NOT_FOUND naming the home (as RabbitMQ does for a classic queue whose node is
+//! down), not get-empty; its relay is closed, in case the home took a message for it.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -34,8 +35,9 @@ pub(super) struct Gets {
 struct Getter {
     connection: u64,
     number: u16,
-    /// Some(true): get-ok sent; Some(false): get-empty to send.
-    done: Option<bool>,
+    /// Some(Ok(true)): get-ok sent; Some(Ok(false)): get-empty to send; Some(Err): the home did
+    /// not answer.
+    done: Option<std::result::Result<bool, String>>,
 }
 
 impl RemoteHome {
@@ -43,11 +45,15 @@ impl RemoteHome {
     pub(in crate::queue) fn get(&self, queue: &Arc<Queue>, channel: &Channel, no_ack: bool) -> Got {
         let relay = {
             let mut waiting = self.gets.waiting.lock();
-            let mine = waiting.iter().find(|(_, g)| g.connection == channel.connection_id && g.number == channel.number).map(|(id, g)| (*id, g.done));
+            let mine = waiting.iter().find(|(_, g)| g.connection == channel.connection_id && g.number == channel.number).map(|(id, g)| (*id, g.done.clone()));
             match mine {
-                Some((id, Some(delivered))) => {
+                Some((id, Some(outcome))) => {
                     waiting.remove(&id);
-                    return if delivered { Got::Message } else { Got::Empty };
+                    return match outcome {
+                        Ok(true) => Got::Message,
+                        Ok(false) => Got::Empty,
+                        Err(e) => Got::Failed(e),
+                    };
                 }
                 Some((id, None)) => return Got::Later(GetWait::Remote(id)),
                 None => {}
@@ -63,9 +69,9 @@ impl RemoteHome {
             Box::new(move |answer| {
                 let Some(queue) = weak_queue.upgrade() else { return };
                 let Some(remote) = queue.remote_home() else { return };
-                let delivered = remote.got(&queue, weak_channel, relay, no_ack, answer);
+                let outcome = remote.got(&queue, weak_channel, relay, no_ack, answer);
                 if let Some(g) = remote.gets.waiting.lock().get_mut(&relay) {
-                    g.done = Some(delivered);
+                    g.done = Some(outcome);
                 }
                 remote.gets.done.notify_waiters();
             }),
@@ -73,15 +79,19 @@ impl RemoteHome {
         Got::Later(GetWait::Remote(relay))
     }
 
-    /// The home's answer to basic.get `relay`: hands the message to the channel. Whether it did.
-    fn got(&self, queue: &Arc<Queue>, channel: Weak<Channel>, relay: u64, no_ack: bool, answer: std::result::Result<bytes::Bytes, String>) -> bool {
+    /// The home's answer to basic.get `relay`: hands the message to the channel. Whether it did, or
+    /// why the home could not be asked (the channel's 404 text).
+    fn got(&self, queue: &Arc<Queue>, channel: Weak<Channel>, relay: u64, no_ack: bool, answer: std::result::Result<bytes::Bytes, String>) -> std::result::Result<bool, String> {
         let got = match answer.and_then(|a| wire::decode_got(&a).map_err(|e| e.to_string())) {
             Ok(Some(got)) => got,
-            Ok(None) => return false, // the home closed the relay itself
+            Ok(None) => return Ok(false), // the home closed the relay itself
             Err(e) => {
-                tracing::warn!(queue = %queue.name, home = self.home, error = %e, "basic.get through the home node of a classic queue failed; answering get-empty");
+                tracing::warn!(queue = %queue.name, home = self.home, error = %e, "basic.get through the home node of a classic queue failed");
                 self.send_all(queue, vec![Request::Close { relay }]);
-                return false;
+                return Err(format!(
+                    "home node {} of classic queue '{}' did not answer basic.get ({e}); the queue is reachable again once that node is back",
+                    self.home, queue.name
+                ));
             }
         };
         let channel = channel.upgrade().filter(|c| !c.is_closed());
@@ -90,12 +100,12 @@ impl RemoteHome {
             if !no_ack {
                 self.send_all(queue, vec![Request::Close { relay }]);
             }
-            return false;
+            return Ok(false);
         };
         let seq = if no_ack { 0 } else { self.relays.hold_got(relay, got.delivery.tag) };
         let entry = Entry { message: Arc::new(stored.message), seq, stored_bytes: 0, expires_at_ms: None, redelivered: got.delivery.redelivered };
         channel.deliver_get(queue, entry, no_ack, got.remaining);
-        true
+        Ok(true)
     }
 
     /// Returns once basic.get `relay` is answered.
