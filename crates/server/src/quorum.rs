@@ -372,15 +372,18 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
                 _ => None,
             })
             .collect();
+        // A request waits for room in the group's command channel: a busy or stopping group is
+        // passed over rather than hold up every other group's (a snapshot is asked again 10 s
+        // later, a purge at the group's next snapshot).
         for (group, raft) in running {
             let wanted = groups.logs.compaction(group);
             if wanted.snapshot {
                 tracing::debug!(group, "asking for a snapshot of the group's log");
-                let _ = raft.trigger().snapshot().await;
+                let _ = tokio::time::timeout(COMPACT_EVERY, raft.trigger().snapshot()).await;
             }
             if let Some(upto) = wanted.purge_upto {
                 tracing::debug!(group, upto, "asking for the group's log to be purged");
-                let _ = raft.trigger().purge_log(upto).await;
+                let _ = tokio::time::timeout(COMPACT_EVERY, raft.trigger().purge_log(upto)).await;
             }
         }
     }
