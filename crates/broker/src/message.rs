@@ -60,6 +60,15 @@ pub fn encode_header(msg: &Message, expires_at_ms: Option<u64>, out: &mut BytesM
     out.put_slice(&msg.properties);
 }
 
+/// A message's whole store encoding (header, then body): what [`decode_stored`] reads back, and
+/// what nodes hand each other for a classic queue living on one of them.
+pub fn encode_stored(msg: &Message, expires_at_ms: Option<u64>) -> Bytes {
+    let mut out = BytesMut::with_capacity(64 + msg.body.len());
+    encode_header(msg, expires_at_ms, &mut out);
+    out.extend_from_slice(&msg.body);
+    out.freeze()
+}
+
 fn put_string(out: &mut BytesMut, s: &str) {
     // Names are far below 4 GiB: a message is at most `Batch::max_payload()`, and properties are a frame.
     out.put_u32(s.len() as u32);

@@ -371,10 +371,7 @@ impl VHost {
         let (name, messages, consumers) = self.declare_queue_locked(d)?;
         // A classic queue living on another node: its counts are the home's, asked once the
         // topology lock is released (the home may be slow to answer, or down).
-        if let Some(queue) = self.find_queue(&name).filter(|q| q.remote_home().is_some()) {
-            let (messages, consumers) = queue.declare_counts();
-            return Ok((name, messages, consumers));
-        }
+        let (messages, consumers) = self.find_queue(&name).and_then(|q| q.home_counts()).unwrap_or((messages, consumers));
         Ok((name, messages, consumers))
     }
 

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use warren_broker::channel::{AckWhenWritten, Channel, ClientSink, Consumer, Delivery, UNACKED_BYTES_LIMIT};
 use warren_broker::consumers::ConsumerArgs;
-use warren_broker::message::{decode_stored, encode_header};
+use warren_broker::message::{decode_stored, encode_header, encode_stored};
 use warren_broker::queue::remote::relay::incarnation_of;
 use warren_broker::queue::remote::wire::{encode_flags, encode_got, encode_ids, GotMessage, QueueRef, Relayed, Request};
 use warren_broker::queue::remote::{RequestDone, REQUEST_TIMEOUT};
@@ -238,9 +238,7 @@ impl ClassicHome {
             give_up(self);
             return Err("basic.get found a message but delivered none".to_string());
         };
-        let mut encoded = BytesMut::with_capacity(64 + message.body.len());
-        encode_header(&message, None, &mut encoded);
-        encoded.extend_from_slice(&message.body);
+        let encoded = encode_stored(&message, None);
         if no_ack {
             // Consumed once answered, as once written to a socket (at most once, as RabbitMQ's).
             if let Some(ack) = ack_when_written {
@@ -250,7 +248,7 @@ impl ClassicHome {
             }
             channel.close();
         }
-        let got = GotMessage { delivery: Relayed { tag: delivery_tag, redelivered, message: encoded.freeze() }, remaining: message_count };
+        let got = GotMessage { delivery: Relayed { tag: delivery_tag, redelivered, message: encoded }, remaining: message_count };
         Ok(encode_got(Some(&got)))
     }
 
@@ -419,10 +417,7 @@ impl RelaySink {
             let mut acks = Vec::new();
             let mut deliveries = Vec::with_capacity(taken.len());
             for (tag, redelivered, message, ack) in taken {
-                let mut encoded = BytesMut::with_capacity(64 + message.body.len());
-                encode_header(&message, None, &mut encoded);
-                encoded.extend_from_slice(&message.body);
-                deliveries.push(Relayed { tag, redelivered, message: encoded.freeze() });
+                deliveries.push(Relayed { tag, redelivered, message: encode_stored(&message, None) });
                 acks.extend(ack);
             }
             (Request::Deliver { queue: self.queue.clone(), relay: self.relay, deliveries }, acks)

@@ -364,13 +364,10 @@ impl Queue {
         ready_count(&st).min(u32::MAX as u64) as u32
     }
 
-    /// The counts of queue.declare-ok: a classic queue's home is asked for them (elsewhere this
-    /// node's copy holds nothing).
-    pub fn declare_counts(&self) -> (u32, u32) {
-        match self.remote_home() {
-            Some(remote) => remote.counts(self),
-            None => (self.message_count(), self.consumer_count()),
-        }
+    /// A classic queue living on another node: its home's counts for queue.declare-ok (this node's
+    /// copy holds nothing). None for a queue whose counts are this node's.
+    pub fn home_counts(&self) -> Option<(u32, u32)> {
+        self.remote_home().map(|remote| remote.counts(self))
     }
 
     pub fn consumer_count(&self) -> u32 {

@@ -1314,7 +1314,6 @@ impl QuorumReplica {
     }
 }
 
-/// Hands an entry to a consumer's channel; gives it back if the channel cannot take it now.
 /// The prefetch the machine knows an AMQP consumer by (see `ASSIGN_AHEAD_FROM`).
 fn machine_prefetch(consumer: &Consumer) -> u32 {
     match consumer.prefetch {
@@ -1324,6 +1323,7 @@ fn machine_prefetch(consumer: &Consumer) -> u32 {
     }
 }
 
+/// Hands an entry to a consumer's channel; gives it back if the channel cannot take it now.
 fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, after: &mut After) -> Option<Entry> {
     if !local.consumer.has_credit() {
         return Some(entry); // assigned ahead: waits for the client's acks (`ASSIGN_AHEAD_FROM`)

@@ -20,7 +20,7 @@ mod get;
 pub mod relay;
 pub mod wire;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use parking_lot::Mutex;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +28,7 @@ use tokio::sync::Notify;
 
 use super::replica::QuorumRuntime;
 use crate::error::BrokerError;
-use crate::message::{encode_header, MessageRef};
+use crate::message::{encode_stored, MessageRef};
 use crate::publisher::{Publisher, PublisherSession};
 use wire::{QueueRef, Request};
 
@@ -98,9 +98,7 @@ impl RemoteHome {
         if self.pending.lock().bytes >= REFUSE_BYTES {
             return super::Enqueued::Rejected;
         }
-        let mut encoded = BytesMut::with_capacity(64 + message.body.len());
-        encode_header(message, Some(now_ms), &mut encoded);
-        encoded.extend_from_slice(&message.body);
+        let encoded = encode_stored(message, Some(now_ms));
         let waiter = publisher.map(|p| {
             p.session.sent(queue.id, p.seq);
             (p.session.clone(), p.seq)
@@ -108,7 +106,7 @@ impl RemoteHome {
         let slow_publishers = {
             let mut p = self.pending.lock();
             p.bytes += encoded.len();
-            p.messages.push((encoded.freeze(), waiter));
+            p.messages.push((encoded, waiter));
             p.bytes >= PAUSE_BYTES
         };
         self.send_next(queue);
