@@ -328,6 +328,50 @@ def test_a_settled_log_gives_its_disk_back_though_one_old_message_stays_unacked(
     assert get_all(ch, name) == [(b"old", True)]
 
 
+def store_files(broker):
+    """Bytes in the store's queue files by kind: ("log", Raft log records), ("records", queues' own records)."""
+    root = os.path.join(broker.data_dir, "store", "queues")
+    out = {"log": 0, "records": 0}
+    for d in os.listdir(root) if os.path.isdir(root) else []:
+        size = sum(os.path.getsize(os.path.join(root, d, f)) for f in os.listdir(os.path.join(root, d)))
+        if (1 << 62) <= int(d) < (1 << 63):
+            out["log"] += size
+        elif int(d) < (1 << 61):
+            out["records"] += size
+    return out
+
+
+def test_a_body_is_written_once_unless_a_snapshot_would_let_its_log_go(broker, name):
+    """A quorum message's bytes are in the node's store once, in its Raft entry: the queue's own
+    records are written only for what is still live when the group snapshots (after which its log
+    may be purged) or past the memory budget. 300 KB published (runs too small to stay in the WAL
+    as extents): the next checkpoint copies the log's records to their file and writes no queue
+    record; the group's quiet snapshot (5 s after the last entry) writes the live ones. A kill -9
+    before it brings the bodies back from the log, after it from the records."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    bodies = [b"%d:" % i + b"z" * 1000 for i in range(300)]
+    publish_confirmed(ch, name, bodies)
+    eventually(lambda: store_files(broker)["log"] > 0, timeout=4)
+    assert store_files(broker)["records"] == 0, "no queue record while the log holds the bodies"
+    broker.kill9()
+    broker.start()
+    ch = broker.connection().channel()
+    eventually(lambda: ready(ch, name) == 300)
+    for i in range(100):
+        m, _, body = ch.basic_get(name)
+        assert body == bodies[i], "bodies come back from the replayed log"
+        ch.basic_ack(m.delivery_tag)
+    # The quiet snapshot writes the 200 live ones as records (then the log before it may go).
+    eventually(lambda: store_files(broker)["records"] > 0, timeout=30)
+    broker.kill9()
+    broker.start()
+    ch = broker.connection().channel()
+    eventually(lambda: ready(ch, name) == 200)
+    assert [b for b, _ in get_all(ch, name)] == bodies[100:]
+
+
 def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, name):
     """A replica holds at most 32 MiB of bodies; the rest stays in the store and is read back, in
     order, as it is delivered (also after a restart)."""

@@ -36,8 +36,12 @@ pub trait GroupMachine: Send + 'static {
     /// answered with an error reply, and every replica answers it the same way.
     fn apply(&mut self, index: u64, command: &Bytes) -> Bytes;
 
-    /// The whole state, as bytes `restore` takes back.
-    fn snapshot(&self) -> Bytes;
+    /// The whole state, as bytes `restore` takes back. Taken on the state machine's task, right
+    /// after the last entry applied; once the snapshot is stored, the log up to that entry may be
+    /// purged, so whatever the machine still needs from those entries (a quorum queue: the bodies of
+    /// its live messages) must be in the store before this returns. An error (the store refused a
+    /// write) fails the snapshot: nothing is purged.
+    fn snapshot(&self) -> Result<Bytes, String>;
 
     /// Replaces the whole state by a snapshot's. An error is bad bytes (a damaged or foreign
     /// snapshot): the group stops rather than go on with a wrong state.
@@ -187,15 +191,16 @@ pub struct SnapshotBuilder {
     group: Arc<Group>,
     shared: Arc<Shared>,
     meta: SnapshotMeta,
-    data: Bytes,
+    data: Result<Bytes, String>,
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for SnapshotBuilder {
     type SnapshotData = SnapshotData;
 
     async fn build_snapshot(&mut self) -> Result<GroupSnapshot, io::Error> {
-        save_snapshot(&self.group, &self.shared, &self.meta, &self.data).await?;
-        Ok(Snapshot { meta: self.meta.clone(), snapshot: self.data.clone() })
+        let data = self.data.clone().map_err(|e| io::Error::other(format!("group {}: taking a snapshot: {e}", self.group.id)))?;
+        save_snapshot(&self.group, &self.shared, &self.meta, &data).await?;
+        Ok(Snapshot { meta: self.meta.clone(), snapshot: data })
     }
 }
 
@@ -227,7 +232,7 @@ pub mod testing {
             Bytes::copy_from_slice(&index.to_le_bytes())
         }
 
-        fn snapshot(&self) -> Bytes {
+        fn snapshot(&self) -> Result<Bytes, String> {
             let list = self.applied.lock();
             let mut out = BytesMut::new();
             for (index, command) in list.iter() {
@@ -235,7 +240,7 @@ pub mod testing {
                 out.put_u32_le(command.len() as u32);
                 out.put_slice(command);
             }
-            out.freeze()
+            Ok(out.freeze())
         }
 
         fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {

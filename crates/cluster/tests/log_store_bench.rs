@@ -166,8 +166,8 @@ impl warren_cluster::GroupMachine for Nothing {
     fn apply(&mut self, _index: u64, _command: &Bytes) -> Bytes {
         Bytes::new()
     }
-    fn snapshot(&self) -> Bytes {
-        Bytes::new()
+    fn snapshot(&self) -> Result<Bytes, String> {
+        Ok(Bytes::new())
     }
     fn restore(&mut self, _snapshot: &[u8]) -> Result<(), String> {
         Ok(())

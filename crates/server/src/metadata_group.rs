@@ -27,8 +27,8 @@ impl GroupMachine for TopologyMachine {
         self.broker.apply_metadata_entry(index, command)
     }
 
-    fn snapshot(&self) -> Bytes {
-        self.broker.metadata_snapshot()
+    fn snapshot(&self) -> Result<Bytes, String> {
+        Ok(self.broker.metadata_snapshot())
     }
 
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {

@@ -60,7 +60,7 @@ impl GroupMachine for QueueMachine {
         self.0.apply_replicated(index, command)
     }
 
-    fn snapshot(&self) -> Bytes {
+    fn snapshot(&self) -> Result<Bytes, String> {
         self.0.snapshot_replicated()
     }
 
@@ -72,7 +72,7 @@ impl GroupMachine for QueueMachine {
         let queue = self.0.clone();
         let peers = self.1.clone();
         Box::pin(async move {
-            let Some(request) = queue.snapshot_installed() else { return Ok(()) };
+            let Some(request) = queue.snapshot_installed()? else { return Ok(()) };
             match peers {
                 Some(peers) => fetch_bodies(&queue, peers, request).await,
                 None => Err("a snapshot was installed on a node without peers to fetch its bodies from".to_string()),

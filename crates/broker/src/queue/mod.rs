@@ -408,9 +408,13 @@ impl Queue {
         }
     }
 
-    /// A quorum queue's state for a snapshot of its group (without message bodies).
-    pub fn snapshot_replicated(&self) -> bytes::Bytes {
-        self.replica.as_ref().map(|r| r.snapshot()).unwrap_or_default()
+    /// A quorum queue's state for a snapshot of its group (without message bodies; those of its
+    /// live messages are written to the store first). Err: the store refused them.
+    pub fn snapshot_replicated(&self) -> std::result::Result<bytes::Bytes, String> {
+        match &self.replica {
+            Some(r) => r.snapshot(self),
+            None => Ok(bytes::Bytes::new()),
+        }
     }
 
     /// Replaces a quorum queue's state by a snapshot's.
@@ -426,8 +430,11 @@ impl Queue {
     /// The caller sends it to a peer (the cluster's body-fetch RPC, answered by
     /// [`Queue::serve_bodies`]) and hands the answers to [`Queue::bodies_fetched`] until it returns
     /// None, before any later entry of the group applies.
-    pub fn snapshot_installed(self: &Arc<Self>) -> Option<bytes::Bytes> {
-        self.replica.as_ref().and_then(|r| r.snapshot_installed(self))
+    pub fn snapshot_installed(self: &Arc<Self>) -> std::result::Result<Option<bytes::Bytes>, String> {
+        match &self.replica {
+            Some(r) => r.snapshot_installed(self),
+            None => Ok(None),
+        }
     }
 
     /// A peer's answer to a body request: writes the bodies to this node's store; returns the next

@@ -12,10 +12,16 @@
 //!   The Enqueue's reply (after a majority has the entry and it is applied) resolves the pub seqs of
 //!   the connection's [`PublisherSession`]: the confirm goes out, or a basic.nack for a reject-publish
 //!   refusal or an entry not committed within the Replicator's timeout.
-//! - Applying: every replica writes the entry's message bodies into its own store as the queue's
-//!   records (seq = msg id), keeps them in memory to deliver, and acks them in the store once the
-//!   machine says the message left (ack, dead-letter, drop). Replayed entries (a restart) find their
-//!   records already stored (`stored_until`) and their bodies loaded by [`Queue::restore`].
+//! - Applying: every replica keeps the entry's message bodies in memory to deliver, and frees them
+//!   once the machine says the message left (ack, dead-letter, drop). A body is written once per
+//!   node: as part of the Raft entry, which is in the node's store already. It is written again, as
+//!   the queue's own store record (seq = msg id), only if it is still live when it would otherwise
+//!   be lost or held beyond the memory budget: when the replica's bodies pass `BODY_BUDGET_BYTES`,
+//!   when the group takes a snapshot (after which the log before it may be purged), when a snapshot
+//!   from a peer is installed and when a peer asks for bodies. Those records are acked in the store
+//!   when the message leaves. Replayed entries (a restart) find the records written before
+//!   (`stored_until`), their bodies loaded by [`Queue::restore`]; the others come back with the
+//!   replayed entries themselves.
 //! - Consumers: basic.consume proposes Attach; the machine assigns messages (deterministically, on
 //!   every replica) and the replica of the consumer's node hands the `Deliver` effects to the channel,
 //!   keeping what the channel cannot take yet (flow, room) in the consumer's backlog. Acks, nacks and
@@ -29,7 +35,8 @@
 //! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
 //!
 //! Memory is bounded whatever the backlog: a replica holds at most `BODY_BUDGET_BYTES` of bodies; the
-//! others are only in the store and are read back in batches as they are delivered.
+//! others are only in the store (as the queue's records) and are read back in batches as they are
+//! delivered.
 
 use super::{GetWait, Got, Queue};
 use crate::channel::{Channel, Consumer, Settle};
@@ -140,13 +147,24 @@ const READABLE_WAIT: Duration = Duration::from_secs(5);
 /// How long purge waits for its entry.
 const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A live message on this replica: its store record, and its body while it fits in memory.
+/// A live message on this replica: where its bytes are, and its body while it fits in memory.
 struct Body {
     /// None: only in the store (the replica's bodies passed `BODY_BUDGET_BYTES`); read back to deliver.
+    /// Always Some while the record is `Unwritten`.
     message: Option<MessageRef>,
     stored_bytes: u64,
-    /// The store append of its record (readable once the store's readable watermark passes it).
-    ticket: SyncTicket,
+    record: Record,
+}
+
+/// Where a live message's bytes are on this node besides memory.
+enum Record {
+    /// The queue's own store record; the append's ticket (readable once the store's readable
+    /// watermark passes it).
+    Stored(SyncTicket),
+    /// Only in its Raft entry (durable in the store, and replayed at a start until a snapshot lets
+    /// the log go): written as a record by [`QuorumReplica::write_back`] before that can happen.
+    /// The store encoding (a slice of the entry) and the time of the apply.
+    Unwritten { payload: Bytes, timestamp_ms: u64 },
 }
 
 /// The bodies of a snapshot's live messages, being fetched from a peer (see [`crate::quorum::bodies`]).
@@ -190,7 +208,8 @@ struct ReplicaState {
     bodies: BTreeMap<MsgId, Body>,
     /// Memory of the bodies held in `bodies`.
     body_mem: u64,
-    /// Records from this msg id on are not in the store yet (replayed entries below it are).
+    /// Records from this msg id on are not in the store (replayed entries below it are): the bodies
+    /// held from here on are exactly the `Unwritten` ones.
     stored_until: u64,
     /// The store append of the last record written (a peer's body fetch waits until it is readable).
     last_ticket: SyncTicket,
@@ -491,30 +510,73 @@ impl QuorumReplica {
         }
     }
 
-    /// Keeps a message's body: written to this node's store as the queue's record (unless a replayed
-    /// entry's record is there already) and held for delivery.
+    /// Keeps a message's body for delivery: held in memory (its bytes are in the entry, in the
+    /// store already), or, past the memory budget, written to this node's store as the queue's
+    /// record to be read back when delivered. Nothing for a replayed entry's message whose record
+    /// was written before a restart (loaded at the start, if still live).
     fn keep_body(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId, payload: Bytes) {
         if msg_id < st.stored_until {
-            return; // replayed after a restart: its record is stored (and loaded, if still live)
+            return;
         }
         let Some(stored) = decode_stored(&payload) else {
             tracing::error!(queue = %queue.name, msg_id, "an enqueued message does not decode; not kept");
             return;
         };
-        let ticket = match self.store.append_enqueue(self.group, msg_id, st.machine.now_ms(), &[&payload]) {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's message to the store");
-                0
-            }
-        };
-        st.stored_until = msg_id + 1;
-        st.last_ticket = st.last_ticket.max(ticket);
         if stored.message.expiration_ms.is_some() {
             self.saw_expiration.store(true, Ordering::Relaxed);
         }
-        let message = hold(st, stored.message);
-        st.bodies.insert(msg_id, Body { message, stored_bytes: payload.len() as u64, ticket });
+        let stored_bytes = payload.len() as u64;
+        let memory = stored.message.memory_bytes() as u64;
+        let within_budget = st.body_mem + memory <= BODY_BUDGET_BYTES;
+        let record = Record::Unwritten { payload, timestamp_ms: st.machine.now_ms() };
+        st.bodies.insert(msg_id, Body { message: Some(Arc::new(stored.message)), stored_bytes, record });
+        st.body_mem += memory;
+        if within_budget {
+            return;
+        }
+        // Past the budget: into the store (after every body before it: records rise by msg id),
+        // and read back when delivered.
+        match self.write_back(st) {
+            Ok(_) => {
+                if let Some(b) = st.bodies.get_mut(&msg_id) {
+                    b.message = None;
+                    st.body_mem -= memory;
+                }
+            }
+            // Held then, over the budget, rather than left to a log a snapshot may purge.
+            Err(e) => tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's messages to the store; holding them in memory"),
+        }
+    }
+
+    /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
+    /// `stored_until` on) as the queue's records, in msg id order, in one append. Called before
+    /// anything that would leave them only in memory: the log before a snapshot may be purged,
+    /// and a body past the memory budget is not held. Returns the ticket of the last record
+    /// written.
+    fn write_back(&self, st: &mut ReplicaState) -> std::result::Result<SyncTicket, warren_store::StoreError> {
+        let unwritten = || st.bodies.range(st.stored_until..).filter_map(|(id, b)| match &b.record {
+            Record::Unwritten { payload, timestamp_ms } => Some((*id, payload, *timestamp_ms)),
+            Record::Stored(_) => None,
+        });
+        let Some(last) = unwritten().last().map(|(id, _, _)| id) else { return Ok(st.last_ticket) };
+        let ticket = match unwritten().next() {
+            // The common case past the budget: one message, copied once into the store's buffer.
+            Some((id, payload, timestamp_ms)) if id == last => self.store.append_enqueue(self.group, id, timestamp_ms, &[payload])?,
+            _ => {
+                let mut batch = Batch::new();
+                for (id, payload, timestamp_ms) in unwritten() {
+                    batch.enqueue(self.group, id, timestamp_ms, &[payload]);
+                }
+                self.store.append(&mut batch)?
+            }
+        };
+        let ReplicaState { bodies, stored_until, .. } = st;
+        for (_, body) in bodies.range_mut(*stored_until..) {
+            body.record = Record::Stored(ticket);
+        }
+        st.stored_until = last + 1;
+        st.last_ticket = st.last_ticket.max(ticket);
+        Ok(ticket)
     }
 
     /// A live message's body: held, or read back from the store (with the bodies after it, while they
@@ -522,7 +584,8 @@ impl QuorumReplica {
     fn message_of(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId) -> Option<MessageRef> {
         let ticket = match st.bodies.get(&msg_id)? {
             Body { message: Some(m), .. } => return Some(m.clone()),
-            Body { ticket, .. } => *ticket,
+            Body { record: Record::Stored(ticket), .. } => *ticket,
+            Body { record: Record::Unwritten { .. }, .. } => return None, // never: unwritten ones are held
         };
         let store = &self.store;
         // A read (and, rarely, a wait for the store's writer to make the record readable) on the
@@ -705,9 +768,13 @@ impl QuorumReplica {
         }
     }
 
-    /// The machine's state for a snapshot (no bodies: they are the store's records).
-    pub(super) fn snapshot(&self) -> Bytes {
-        self.state.lock().machine.snapshot()
+    /// The machine's state for a snapshot (no bodies). The log up to here may be purged once the
+    /// snapshot is stored (it is, after this, in the same ordered store): the bodies of live messages
+    /// only in the log are written as the queue's records first.
+    pub(super) fn snapshot(&self, queue: &Queue) -> std::result::Result<Bytes, String> {
+        let mut st = self.state.lock();
+        self.write_back(&mut st).map_err(|e| format!("quorum queue '{}': writing its live messages to the store: {e}", queue.name))?;
+        Ok(st.machine.snapshot())
     }
 
     /// Replaces the machine's state by a snapshot's.
@@ -719,14 +786,20 @@ impl QuorumReplica {
     /// lists go, and the first request for the bodies of its live messages this node lacks is
     /// returned (None: nothing to fetch). Those bodies must be in the store before any later entry
     /// applies (records rise by msg id): the caller fetches them ([`QuorumReplica::bodies_fetched`])
-    /// before returning to the group.
-    pub(super) fn snapshot_installed(&self, queue: &Arc<Queue>) -> Option<Bytes> {
+    /// before returning to the group. The live bodies this node held only from its log are written
+    /// to the store first (the log before the snapshot goes). Err: the store refused them.
+    pub(super) fn snapshot_installed(&self, queue: &Arc<Queue>) -> std::result::Result<Option<Bytes>, String> {
         let mut after = After::default();
         let request = {
             let mut st = self.state.lock();
             let gone: Vec<MsgId> = st.bodies.keys().copied().filter(|id| !st.machine.is_live(*id)).collect();
             for id in gone {
                 forget(&mut st, self.group, id, &mut after.acks);
+            }
+            if let Err(e) = self.write_back(&mut st) {
+                drop(st);
+                self.finish(queue, after);
+                return Err(format!("quorum queue '{}': writing its live messages to the store: {e}", queue.name));
             }
             let ReplicaState { machine, checked_out, .. } = &mut *st;
             checked_out.retain(|id, _| machine.is_live(*id));
@@ -740,7 +813,7 @@ impl QuorumReplica {
             }
         };
         self.finish(queue, after);
-        request
+        Ok(request)
     }
 
     /// A peer's answer to `request`: the live messages among its records are written to this node's
@@ -757,6 +830,9 @@ impl QuorumReplica {
                 return Ok(None);
             }
             let Some(until) = st.fetch.as_ref().map(|f| f.until) else { return Ok(None) };
+            // Nothing applies during a fetch, so this writes nothing; it keeps the records in msg
+            // id order whatever came before.
+            self.write_back(&mut st).map_err(|e| e.to_string())?;
             for r in answer.records {
                 // Already stored here (an earlier answer), or no longer live.
                 if r.msg_id < st.stored_until || !st.machine.is_live(r.msg_id) || st.bodies.contains_key(&r.msg_id) {
@@ -773,7 +849,7 @@ impl QuorumReplica {
                 }
                 let stored_bytes = r.payload.len() as u64;
                 let message = hold(&mut st, stored.message);
-                st.bodies.insert(r.msg_id, Body { message, stored_bytes, ticket });
+                st.bodies.insert(r.msg_id, Body { message, stored_bytes, record: Record::Stored(ticket) });
                 if let Some(f) = st.fetch.as_mut() {
                     f.messages += 1;
                     f.bytes += stored_bytes;
@@ -824,11 +900,13 @@ impl QuorumReplica {
     pub(super) fn serve_bodies(&self, request: &[u8]) -> std::result::Result<Bytes, String> {
         let request = BodiesRequest::decode(request).map_err(|e| format!("bad body request: {e}"))?;
         let (applied_until, ticket) = {
-            let st = self.state.lock();
+            let mut st = self.state.lock();
             if st.fetch.is_some() {
                 return Err("this replica is itself fetching the bodies of a snapshot".to_string());
             }
-            (st.machine.last_index().map_or(0, |i| (i + 1) << 16), st.last_ticket)
+            // The answer is read from the store: the bodies held only from the log go there first.
+            let ticket = self.write_back(&mut st).map_err(|e| format!("could not write the bodies to the store: {e}"))?;
+            (st.machine.last_index().map_or(0, |i| (i + 1) << 16), ticket)
         };
         if applied_until < request.until {
             return Err(format!("this replica has applied less of the log ({applied_until:#x}) than asked ({:#x})", request.until));
@@ -885,7 +963,7 @@ impl QuorumReplica {
                 match decode_stored(&m.payload) {
                     Some(stored) => {
                         let message = hold(&mut st, stored.message);
-                        st.bodies.insert(m.seq, Body { message, stored_bytes, ticket: 0 });
+                        st.bodies.insert(m.seq, Body { message, stored_bytes, record: Record::Stored(0) });
                     }
                     None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
                 }
@@ -1344,7 +1422,9 @@ fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, afte
 fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     st.checked_out.remove(&msg_id);
     let Some(body) = st.bodies.remove(&msg_id) else { return };
-    acks.ack(group, msg_id, body.stored_bytes);
+    if let Record::Stored(_) = body.record {
+        acks.ack(group, msg_id, body.stored_bytes);
+    }
     if let Some(m) = body.message {
         st.body_mem = st.body_mem.saturating_sub(m.memory_bytes() as u64);
     }
