@@ -2,7 +2,8 @@
 //! openraft's own policy (a snapshot every 5,000 entries, 1,000 kept after it), which counts
 //! entries only: an entry carries up to 4 MiB of messages, so 5,000 of them could keep gigabytes on
 //! disk after every message in them was settled (a snapshot holds the queue's state without
-//! bodies; the bodies of live messages are the queue's own store records).
+//! bodies; a quorum queue writes the bodies of its live messages as its own store records before
+//! it answers for a snapshot, `GroupMachine::snapshot`).
 //!
 //! - **Busy**: once [`SNAPSHOT_AFTER_BYTES`] were appended since the last snapshot, snapshot; then
 //!   purge all but the last [`KEEP_BYTES`] up to the snapshot (a follower a little behind still
