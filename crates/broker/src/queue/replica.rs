@@ -527,25 +527,25 @@ impl QuorumReplica {
         }
         let stored_bytes = payload.len() as u64;
         let memory = stored.message.memory_bytes() as u64;
-        let within_budget = st.body_mem + memory <= BODY_BUDGET_BYTES;
-        let record = Record::Unwritten { payload, timestamp_ms: st.machine.now_ms() };
-        st.bodies.insert(msg_id, Body { message: Some(Arc::new(stored.message)), stored_bytes, record });
-        st.body_mem += memory;
-        if within_budget {
-            return;
-        }
-        // Past the budget: into the store (after every body before it: records rise by msg id),
-        // and read back when delivered.
-        match self.write_back(st) {
-            Ok(_) => {
-                if let Some(b) = st.bodies.get_mut(&msg_id) {
-                    b.message = None;
-                    st.body_mem -= memory;
+        let timestamp_ms = st.machine.now_ms();
+        if st.body_mem + memory > BODY_BUDGET_BYTES {
+            // Past the budget: into the store, after every body not written yet (records rise by
+            // msg id), and read back when delivered.
+            let written = self.write_back(st).and_then(|_| self.store.append_enqueue(self.group, msg_id, timestamp_ms, &[&payload]));
+            match written {
+                Ok(ticket) => {
+                    st.stored_until = msg_id + 1;
+                    st.last_ticket = st.last_ticket.max(ticket);
+                    st.bodies.insert(msg_id, Body { message: None, stored_bytes, record: Record::Stored(ticket) });
+                    return;
                 }
+                // Held then, over the budget, rather than left to a log a snapshot may purge.
+                Err(e) => tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's messages to the store; holding them in memory"),
             }
-            // Held then, over the budget, rather than left to a log a snapshot may purge.
-            Err(e) => tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's messages to the store; holding them in memory"),
         }
+        st.body_mem += memory;
+        let record = Record::Unwritten { payload, timestamp_ms };
+        st.bodies.insert(msg_id, Body { message: Some(Arc::new(stored.message)), stored_bytes, record });
     }
 
     /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
@@ -559,17 +559,11 @@ impl QuorumReplica {
             Record::Stored(_) => None,
         });
         let Some(last) = unwritten().last().map(|(id, _, _)| id) else { return Ok(st.last_ticket) };
-        let ticket = match unwritten().next() {
-            // The common case past the budget: one message, copied once into the store's buffer.
-            Some((id, payload, timestamp_ms)) if id == last => self.store.append_enqueue(self.group, id, timestamp_ms, &[payload])?,
-            _ => {
-                let mut batch = Batch::new();
-                for (id, payload, timestamp_ms) in unwritten() {
-                    batch.enqueue(self.group, id, timestamp_ms, &[payload]);
-                }
-                self.store.append(&mut batch)?
-            }
-        };
+        let mut batch = Batch::new();
+        for (id, payload, timestamp_ms) in unwritten() {
+            batch.enqueue(self.group, id, timestamp_ms, &[payload]);
+        }
+        let ticket = self.store.append(&mut batch)?;
         let ReplicaState { bodies, stored_until, .. } = st;
         for (_, body) in bodies.range_mut(*stored_until..) {
             body.record = Record::Stored(ticket);
