@@ -372,6 +372,38 @@ def test_a_body_is_written_once_unless_a_snapshot_would_let_its_log_go(broker, n
     assert [b for b, _ in get_all(ch, name)] == bodies[100:]
 
 
+def test_busy_queues_give_their_logs_back_once_together_past_the_nodes_budget(broker, name, monkeypatch):
+    """Each queue's log stays under its own threshold (64 MiB) and none is quiet for 5 s, but
+    together they pass the node's budget (4 MiB here, `WARREN_TEST_NODE_LOG_BYTES`; 512 MiB by
+    default): the largest snapshot and purge theirs while still busy. Nothing is lost: after a
+    kill -9 every message comes back, in order, with its body."""
+    monkeypatch.setenv("WARREN_TEST_NODE_LOG_BYTES", str(4 << 20))
+    broker.restart()
+    ch = broker.connection().channel()
+    names = [f"{name}-{i}" for i in range(8)]
+    for n in names:
+        declare(ch, n)
+    ch.confirm_delivery()
+    pad = b"b" * 16000
+    sent = 0
+    over_at = None
+    deadline = time.time() + 30
+    # Until the budget is passed, then 3 s more (a snapshot, then a purge, a second apart).
+    while over_at is None or time.time() < over_at + 3:
+        for n in names:
+            ch.basic_publish("", n, b"%d:" % sent + pad, PERSISTENT)
+        sent += 1
+        if over_at is None and "over their budget" in broker.log_text():
+            over_at = time.time()
+        assert time.time() < deadline, "8 busy queues of 16 KB messages never passed a 4 MiB budget"
+    broker.kill9()
+    broker.start()
+    ch = broker.connection().channel()
+    for n in names:
+        eventually(lambda: ready(ch, n) == sent)
+        assert [b for b, _ in get_all(ch, n)] == [b"%d:" % i + pad for i in range(sent)]
+
+
 def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, name):
     """A replica holds at most 32 MiB of bodies; the rest stays in the store and is read back, in
     order, as it is delivered (also after a restart)."""

@@ -354,15 +354,27 @@ impl QuorumGroups {
 /// How often every group's log is looked at for a snapshot and a purge.
 const COMPACT_EVERY: Duration = Duration::from_secs(1);
 
-/// Asks each group running on this node for the snapshots and purges its log wants (by bytes and
-/// when quiet: `RaftLogs::compaction`), so a log is given back once its messages are settled
-/// rather than after openraft's 5,000 entries, however large they are.
+/// Asks each group running on this node for the snapshots and purges its log wants (by bytes, when
+/// quiet, and when the node's logs together pass their budget: `RaftLogs::compaction`,
+/// `RaftLogs::over_node_budget`), so a log is given back once its messages are settled rather than
+/// after openraft's 5,000 entries, however large they are.
 async fn compact_logs(groups: Weak<QuorumGroups>) {
     let mut tick = tokio::time::interval(COMPACT_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Under a steady load the budget is passed every few seconds: said once a minute at most.
+    let mut said_over: Option<tokio::time::Instant> = None;
     loop {
         tick.tick().await;
         let Some(groups) = groups.upgrade() else { return };
+        let pressed = groups.logs.over_node_budget();
+        if !pressed.is_empty() && said_over.is_none_or(|at| at.elapsed() >= Duration::from_secs(60)) {
+            said_over = Some(tokio::time::Instant::now());
+            tracing::info!(
+                log_mib = groups.logs.log_bytes() >> 20,
+                groups = pressed.len(),
+                "the quorum queues' Raft logs on this node are over their budget: the largest give theirs back"
+            );
+        }
         let running: Vec<(GroupId, QueueRaft)> = groups
             .groups
             .lock()
@@ -376,7 +388,7 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
         // passed over rather than hold up every other group's (a snapshot is asked again 10 s
         // later, a purge at the group's next snapshot).
         for (group, raft) in running {
-            let wanted = groups.logs.compaction(group);
+            let wanted = groups.logs.compaction(group, pressed.contains(&group));
             if wanted.snapshot {
                 tracing::debug!(group, "asking for a snapshot of the group's log");
                 let _ = tokio::time::timeout(COMPACT_EVERY, raft.trigger().snapshot()).await;

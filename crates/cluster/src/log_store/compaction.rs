@@ -10,6 +10,11 @@
 //!   gets entries, further behind it gets the snapshot).
 //! - **Quiet**: no append for [`QUIET_AFTER`] and at least [`QUIET_MIN_BYTES`] appended since the
 //!   snapshot: snapshot and purge everything up to it, so a drained queue gives its log back.
+//! - **The node's budget**: while the unpurged entries of all groups on the node together pass
+//!   [`NODE_LOG_BYTES`], the groups holding the most are snapshotted and purged as a quiet one is,
+//!   largest first, until the rest is under three quarters of it
+//!   ([`crate::RaftLogs::over_node_budget`]). The busy rule bounds one queue's log; this bounds a
+//!   thousand busy queues', each of which would otherwise keep up to 64 MiB (64 GiB per node).
 //!
 //! A group that applied nothing since its snapshot is not asked again (a snapshot could not move);
 //! a request not answered by a new snapshot is repeated after [`ASK_AGAIN_AFTER`].
@@ -23,6 +28,7 @@ pub const KEEP_BYTES: u64 = 32 << 20;
 pub const QUIET_AFTER: Duration = Duration::from_secs(5);
 pub const QUIET_MIN_BYTES: u64 = 256 << 10;
 pub const ASK_AGAIN_AFTER: Duration = Duration::from_secs(10);
+pub const NODE_LOG_BYTES: u64 = 512 << 20;
 
 /// What a group's Raft is asked to do now (see [`crate::RaftLogs::compaction`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -39,6 +45,8 @@ pub(crate) struct CompactionState {
     /// Entry bytes appended after the stored snapshot's last index (exact at a snapshot and at a
     /// start, then grown by appends and shrunk by truncations).
     pub since_snapshot: u64,
+    /// Bytes of all the group's unpurged entries (what it keeps on disk).
+    pub log_bytes: u64,
     pub last_append: Instant,
     /// When a snapshot was last asked for, and the snapshot index then.
     asked: Option<(Instant, Option<u64>)>,
@@ -48,7 +56,7 @@ pub(crate) struct CompactionState {
 
 impl CompactionState {
     pub fn new() -> CompactionState {
-        CompactionState { since_snapshot: 0, last_append: Instant::now(), asked: None, purged_for: None }
+        CompactionState { since_snapshot: 0, log_bytes: 0, last_append: Instant::now(), asked: None, purged_for: None }
     }
 }
 
@@ -64,12 +72,22 @@ impl GroupInner {
         self.compaction.since_snapshot = self.slots.iter().skip(skip).map(|s| s.len).sum();
     }
 
-    pub(crate) fn compaction(&mut self, now: Instant) -> Compaction {
+    /// What to ask of the group's Raft now; `pressed`: the node's logs are over their budget and
+    /// this group is among those to give theirs back (see [`crate::RaftLogs::over_node_budget`]).
+    pub(crate) fn compaction(&mut self, now: Instant, pressed: bool) -> Compaction {
         let snapshot = self.snapshot_index();
         let quiet = now.duration_since(self.compaction.last_append) >= QUIET_AFTER;
         let c = &self.compaction;
         let applied_past_snapshot = self.applied_below > snapshot.map_or(0, |i| i + 1);
-        let due = if quiet { c.since_snapshot >= QUIET_MIN_BYTES } else { c.since_snapshot >= SNAPSHOT_AFTER_BYTES };
+        let due = if pressed {
+            c.since_snapshot > 0
+        } else if quiet {
+            c.since_snapshot >= QUIET_MIN_BYTES
+        } else {
+            c.since_snapshot >= SNAPSHOT_AFTER_BYTES
+        };
+        // Quiet or pressed: everything up to the snapshot goes.
+        let all = quiet || pressed;
         let asked_recently = c.asked.is_some_and(|(at, s)| s == snapshot && now.duration_since(at) < ASK_AGAIN_AFTER);
         let mut out = Compaction::default();
         if due && applied_past_snapshot && !asked_recently {
@@ -77,13 +95,18 @@ impl GroupInner {
             self.compaction.asked = Some((now, snapshot));
         }
         if let Some(s) = snapshot {
-            let done = self.compaction.purged_for.is_some_and(|(i, q)| i == s && (q || !quiet));
+            let done = self.compaction.purged_for.is_some_and(|(i, a)| i == s && (a || !all));
             if !done {
-                self.compaction.purged_for = Some((s, quiet));
-                out.purge_upto = self.purge_point(s, if quiet { 0 } else { KEEP_BYTES });
+                self.compaction.purged_for = Some((s, all));
+                out.purge_upto = self.purge_point(s, if all { 0 } else { KEEP_BYTES });
             }
         }
         out
+    }
+
+    /// Recomputes the bytes of the unpurged entries (at a start).
+    pub(crate) fn count_log_bytes(&mut self) {
+        self.compaction.log_bytes = self.slots.iter().map(|s| s.len).sum();
     }
 
     /// The index to purge up to so that about `keep` bytes of entries up to `snapshot` stay; None
@@ -143,29 +166,62 @@ mod tests {
         let t0 = Instant::now();
         g.append(&store, lq, sq, 256, entries(0, 60)).unwrap();
         g.applied_below = 60;
-        assert_eq!(g.compaction(t0), Compaction::default(), "60 MiB: not yet");
+        assert_eq!(g.compaction(t0, false), Compaction::default(), "60 MiB: not yet");
         g.append(&store, lq, sq, 256, entries(60, 10)).unwrap();
         let t1 = Instant::now();
         g.save_snapshot(&store, sq, &meta(59), b"state").unwrap();
         g.compaction.since_snapshot += 64 << 20; // as if the snapshot were older
-        assert!(!g.compaction(t1).snapshot, "nothing applied since the snapshot: a new one could not cover more");
+        assert!(!g.compaction(t1, false).snapshot, "nothing applied since the snapshot: a new one could not cover more");
         g.applied_below = 70;
-        assert_eq!(g.compaction(t1), Compaction { snapshot: true, purge_upto: None });
-        assert_eq!(g.compaction(t1), Compaction::default(), "asked already");
+        assert_eq!(g.compaction(t1, false), Compaction { snapshot: true, purge_upto: None });
+        assert_eq!(g.compaction(t1, false), Compaction::default(), "asked already");
 
         g.save_snapshot(&store, sq, &meta(65), b"state").unwrap();
         assert_eq!(g.compaction.since_snapshot, 4 * (MIB as u64 + g.slots[0].len - MIB as u64));
         let kept = KEEP_BYTES / g.slots[0].len; // whole entries within 32 MiB
-        assert_eq!(g.compaction(t1), Compaction { snapshot: false, purge_upto: Some(65 - kept) });
-        assert_eq!(g.compaction(t1), Compaction::default(), "asked already");
+        assert_eq!(g.compaction(t1, false), Compaction { snapshot: false, purge_upto: Some(65 - kept) });
+        assert_eq!(g.compaction(t1, false), Compaction::default(), "asked already");
 
         let later = g.compaction.last_append + QUIET_AFTER + Duration::from_millis(1);
-        assert_eq!(g.compaction(later), Compaction { snapshot: true, purge_upto: Some(65) }, "quiet: all it covers goes");
+        assert_eq!(g.compaction(later, false), Compaction { snapshot: true, purge_upto: Some(65) }, "quiet: all it covers goes");
         g.purge(&store, lq, sq, LogId::new(LeaderId::new(1, 1), 65)).unwrap();
         g.save_snapshot(&store, sq, &meta(69), b"state").unwrap();
-        assert_eq!(g.compaction(later), Compaction { snapshot: false, purge_upto: Some(69) });
+        assert_eq!(g.compaction(later, false), Compaction { snapshot: false, purge_upto: Some(69) });
         g.purge(&store, lq, sq, LogId::new(LeaderId::new(1, 1), 69)).unwrap();
-        assert_eq!(g.compaction(later + ASK_AGAIN_AFTER), Compaction::default(), "nothing left to snapshot or purge");
+        assert_eq!(g.compaction(later + ASK_AGAIN_AFTER, false), Compaction::default(), "nothing left to snapshot or purge");
+    }
+
+    /// Over the node's budget, the groups keeping the most are pressed until the rest keep under
+    /// three quarters of it; a pressed group snapshots whatever it has and purges all of it, though
+    /// neither busy nor quiet.
+    #[test]
+    fn over_the_node_budget_the_largest_logs_go_first_and_all_of_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        for (id, count) in [(1, 2), (2, 10), (3, 6), (4, 4)] {
+            let g = logs.group(id).unwrap();
+            let mut g = g.inner.lock();
+            g.append(&store, crate::log_store::RAFT_LOG | id, crate::log_store::RAFT_STATE | id, 256, entries(0, count)).unwrap();
+            g.applied_below = count;
+        }
+        let entry = logs.group(1).unwrap().inner.lock().slots[0].len;
+        assert_eq!(logs.over_budget(22 * entry), Vec::<u64>::new(), "22 entries kept: within a budget of 22");
+        // Over 20: down to under 15, the largest first.
+        assert_eq!(logs.over_budget(20 * entry), vec![2]);
+        assert_eq!(logs.over_budget(12 * entry), vec![2, 3]);
+
+        let g = logs.group(3).unwrap();
+        let mut g = g.inner.lock();
+        let t = Instant::now();
+        assert_eq!(g.compaction(t, false), Compaction::default(), "6 MiB, busy: nothing of its own");
+        assert_eq!(g.compaction(t, true), Compaction { snapshot: true, purge_upto: None });
+        g.save_snapshot(&store, crate::log_store::RAFT_STATE | 3, &meta(5), b"state").unwrap();
+        assert_eq!(g.compaction(t, true), Compaction { snapshot: false, purge_upto: Some(5) }, "all it covers goes");
+        g.purge(&store, crate::log_store::RAFT_LOG | 3, crate::log_store::RAFT_STATE | 3, LogId::new(LeaderId::new(1, 1), 5)).unwrap();
+        assert_eq!(g.compaction.log_bytes, 0);
+        drop(g);
+        assert_eq!(logs.over_budget(12 * entry), vec![2], "the purged log counts no more");
     }
 
     const RAFT_LOG_OF_7: u64 = crate::log_store::RAFT_LOG | 7;

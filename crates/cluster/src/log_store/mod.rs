@@ -203,14 +203,57 @@ impl RaftLogs {
 
     /// What group `group`'s Raft should be asked now to keep its log small (by bytes and when
     /// quiet, see [`compaction`]); nothing for a group this node has no log of. Asked
-    /// periodically by whoever runs the group.
-    pub fn compaction(&self, group: GroupId) -> Compaction {
+    /// periodically by whoever runs the group; `pressed`: the group is one of
+    /// [`RaftLogs::over_node_budget`]'s.
+    pub fn compaction(&self, group: GroupId, pressed: bool) -> Compaction {
         let Some(g) = self.groups.lock().get(&group).cloned() else { return Compaction::default() };
         let mut g = g.inner.lock();
         if g.removed {
             return Compaction::default();
         }
-        g.compaction(std::time::Instant::now())
+        g.compaction(std::time::Instant::now(), pressed)
+    }
+
+    /// The groups that must give their log back because the node's logs together keep more than
+    /// [`compaction::NODE_LOG_BYTES`] of unpurged entries (test-only: `WARREN_TEST_NODE_LOG_BYTES`):
+    /// the largest, until the others keep under three quarters of it. Empty while under.
+    pub fn over_node_budget(&self) -> Vec<GroupId> {
+        static BUDGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+        let budget = *BUDGET.get_or_init(|| {
+            std::env::var("WARREN_TEST_NODE_LOG_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(compaction::NODE_LOG_BYTES)
+        });
+        self.over_budget(budget)
+    }
+
+    /// Bytes of unpurged entries of every group on the node.
+    pub fn log_bytes(&self) -> u64 {
+        let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
+        groups.iter().map(|g| g.inner.lock().compaction.log_bytes).sum()
+    }
+
+    fn over_budget(&self, budget: u64) -> Vec<GroupId> {
+        let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
+        let mut sizes: Vec<(u64, GroupId)> = groups
+            .iter()
+            .filter_map(|g| {
+                let inner = g.inner.lock();
+                (!inner.removed).then_some((inner.compaction.log_bytes, g.id))
+            })
+            .collect();
+        let mut total: u64 = sizes.iter().map(|(b, _)| b).sum();
+        if total <= budget {
+            return Vec::new();
+        }
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let mut out = Vec::new();
+        for (bytes, id) in sizes {
+            if total <= budget / 4 * 3 {
+                break;
+            }
+            total -= bytes;
+            out.push(id);
+        }
+        out
     }
 
     pub fn store(&self) -> &Store {
@@ -396,6 +439,7 @@ impl Group {
             }
             g.reset_first_index();
             g.count_since_snapshot();
+            g.count_log_bytes();
             stats.groups += 1;
             stats.entries += g.slots.len() as u64;
         }
@@ -614,7 +658,9 @@ impl GroupInner {
         self.head = head;
         let ticket = appended.map_err(io::Error::other)?;
         self.next_log_seq += new_slots.len() as u64;
-        self.compaction.since_snapshot += new_slots.iter().map(|s| s.len).sum::<u64>();
+        let appended_bytes = new_slots.iter().map(|s| s.len).sum::<u64>();
+        self.compaction.since_snapshot += appended_bytes;
+        self.compaction.log_bytes += appended_bytes;
         self.compaction.last_append = std::time::Instant::now();
         for (e, s) in entries.into_iter().zip(&new_slots) {
             self.cached.push_back(e, s.len);
@@ -638,6 +684,7 @@ impl GroupInner {
         let removed: Vec<Slot> = self.slots.drain(keep..).collect();
         let bytes = removed.iter().map(|s| s.len).sum();
         self.compaction.since_snapshot = self.compaction.since_snapshot.saturating_sub(bytes);
+        self.compaction.log_bytes = self.compaction.log_bytes.saturating_sub(bytes);
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear();
         // The layout without the removed entries first: if the acks are durable, so is it.
@@ -663,6 +710,7 @@ impl GroupInner {
         let remove = (purged.index + 1).saturating_sub(self.first_index).min(self.slots.len() as u64) as usize;
         let removed: Vec<Slot> = self.slots.drain(..remove).collect();
         self.first_index += remove as u64;
+        self.compaction.log_bytes = self.compaction.log_bytes.saturating_sub(removed.iter().map(|s| s.len).sum());
         let cached_keep = (self.next_index() - self.cached_from().max(self.first_index)) as usize;
         while self.cached.len() > cached_keep {
             self.cached.pop_front();
