@@ -227,19 +227,23 @@ impl RaftLogs {
 
     /// Bytes of unpurged entries of every group on the node.
     pub fn log_bytes(&self) -> u64 {
-        let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
-        groups.iter().map(|g| g.inner.lock().compaction.log_bytes).sum()
+        self.log_sizes().iter().map(|(bytes, _)| bytes).sum()
     }
 
-    fn over_budget(&self, budget: u64) -> Vec<GroupId> {
+    /// (bytes of unpurged entries, group) of every group on the node.
+    fn log_sizes(&self) -> Vec<(u64, GroupId)> {
         let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
-        let mut sizes: Vec<(u64, GroupId)> = groups
+        groups
             .iter()
             .filter_map(|g| {
                 let inner = g.inner.lock();
                 (!inner.removed).then_some((inner.compaction.log_bytes, g.id))
             })
-            .collect();
+            .collect()
+    }
+
+    fn over_budget(&self, budget: u64) -> Vec<GroupId> {
+        let mut sizes = self.log_sizes();
         let mut total: u64 = sizes.iter().map(|(b, _)| b).sum();
         if total <= budget {
             return Vec::new();
