@@ -2,13 +2,18 @@
 --peers): published on one node, consumed on another (commands forwarded to the group's leader,
 deliveries from each node's own replica), and still confirming and delivering every confirmed message
 after kill -9 of any one node, which rejoins with its data. A queue is declared through one node; the
-metadata group carries it to the others. About 15 s."""
+metadata group carries it to the others. A node outside a queue's group (x-quorum-initial-group-size
+below three) serves its consumers and basic.gets through a member, and moves them to another member
+when theirs dies. About 50 s."""
+import json
+import subprocess
+import threading
 import time
 
 import pika
 import pytest
 
-from conftest import eventually, three_node_cluster
+from conftest import BIN, eventually, three_node_cluster
 
 pytestmark = [pytest.mark.warren_only]
 
@@ -100,23 +105,130 @@ def test_a_quorum_queue_is_served_by_every_node_and_survives_kill9_of_any_one(cl
         time.sleep(3)
 
 
-def test_a_one_replica_quorum_queue_takes_publishes_on_every_node_and_serves_consumers_on_its_member(cluster):
-    name = "qq-one-replica"
-    declare_on_one(cluster, name, node=2, **{"x-quorum-initial-group-size": 1})
-    for i, b in cluster.items():
-        publish(b, name, [f"from{i}".encode()])  # forwarded to the member unless it is this node
-    serving, refused = [], []
-    for i, b in cluster.items():
-        c = b.connection()
-        ch = c.channel()
+def group_members(cluster, declare):
+    """Runs `declare` and returns the members of the Raft group that appeared with it (as
+    `warren ctl cluster-status` shows them: its leader and followers)."""
+    def groups():
+        out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[1].cluster_port}", "--cluster-secret", SECRET,
+                              "--timeout", "5", "--json", "cluster-status"], capture_output=True, text=True, timeout=30)
+        return {g["group"]: g for g in json.loads(out.stdout).get("groups", [])} if out.returncode == 0 else {}
+    before = set(groups())
+    declare()
+
+    def members():
+        new = [g for k, g in groups().items() if k not in before and g.get("leader")]
+        if len(new) != 1:
+            return None
+        g = new[0]
+        return {int(g["leader"]), *(int(f["id"]) for f in g.get("followers", []))}
+    return eventually(members, timeout=20)
+
+
+class Consumer(threading.Thread):
+    """A consumer (manual acks, prefetch 50) on one node in a thread of its own: keeps what it got,
+    and whether the broker ever cancelled it."""
+
+    def __init__(self, node, name):
+        super().__init__(daemon=True)
+        self.node, self.name = node, name
+        self.got, self.cancelled, self.stop, self.error = [], False, threading.Event(), None
+        self.ready = threading.Event()
+
+    def run(self):
         try:
-            method, _, _ = ch.basic_get(name, auto_ack=False)
-            serving.append(i)
-            assert method is not None
+            c = self.node.connection()
+            ch = c.channel()
+            ch.basic_qos(prefetch_count=50)
+            ch.add_on_cancel_callback(lambda _frame: setattr(self, "cancelled", True))
+
+            def on_message(chan, method, props, body):
+                self.got.append(body)
+                chan.basic_ack(method.delivery_tag)
+            ch.basic_consume(self.name, on_message)
+            self.ready.set()
+            while not self.stop.is_set():
+                c.process_data_events(time_limit=0.1)
             c.close()
-        except pika.exceptions.ChannelClosedByBroker as e:
-            assert e.reply_code == 406 and "no replica on this node" in e.reply_text
-            refused.append(i)
-    assert len(serving) == 1 and len(refused) == 2, (serving, refused)
-    got = consume(cluster[serving[0]], name, 3)
-    assert sorted(got) == [b"from1", b"from2", b"from3"]
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            self.error = e
+            self.ready.set()
+
+
+def publish_confirmed(node, name, bodies, timeout=60):
+    """Publishes with confirms, again after a failure (a member was down), until all are confirmed."""
+    deadline = time.time() + timeout
+    left = list(bodies)
+    while left:
+        assert time.time() < deadline, f"{len(left)} messages not confirmed within {timeout} s"
+        try:
+            publish(node, name, left[:1])
+            left.pop(0)
+        except (pika.exceptions.AMQPError, OSError):
+            time.sleep(0.5)
+
+
+def test_every_node_serves_a_quorum_queue_whose_group_leaves_it_out(cluster):
+    """x-quorum-initial-group-size 1 on three nodes: the two nodes outside the group take
+    publishes (forwarded), basic.get and consumers (relayed through the member); acks, requeues
+    and a closed channel's unacked messages are settled on the member."""
+    name = "qq-one-replica"
+    members = group_members(cluster, lambda: declare_on_one(cluster, name, node=2, **{"x-quorum-initial-group-size": 1}))
+    assert len(members) == 1, members
+    (member,) = members
+    outside = [i for i in cluster if i != member]
+    for i, b in cluster.items():
+        publish(b, name, [f"from{i}".encode()])
+    # basic.get through each node outside: taken with a manual ack, then requeued by a nack.
+    for i in outside:
+        c = cluster[i].connection()
+        ch = c.channel()
+        method, _, body = ch.basic_get(name, auto_ack=False)
+        assert method is not None and body.startswith(b"from"), (i, method)
+        ch.basic_nack(method.delivery_tag, requeue=True)
+        c.close()
+    # Unacked when the connection closes: back to the queue, redelivered.
+    c = cluster[outside[0]].connection()
+    ch = c.channel()
+    ch.basic_qos(prefetch_count=10)
+    held = []
+    ch.basic_consume(name, lambda chan, m, p, body: held.append(body))
+    deadline = time.time() + 10
+    while len(held) < 3 and time.time() < deadline:
+        c.process_data_events(time_limit=0.1)
+    assert sorted(held) == [b"from1", b"from2", b"from3"], held
+    c.close()
+    got = consume(cluster[outside[1]], name, 3)
+    assert sorted(got) == [b"from1", b"from2", b"from3"], "a closed connection's unacked messages come back"
+    # Acked through a node outside: gone for good.
+    assert consume(cluster[member], name, 1, timeout=2) == []
+    c = cluster[outside[0]].connection()
+    assert c.channel().queue_declare(name, passive=True).method.message_count == 0
+    c.close()
+
+
+def test_consumers_outside_the_group_move_to_another_member_when_theirs_dies(cluster):
+    """x-quorum-initial-group-size 2 on three nodes: a consumer on the node outside the group goes
+    through a member; kill -9 of each member in turn (then its restart) neither cancels it nor
+    loses a confirmed message."""
+    name = "qq-two-replicas"
+    members = group_members(cluster, lambda: declare_on_one(cluster, name, node=1, **{"x-quorum-initial-group-size": 2}))
+    assert len(members) == 2, members
+    (outside,) = [i for i in cluster if i not in members]
+    consumer = Consumer(cluster[outside], name)
+    consumer.start()
+    assert consumer.ready.wait(10) and consumer.error is None, consumer.error
+    sent = [f"m{i}".encode() for i in range(100)]
+    publish_confirmed(cluster[outside], name, sent)
+    for victim in sorted(members):
+        cluster[victim].kill9()
+        time.sleep(4)  # past the relay's check: it moves to the other member
+        cluster[victim].start()
+        more = [f"after{victim}-{i}".encode() for i in range(50)]
+        publish_confirmed(cluster[outside], name, more)
+        sent += more
+    eventually(lambda: set(sent) <= set(consumer.got), timeout=30)
+    consumer.stop.set()
+    consumer.join(10)
+    assert consumer.error is None, consumer.error
+    assert not consumer.cancelled, "the consumer moved to another member instead of being cancelled"
+    assert set(consumer.got) <= set(sent), "nothing that was never published"

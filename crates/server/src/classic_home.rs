@@ -4,8 +4,10 @@
 //! nodes (relay channels), basic.gets of other nodes (a relay channel each, holding the message
 //! until it is settled), purges and counts — and takes the deliveries a home pushes to consumers on
 //! this node.
+//! Nodes outside a quorum queue's group relay their consumers and basic.gets of it to a member the
+//! same way (`warren_broker::queue::remote`); publishes, purges and counts are not asked of it.
 //! Whatever a peer sends is checked: a malformed request, an unknown vhost or queue, a queue whose
-//! home is not this node is an error answer.
+//! home is not this node (or a quorum queue without a replica here) is an error answer.
 
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
@@ -79,7 +81,7 @@ impl ClassicHome {
         match request {
             Request::Publish { queue, messages } => take(&broker, self.home_queue(&broker, &queue)?, messages).await,
             Request::Open { queue, relay, tag, prefetch, no_ack, exclusive, priority } => {
-                let q = self.home_queue(&broker, &queue)?;
+                let q = self.consumable_queue(&broker, &queue)?;
                 self.open(from, q, relay, tag, prefetch, no_ack, exclusive, priority).map(|()| Bytes::new())
             }
             Request::Settle { relay, how, tags } => {
@@ -119,13 +121,13 @@ impl ClassicHome {
                 // The home pushes again once this is answered: a client slower than the pushes
                 // (a no-ack consumer has no prefetch) holds the answer back.
                 let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT - Duration::from_secs(2);
-                while q.remote_home().is_some_and(|r| r.relay_backlog_full(relay)) && tokio::time::Instant::now() < deadline {
+                while q.relay_side().is_some_and(|r| r.relay_backlog_full(relay)) && tokio::time::Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 Ok(Bytes::new())
             }
             Request::Get { queue, relay, no_ack } => {
-                let q = self.home_queue(&broker, &queue)?;
+                let q = self.consumable_queue(&broker, &queue)?;
                 self.get(from, q, relay, no_ack).await
             }
             Request::Purge { queue } => {
@@ -151,6 +153,19 @@ impl ClassicHome {
             return Err(format!("classic queue '{}' does not live on node {} (its home is {:?})", queue.name, self.me(), q.home_node()));
         }
         Ok(q)
+    }
+
+    /// A queue another node's consumers and basic.gets may be relayed to here: a classic queue living
+    /// here, or a quorum queue whose group has this node as a member (for nodes outside the group).
+    fn consumable_queue(&self, broker: &Broker, queue: &QueueRef) -> Result<Arc<Queue>, String> {
+        let q = find_queue(broker, queue)?;
+        if q.is_quorum() {
+            if q.has_replica_here() {
+                return Ok(q);
+            }
+            return Err(format!("quorum queue '{}' has no replica on node {}", queue.name, self.me()));
+        }
+        self.home_queue(broker, queue)
     }
 
     /// A consumer of node `from` on a queue living here: a relay channel of its own, its deliveries
@@ -329,7 +344,7 @@ async fn take(broker: &Broker, q: Arc<Queue>, messages: Vec<Bytes>) -> Result<By
 /// Deliveries a home pushed to a consumer on this node.
 fn deliver_here(broker: &Broker, from: NodeId, queue: &QueueRef, relay: u64, deliveries: Vec<Relayed>) -> Result<Arc<Queue>, String> {
     let q = find_queue(broker, queue)?;
-    let remote = q.remote_home().filter(|r| r.home == from).ok_or_else(|| format!("classic queue '{}' does not live on node {from}", queue.name))?;
+    let remote = q.relay_side().filter(|r| r.home() == from).ok_or_else(|| format!("queue '{}' is not relayed here from node {from}", queue.name))?;
     let mut messages = Vec::with_capacity(deliveries.len());
     for d in deliveries {
         let stored = decode_stored(&d.message).ok_or_else(|| "a relayed message does not decode".to_string())?;

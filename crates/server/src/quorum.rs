@@ -158,16 +158,25 @@ pub struct Group {
     raft: watch::Receiver<Running>,
     proposals: mpsc::UnboundedSender<(Bytes, ProposeDone)>,
     runtime: tokio::runtime::Handle,
+    /// In a cluster: this node and the group's members (a node outside the group relays its
+    /// consumers through one of them).
+    members: Option<(ClusterNode, BTreeSet<NodeId>)>,
 }
 
 impl Group {
-    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, cluster: Option<(ClusterNode, GroupId)>) -> Group {
+    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, cluster: Option<(ClusterNode, GroupId, BTreeSet<NodeId>)>) -> Group {
         let (proposals, rx) = mpsc::unbounded_channel();
-        match cluster {
-            None => runtime.spawn(submit_in_order(raft.clone(), rx)),
-            Some((node, group)) => runtime.spawn(forward_in_order(node, group, raft.clone(), rx)),
+        let members = match cluster {
+            None => {
+                runtime.spawn(submit_in_order(raft.clone(), rx));
+                None
+            }
+            Some((node, group, members)) => {
+                runtime.spawn(forward_in_order(node.clone(), group, raft.clone(), rx));
+                Some((node, members))
+            }
         };
-        Group { raft, proposals, runtime }
+        Group { raft, proposals, runtime, members }
     }
 }
 
@@ -184,6 +193,15 @@ impl Replicator for Group {
 
     fn is_member(&self) -> bool {
         !matches!(&*self.raft.borrow(), Running::NotMember)
+    }
+
+    fn relay_member(&self, avoid: Option<u64>) -> Option<u64> {
+        let (node, members) = self.members.as_ref()?;
+        // Starting at this node's place among them, so the nodes outside spread over the members.
+        let members: Vec<NodeId> = members.iter().copied().collect();
+        let start = (node.node_id() as usize) % members.len().max(1);
+        let order = || members[start..].iter().chain(&members[..start]).copied().filter(|&m| Some(m) != avoid);
+        order().find(|&m| node.is_reachable(m)).or_else(|| order().next()).or_else(|| members.first().copied())
     }
 }
 
@@ -458,7 +476,7 @@ impl QuorumHost for QuorumGroups {
             }
             groups.insert(group, (tx.clone(), Arc::downgrade(&queue)));
         }
-        let cluster = self.cluster.as_ref().map(|(node, _)| (node.clone(), group));
+        let cluster = self.cluster.as_ref().map(|(node, _)| (node.clone(), group, members.clone()));
         queue.attach_replicator(Arc::new(Group::new(rx, self.runtime.clone(), cluster)));
         if !member {
             return;

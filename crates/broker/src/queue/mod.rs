@@ -229,6 +229,9 @@ pub struct Queue {
     replica: Option<replica::QuorumReplica>,
     /// A durable classic queue in a cluster: its home node (`remote`). Set once, at declaration.
     home: std::sync::OnceLock<remote::RemoteHome>,
+    /// A quorum queue on a node outside its group: the member its consumers and basic.gets go
+    /// through (`remote::relay`), set at the first of them.
+    member_relay: std::sync::OnceLock<remote::RemoteHome>,
 }
 
 /// A read of a lane's span, and the store's durable watermark just before it: messages become readable
@@ -330,6 +333,7 @@ impl Queue {
             drained: tokio::sync::Notify::new(),
             replica,
             home: std::sync::OnceLock::new(),
+            member_relay: std::sync::OnceLock::new(),
         })
     }
 
@@ -343,12 +347,39 @@ impl Queue {
 
     /// The home node of a classic queue in a cluster (None: standalone, or a quorum queue).
     pub fn home_node(&self) -> Option<u64> {
-        self.home.get().map(|h| h.home)
+        self.home.get().map(|h| h.home())
     }
 
     /// The forwarding side, when this classic queue's home is another node.
     pub fn remote_home(&self) -> Option<&remote::RemoteHome> {
         self.home.get().filter(|h| h.is_elsewhere())
+    }
+
+    /// Where this node's consumers of the queue are relayed from: a classic queue's home on another
+    /// node, or the member a quorum queue outside whose group this node is relays them through.
+    pub fn relay_side(&self) -> Option<&remote::RemoteHome> {
+        self.remote_home().or_else(|| self.member_relay.get())
+    }
+
+    /// A quorum queue on a node outside its group: the member relay, set up at the first consumer
+    /// or basic.get (None on a member, or with no member to relay through).
+    fn member_relay(&self) -> Option<&remote::RemoteHome> {
+        let r = self.replica.as_ref().filter(|r| r.is_outside_group())?;
+        if let Some(relay) = self.member_relay.get() {
+            return Some(relay);
+        }
+        let member = r.relay_member(None)?;
+        Some(self.member_relay.get_or_init(|| remote::RemoteHome::through_member(member, r.runtime())))
+    }
+
+    /// A quorum queue with a replica on this node (a member of its group, or not known otherwise yet).
+    pub fn has_replica_here(&self) -> bool {
+        self.replica.as_ref().is_some_and(|r| !r.is_outside_group())
+    }
+
+    /// Another member of the group to relay through than `avoid` (the one lost), if the group has one.
+    pub(crate) fn relay_member_instead_of(&self, avoid: u64) -> Option<u64> {
+        self.replica.as_ref().and_then(|r| r.relay_member(Some(avoid)))
     }
 
     /// Whether this is a quorum queue.
@@ -455,10 +486,18 @@ impl Queue {
         }
     }
 
-    /// Whether this node can deliver this queue's messages (basic.get, basic.consume): a quorum queue
-    /// needs a replica on this node.
+    /// Whether this node can deliver this queue's messages (basic.get, basic.consume): from its
+    /// replica of a quorum queue, or through a member of the group when it has none.
     pub fn check_consumable(&self) -> Result<()> {
         match &self.replica {
+            Some(r) if r.is_outside_group() => match r.relay_member(None) {
+                Some(_) => Ok(()),
+                None => Err(BrokerError::precondition_failed(format!(
+                    "quorum queue '{}' has no replica on this node and no member of its group to relay consumers through; \
+                     try again once its members are up",
+                    self.name
+                ))),
+            },
             Some(r) => r.check_member(self),
             // A classic queue: on its home, or through it (`remote`).
             None => Ok(()),
@@ -1020,6 +1059,9 @@ impl Queue {
 
     /// Delivers what can be delivered now (credit came back, a consumer arrived, flow resumed).
     pub fn dispatch(self: &Arc<Self>) {
+        if let Some(relay) = self.member_relay.get() {
+            relay.dispatch();
+        }
         if let Some(r) = &self.replica {
             return r.dispatch(self);
         }
@@ -1040,6 +1082,9 @@ impl Queue {
     /// Periodic housekeeping: expire messages whose TTL passed, and report whether the queue
     /// has been unused for longer than `x-expires` (the caller then deletes it).
     pub fn tick(self: &Arc<Self>, now_ms: u64) -> bool {
+        if let Some(relay) = self.member_relay.get() {
+            relay.tick(self, now_ms);
+        }
         if let Some(r) = &self.replica {
             // x-expires of a quorum queue comes from its machine (`Effect::QueueExpired`).
             r.tick(self, now_ms);
@@ -1128,6 +1173,9 @@ impl Queue {
     /// `on_registered` runs under the queue lock once the consumer is accepted and before anything
     /// is delivered to it (the server sends basic.consume-ok from there).
     pub fn add_consumer(self: &Arc<Self>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+        if let Some(relay) = self.member_relay() {
+            return relay.add_consumer(self, consumer, on_registered);
+        }
         if let Some(r) = &self.replica {
             return r.add_consumer(self, consumer, on_registered);
         }
@@ -1161,6 +1209,9 @@ impl Queue {
 
     /// The consumer is gone (cancel, channel closed). An auto-delete queue goes with its last consumer.
     pub fn remove_consumer(self: &Arc<Self>, consumer: &Arc<Consumer>) {
+        if let Some(relay) = self.member_relay.get() {
+            relay.remove_consumer(self, consumer);
+        }
         if let Some(r) = &self.replica {
             return r.remove_consumer(self, consumer);
         }
@@ -1190,6 +1241,9 @@ impl Queue {
     pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> Got {
         if !no_ack && channel.unacked_full() {
             return Got::Empty;
+        }
+        if let Some(relay) = self.member_relay() {
+            return relay.get(self, channel, no_ack);
         }
         if let Some(r) = &self.replica {
             return r.get(self, channel, no_ack);
@@ -1274,7 +1328,7 @@ impl Queue {
                 }
             }
             GetWait::Remote(get) => {
-                if let Some(remote) = self.remote_home() {
+                if let Some(remote) = self.relay_side() {
                     remote.wait_get(get).await;
                 }
             }
@@ -1287,6 +1341,11 @@ impl Queue {
     /// A quorum queue proposes the settlement instead and, for a transaction (`publisher`), tells
     /// its session once applied.
     pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch, publisher: Option<Publisher>) -> Option<SyncTicket> {
+        if let Some(relay) = self.member_relay.get() {
+            // Outside the group, everything delivered here came through the member.
+            relay.settle(self, entries, how);
+            return None;
+        }
         if let Some(r) = &self.replica {
             r.settle(self, entries, how, publisher);
             return None;
@@ -1339,6 +1398,9 @@ impl Queue {
     /// Marks the queue deleted, settles its ready messages in the store and cancels its consumers
     /// (the clients get basic.cancel). Returns the number of ready messages it held.
     pub fn mark_deleted(self: &Arc<Self>) -> u32 {
+        if let Some(relay) = self.member_relay.get() {
+            relay.deleted(self);
+        }
         if let Some(r) = &self.replica {
             return r.delete(self);
         }

@@ -71,9 +71,15 @@ pub trait Replicator: Send + Sync {
     /// Whether this node leads the group now.
     fn is_leader(&self) -> bool;
     /// Whether this node is a member of the group (applies its entries, holds the bodies). A
-    /// node that is not serves publishers (forwarded) but not consumers.
+    /// node that is not forwards publishes, and relays its consumers through a member.
     fn is_member(&self) -> bool {
         true
+    }
+    /// On a node outside the group: a member its consumers and basic.gets can go through
+    /// (`super::remote::relay`), a reachable one first, and another than `avoid` if there is one.
+    fn relay_member(&self, avoid: Option<u64>) -> Option<u64> {
+        let _ = avoid;
+        None
     }
 }
 
@@ -391,7 +397,22 @@ impl QuorumReplica {
         self.replicator.read().as_ref().is_some_and(|r| r.is_leader())
     }
 
-    /// Consumers need this node to hold a replica (deliveries come from its own apply).
+    /// Whether this node is known to be outside the group (its consumers go through a member).
+    pub(super) fn is_outside_group(&self) -> bool {
+        self.replicator.read().as_ref().is_some_and(|r| !r.is_member())
+    }
+
+    /// See [`Replicator::relay_member`].
+    pub(super) fn relay_member(&self, avoid: Option<u64>) -> Option<u64> {
+        self.replicator.read().as_ref().and_then(|r| r.relay_member(avoid))
+    }
+
+    pub(super) fn runtime(&self) -> Arc<QuorumRuntime> {
+        self.runtime.clone()
+    }
+
+    /// Consumers of this replica need this node to hold one (deliveries come from its own apply);
+    /// a node outside the group relays them through a member instead (`Queue::member_relay`).
     pub(super) fn check_member(&self, queue: &Queue) -> Result<()> {
         if self.replicator.read().as_ref().is_none_or(|r| r.is_member()) {
             return Ok(());

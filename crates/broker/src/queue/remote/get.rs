@@ -68,7 +68,7 @@ impl RemoteHome {
             &Request::Get { queue: super::queue_ref(queue), relay, no_ack },
             Box::new(move |answer| {
                 let Some(queue) = weak_queue.upgrade() else { return };
-                let Some(remote) = queue.remote_home() else { return };
+                let Some(remote) = queue.relay_side() else { return };
                 let outcome = remote.got(&queue, weak_channel, relay, no_ack, answer);
                 if let Some(g) = remote.gets.waiting.lock().get_mut(&relay) {
                     g.done = Some(outcome);
@@ -86,11 +86,18 @@ impl RemoteHome {
             Ok(Some(got)) => got,
             Ok(None) => return Ok(false), // the home closed the relay itself
             Err(e) => {
-                tracing::warn!(queue = %queue.name, home = self.home, error = %e, "basic.get through the home node of a classic queue failed");
+                let home = self.home();
+                tracing::warn!(queue = %queue.name, home, error = %e, "basic.get through {} failed", self.what());
                 self.send_all(queue, vec![Request::Close { relay }]);
+                if self.move_from(queue, home) {
+                    return Err(format!(
+                        "member node {home} of quorum queue '{}' did not answer basic.get ({e}); the next basic.get goes through another member",
+                        queue.name
+                    ));
+                }
                 return Err(format!(
-                    "home node {} of classic queue '{}' did not answer basic.get ({e}); the queue is reachable again once that node is back",
-                    self.home, queue.name
+                    "home node {home} of queue '{}' did not answer basic.get ({e}); the queue is reachable again once that node is back",
+                    queue.name
                 ));
             }
         };
@@ -125,7 +132,7 @@ impl RemoteHome {
     pub(in crate::queue) fn purge(&self, queue: &Arc<Queue>) -> Result<u32> {
         let counts = self.ask_counts(Request::Purge { queue: super::queue_ref(queue) }, super::REQUEST_TIMEOUT, 1);
         counts.map(|c| c[0].min(u32::MAX as u64) as u32).map_err(|e| {
-            BrokerError::internal(format!("the purge of classic queue '{}' failed on its home node {}: {e}", queue.name, self.home))
+            BrokerError::internal(format!("the purge of classic queue '{}' failed on its home node {}: {e}", queue.name, self.home()))
         })
     }
 
@@ -135,7 +142,7 @@ impl RemoteHome {
         match self.ask_counts(Request::Stat { queue: super::queue_ref(queue) }, STAT_TIMEOUT, 2) {
             Ok(c) => (c[0].min(u32::MAX as u64) as u32, c[1].min(u32::MAX as u64) as u32),
             Err(e) => {
-                tracing::warn!(queue = %queue.name, home = self.home, error = %e, "no counts from the home node of a classic queue; declare-ok says 0");
+                tracing::warn!(queue = %queue.name, home = self.home(), error = %e, "no counts from the home node of a classic queue; declare-ok says 0");
                 (0, 0)
             }
         }

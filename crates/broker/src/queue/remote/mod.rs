@@ -14,6 +14,11 @@
 //!   rejects go back.
 //! - **basic.get, queue.purge, declare-ok's counts** (`get`): asked of the home each time.
 //!
+//! A quorum queue on a node outside its group (`x-quorum-initial-group-size` below the cluster's
+//! size) relays its consumers and basic.gets the same way, through a member of the group
+//! ([`RemoteHome::through_member`]); its publishes are proposed to the group as any node's. When
+//! that member is lost, the consumers move to another member instead of being cancelled.
+//!
 //! Requests and answers: `wire`.
 
 mod get;
@@ -22,6 +27,7 @@ pub mod wire;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
@@ -49,8 +55,10 @@ pub type RequestDone = Box<dyn FnOnce(std::result::Result<Bytes, String>) + Send
 
 /// The side of a classic queue on a node that is not its home.
 pub struct RemoteHome {
-    /// The home node's id.
-    pub home: u64,
+    /// The home node's id (through a member: the member relayed through now).
+    home: AtomicU64,
+    /// A quorum queue's relay through a member of its group (consumers and basic.gets only).
+    through_member: bool,
     runtime: Arc<QuorumRuntime>,
     pending: Mutex<Pending>,
     drained: Notify,
@@ -68,27 +76,73 @@ struct Pending {
 
 impl RemoteHome {
     pub fn new(home: u64, runtime: Arc<QuorumRuntime>) -> RemoteHome {
-        RemoteHome { home, runtime, pending: Mutex::new(Pending::default()), drained: Notify::new(), relays: relay::Relays::default(), gets: get::Gets::default() }
+        RemoteHome {
+            home: AtomicU64::new(home),
+            through_member: false,
+            runtime,
+            pending: Mutex::new(Pending::default()),
+            drained: Notify::new(),
+            relays: relay::Relays::default(),
+            gets: get::Gets::default(),
+        }
+    }
+
+    /// The consumers and basic.gets of a quorum queue on a node outside its group, relayed through
+    /// `member` (and through another member once that one is lost).
+    pub fn through_member(member: u64, runtime: Arc<QuorumRuntime>) -> RemoteHome {
+        RemoteHome { through_member: true, ..RemoteHome::new(member, runtime) }
+    }
+
+    /// The home node (or the member relayed through).
+    pub fn home(&self) -> u64 {
+        self.home.load(Ordering::Acquire)
+    }
+
+    /// Through a member: relays from now on go through another member than `lost`, if the group
+    /// has one. Whether they moved.
+    pub(super) fn move_from(&self, queue: &super::Queue, lost: u64) -> bool {
+        if !self.through_member {
+            return false;
+        }
+        match queue.relay_member_instead_of(lost) {
+            Some(member) if member != lost => {
+                let moved = self.home.compare_exchange(lost, member, Ordering::AcqRel, Ordering::Acquire).is_ok();
+                if moved {
+                    tracing::info!(queue = %queue.name, from = lost, to = member, "consumers of a quorum queue outside its group move to another member");
+                }
+                moved || self.home() != lost
+            }
+            _ => false,
+        }
     }
 
     /// Whether the home is another node (false on the home itself, and before the node knows its id).
     pub fn is_elsewhere(&self) -> bool {
         let me = self.runtime.node();
-        me != 0 && me != self.home
+        me != 0 && me != self.home()
+    }
+
+    /// What the relayed side is called in logs and in what clients are told.
+    fn what(&self) -> &'static str {
+        if self.through_member {
+            "the member of the quorum queue's group relayed through"
+        } else {
+            "the home node of the classic queue"
+        }
     }
 
     pub(super) fn refusal(&self, queue: &str, what: &str) -> BrokerError {
         BrokerError::precondition_failed(format!(
             "classic queue '{queue}' lives on node {} of the cluster: {what} through a connection to that node \
              (or use a quorum queue, served by every node)",
-            self.home
+            self.home()
         ))
     }
 
     /// Sends `request` to the home; `done` gets the answer.
     fn request(&self, request: &Request, done: RequestDone) {
         match self.runtime.host() {
-            Some(host) => host.classic_request(self.home, request.encode(), done),
+            Some(host) => host.classic_request(self.home(), request.encode(), done),
             None => done(Err("this node runs no cluster".to_string())),
         }
     }
@@ -154,7 +208,7 @@ impl RemoteHome {
         let outcomes = match answer.and_then(|a| wire::decode_flags(&a, waiters.len()).map_err(|e| e.to_string())) {
             Ok(o) => Some(o),
             Err(e) => {
-                tracing::warn!(queue = %queue.name, home = self.home, messages = waiters.len(), error = %e,
+                tracing::warn!(queue = %queue.name, home = self.home(), messages = waiters.len(), error = %e,
                     "messages for a classic queue on another node were not taken there; their publishers get basic.nack");
                 None
             }

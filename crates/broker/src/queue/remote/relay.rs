@@ -11,6 +11,11 @@
 //! (basic.cancel, as RabbitMQ does when a classic queue's node goes down) and what it held is
 //! already back in the queue on the home. The home closes the relays of a node it has not reached
 //! for a while, and of an earlier run of a node (relay ids carry the run's `incarnation`).
+//!
+//! Through a member of a quorum queue's group, a lost member (or one that refused or could not take
+//! a consumer) is not the end: the consumers are opened again on another member, without telling
+//! the client. What they held comes back redelivered (the lost member's consumers are detached by
+//! the group, as any down node's); the client's acks of it are dropped here.
 
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -28,6 +33,9 @@ use crate::queue::{Entry, Queue};
 const CHECK_EVERY_MS: u64 = 2_000;
 /// A relay's pushed-but-not-taken bytes above which the home's next push waits.
 const BACKLOG_BYTES: usize = 4 << 20;
+/// Through a member: how many members in a row may refuse or fail a consumer's `OPEN` before it is
+/// cancelled.
+const OPEN_TRIES: u32 = 3;
 
 /// The high 32 bits of this process's relay ids: random per run, so a home tells an earlier run's
 /// relays from this one's.
@@ -62,6 +70,12 @@ struct State {
     next_seq: u64,
     next_check_ms: u64,
     checking: bool,
+    /// Requests about relays (`OPEN`, `SETTLE`, `CANCEL`, `CLOSE`) waiting to go to the home, one at a
+    /// time in the order they were made: the home serves requests concurrently, and a `CLOSE` that
+    /// overtook the `SETTLE` before it would requeue what the client acked (or one that overtook its
+    /// `OPEN` would leave the relay open for good).
+    outbox: VecDeque<(Request, Option<super::RequestDone>)>,
+    sending: bool,
 }
 
 struct Relay {
@@ -95,6 +109,12 @@ impl RemoteHome {
     /// basic.consume on this node: consume-ok at once, the relay opened on the home meanwhile (a
     /// refusal there, such as another exclusive consumer, cancels the consumer).
     pub(in crate::queue) fn add_consumer(&self, queue: &Arc<Queue>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+        self.open(queue, consumer, on_registered, 1);
+        Ok(())
+    }
+
+    /// Opens a relay for `consumer` on the home (`tries`: the how-manieth home in a row asked).
+    fn open(&self, queue: &Arc<Queue>, consumer: Arc<Consumer>, on_registered: impl FnOnce(), tries: u32) {
         let relay = new_relay_id();
         let open = Request::Open {
             queue: super::queue_ref(queue),
@@ -108,22 +128,44 @@ impl RemoteHome {
         self.relays.st.lock().by_id.insert(relay, Relay { consumer, backlog: VecDeque::new(), backlog_bytes: 0, outstanding: 0, opened: false, cancelled: false });
         on_registered();
         let weak = Arc::downgrade(queue);
-        self.request(
-            &open,
+        let home = self.home();
+        self.send_in_order(
+            queue,
+            open,
             Box::new(move |answer| {
                 let Some(queue) = weak.upgrade() else { return };
-                let Some(remote) = queue.remote_home() else { return };
+                let Some(remote) = queue.relay_side() else { return };
                 let Err(e) = answer else {
                     if let Some(r) = remote.relays.st.lock().by_id.get_mut(&relay) {
                         r.opened = true;
                     }
                     return;
                 };
-                tracing::warn!(queue = %queue.name, home = remote.home, error = %e, "a consumer could not be registered on the queue's home node; cancelling it");
+                if tries < OPEN_TRIES && remote.move_from(&queue, home) {
+                    tracing::info!(queue = %queue.name, member = home, error = %e, "a member of the quorum queue's group could not take a consumer; trying another");
+                    remote.reopen(&queue, &[relay], tries + 1);
+                    return;
+                }
+                tracing::warn!(queue = %queue.name, home, error = %e, "a consumer could not be registered on {}; cancelling it", remote.what());
                 remote.drop_relays(&queue, &[relay]);
             }),
         );
-        Ok(())
+    }
+
+    /// Opens the consumers of relays `ids` again on the (new) home: through a member, once the one
+    /// they were on is lost. What they held is forgotten here (the group gives it back).
+    fn reopen(&self, queue: &Arc<Queue>, ids: &[u64], tries: u32) {
+        let moved: Vec<Arc<Consumer>> = {
+            let mut st = self.relays.st.lock();
+            let moved = ids.iter().filter_map(|id| st.by_id.remove(id)).filter(|r| !r.cancelled).map(|r| r.consumer).collect();
+            st.held.retain(|_, (r, _)| !ids.contains(r));
+            moved
+        };
+        for consumer in moved {
+            if !consumer.channel.is_closed() {
+                self.open(queue, consumer, || {}, tries);
+            }
+        }
     }
 
     /// basic.cancel, or the consumer's channel closed.
@@ -244,20 +286,26 @@ impl RemoteHome {
         };
         let weak = Arc::downgrade(queue);
         let asked = ids.clone();
+        let home = self.home();
         self.request(
             &Request::Check { relays: ids },
             Box::new(move |answer| {
                 let Some(queue) = weak.upgrade() else { return };
-                let Some(remote) = queue.remote_home() else { return };
+                let Some(remote) = queue.relay_side() else { return };
                 remote.relays.st.lock().checking = false;
-                let gone = match answer.and_then(|a| wire::decode_ids(&a).map_err(|e| e.to_string())) {
+                let gone: Vec<u64> = match answer.and_then(|a| wire::decode_ids(&a).map_err(|e| e.to_string())) {
                     Ok(unknown) => unknown.into_iter().filter(|id| asked.contains(id)).collect(),
                     Err(e) => {
-                        tracing::warn!(queue = %queue.name, home = remote.home, error = %e, "the home node of a classic queue does not answer; cancelling its consumers on this node");
+                        tracing::warn!(queue = %queue.name, home, error = %e, "{} does not answer; its consumers on this node are cancelled or move", remote.what());
                         asked
                     }
                 };
-                if !gone.is_empty() {
+                if gone.is_empty() {
+                    return;
+                }
+                if remote.move_from(&queue, home) {
+                    remote.reopen(&queue, &gone, 1);
+                } else {
                     remote.drop_relays(&queue, &gone);
                 }
             }),
@@ -280,27 +328,54 @@ impl RemoteHome {
             dropped
         };
         for r in dropped {
-            tracing::info!(queue = %queue.name, consumer = %r.consumer.tag, "consumer of a classic queue on another node cancelled");
+            tracing::info!(queue = %queue.name, consumer = %r.consumer.tag, "consumer relayed from another node cancelled");
             r.consumer.channel.consumer_cancelled_by_server(&r.consumer.tag);
         }
     }
 
-    /// Sends `requests` one after the other, each once the previous one is answered: a `CLOSE`
-    /// must not overtake the `SETTLE` before it (the home would requeue what the client acked).
+    /// Sends `requests` after every relay request made before them (see `State::outbox`).
     pub(super) fn send_all(&self, queue: &Arc<Queue>, requests: Vec<Request>) {
-        let mut requests = std::collections::VecDeque::from(requests);
-        let Some(first) = requests.pop_front() else { return };
+        {
+            let mut st = self.relays.st.lock();
+            st.outbox.extend(requests.into_iter().map(|r| (r, None)));
+        }
+        self.send_next_relay_request(queue);
+    }
+
+    /// Sends `request` after every relay request made before it; `done` gets its answer.
+    fn send_in_order(&self, queue: &Arc<Queue>, request: Request, done: super::RequestDone) {
+        self.relays.st.lock().outbox.push_back((request, Some(done)));
+        self.send_next_relay_request(queue);
+    }
+
+    /// Sends the next relay request unless one is on its way.
+    fn send_next_relay_request(&self, queue: &Arc<Queue>) {
+        let (request, done) = {
+            let mut st = self.relays.st.lock();
+            if st.sending {
+                return;
+            }
+            let Some(next) = st.outbox.pop_front() else { return };
+            st.sending = true;
+            next
+        };
         let weak = Arc::downgrade(queue);
         self.request(
-            &first,
+            &request,
             Box::new(move |answer| {
                 let Some(queue) = weak.upgrade() else { return };
-                if let Err(e) = answer {
+                match done {
+                    Some(done) => done(answer),
                     // The relay is gone on the home, or the home is: its CHECK sorts it out.
-                    tracing::debug!(queue = %queue.name, error = %e, "a request to a classic queue's home node failed");
+                    None => {
+                        if let Err(e) = answer {
+                            tracing::debug!(queue = %queue.name, error = %e, "a relay request to another node failed");
+                        }
+                    }
                 }
-                if let Some(remote) = queue.remote_home() {
-                    remote.send_all(&queue, requests.into());
+                if let Some(remote) = queue.relay_side() {
+                    remote.relays.st.lock().sending = false;
+                    remote.send_next_relay_request(&queue);
                 }
             }),
         );
