@@ -285,9 +285,24 @@ pub async fn ctl_request(addr: &str, secret: &[u8], rpc: Rpc, group: GroupId, pa
         let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("cannot connect to {addr}: {e}"))?;
         let _ = stream.set_nodelay(true);
         handshake::dial(&mut stream, secret, LinkKind::Ctl, 0, 0, "").await.map_err(|e| format!("{addr}: {e}"))?;
-        stream.write_all(&frame::request(1, rpc, group, payload)).await.map_err(|e| e.to_string())?;
+        let (mut rd, mut wr) = stream.into_split();
+        wr.write_all(&frame::request(1, rpc, group, payload)).await.map_err(|e| e.to_string())?;
+        // Keepalives while the answer takes its time (adding a node waits for it to catch up): the
+        // node closes a link silent for `IDLE_TIMEOUT`.
+        let keepalives = async move {
+            loop {
+                tokio::time::sleep(KEEPALIVE_EVERY).await;
+                if let Err(e) = wr.write_all(&frame::keepalive()).await {
+                    return e;
+                }
+            }
+        };
+        tokio::pin!(keepalives);
         loop {
-            let body = frame::read_body(&mut stream, MAX_FRAME, timeout, STALL_TIMEOUT).await.map_err(|e| e.to_string())?;
+            let body = tokio::select! {
+                body = frame::read_body(&mut rd, MAX_FRAME, timeout, STALL_TIMEOUT) => body.map_err(|e| e.to_string())?,
+                e = &mut keepalives => return Err(format!("{addr}: {e}")),
+            };
             match frame::parse(body).map_err(|e| e.to_string())? {
                 Frame::Response { id: 1, result } => return result,
                 _ => continue,
