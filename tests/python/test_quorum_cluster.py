@@ -232,3 +232,87 @@ def test_consumers_outside_the_group_move_to_another_member_when_theirs_dies(clu
     assert consumer.error is None, consumer.error
     assert not consumer.cancelled, "the consumer moved to another member instead of being cancelled"
     assert set(consumer.got) <= set(sent), "nothing that was never published"
+
+
+def test_a_node_added_later_agrees_on_the_members_and_serves_every_queue(cluster, tmp_path):
+    """A fourth node, started with four peers and added with `warren ctl add-node`: the groups of
+    the queues declared before it keep their three members (recorded at the declaration; before,
+    node 4 computed other members from its own peers, started replicas of groups it was never
+    part of and answered basic.get from them: empty), and it serves those queues through them. A
+    queue declared through node 4 is recorded with members from its peers, and every node uses
+    those."""
+    from conftest import Broker, free_port
+    old = [f"qq-before-{i}" for i in range(3)]
+    for name in old:
+        declare_on_one(cluster, name, node=1)
+        publish(cluster[1], name, [name.encode()])
+    port4 = free_port()
+    peers = ",".join(f"{i}=127.0.0.1:{b.cluster_port}" for i, b in cluster.items()) + f",4=127.0.0.1:{port4}"
+    node4 = Broker(tmp_path / "node4", tmp_path / "node4.log")
+    node4.extra_args = ["--node-id", "4", "--peers", peers, "--cluster-secret", SECRET]
+    node4.cluster_port = port4
+    node4.start()
+    try:
+        out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[1].cluster_port}", "--cluster-secret", SECRET,
+                              "--timeout", "15", "add-node", "4", f"127.0.0.1:{port4}"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+        def knows_them():
+            c = node4.connection()
+            try:
+                for name in old:
+                    c.channel().queue_declare(name, passive=True)
+            finally:
+                if c.is_open:
+                    c.close()
+            return True
+        eventually(knows_them, timeout=20)
+        c = node4.connection()
+        ch = c.channel()
+        for name in old:
+            method, _, body = ch.basic_get(name, auto_ack=False)
+            assert method is not None and body == name.encode(), f"node 4 serves {name} through its members"
+            ch.basic_ack(method.delivery_tag)
+        c.close()
+
+        new = "qq-after"
+        c = node4.connection()
+        c.channel().queue_declare(new, durable=True, arguments=QUORUM)
+        c.close()
+        publish(cluster[2], new, [b"hello"])
+        got = []
+        for node in (node4, cluster[3], cluster[1]):
+            c = node.connection()
+            ch = c.channel()
+            method, _, body = ch.basic_get(new, auto_ack=False)
+            if method is not None:
+                got.append(body)
+                ch.basic_nack(method.delivery_tag, requeue=True)
+            c.close()
+        assert got == [b"hello"] * 3, got
+
+        status = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[1].cluster_port}", "--cluster-secret", SECRET,
+                                 "--timeout", "5", "--json", "cluster-status"], capture_output=True, text=True, timeout=30)
+        for g in json.loads(status.stdout).get("groups", []):
+            members = {int(g["leader"]), *(int(f["id"]) for f in g.get("followers", []))} if g.get("leader") else set()
+            assert len(members) <= 3 or g["group"] == 0, f"group {g['group']} has {members}: members are never recomputed"
+    finally:
+        if node4.alive():
+            node4.kill9()
+
+
+def test_basic_get_on_every_node_gets_the_message_followers_included(cluster):
+    """basic.get on a follower: the leader answers that it took the message before the follower
+    applies the entry that hands it over. Answering get-empty on that answer (as before) made
+    basic.get on two nodes of three miss a message the queue held."""
+    name = "qq-get-everywhere"
+    declare_on_one(cluster, name)
+    publish(cluster[1], name, [b"only"])
+    for _round in range(3):
+        for i, b in cluster.items():
+            c = b.connection()
+            ch = c.channel()
+            method, _, body = ch.basic_get(name, auto_ack=False)
+            assert method is not None and body == b"only", f"basic.get on node {i}"
+            ch.basic_nack(method.delivery_tag, requeue=True)
+            c.close()

@@ -45,6 +45,12 @@ pub struct QueueDef {
     /// absent standalone, for quorum queues, and in definitions from before it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub home: Option<u64>,
+    /// In a cluster, the nodes of a quorum queue's Raft group, chosen once by the declaring node
+    /// from its peers, so that every node (one added later, or started with other `--peers`)
+    /// agrees on them; absent standalone, for classic queues, and in definitions from before it was
+    /// recorded (then each node computes them from its peers, as before).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub members: Option<Vec<u64>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -84,7 +90,14 @@ pub fn exchange_def(ex: &Exchange) -> ExchangeDef {
 }
 
 pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
-    QueueDef { name: q.name.clone(), id: q.id, auto_delete: q.auto_delete, arguments: table_to_json(&q.arguments), home: q.home_node() }
+    QueueDef {
+        name: q.name.clone(),
+        id: q.id,
+        auto_delete: q.auto_delete,
+        arguments: table_to_json(&q.arguments),
+        home: q.home_node(),
+        members: q.recorded_members().map(<[u64]>::to_vec),
+    }
 }
 
 pub fn binding_def(source: &str, b: &crate::exchange::Binding) -> BindingDef {
@@ -108,7 +121,7 @@ pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::que
     }
     let mut queues = Vec::new();
     for q in &defs.queues {
-        queues.push(vhost.restore_queue(q.name.clone(), q.id, q.auto_delete, table_from_json(&q.arguments), q.home));
+        queues.push(vhost.restore_queue(q));
     }
     for b in &defs.bindings {
         let Ok(source) = vhost.exchange(&b.source) else { continue };

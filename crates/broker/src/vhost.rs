@@ -409,7 +409,7 @@ impl VHost {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
             // In a cluster it lives on this node, whose client declared it (`queue::remote`).
             let home = self.metadata.is_replicated().then(|| self.quorum.node()).filter(|n| *n != 0);
-            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home };
+            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home, members: None };
             let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
             return self.declare_durable_queue(op, name, d);
         }
@@ -461,8 +461,12 @@ impl VHost {
                 self.name
             )));
         }
-        // Made in memory, and its group started, by `apply_committed` (`restore_queue`).
-        let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(1), auto_delete: false, arguments: table_to_json(d.arguments), home: None };
+        // Made in memory, and its group started, by `apply_committed` (`restore_queue`). In a
+        // cluster its members are chosen here, once, and recorded with it.
+        let id = self.new_durable_queue_id(1);
+        let size = QueueArgs::parse(&name, &self.name, d.arguments)?.quorum_initial_group_size;
+        let members = self.quorum.host().and_then(|h| h.members_for(id, size));
+        let queue = QueueDef { name: name.clone(), id, auto_delete: false, arguments: table_to_json(d.arguments), home: None, members };
         let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
         self.declare_durable_queue(op, name, d)
     }
@@ -829,10 +833,12 @@ impl VHost {
     }
 
     /// Recreates a durable queue from the metadata log.
-    pub fn restore_queue(&self, name: String, id: u64, auto_delete: bool, arguments: FieldTable, home: Option<u64>) -> Arc<Queue> {
+    pub fn restore_queue(&self, def: &QueueDef) -> Arc<Queue> {
+        let (name, id, auto_delete, home) = (def.name.clone(), def.id, def.auto_delete, def.home);
+        let arguments = table_from_json(&def.arguments);
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         if args.queue_type == QueueType::Quorum {
-            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone());
+            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), def.members.clone());
             self.queues.write().insert(name, queue.clone());
             // Declared now (or applied from the metadata group): its group starts at once. At a
             // start, the server starts them all once it has set the quorum host (`Broker::set_quorum_host`).
@@ -940,7 +946,7 @@ impl VHost {
                     }
                     return;
                 }
-                let queue = self.restore_queue(def.name.clone(), def.id, def.auto_delete, table_from_json(&def.arguments), def.home);
+                let queue = self.restore_queue(def);
                 if queue.args.retention_ms > 0 {
                     for store_id in queue.store_ids() {
                         self.store.set_retention(store_id, queue.args.retention_ms);

@@ -461,11 +461,18 @@ impl QuorumHost for QuorumGroups {
         }
     }
 
+    fn members_for(&self, group: u64, size: Option<u32>) -> Option<Vec<u64>> {
+        let (_, peers) = self.cluster.as_ref()?;
+        Some(members_of(group, peers, size.unwrap_or(DEFAULT_GROUP_SIZE)).into_iter().collect())
+    }
+
     fn start(&self, queue: Arc<Queue>) {
         let group = queue.id;
-        let members = match &self.cluster {
-            None => BTreeSet::from([self.node]),
-            Some((_, peers)) => members_of(group, peers, queue.args.quorum_initial_group_size.unwrap_or(DEFAULT_GROUP_SIZE)),
+        let members = match (&self.cluster, queue.recorded_members()) {
+            (None, _) => BTreeSet::from([self.node]),
+            // Recorded at the declaration: the same on every node, whatever its own peers.
+            (Some(_), Some(recorded)) if !recorded.is_empty() => recorded.iter().copied().collect(),
+            (Some((_, peers)), _) => members_of(group, peers, queue.args.quorum_initial_group_size.unwrap_or(DEFAULT_GROUP_SIZE)),
         };
         let member = members.contains(&self.node);
         let (tx, rx) = watch::channel(if member { Running::Starting } else { Running::NotMember });

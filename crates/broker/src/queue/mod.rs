@@ -281,8 +281,9 @@ impl Queue {
         vhost: Weak<VHost>,
         store: Store,
         runtime: Arc<replica::QuorumRuntime>,
+        members: Option<Vec<u64>>,
     ) -> Arc<Queue> {
-        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime);
+        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime, members);
         Self::build(name, id, true, None, false, arguments, args, vhost, store, crate::now_ms(), Some(replica))
     }
 
@@ -370,6 +371,11 @@ impl Queue {
         }
         let member = r.relay_member(None)?;
         Some(self.member_relay.get_or_init(|| remote::RemoteHome::through_member(member, r.runtime())))
+    }
+
+    /// The members of a quorum queue's group recorded at its declaration (`QueueDef::members`).
+    pub fn recorded_members(&self) -> Option<&[u64]> {
+        self.replica.as_ref().and_then(|r| r.recorded_members())
     }
 
     /// A quorum queue with a replica on this node (a member of its group, or not known otherwise yet).

@@ -92,6 +92,12 @@ pub trait QuorumHost: Send + Sync {
     fn start(&self, queue: Arc<Queue>);
     /// The queue was deleted: stops its group and removes its log.
     fn remove(&self, group: u64);
+    /// In a cluster: the members of a new quorum queue's group (`size` of them, the default without),
+    /// chosen by the declaring node and recorded with the declaration. None standalone.
+    fn members_for(&self, group: u64, size: Option<u32>) -> Option<Vec<u64>> {
+        let _ = (group, size);
+        None
+    }
     /// Sends a request about a classic queue to another node (`super::remote`); `done` is called
     /// exactly once, later, with the answer.
     fn classic_request(&self, node: u64, request: Bytes, done: super::remote::RequestDone) {
@@ -149,6 +155,9 @@ const READ_BACK_MESSAGES: usize = 512;
 const READ_BACK_BYTES: usize = 4 << 20;
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
+/// How long a basic.get answered "taken" by the leader waits for this node to apply the entry that
+/// took it before it answers get-empty (the message then goes back: the getter is gone).
+const GET_APPLY_WAIT: Duration = Duration::from_secs(5);
 
 /// How long purge waits for its entry.
 const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -305,6 +314,8 @@ struct After {
     /// Local consumers to attach again (the machine lost them: see `QuorumReplica::lost_consumers`).
     reattach: Vec<u64>,
     gets_done: bool,
+    /// basic.gets the leader took a message for, not applied here yet (`GET_APPLY_WAIT`).
+    get_applies: Vec<u64>,
     expired: bool,
 }
 
@@ -312,6 +323,8 @@ pub struct QuorumReplica {
     group: u64,
     store: Store,
     runtime: Arc<QuorumRuntime>,
+    /// The group's members recorded at the declaration (None: before they were recorded).
+    members: Option<Vec<u64>>,
     /// The high 32 bits of this process's local consumer ids: a restart never reuses one.
     incarnation: u64,
     next_local: AtomicU64,
@@ -349,11 +362,12 @@ fn death_reason(reason: Reason) -> Option<DeathReason> {
 }
 
 impl QuorumReplica {
-    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>) -> QuorumReplica {
+    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>, members: Option<Vec<u64>>) -> QuorumReplica {
         QuorumReplica {
             group,
             store,
             runtime,
+            members,
             incarnation: (rand::random::<u32>() as u64 | 1) << 32,
             next_local: AtomicU64::new(1),
             own_session: rand::random::<u64>() | 1,
@@ -395,6 +409,10 @@ impl QuorumReplica {
 
     pub fn is_leader(&self) -> bool {
         self.replicator.read().as_ref().is_some_and(|r| r.is_leader())
+    }
+
+    pub(super) fn recorded_members(&self) -> Option<&[u64]> {
+        self.members.as_deref()
     }
 
     /// Whether this node is known to be outside the group (its consumers go through a member).
@@ -739,6 +757,32 @@ impl QuorumReplica {
         if after.gets_done {
             self.gets_done.notify_waiters();
         }
+        if !after.get_applies.is_empty() {
+            let gets = std::mem::take(&mut after.get_applies);
+            let weak = Arc::downgrade(queue);
+            let give_up = move || {
+                let Some(queue) = weak.upgrade() else { return };
+                let Some(r) = &queue.replica else { return };
+                {
+                    let mut st = r.state.lock();
+                    for local in &gets {
+                        if let Some(g) = st.getters.get_mut(local) {
+                            g.done.get_or_insert(false);
+                        }
+                    }
+                }
+                r.gets_done.notify_waiters();
+            };
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    rt.spawn(async move {
+                        tokio::time::sleep(GET_APPLY_WAIT).await;
+                        give_up();
+                    });
+                }
+                Err(_) => give_up(),
+            }
+        }
         for c in after.cancelled.drain(..) {
             c.channel.consumer_cancelled_by_server(&c.tag);
         }
@@ -1064,9 +1108,17 @@ impl QuorumReplica {
                     }
                 }
                 Waiter::Get(local) => {
+                    // A message taken for this getter is handed over when this node applies the
+                    // entry (`deliver`), which on a follower comes after the leader's answer:
+                    // answering get-empty on the answer lost the race on every follower.
+                    let taken = matches!(reply, Some(Reply::Dequeued(Some(_))));
                     let mut st = self.state.lock();
                     if let Some(g) = st.getters.get_mut(&local) {
-                        g.done.get_or_insert(false);
+                        if taken && g.done.is_none() {
+                            after.get_applies.push(local);
+                        } else {
+                            g.done.get_or_insert(false);
+                        }
                     }
                     after.gets_done = true;
                 }
