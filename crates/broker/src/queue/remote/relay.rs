@@ -33,6 +33,8 @@ use crate::queue::{Entry, Queue};
 const CHECK_EVERY_MS: u64 = 2_000;
 /// A relay's pushed-but-not-taken bytes above which the home's next push waits.
 const BACKLOG_BYTES: usize = 4 << 20;
+/// Most delivery tags one merged `SETTLE` carries.
+const MAX_TAGS_PER_SETTLE: usize = 4096;
 /// Through a member: how many members in a row may refuse or fail a consumer's `OPEN` before it is
 /// cancelled.
 const OPEN_TRIES: u32 = 3;
@@ -355,7 +357,18 @@ impl RemoteHome {
             if st.sending {
                 return;
             }
-            let Some(next) = st.outbox.pop_front() else { return };
+            let Some(mut next) = st.outbox.pop_front() else { return };
+            // Settlements of one relay queued one after the other go as one request: one at a
+            // time must not mean one round trip per basic.ack of a client that acks each message.
+            if let (Request::Settle { relay, how, tags }, None) = &mut next {
+                while let Some((Request::Settle { relay: r, how: h, tags: more }, None)) = st.outbox.front_mut() {
+                    if *r != *relay || *h != *how || tags.len() + more.len() > MAX_TAGS_PER_SETTLE {
+                        break;
+                    }
+                    tags.append(more);
+                    st.outbox.pop_front();
+                }
+            }
             st.sending = true;
             next
         };
