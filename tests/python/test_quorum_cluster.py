@@ -32,18 +32,40 @@ def declare_on_one(nodes, name, node=1, **args):
     c = nodes[node].connection()
     c.channel().queue_declare(name, durable=True, arguments={**QUORUM, **args})
     c.close()
+    known_everywhere(nodes.values(), [name], timeout=10)
 
+
+def known_everywhere(nodes, names, timeout):
+    """Waits until every one of `nodes` knows every queue of `names` (passive declare)."""
     def everywhere():
-        for b in nodes.values():
+        for b in nodes:
             c = b.connection()
             try:
-                c.channel().queue_declare(name, passive=True)
+                for name in names:
+                    c.channel().queue_declare(name, passive=True)
             finally:
                 if c.is_open:
                     c.close()
         return True
 
-    eventually(everywhere, timeout=10)
+    eventually(everywhere, timeout=timeout)
+
+
+def ctl(node, *args, timeout=5):
+    """`warren ctl` against `node`'s cluster port."""
+    return subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{node.cluster_port}", "--cluster-secret", SECRET,
+                           "--timeout", str(timeout), *args], capture_output=True, text=True, timeout=timeout + 45)
+
+
+def groups(node):
+    """The Raft groups as `warren ctl cluster-status` on `node` shows them, by id ({} if it fails)."""
+    out = ctl(node, "--json", "cluster-status")
+    return {g["group"]: g for g in json.loads(out.stdout).get("groups", [])} if out.returncode == 0 else {}
+
+
+def members_of(g):
+    """A group's members as the status shows them: its leader and followers."""
+    return {int(g["leader"]), *(int(f["id"]) for f in g.get("followers", []))} if g.get("leader") else set()
 
 
 def publish(node, name, bodies):
@@ -90,10 +112,8 @@ def test_a_quorum_queue_is_served_by_every_node_and_survives_kill9_of_any_one(cl
         publish(cluster[others[0]], name, bodies)
         got = consume(cluster[others[1]], name, len(bodies))
         if sorted(got) != sorted(bodies):
-            import subprocess, json
-            from conftest import BIN
             for o in others:
-                out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[o].cluster_port}", "--cluster-secret", SECRET, "cluster-status", "--json"], capture_output=True, text=True)
+                out = ctl(cluster[o], "--json", "cluster-status")
                 print("STATUS from", o, out.stdout[-3000:], out.stderr[-500:])
         assert sorted(got) == sorted(bodies), f"with node {victim} down"
         cluster[victim].start()
@@ -108,19 +128,12 @@ def test_a_quorum_queue_is_served_by_every_node_and_survives_kill9_of_any_one(cl
 def group_members(cluster, declare):
     """Runs `declare` and returns the members of the Raft group that appeared with it (as
     `warren ctl cluster-status` shows them: its leader and followers)."""
-    def groups():
-        out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[1].cluster_port}", "--cluster-secret", SECRET,
-                              "--timeout", "5", "--json", "cluster-status"], capture_output=True, text=True, timeout=30)
-        return {g["group"]: g for g in json.loads(out.stdout).get("groups", [])} if out.returncode == 0 else {}
-    before = set(groups())
+    before = set(groups(cluster[1]))
     declare()
 
     def members():
-        new = [g for k, g in groups().items() if k not in before and g.get("leader")]
-        if len(new) != 1:
-            return None
-        g = new[0]
-        return {int(g["leader"]), *(int(f["id"]) for f in g.get("followers", []))}
+        new = [g for k, g in groups(cluster[1]).items() if k not in before and g.get("leader")]
+        return members_of(new[0]) if len(new) == 1 else None
     return eventually(members, timeout=20)
 
 
@@ -253,20 +266,9 @@ def test_a_node_added_later_agrees_on_the_members_and_serves_every_queue(cluster
     node4.cluster_port = port4
     node4.start()
     try:
-        out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[1].cluster_port}", "--cluster-secret", SECRET,
-                              "--timeout", "15", "add-node", "4", f"127.0.0.1:{port4}"], capture_output=True, text=True, timeout=60)
+        out = ctl(cluster[1], "add-node", "4", f"127.0.0.1:{port4}", timeout=15)
         assert out.returncode == 0, out.stderr
-
-        def knows_them():
-            c = node4.connection()
-            try:
-                for name in old:
-                    c.channel().queue_declare(name, passive=True)
-            finally:
-                if c.is_open:
-                    c.close()
-            return True
-        eventually(knows_them, timeout=20)
+        known_everywhere([node4], old, timeout=20)
         c = node4.connection()
         ch = c.channel()
         for name in old:
@@ -291,10 +293,8 @@ def test_a_node_added_later_agrees_on_the_members_and_serves_every_queue(cluster
             c.close()
         assert got == [b"hello"] * 3, got
 
-        status = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{cluster[1].cluster_port}", "--cluster-secret", SECRET,
-                                 "--timeout", "5", "--json", "cluster-status"], capture_output=True, text=True, timeout=30)
-        for g in json.loads(status.stdout).get("groups", []):
-            members = {int(g["leader"]), *(int(f["id"]) for f in g.get("followers", []))} if g.get("leader") else set()
+        for g in groups(cluster[1]).values():
+            members = members_of(g)
             assert len(members) <= 3 or g["group"] == 0, f"group {g['group']} has {members}: members are never recomputed"
     finally:
         if node4.alive():

@@ -496,7 +496,7 @@ impl Queue {
     /// replica of a quorum queue, or through a member of the group when it has none.
     pub fn check_consumable(&self) -> Result<()> {
         match &self.replica {
-            Some(r) if r.is_outside_group() => match r.relay_member(None) {
+            Some(r) if r.is_outside_group() => match self.member_relay() {
                 Some(_) => Ok(()),
                 None => Err(BrokerError::precondition_failed(format!(
                     "quorum queue '{}' has no replica on this node and no member of its group to relay consumers through; \
