@@ -404,6 +404,40 @@ def test_busy_queues_give_their_logs_back_once_together_past_the_nodes_budget(br
         assert [b for b, _ in get_all(ch, n)] == [b"%d:" % i + pad for i in range(sent)]
 
 
+def test_a_consumer_drains_a_backlog_past_the_memory_budget_in_order_with_requeues(broker, name):
+    """Past the 32 MiB budget a consumer's bodies are read ahead from the store off the apply path:
+    every message arrives once with its own body, in order, and one sent back (basic.nack
+    requeue) comes again with its body, while the read-ahead runs past it."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    pad = b"y" * 8000
+    bodies = [str(i).encode() + b":" + pad for i in range(6000)]  # ~48 MB
+    publish_confirmed(ch, name, bodies)
+    cons = conn.channel()
+    cons.basic_qos(prefetch_count=1000)
+    got, requeued = [], set()
+
+    def on_message(c, method, props, body):
+        n = int(body.split(b":", 1)[0])
+        if n % 97 == 0 and n not in requeued:
+            requeued.add(n)
+            c.basic_nack(method.delivery_tag, requeue=True)
+            return
+        got.append(body)
+        c.basic_ack(method.delivery_tag)
+
+    cons.basic_consume(name, on_message)
+    deadline = time.time() + 60
+    while len(got) < len(bodies) and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    assert len(got) == len(bodies), f"{len(got)} of {len(bodies)} delivered"
+    assert sorted(got, key=lambda b: int(b.split(b":", 1)[0])) == bodies, "every message once, bodies intact"
+    in_order = [b for b in got if int(b.split(b":", 1)[0]) not in requeued]
+    assert in_order == [b for i, b in enumerate(bodies) if i not in requeued], "the others in publish order"
+    assert ready(ch, name) == 0
+
+
 def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, name):
     """A replica holds at most 32 MiB of bodies; the rest stays in the store and is read back, in
     order, as it is delivered (also after a restart)."""
