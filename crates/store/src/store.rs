@@ -40,12 +40,8 @@ pub struct StoreOptions {
     /// The same for each queue's segment files.
     pub queue_segment_size: u64,
     /// A checkpoint is taken after this many WAL bytes (and after a quiet second): it bounds both the WAL
-    /// on disk and the work of recovery, and the memory of the queues' tails (the records since the
-    /// last checkpoint). 128 MiB by default: each checkpoint writes every queue's still-live records
-    /// into its files, a small direct write per queue, and at 1,000 quorum queues on three nodes
-    /// (bench/cluster.py Q4) those writes took a sixth of a node's time at one checkpoint per 32 MiB;
-    /// Q4 ran at 56.7k/56.7k msg/s with 32 MiB, 63.9k/61.5k with 128 MiB, 63.3k/62.7k with 256 MiB.
-    /// (RabbitMQ's quorum-queue WAL rolls over at 512 MB.)
+    /// on disk and the work of recovery. Up to four times later when the records since the last one
+    /// are spread over many queues (see `writer::checkpoint_due_at`).
     pub checkpoint_bytes: u64,
     /// ... and this long after the last one when anything changed, so disk is reclaimed when quiet.
     pub checkpoint_idle_ms: u64,
@@ -62,7 +58,7 @@ impl Default for StoreOptions {
         StoreOptions {
             segment_size: 32 << 20,
             queue_segment_size: 16 << 20,
-            checkpoint_bytes: 128 << 20,
+            checkpoint_bytes: 32 << 20,
             checkpoint_idle_ms: 1000,
             active_segment_idle_ms: 10_000,
             sync: SyncPolicy::EveryBatch,

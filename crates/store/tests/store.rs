@@ -971,3 +971,54 @@ fn live_bytes_from_a_damaged_checkpoint_saturate_instead_of_wrapping() {
     assert_eq!(queue(&rec, 1).live_bytes, u64::MAX);
     assert_eq!(read_all(&store, 1, 0, 5).len(), 5);
 }
+
+/// Appends a `len`-byte message for each (queue, seq), in one batch, and waits until durable.
+fn put_many(store: &Store, messages: impl IntoIterator<Item = (u64, u64)>, len: usize) {
+    let mut b = Batch::new();
+    for (q, seq) in messages {
+        b.enqueue(q, seq, 1_000 + seq, &[&payload(q, seq, len)]);
+    }
+    let t = store.append(&mut b).unwrap();
+    store.wait_durable(t).unwrap();
+}
+
+#[test]
+fn records_spread_over_many_queues_wait_for_up_to_four_times_the_checkpoint_bytes() {
+    // The checkpoint copies each queue's live records into its own files: a write per queue. One
+    // queue's records are checkpointed every `checkpoint_bytes`; over 1,100 queues (~250 KiB a
+    // round here), up to four times that goes by first.
+    let checkpoints_after = |store: &Store, settle: Duration| {
+        std::thread::sleep(settle);
+        store.stats().checkpoints
+    };
+    let o = StoreOptions { checkpoint_bytes: 512 << 10, segment_size: 4 << 20, ..opts() };
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), o.clone());
+    let start = store.stats().checkpoints;
+    for round in 0..7 {
+        put_many(&store, (round * 1100..(round + 1) * 1100).map(|seq| (0, seq)), 200); // one queue, ~1.8 MiB
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.stats().checkpoints - start < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(store.stats().checkpoints - start >= 2, "one queue: a checkpoint per 512 KiB");
+    store.close().unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), o);
+    let start = store.stats().checkpoints;
+    for round in 0..7 {
+        put_many(&store, (0..1100).map(|q| (q, round)), 200); // ~1.8 MiB over 1,100 queues
+    }
+    assert_eq!(checkpoints_after(&store, Duration::from_millis(300)) - start, 0, "1,100 queues: none before 2 MiB");
+    for round in 7..10 {
+        put_many(&store, (0..1100).map(|q| (q, round)), 200);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.stats().checkpoints == start && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(store.stats().checkpoints > start, "past 2 MiB the checkpoint comes");
+    store.close().unwrap();
+}
