@@ -654,7 +654,7 @@ impl QuorumReplica {
             store.read(self.group, msg_id, READ_BACK_MESSAGES, READ_BACK_BYTES)
         });
         match read {
-            Ok(batch) => take_bodies(queue, st, batch.messages, Some(msg_id)),
+            Ok(batch) => take_bodies(st, decode_bodies(queue, batch.messages), Some(msg_id)),
             Err(e) => tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages back from the store"),
         }
         st.bodies.get(&msg_id)?.message.clone()
@@ -678,11 +678,12 @@ impl QuorumReplica {
         rt.spawn_blocking(move || {
             let Some(me) = &queue.replica else { return };
             loop {
-                let read = me.store.read(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES);
+                // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
+                let read = me.store.read(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES).map(|b| decode_bodies(&queue, b.messages));
                 let mut st = me.state.lock();
                 let next = match read {
-                    Ok(batch) if !batch.messages.is_empty() => {
-                        take_bodies(&queue, &mut st, batch.messages, None);
+                    Ok(bodies) if !bodies.is_empty() => {
+                        take_bodies(&mut st, bodies, None);
                         me.read_ahead_from(&st)
                     }
                     Ok(_) => None, // not readable yet: a later delivery asks again
@@ -1593,22 +1594,30 @@ fn hold(st: &mut ReplicaState, message: crate::message::Message) -> Option<Messa
     Some(Arc::new(message))
 }
 
+/// Decodes bodies read back from the store (unreadable ones are logged and left out).
+fn decode_bodies(queue: &Queue, messages: Vec<warren_store::StoredMessage>) -> Vec<(MsgId, MessageRef)> {
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        match decode_stored(&m.payload) {
+            Some(stored) => out.push((m.seq, Arc::new(stored.message))),
+            None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
+        }
+    }
+    out
+}
+
 /// Holds bodies read back from the store, for messages still live and not held, while they fit in
 /// the memory budget (`wanted`: held whatever the budget).
-fn take_bodies(queue: &Queue, st: &mut ReplicaState, messages: Vec<warren_store::StoredMessage>, wanted: Option<MsgId>) {
-    for m in messages {
-        let wanted = Some(m.seq) == wanted || st.body_mem < BODY_BUDGET_BYTES;
-        if !wanted || !st.bodies.get(&m.seq).is_some_and(|b| b.message.is_none()) {
-            continue;
-        }
-        match decode_stored(&m.payload) {
-            Some(stored) => {
-                st.body_mem += stored.message.memory_bytes() as u64;
-                if let Some(b) = st.bodies.get_mut(&m.seq) {
-                    b.message = Some(Arc::new(stored.message));
-                }
+fn take_bodies(st: &mut ReplicaState, bodies: Vec<(MsgId, MessageRef)>, wanted: Option<MsgId>) {
+    for (seq, message) in bodies {
+        let wanted = Some(seq) == wanted || st.body_mem < BODY_BUDGET_BYTES;
+        let ReplicaState { bodies, body_mem, .. } = st;
+        match bodies.get_mut(&seq) {
+            Some(b) if wanted && b.message.is_none() => {
+                *body_mem += message.memory_bytes() as u64;
+                b.message = Some(message);
             }
-            None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
+            _ => {}
         }
     }
 }
