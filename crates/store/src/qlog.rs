@@ -152,8 +152,11 @@ pub(crate) struct QueueLog {
     pub dirty: bool,
     /// When the last enqueue was applied (wall clock, ms).
     last_enqueue_ms: u64,
-    /// Read handle and where the next in-order read starts: (seq, segment, file offset).
-    reader: Option<(u64, File)>,
+    /// Read handle (segment, whether it reads past the page cache) and where the next in-order read
+    /// starts: (seq, segment, file offset).
+    reader: Option<(u64, bool, File)>,
+    /// The cached reader bypasses the page cache (a direct one asked for, and the file system took it).
+    reader_is_direct: bool,
     cursor: Option<(u64, u64, u64)>,
 }
 
@@ -178,6 +181,7 @@ impl QueueLog {
             dirty: false,
             last_enqueue_ms: 0,
             reader: None,
+            reader_is_direct: false,
             cursor: None,
         }
     }
@@ -405,7 +409,7 @@ impl QueueLog {
             freed = seg.len;
         }
         self.segments.remove(&seg.first_seq);
-        if self.reader.as_ref().is_some_and(|(f, _)| *f == seg.first_seq) {
+        if self.reader.as_ref().is_some_and(|(f, _, _)| *f == seg.first_seq) {
             self.reader = None;
         }
         self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
@@ -414,7 +418,8 @@ impl QueueLog {
     }
 
     /// Reads live messages from `from_seq` on: at most `max_count` of them and about `max_bytes` of payload.
-    pub fn read(&mut self, from_seq: u64, max_count: usize, max_bytes: usize) -> std::io::Result<ReadBatch> {
+    /// `direct`: past the page cache (`direct::open_direct_reader`), for reads off the delivery path.
+    pub fn read(&mut self, from_seq: u64, max_count: usize, max_bytes: usize, direct: bool) -> std::io::Result<ReadBatch> {
         let mut out = ReadBatch { next_seq: self.gone.next_live(from_seq), ..Default::default() };
         let mut bytes = 0usize;
         while out.messages.len() < max_count && bytes < max_bytes && out.next_seq < self.file_next_seq {
@@ -448,11 +453,11 @@ impl QueueLog {
                 break; // the rest of this segment is not written yet
             }
             let want = (max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64;
-            let mut chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize)?;
+            let mut chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize, direct)?;
             // A chunk must hold at least one whole record: read again if the first one is longer.
             let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&chunk, 0)));
             if first_len > chunk.len() as u64 && offset + first_len <= seg.len {
-                chunk = self.pread(&seg, offset, first_len as usize)?;
+                chunk = self.pread(&seg, offset, first_len as usize, direct)?;
             }
             let mut pos = 0usize;
             // An empty chunk (the file ends before the segment does: cut or damaged on disk) is decoded
@@ -575,16 +580,21 @@ impl QueueLog {
         }
     }
 
-    fn pread(&mut self, seg: &QSeg, offset: u64, len: usize) -> std::io::Result<Bytes> {
-        if self.reader.as_ref().is_none_or(|(f, _)| *f != seg.first_seq) {
+    fn pread(&mut self, seg: &QSeg, offset: u64, len: usize, direct: bool) -> std::io::Result<Bytes> {
+        if self.reader.as_ref().is_none_or(|(f, d, _)| *f != seg.first_seq || *d != direct) {
             let path = match seg.wal {
                 Some(base) => crate::segment::path(&self.wal_dir, base),
                 None => seg_path(&self.dir, seg.first_seq),
             };
-            self.reader = Some((seg.first_seq, crate::direct::open_reader(&path)?));
+            // A direct reader that fell back to buffered reads is cached as a direct one: asking again
+            // would fall back again.
+            let file = if direct { crate::direct::open_direct_reader(&path)? } else { (crate::direct::open_reader(&path)?, false) };
+            self.reader = Some((seg.first_seq, direct, file.0));
+            self.reader_is_direct = file.1;
         }
         match &self.reader {
-            Some((_, file)) => crate::direct::read_range(file, offset, len),
+            Some((_, _, file)) if self.reader_is_direct => crate::direct::read_range_direct(file, offset, len),
+            Some((_, _, file)) => crate::direct::read_range(file, offset, len),
             None => Ok(Bytes::new()),
         }
     }
@@ -597,7 +607,7 @@ impl QueueLog {
             if seg.last_ts < timestamp_ms {
                 continue;
             }
-            let data = self.pread(&seg, seg.start, seg.len.saturating_sub(seg.start) as usize)?;
+            let data = self.pread(&seg, seg.start, seg.len.saturating_sub(seg.start) as usize, false)?;
             let mut pos = 0;
             while let Ok((record, n)) = format::decode_record(&data[pos..]) {
                 if let Record::Enqueue { queue, seq, timestamp_ms: ts, .. } = record {

@@ -1020,3 +1020,49 @@ fn records_spread_over_many_queues_wait_for_up_to_four_times_the_checkpoint_byte
     assert!(checkpoints_since(&store, start, 1) >= 1, "past 2 MiB the checkpoint comes");
     store.close().unwrap();
 }
+
+#[test]
+fn direct_reads_return_what_buffered_reads_do_from_files_extents_and_the_tail() {
+    // Messages of many sizes (records at every offset, some across 4 KiB blocks), in the queue's
+    // own files (two queues interleaved: copied at a checkpoint), in WAL extents (one queue's run
+    // of over 512 KiB) and in the WAL tail since the last checkpoint.
+    let o = StoreOptions { checkpoint_bytes: 256 << 10, segment_size: 4 << 20, ..opts() };
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), o);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut sizes: Vec<(u64, u64, usize)> = Vec::new();
+    for seq in 0..300 {
+        for q in [1, 2] {
+            sizes.push((q, seq, rng.gen_range(1..9000)));
+        }
+    }
+    for seq in 0..200 {
+        sizes.push((3, seq, rng.gen_range(3000..9000))); // a dense run: an extent
+    }
+    for chunk in sizes.chunks(16) {
+        let mut b = Batch::new();
+        for &(q, seq, len) in chunk {
+            b.enqueue(q, seq, 1_000 + seq, &[&payload(q, seq, len)]);
+        }
+        let t = store.append(&mut b).unwrap();
+        store.wait_durable(t).unwrap();
+    }
+    for q in [1, 2, 3] {
+        let expect: Vec<(u64, Vec<u8>)> = sizes.iter().filter(|s| s.0 == q).map(|&(_, seq, len)| (seq, payload(q, seq, len))).collect();
+        assert_eq!(read_all(&store, q, 0, expect.len()), expect, "queue {q}: buffered reads");
+        let mut got = Vec::new();
+        let mut seq = 0;
+        for step in [1usize, 7, 64].iter().cycle() {
+            let batch = store.read_direct(q, seq, *step, 20_000).unwrap();
+            assert_eq!(batch.lost, 0);
+            if batch.messages.is_empty() {
+                break;
+            }
+            got.extend(batch.messages.into_iter().map(|m| (m.seq, m.payload.to_vec())));
+            seq = batch.next_seq;
+        }
+        assert_eq!(got, expect, "queue {q}: direct reads");
+    }
+    assert!(store.stats().checkpoints > 0, "some of it was checkpointed");
+    store.close().unwrap();
+}

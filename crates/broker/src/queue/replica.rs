@@ -679,7 +679,7 @@ impl QuorumReplica {
             let Some(me) = &queue.replica else { return };
             loop {
                 // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
-                let read = me.store.read(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES).map(|b| decode_bodies(&queue, b.messages));
+                let read = me.store.read_direct(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES).map(|b| decode_bodies(&queue, b.messages));
                 let mut st = me.state.lock();
                 let next = match read {
                     Ok(bodies) if !bodies.is_empty() => {
