@@ -270,11 +270,24 @@ def test_a_node_added_later_agrees_on_the_members_and_serves_every_queue(cluster
         assert out.returncode == 0, out.stderr
         known_everywhere([node4], old, timeout=20)
         c = node4.connection()
-        ch = c.channel()
-        for name in old:
-            method, _, body = ch.basic_get(name, auto_ack=False)
+
+        def get_acked(name):
+            # Node 4's links to the members come up after the add: until then a basic.get is refused
+            # (404 "member node N ... did not answer ...; the next basic.get goes through another
+            # member"), as the reply says, on a channel of its own.
+            ch = c.channel()
+            try:
+                method, _, body = ch.basic_get(name, auto_ack=False)
+            except pika.exceptions.ChannelClosedByBroker as e:
+                assert e.reply_code == 404 and "did not answer" in e.reply_text, e
+                return None
             assert method is not None and body == name.encode(), f"node 4 serves {name} through its members"
             ch.basic_ack(method.delivery_tag)
+            ch.close()
+            return True
+
+        for name in old:
+            eventually(lambda: get_acked(name), timeout=20, interval=0.5)
         c.close()
 
         new = "qq-after"
