@@ -310,6 +310,8 @@ pub(crate) struct GroupInner {
     cached: EntryCache,
     /// This node's state machine has applied every entry below this index.
     applied_below: u64,
+    /// Where the replication streams read next (see [`cache::ReadMark`]).
+    readers: cache::ReadMarks,
     next_log_seq: u64,
     next_state_seq: u64,
     hard: HardState,
@@ -335,6 +337,7 @@ impl Group {
                 slots: VecDeque::new(),
                 cached: EntryCache::new(budget),
                 applied_below: 0,
+                readers: cache::ReadMarks::default(),
                 next_log_seq: 0,
                 next_state_seq: 0,
                 hard: HardState::default(),
@@ -601,16 +604,18 @@ impl GroupInner {
         }
     }
 
-    /// Drops cached entries the store can read now and this node has applied (or all readable
-    /// ones, oldest first, while the group or the node holds more than its budget).
+    /// Drops cached entries the store can read now, this node has applied and every replication
+    /// stream has read (or all readable ones, oldest first, while the group or the node holds more
+    /// than its budget).
     fn evict_readable(&mut self, store: &Store) {
+        let read_below = self.readers.lowest();
         while !self.cached.is_empty() {
             let index = self.cached_from();
             let at = (index - self.first_index) as usize;
             if !self.slots.get(at).is_some_and(|s| store.is_readable(s.ticket)) {
                 break;
             }
-            if index >= self.applied_below && !self.cached.over() {
+            if (index >= self.applied_below || index >= read_below) && !self.cached.over() {
                 break;
             }
             self.cached.pop_front();
@@ -810,6 +815,11 @@ struct ReadPlan {
 }
 
 impl Group {
+    /// A mark for a new log reader (see [`cache::ReadMark`]).
+    pub(crate) fn add_reader(&self) -> Arc<cache::ReadMark> {
+        self.inner.lock().readers.add()
+    }
+
     /// This node's state machine applied the entries up to `index`: cached ones the store can read
     /// are not needed in memory any more.
     pub fn applied(&self, store: &Store, index: u64) {
@@ -912,6 +922,33 @@ mod tests {
         assert!(g.reads_store(&store, 9, 10));
         assert_eq!(logs.shared.cache_budget.bytes(), 0);
         // What they read back is what was appended.
+        assert_eq!(g.read(&store, 0, 10, usize::MAX).unwrap(), entries(0, 10, 100));
+    }
+
+    /// On a leader, applied entries stay in memory until every replication stream has started a
+    /// read past them (the slower follower's stream reads them after the faster one's ack
+    /// committed them); a stream that ended, or never read, holds nothing back.
+    #[tokio::test]
+    async fn applied_entries_stay_cached_until_every_replication_stream_read_past_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let g = logs.group(7).unwrap();
+        let (fast, slow, _never_read) = (g.add_reader(), g.add_reader(), g.add_reader());
+        let ticket = g.inner.lock().append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 100)).unwrap();
+        wait_readable(&logs, ticket).await;
+        fast.set(10);
+        slow.set(3);
+        g.applied(&store, 9);
+        assert!(g.reads_store(&store, 0, 3), "read by both streams and applied: gone");
+        assert!(!g.reads_store(&store, 3, 10), "the slow stream reads on from 3: kept");
+        slow.set(6);
+        g.applied(&store, 9);
+        assert!(g.reads_store(&store, 5, 6) && !g.reads_store(&store, 6, 10));
+        drop(slow);
+        g.applied(&store, 9);
+        assert!(g.reads_store(&store, 9, 10), "the slow stream ended: nothing held");
+        assert_eq!(logs.shared.cache_budget.bytes(), 0);
         assert_eq!(g.read(&store, 0, 10, usize::MAX).unwrap(), entries(0, 10, 100));
     }
 
