@@ -162,7 +162,7 @@ const READ_AHEAD_MESSAGES: usize = 1024;
 /// How many bodies after the last delivery are read ahead: more than a consumer with a large
 /// prefetch is assigned at once (`ASSIGN_AHEAD_FROM`).
 const READ_AHEAD_WINDOW: usize = 4096;
-const READ_AHEAD_BYTES: usize = 4 << 20;
+const READ_AHEAD_BYTES: usize = 1 << 20;
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
 /// How long a basic.get answered "taken" by the leader waits for this node to apply the entry that
