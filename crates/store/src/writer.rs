@@ -67,18 +67,21 @@ const SPARE_BUFFERS: usize = 8;
 /// not reallocate (and page-fault in) its two group buffers over and over.
 const MAX_RETAINED_BUFFER: usize = 32 << 20;
 
-/// Past this many queues with records since the last checkpoint, the checkpoint waits for
-/// proportionally more WAL (see `checkpoint_due_at`).
-const SPREAD_QUEUES: usize = 256;
-/// ... up to this many times `checkpoint_bytes`.
-const SPREAD_FACTOR: u64 = 4;
+/// Per this many queues with records since the last checkpoint, the checkpoint waits for
+/// `checkpoint_bytes` more WAL (see `checkpoint_due_at`).
+const SPREAD_QUEUES: usize = 64;
+/// ... up to this many times `checkpoint_bytes` (the tail records until then are slices of group
+/// buffers held in memory: 512 MiB at the default 32 MiB).
+const SPREAD_FACTOR: u64 = 16;
 
 /// The WAL bytes after which a checkpoint is due, with `queues` queues holding records since the last
 /// one. A checkpoint writes each of those queues' live records into its own files: a small direct
 /// write per queue when they are many. At 1,000 quorum queues on three nodes (bench/cluster.py Q4:
 /// their Raft logs interleave in the WAL and stay live until a snapshot) those writes took a sixth
 /// of a node's time at a checkpoint per 32 MiB; one per 128 MiB ran Q4 at 63.9k/61.5k msg/s against
-/// 56.7k/56.7k. Few queues keep the checkpoint at `checkpoint_bytes`: its copy (one queue's backlog,
+/// 56.7k/56.7k, one per 480 MiB (15 x 32 MiB) at 71.2k/74.3k against 64.5k/67.1k: the longer the
+/// WAL waits, the more of those entries a snapshot has let go by the checkpoint, and the fewer
+/// are copied. Few queues keep the checkpoint at `checkpoint_bytes`: its copy (one queue's backlog,
 /// in a few large writes) holds up group commits while it runs, and at 128 MiB for everyone Q1's
 /// confirm p99 went from 62 ms to 104 ms.
 fn checkpoint_due_at(checkpoint_bytes: u64, queues: usize) -> u64 {

@@ -992,10 +992,10 @@ fn checkpoints_since(store: &Store, start: u64, at_least: u64) -> u64 {
 }
 
 #[test]
-fn records_spread_over_many_queues_wait_for_up_to_four_times_the_checkpoint_bytes() {
+fn records_spread_over_many_queues_wait_for_up_to_sixteen_times_the_checkpoint_bytes() {
     // The checkpoint copies each queue's live records into its own files: a write per queue. One
     // queue's records are checkpointed every `checkpoint_bytes`; over 1,100 queues (~250 KiB a
-    // round here), up to four times that goes by first.
+    // round here), up to sixteen times that goes by first.
     let o = StoreOptions { checkpoint_bytes: 512 << 10, segment_size: 4 << 20, ..opts() };
     let dir = tempfile::tempdir().unwrap();
     let (store, _) = open(dir.path(), o.clone());
@@ -1009,15 +1009,15 @@ fn records_spread_over_many_queues_wait_for_up_to_four_times_the_checkpoint_byte
     let dir = tempfile::tempdir().unwrap();
     let (store, _) = open(dir.path(), o);
     let start = store.stats().checkpoints;
-    for round in 0..7 {
-        put_many(&store, (0..1100).map(|q| (q, round)), 200); // ~1.8 MiB over 1,100 queues
+    for round in 0..28 {
+        put_many(&store, (0..1100).map(|q| (q, round)), 200); // ~7 MiB over 1,100 queues
     }
     std::thread::sleep(Duration::from_millis(300)); // the writer has applied them
-    assert_eq!(store.stats().checkpoints - start, 0, "1,100 queues: none before 2 MiB");
-    for round in 7..10 {
+    assert_eq!(store.stats().checkpoints - start, 0, "1,100 queues: none before 8 MiB");
+    for round in 28..40 {
         put_many(&store, (0..1100).map(|q| (q, round)), 200);
     }
-    assert!(checkpoints_since(&store, start, 1) >= 1, "past 2 MiB the checkpoint comes");
+    assert!(checkpoints_since(&store, start, 1) >= 1, "past 8 MiB the checkpoint comes");
     store.close().unwrap();
 }
 
