@@ -83,8 +83,9 @@ struct TailRecord {
     record: Bytes,
     /// Where it is in the WAL: the segment's base and the file offset of the record.
     wal: WalPlace,
-    /// The enqueue before it in the WAL segment was this queue's too (only acks and other
-    /// non-message records, if anything, lie between them).
+    /// The enqueue before it in the WAL segment was this queue's too, or one its run goes over
+    /// (`crate::runs_over`); only acks and other non-message records, if anything, lie between
+    /// them otherwise.
     follows_own: bool,
 }
 

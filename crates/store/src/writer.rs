@@ -449,7 +449,8 @@ pub(crate) struct Writer {
     last_group_len: usize,
     /// Per kept WAL segment, the extent ranges its holes were last punched around.
     punched: HashMap<u64, Vec<(u64, u64)>>,
-    /// (queue, WAL segment) of the last enqueue applied: whether the next one follows its own queue's.
+    /// (queue, WAL segment) of the last enqueue applied: whether the next one follows its own queue's
+    /// (or one its run may go over, `crate::runs_over`).
     prev_enqueue: Option<(u64, u64)>,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
@@ -703,7 +704,7 @@ impl Writer {
                     }
                 };
                 let place = wal_place(start);
-                let follows_own = prev_enqueue == Some((queue, place.base));
+                let follows_own = prev_enqueue.is_some_and(|(prev, base)| base == place.base && crate::runs_over(queue, prev));
                 prev_enqueue = Some((queue, place.base));
                 let pushed = log.lock().push_tail(group.slice(start..end), place, follows_own, seq, timestamp_ms, payload.len(), now);
                 if let Err(regression) = pushed {

@@ -652,6 +652,50 @@ fn interleaved_queues_are_copied_so_a_slow_one_does_not_pin_the_wal() {
 }
 
 #[test]
+fn a_raft_log_runs_over_its_own_queues_records_but_no_other_queue_runs_over_anything() {
+    // A quorum queue (group 7) writes its Raft entries, its hard state and, past its memory
+    // budget, its messages' records in turn: the log's entries stay in the WAL (an extent over
+    // the others), the queue's records and the state are copied into their own files (read back
+    // densely). Group 9's log written in turn with queue 10 (another queue) is copied.
+    use warren_store::{RAFT_LOG_QUEUES, RAFT_STATE_QUEUES};
+    let (log, state, log9) = (RAFT_LOG_QUEUES | 7, RAFT_STATE_QUEUES | 7, RAFT_LOG_QUEUES | 9);
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), extent_opts());
+    // In turn, 50 of each a batch (one append each would make the tails' group buffers, a block
+    // each, call for checkpoints too often for any run to reach 512 KiB).
+    let put_in_turn = |queues: &[(u64, usize)]| {
+        for from in (0..1500).step_by(50) {
+            let mut b = Batch::new();
+            for seq in from..from + 50 {
+                for &(q, len) in queues {
+                    b.enqueue(q, seq, 1_000 + seq, &[&payload(q, seq, len)]);
+                }
+            }
+            let t = store.append(&mut b).unwrap();
+            store.wait_durable(t).unwrap();
+        }
+    };
+    put_in_turn(&[(log, 1000), (state, 40), (7, 1000)]);
+    put_in_turn(&[(log9, 1000), (10, 1000)]);
+    store.close().unwrap();
+    // Bytes in each queue's own files.
+    let copied = |q: u64| -> u64 {
+        files_with_ext(&dir.path().join("queues").join(q.to_string()), "qseg").iter().map(|p| p.metadata().unwrap().len()).sum()
+    };
+    assert_eq!(copied(log), 0, "group 7's log stays in the WAL");
+    let all = 1500 * (RECORD_HEADER_SIZE + ENQUEUE_FIXED_LEN + 1000) as u64;
+    for q in [7, log9, 10] {
+        assert!(copied(q) >= all, "queue {q}: {} bytes copied, all of its {all}", copied(q));
+    }
+    let (store, rec) = open(dir.path(), extent_opts());
+    for (q, len) in [(log, 1000), (state, 40), (7, 1000), (log9, 1000), (10, 1000)] {
+        assert_eq!(queue(&rec, q).live_count, 1500);
+        let all = read_all(&store, q, 0, 1500);
+        assert!(all.iter().enumerate().all(|(i, (seq, p))| *seq == i as u64 && *p == payload(q, i as u64, len)), "queue {q} reads back");
+    }
+}
+
+#[test]
 fn an_extent_with_out_of_order_acks_and_damage_reads_back_what_is_left() {
     let dir = tempfile::tempdir().unwrap();
     let (store, _) = open(dir.path(), extent_opts());
