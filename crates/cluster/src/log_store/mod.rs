@@ -310,7 +310,7 @@ pub(crate) struct GroupInner {
     cached: EntryCache,
     /// This node's state machine has applied every entry below this index.
     applied_below: u64,
-    /// Where the replication streams read next (see [`cache::ReadMark`]).
+    /// Where the replication streams last started a read (see [`cache::ReadMark`]).
     readers: cache::ReadMarks,
     next_log_seq: u64,
     next_state_seq: u64,

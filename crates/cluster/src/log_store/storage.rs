@@ -25,7 +25,7 @@ const STREAM_CHUNK_BYTES: usize = 4 << 20;
 pub struct LogStore {
     group: Arc<Group>,
     shared: Arc<Shared>,
-    /// A reader's: where its replication reads (`limited_get_log_entries`) go next.
+    /// A reader's: where its last replication read (`limited_get_log_entries`) started.
     mark: Option<Arc<ReadMark>>,
 }
 
