@@ -74,7 +74,9 @@ pub fn is_raft_queue(id: u64) -> bool {
 /// quorum queue's backlog drained at half the rate).
 pub(crate) fn runs_over(queue: u64, other: u64) -> bool {
     let group = |id: u64| id & (RAFT_STATE_QUEUES - 1);
-    queue == other || (queue & RAFT_LOG_QUEUES != 0 && is_raft_queue(queue) && (other == group(queue) || (is_raft_queue(other) && group(other) == group(queue))))
+    let is_log = (RAFT_LOG_QUEUES..1 << 63).contains(&queue);
+    let of_the_group = other == group(queue) || (is_raft_queue(other) && group(other) == group(queue));
+    queue == other || (is_log && of_the_group)
 }
 
 /// A position in the logical WAL. A batch is durable once the durable watermark is at or past its ticket.

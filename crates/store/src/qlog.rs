@@ -89,6 +89,17 @@ struct TailRecord {
     follows_own: bool,
 }
 
+/// An open segment file for reads.
+struct SegReader {
+    first_seq: u64,
+    /// Opened for reads past the page cache. A direct reader the file system refused (it reads
+    /// buffered) is kept as one: opening it again would be refused again.
+    asked_direct: bool,
+    /// Reads past the page cache (`O_DIRECT`).
+    is_direct: bool,
+    file: File,
+}
+
 /// Where a record sits in the WAL.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WalPlace {
@@ -153,11 +164,9 @@ pub(crate) struct QueueLog {
     pub dirty: bool,
     /// When the last enqueue was applied (wall clock, ms).
     last_enqueue_ms: u64,
-    /// Read handle (segment, whether it reads past the page cache) and where the next in-order read
-    /// starts: (seq, segment, file offset).
-    reader: Option<(u64, bool, File)>,
-    /// The cached reader bypasses the page cache (a direct one asked for, and the file system took it).
-    reader_is_direct: bool,
+    /// Read handle of one segment.
+    reader: Option<SegReader>,
+    /// Where the next in-order read starts: (seq, segment, file offset).
     cursor: Option<(u64, u64, u64)>,
 }
 
@@ -182,7 +191,6 @@ impl QueueLog {
             dirty: false,
             last_enqueue_ms: 0,
             reader: None,
-            reader_is_direct: false,
             cursor: None,
         }
     }
@@ -410,7 +418,7 @@ impl QueueLog {
             freed = seg.len;
         }
         self.segments.remove(&seg.first_seq);
-        if self.reader.as_ref().is_some_and(|(f, _, _)| *f == seg.first_seq) {
+        if self.reader.as_ref().is_some_and(|r| r.first_seq == seg.first_seq) {
             self.reader = None;
         }
         self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
@@ -582,20 +590,17 @@ impl QueueLog {
     }
 
     fn pread(&mut self, seg: &QSeg, offset: u64, len: usize, direct: bool) -> std::io::Result<Bytes> {
-        if self.reader.as_ref().is_none_or(|(f, d, _)| *f != seg.first_seq || *d != direct) {
+        if self.reader.as_ref().is_none_or(|r| r.first_seq != seg.first_seq || r.asked_direct != direct) {
             let path = match seg.wal {
                 Some(base) => crate::segment::path(&self.wal_dir, base),
                 None => seg_path(&self.dir, seg.first_seq),
             };
-            // A direct reader that fell back to buffered reads is cached as a direct one: asking again
-            // would fall back again.
-            let file = if direct { crate::direct::open_direct_reader(&path)? } else { (crate::direct::open_reader(&path)?, false) };
-            self.reader = Some((seg.first_seq, direct, file.0));
-            self.reader_is_direct = file.1;
+            let (file, is_direct) = if direct { crate::direct::open_direct_reader(&path)? } else { (crate::direct::open_reader(&path)?, false) };
+            self.reader = Some(SegReader { first_seq: seg.first_seq, asked_direct: direct, is_direct, file });
         }
         match &self.reader {
-            Some((_, _, file)) if self.reader_is_direct => crate::direct::read_range_direct(file, offset, len),
-            Some((_, _, file)) => crate::direct::read_range(file, offset, len),
+            Some(r) if r.is_direct => crate::direct::read_range_direct(&r.file, offset, len),
+            Some(r) => crate::direct::read_range(&r.file, offset, len),
             None => Ok(Bytes::new()),
         }
     }

@@ -904,13 +904,19 @@ mod tests {
         logs.shared.readable(ticket).await.unwrap();
     }
 
+    /// A store in a fresh directory and the Raft logs over it.
+    fn open_logs() -> (tempfile::TempDir, Store, Arc<RaftLogs>) {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        (dir, store, logs)
+    }
+
     /// Entries stay in memory until applied here, even once the store can read them (a read back
     /// is a pread of the shared WAL); then they go, and the node's budget counts them out.
     #[tokio::test]
     async fn entries_stay_cached_until_applied_then_go() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
-        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let (_dir, store, logs) = open_logs();
         let g = logs.group(5).unwrap();
         let ticket = g.inner.lock().append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 100)).unwrap();
         wait_readable(&logs, ticket).await;
@@ -930,9 +936,7 @@ mod tests {
     /// committed them); a stream that ended, or never read, holds nothing back.
     #[tokio::test]
     async fn applied_entries_stay_cached_until_every_replication_stream_read_past_them() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
-        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let (_dir, store, logs) = open_logs();
         let g = logs.group(7).unwrap();
         let (fast, slow, _never_read) = (g.add_reader(), g.add_reader(), g.add_reader());
         let ticket = g.inner.lock().append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 100)).unwrap();
@@ -956,9 +960,7 @@ mod tests {
     /// budget of readable entries; a removed group gives its bytes back.
     #[tokio::test]
     async fn readable_entries_past_the_group_budget_go_unapplied() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
-        let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+        let (_dir, store, logs) = open_logs();
         let g = logs.group(6).unwrap();
         let entry = 256 << 10;
         let count = 2 * cache::GROUP_CACHE_BYTES / entry as u64;
