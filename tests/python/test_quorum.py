@@ -89,7 +89,7 @@ def test_publish_confirm_consume_ack(conn, ch, name):
 
 
 def test_a_large_prefetch_is_enforced_though_the_machine_assigns_ahead(conn, ch, name):
-    """From prefetch 100 on, the queue's machine assigns a consumer twice its prefetch so that acks
+    """From prefetch 100 on, the queue's machine assigns a consumer three times its prefetch so that acks
     make room at once (not one commit later); the client still never holds more than its prefetch,
     and what was assigned ahead comes back to the queue with the consumer's channel."""
     declare(ch, name)

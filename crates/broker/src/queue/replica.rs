@@ -141,14 +141,19 @@ const MAX_ENTRY_BYTES: usize = 4 << 20;
 const PENDING_PAUSE_BYTES: usize = 16 << 20;
 /// What a no-ack consumer may hold at once, as far as the machine is concerned.
 const NO_ACK_PREFETCH: u32 = 1000;
-/// From this prefetch on, the machine assigns an acking consumer twice its prefetch: the surplus
-/// waits in the consumer's backlog on this node and goes to the channel as soon as the client's
-/// acks make room (the replica enforces the prefetch, `Consumer::has_credit`), rather than one
-/// commit later, when the machine has applied the acks. Without it a consumer's throughput was
-/// its prefetch per commit round trip (Q2: 1,000 per ~7 ms). Below it (work queues with a small
-/// prefetch, often 1, for fair dispatch) a slow consumer must not hold messages an idle one could
-/// take: the machine's prefetch is the consumer's.
+/// From this prefetch on, the machine assigns an acking consumer `ASSIGN_AHEAD_FACTOR` times its
+/// prefetch: the surplus waits in the consumer's backlog on this node and goes to the channel as
+/// soon as the client's acks make room (the replica enforces the prefetch, `Consumer::has_credit`),
+/// rather than one commit later, when the machine has applied the acks. Without it a consumer's
+/// throughput was its prefetch per commit round trip (Q2: 1,000 per ~7 ms). Below it (work queues
+/// with a small prefetch, often 1, for fair dispatch) a slow consumer must not hold messages an
+/// idle one could take: the machine's prefetch is the consumer's.
 const ASSIGN_AHEAD_FROM: u32 = 100;
+/// Three times the prefetch: the surplus covers the acks' commit round trip on a follower (the ack
+/// forwarded to the leader, committed, applied here) at ~550k msg/s. Q2 in `bench/cluster.py`
+/// (500,000 messages past the memory budget): 2x ~395k msg/s, 3x ~545k; 4x assigned faster than
+/// the read-ahead reads (deliveries then waited for reads on the apply path), ~400-520k.
+const ASSIGN_AHEAD_FACTOR: u32 = 3;
 /// The leader proposes a `Tick` (TTL, x-expires) at most this often.
 const TICK_EVERY_MS: u64 = 1000;
 /// Memory (`Message::memory_bytes`) of the bodies a replica holds; past it, new bodies stay only in the
@@ -160,8 +165,8 @@ const READ_BACK_BYTES: usize = 4 << 20;
 /// What one read-ahead asks the store for (see `QuorumReplica::read_ahead`).
 const READ_AHEAD_MESSAGES: usize = 1024;
 /// How many bodies after the last delivery are read ahead: more than a consumer with a large
-/// prefetch is assigned at once (`ASSIGN_AHEAD_FROM`).
-const READ_AHEAD_WINDOW: usize = 4096;
+/// prefetch is assigned at once (`ASSIGN_AHEAD_FACTOR`).
+const READ_AHEAD_WINDOW: usize = 8192;
 const READ_AHEAD_BYTES: usize = 1 << 20;
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
@@ -254,15 +259,27 @@ struct ReplicaState {
     read_ahead: ReadAhead,
 }
 
-/// Bodies only in the store, read on a blocking thread before the machine delivers them, so that
+/// Bodies only in the store, read on blocking threads before the machine delivers them, so that
 /// draining a backlog past the memory budget does not stop the apply path for a read every few
 /// hundred messages (`QuorumReplica::read_ahead`).
 #[derive(Default)]
 struct ReadAhead {
-    /// A blocking thread is reading.
+    /// A chain of read-ahead tasks is under way (`QuorumReplica::read_ahead_task`): no other starts.
     in_flight: bool,
     /// The largest msg id delivered on this node.
     delivered: MsgId,
+}
+
+/// What a read-ahead task decides by before it takes the replica's lock (whether the next read can
+/// start while this one's bodies are decoded and held): set under the lock, after each read and
+/// whenever a chain starts.
+#[derive(Default)]
+struct ReadAheadLimits {
+    /// One past the last msg id of the `READ_AHEAD_WINDOW` bodies after the last delivery (msg ids
+    /// are sparse, so the window is counted in bodies, not ids).
+    window_end: AtomicU64,
+    /// The memory budget had room for two more reads.
+    room: AtomicBool,
 }
 
 /// What a reply is for, per command of an entry.
@@ -361,6 +378,7 @@ pub struct QuorumReplica {
     replicator: RwLock<Option<Arc<dyn Replicator>>>,
     gets_done: Notify,
     drained: Notify,
+    read_ahead_limits: ReadAheadLimits,
 }
 
 /// The machine's settings from the queue's arguments (validated at declare; a queue restored from
@@ -415,6 +433,7 @@ impl QuorumReplica {
             replicator: RwLock::new(None),
             gets_done: Notify::new(),
             drained: Notify::new(),
+            read_ahead_limits: ReadAheadLimits::default(),
         }
     }
 
@@ -661,55 +680,90 @@ impl QuorumReplica {
     }
 
     /// After a delivery of `delivered`: if bodies within `READ_AHEAD_WINDOW` after it are only in the
-    /// store, reads them on a blocking thread (one such reader at a time, reading until the window
-    /// is held or the memory budget is reached), so they are held when the machine delivers them.
-    /// Measured on three nodes draining 1,000,000 messages (`warren bench`, prefetch 1000): reading
-    /// 512 bodies on the apply path whenever a delivery found one not held, ~280k msg/s; with the
-    /// read-ahead ~360k; with the whole backlog in memory ~530k.
+    /// store, reads them on blocking threads (one chain of reads at a time, reading until the
+    /// window is held or the memory budget is reached), so they are held when the machine delivers
+    /// them. Measured on three nodes draining 1,000,000 messages (`warren bench`, prefetch 1000):
+    /// reading 512 bodies on the apply path whenever a delivery found one not held, ~280k msg/s;
+    /// with the read-ahead ~360k; with the whole backlog in memory ~530k.
     fn read_ahead(&self, queue: &Arc<Queue>, st: &mut ReplicaState, delivered: MsgId) {
         st.read_ahead.delivered = st.read_ahead.delivered.max(delivered);
         if st.read_ahead.in_flight {
             return;
         }
-        let Some(mut from) = self.read_ahead_from(st) else { return };
+        let from = st.read_ahead.delivered + 1;
+        let Some(from) = self.read_ahead_from(st, from) else { return };
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         st.read_ahead.in_flight = true;
-        let queue = queue.clone();
-        rt.spawn_blocking(move || {
+        Self::read_ahead_task(rt, queue.clone(), from);
+    }
+
+    /// One read of a read-ahead chain, on a blocking thread. If the read found bodies and what
+    /// follows is still inside the window (and the budget had room), the next read starts at once,
+    /// on another thread, while this one decodes what it read and waits for the replica's lock to
+    /// hold it: the disk is kept busy (one read at a time: the store serializes a queue's reads).
+    /// Draining 500,000 messages past the budget (`bench/cluster.py` Q2), the reads alone could
+    /// not keep up with a consumer assigned three times its prefetch (a read waited for the lock
+    /// while the apply path, short of bodies, read on its own): ~395k msg/s with one read after
+    /// the other, ~545k so. The chain's last task looks again under the lock, and either reads on
+    /// or ends the chain.
+    fn read_ahead_task(rt: tokio::runtime::Handle, queue: Arc<Queue>, from: MsgId) {
+        rt.clone().spawn_blocking(move || {
             let Some(me) = &queue.replica else { return };
-            loop {
-                // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
-                let read = me.store.read_direct(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES).map(|b| decode_bodies(&queue, b.messages));
-                let mut st = me.state.lock();
-                let next = match read {
-                    Ok(bodies) if !bodies.is_empty() => {
-                        take_bodies(&mut st, bodies, None);
-                        me.read_ahead_from(&st)
-                    }
-                    Ok(_) => None, // not readable yet: a later delivery asks again
-                    Err(e) => {
-                        tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages ahead from the store");
-                        None
-                    }
-                };
-                match next.filter(|_| !st.deleted) {
-                    Some(f) => from = f,
-                    None => {
-                        st.read_ahead.in_flight = false;
-                        return;
-                    }
+            let read = me.store.read_direct(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES);
+            let limits = &me.read_ahead_limits;
+            let next = match &read {
+                Ok(b) if !b.messages.is_empty() && b.next_seq < limits.window_end.load(Ordering::Relaxed) && limits.room.load(Ordering::Relaxed) => Some(b.next_seq),
+                _ => None,
+            };
+            if let Some(next) = next {
+                Self::read_ahead_task(rt.clone(), queue.clone(), next);
+            }
+            let read_until = read.as_ref().map_or(from, |b| b.next_seq);
+            // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
+            let read = read.map(|b| decode_bodies(&queue, b.messages));
+            let mut st = me.state.lock();
+            // Nothing read (not readable yet) or a failed read ends the chain: a later delivery
+            // starts another.
+            let found = match read {
+                Ok(bodies) => {
+                    let found = !bodies.is_empty();
+                    take_bodies(&mut st, bodies, None);
+                    found
                 }
+                Err(e) => {
+                    tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages ahead from the store");
+                    false
+                }
+            };
+            // Bodies before `read_until` are this task's or its predecessors' (still to be held):
+            // the chain reads on after them.
+            let from = read_until.max(st.read_ahead.delivered + 1);
+            let more = me.read_ahead_from(&st, from);
+            if next.is_some() {
+                return; // the chain goes on in the task started above
+            }
+            match more.filter(|_| found && !st.deleted) {
+                Some(from) => {
+                    drop(st);
+                    Self::read_ahead_task(rt, queue.clone(), from);
+                }
+                None => st.read_ahead.in_flight = false,
             }
         });
     }
 
-    /// Where the next read ahead starts: the first of the `READ_AHEAD_WINDOW` bodies after the last
-    /// delivery that is only in the store (and readable), if the memory budget has room for a read.
-    fn read_ahead_from(&self, st: &ReplicaState) -> Option<MsgId> {
-        if st.body_mem + READ_AHEAD_BYTES as u64 > BODY_BUDGET_BYTES {
+    /// Where a read ahead starts, at or after `from`: the first of the `READ_AHEAD_WINDOW` bodies
+    /// after the last delivery that is only in the store (and readable), if the memory budget has
+    /// room for a read. Updates `read_ahead_limits` for the reads under way.
+    fn read_ahead_from(&self, st: &ReplicaState, from: MsgId) -> Option<MsgId> {
+        let window_end = st.bodies.range(st.read_ahead.delivered + 1..).nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
+        let limits = &self.read_ahead_limits;
+        limits.window_end.store(window_end, Ordering::Relaxed);
+        limits.room.store(st.body_mem + 2 * READ_AHEAD_BYTES as u64 <= BODY_BUDGET_BYTES, Ordering::Relaxed);
+        if st.body_mem + READ_AHEAD_BYTES as u64 > BODY_BUDGET_BYTES || from >= window_end {
             return None;
         }
-        let (id, body) = st.bodies.range(st.read_ahead.delivered + 1..).take(READ_AHEAD_WINDOW).find(|(_, b)| b.message.is_none())?;
+        let (id, body) = st.bodies.range(from..window_end).find(|(_, b)| b.message.is_none())?;
         match body.record {
             Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
             _ => None,
@@ -1529,7 +1583,7 @@ impl QuorumReplica {
 fn machine_prefetch(consumer: &Consumer) -> u32 {
     match consumer.prefetch {
         _ if consumer.no_ack => NO_ACK_PREFETCH,
-        p if p >= ASSIGN_AHEAD_FROM => p.saturating_mul(2),
+        p if p >= ASSIGN_AHEAD_FROM => p.saturating_mul(ASSIGN_AHEAD_FACTOR),
         p => p,
     }
 }
