@@ -25,6 +25,7 @@ pub mod format;
 mod gone;
 pub mod io;
 mod qlog;
+mod reclaim;
 mod recovery;
 mod segment;
 pub mod sim;

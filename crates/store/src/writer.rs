@@ -42,9 +42,10 @@ use crate::checkpoint::{self, Checkpoint, QueueState};
 use crate::direct::{Appender, BLOCK};
 use crate::error::StoreError;
 use crate::format::{self, Record, HEADER_SIZE};
-use crate::io::{Disk, Open};
+use crate::io::Disk;
 use crate::qlog::WalPlace;
 use crate::qlog::QueueLogs;
+use crate::reclaim::{Job, Reclaimer};
 use crate::segment;
 use crate::store::SyncPolicy;
 use crate::SyncTicket;
@@ -449,6 +450,8 @@ pub(crate) struct Writer {
     last_group_len: usize,
     /// Per kept WAL segment, the extent ranges its holes were last punched around.
     punched: HashMap<u64, Vec<(u64, u64)>>,
+    /// Deletes checkpointed WAL segments and punches holes, off this thread.
+    reclaimer: Reclaimer,
     /// (queue, WAL segment) of the last enqueue applied: whether the next one follows its own queue's
     /// (or one its run may go over, `crate::runs_over`).
     prev_enqueue: Option<(u64, u64)>,
@@ -475,6 +478,7 @@ impl Writer {
             last_group_len: 0,
             prev_enqueue: None,
             punched: HashMap::new(),
+            reclaimer: Reclaimer::new(shared.clone()),
             last_checkpoint_pos: start.checkpoint_pos,
             last_checkpoint: Instant::now(),
             fsync_delay: fsync_delay_for_tests(),
@@ -775,8 +779,8 @@ impl Writer {
         self.last_checkpoint_pos = self.applied;
         self.last_checkpoint = Instant::now();
         // WAL segments that end at or before the checkpoint are no longer needed, unless a queue's extent
-        // is in them.
-        let mut deleted = false;
+        // is in them: deleted by the reclaimer (see `crate::reclaim`).
+        let mut delete = Vec::new();
         let mut kept = VecDeque::with_capacity(self.wal_bases.len());
         while let Some(base) = self.wal_bases.pop_front() {
             let needed = self.wal_bases.front().is_none_or(|&next| next > self.applied) || extents.contains_key(&base);
@@ -786,30 +790,22 @@ impl Writer {
             }
             let p = segment::path(&shared.wal, base);
             let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
-            if let Err(e) = shared.disk.remove_file(&p) {
-                tracing::warn!(error = %e, file = %p.display(), "could not delete a checkpointed WAL segment");
-                kept.push_back(base);
-                continue;
-            }
-            shared.counters.wal_bytes.fetch_sub(len.min(shared.counters.wal_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
-            shared.counters.wal_segments.fetch_sub(1, Ordering::Relaxed);
-            shared.counters.segments_deleted.fetch_add(1, Ordering::Relaxed);
-            deleted = true;
+            delete.push((p, len));
         }
         self.wal_bases = kept;
-        self.punch_holes(extents);
-        if deleted {
-            if let Err(e) = segment::sync_dir(&shared.disk, &shared.wal) {
-                fatal("fsyncing the WAL directory", &shared.wal, &e);
-            }
+        if !delete.is_empty() {
+            self.reclaimer.submit(Job::Delete(delete));
         }
+        self.punch_holes(extents);
     }
 }
 
 impl Writer {
-    /// Frees the disk blocks of kept WAL segments (wholly before the checkpoint) that no extent covers:
-    /// other queues' records, consumed or copied elsewhere, must not stay on disk because a slow queue's
-    /// extent keeps the file. Only where the covered ranges changed since the last time.
+    /// Has the disk blocks of kept WAL segments (wholly before the checkpoint) that no extent covers
+    /// freed: other queues' records, consumed or copied elsewhere, must not stay on disk because a slow
+    /// queue's extent keeps the file. Only where the covered ranges changed since the last time. (A
+    /// segment's covered ranges only shrink once it is wholly before a checkpoint, so punching them
+    /// later, in order, never frees what a newer checkpoint keeps.)
     fn punch_holes(&mut self, mut extents: HashMap<u64, Vec<(u64, u64)>>) {
         let applied = self.applied;
         let bases: Vec<u64> = self.wal_bases.iter().copied().collect();
@@ -830,35 +826,8 @@ impl Writer {
             if self.punched.get(&base) == Some(&covered) {
                 continue;
             }
-            let path = segment::path(&self.shared.wal, base);
-            let result = (|| -> std::io::Result<()> {
-                let file = self.shared.disk.open(&path, Open::Existing, false)?;
-                let len = file.len()?;
-                let block = BLOCK as u64;
-                let mut from = 0u64;
-                for &(s, e) in covered.iter().chain(std::iter::once(&(len, len))) {
-                    // Within the file: a damaged checkpoint can claim an extent ending anywhere, and
-                    // rounding that up overflowed (in release, to a hole over the whole segment).
-                    let (s, e) = (s.min(len), e.min(len));
-                    // Whole blocks strictly between the extents only.
-                    let (a, b) = (from.div_ceil(block) * block, s / block * block);
-                    if b > a {
-                        file.punch_hole(a, b - a)?;
-                    }
-                    from = e;
-                }
-                Ok(())
-            })();
-            match result {
-                Ok(()) => {
-                    self.punched.insert(base, covered);
-                }
-                Err(e) => {
-                    // Not supported here, or failed: the space comes back when the segment is deleted.
-                    tracing::debug!(error = %e, file = %path.display(), "could not punch holes in a WAL segment");
-                    self.punched.insert(base, covered);
-                }
-            }
+            self.reclaimer.submit(Job::Punch(segment::path(&self.shared.wal, base), covered.clone()));
+            self.punched.insert(base, covered);
         }
     }
 }

@@ -1,0 +1,130 @@
+//! Giving disk space back after a checkpoint, off the writer thread: deleting the WAL segments wholly
+//! before it and punching holes in kept ones between their queues' extents. The writer decides what
+//! goes (its `wal_bases` no longer name a segment it hands over); the file system's part is slow:
+//! after three nodes drained a 500 MB backlog, one checkpoint deleted 25 segments of 32 MiB in
+//! 211 ms, and while the writer did that no group commit was written, on each node at once (a
+//! ~220 ms pause of the whole cluster, `bench/cluster.py` Q2). A crash before a deletion leaves a
+//! segment that recovery keeps as one wholly before the checkpoint and a later checkpoint deletes,
+//! as a crash between a checkpoint and its deletions always could.
+//!
+//! On a simulated disk (the crash-point and power-loss tests) the jobs run inline, on the writer
+//! thread, so the order of file operations a test enumerates stays the same from run to run.
+
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+use crate::io::Open;
+use crate::writer::{fatal, Shared};
+use crate::direct::BLOCK;
+use crate::segment;
+
+pub(crate) enum Job {
+    /// Delete these WAL segments (path, length), then fsync the WAL directory.
+    Delete(Vec<(PathBuf, u64)>),
+    /// Free the whole blocks of this kept WAL segment outside these ranges (sorted, not overlapping).
+    Punch(PathBuf, Vec<(u64, u64)>),
+}
+
+/// The thread that runs the jobs, in the order they were submitted.
+pub(crate) struct Reclaimer {
+    shared: Arc<Shared>,
+    jobs: Option<mpsc::Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Reclaimer {
+    pub fn new(shared: Arc<Shared>) -> Reclaimer {
+        if shared.disk.is_simulated() {
+            return Reclaimer { shared, jobs: None, thread: None };
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let on_thread = shared.clone();
+        match std::thread::Builder::new().name("warren-store-reclaim".into()).spawn(move || {
+            for job in rx {
+                run(&on_thread, job);
+            }
+        }) {
+            Ok(thread) => Reclaimer { shared, jobs: Some(tx), thread: Some(thread) },
+            Err(e) => {
+                tracing::warn!(error = %e, "could not start the store's reclaim thread; the writer deletes WAL segments itself");
+                Reclaimer { shared, jobs: None, thread: None }
+            }
+        }
+    }
+
+    pub fn submit(&self, job: Job) {
+        match &self.jobs {
+            Some(tx) => {
+                if let Err(mpsc::SendError(job)) = tx.send(job) {
+                    run(&self.shared, job);
+                }
+            }
+            None => run(&self.shared, job),
+        }
+    }
+}
+
+impl Drop for Reclaimer {
+    /// Waits for the jobs submitted: the writer ends before `Store::close` returns, and what the
+    /// store's last checkpoint let go is then gone from the directory.
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                tracing::error!("the message store's reclaim thread panicked");
+            }
+        }
+    }
+}
+
+fn run(shared: &Shared, job: Job) {
+    match job {
+        Job::Delete(segments) => {
+            let mut deleted = false;
+            for (path, len) in segments {
+                if let Err(e) = shared.disk.remove_file(&path) {
+                    // Recovery keeps it (wholly before the checkpoint) and a later checkpoint deletes it.
+                    tracing::warn!(error = %e, file = %path.display(), "could not delete a checkpointed WAL segment; it goes after the next start");
+                    continue;
+                }
+                let c = &shared.counters;
+                c.wal_bytes.fetch_sub(len.min(c.wal_bytes.load(Ordering::Relaxed)), Ordering::Relaxed);
+                c.wal_segments.fetch_sub(1, Ordering::Relaxed);
+                c.segments_deleted.fetch_add(1, Ordering::Relaxed);
+                deleted = true;
+            }
+            if deleted {
+                if let Err(e) = segment::sync_dir(&shared.disk, &shared.wal) {
+                    fatal("fsyncing the WAL directory", &shared.wal, &e);
+                }
+            }
+        }
+        Job::Punch(path, covered) => {
+            if let Err(e) = punch(shared, &path, &covered) {
+                // Not supported here, or failed: the space comes back when the segment is deleted.
+                tracing::debug!(error = %e, file = %path.display(), "could not punch holes in a WAL segment");
+            }
+        }
+    }
+}
+
+fn punch(shared: &Shared, path: &std::path::Path, covered: &[(u64, u64)]) -> std::io::Result<()> {
+    let file = shared.disk.open(path, Open::Existing, false)?;
+    let len = file.len()?;
+    let block = BLOCK as u64;
+    let mut from = 0u64;
+    for &(s, e) in covered.iter().chain(std::iter::once(&(len, len))) {
+        // Within the file: a damaged checkpoint can claim an extent ending anywhere, and rounding
+        // that up overflowed (in release, to a hole over the whole segment).
+        let (s, e) = (s.min(len), e.min(len));
+        // Whole blocks strictly between the extents only.
+        let (a, b) = (from.div_ceil(block) * block, s / block * block);
+        if b > a {
+            file.punch_hole(a, b - a)?;
+        }
+        from = e;
+    }
+    Ok(())
+}
