@@ -20,6 +20,10 @@ use crate::writer::{fatal, Shared};
 use crate::direct::BLOCK;
 use crate::segment;
 
+/// Test-only: the reclaim thread waits this long before each checkpoint's deletions (announced loudly
+/// when set), so a test can show that the writer goes on meanwhile.
+const REMOVE_DELAY_ENV: &str = "WARREN_TEST_REMOVE_DELAY_MS";
+
 pub(crate) enum Job {
     /// Delete these WAL segments (path, length), then fsync the WAL directory.
     Delete(Vec<(PathBuf, u64)>),
@@ -41,8 +45,12 @@ impl Reclaimer {
         }
         let (tx, rx) = mpsc::channel::<Job>();
         let on_thread = shared.clone();
+        let delay = remove_delay_for_tests();
         match std::thread::Builder::new().name("warren-store-reclaim".into()).spawn(move || {
             for job in rx {
+                if let (Some(d), Job::Delete(_)) = (delay, &job) {
+                    std::thread::sleep(d);
+                }
                 run(&on_thread, job);
             }
         }) {
@@ -77,6 +85,12 @@ impl Drop for Reclaimer {
             }
         }
     }
+}
+
+fn remove_delay_for_tests() -> Option<std::time::Duration> {
+    let ms: u64 = std::env::var(REMOVE_DELAY_ENV).ok()?.trim().parse().ok().filter(|ms| *ms > 0)?;
+    tracing::warn!(delay_ms = ms, "{REMOVE_DELAY_ENV} is set: the store's WAL segment deletions are delayed (a test-only hook)");
+    Some(std::time::Duration::from_millis(ms))
 }
 
 fn run(shared: &Shared, job: Job) {
