@@ -163,11 +163,15 @@ const BODY_BUDGET_BYTES: u64 = 32 << 20;
 const READ_BACK_MESSAGES: usize = 512;
 const READ_BACK_BYTES: usize = 4 << 20;
 /// What one read-ahead asks the store for (see `QuorumReplica::read_ahead`).
-const READ_AHEAD_MESSAGES: usize = 1024;
+/// 2,048 or 2 MiB: Q2 in `bench/cluster.py` (500,000 messages, the chained read-ahead), five runs
+/// each, median 513k msg/s against 414k with 1,024 or 1 MiB (4,096 or 4 MiB: 316-389k). The bodies
+/// lie in the WAL in runs of ~1 MB between the Raft entries' (a pread each at least): a read of
+/// 1 MiB took 3-4 preads of ~300 KB on average, and every read is a task and a wait for the lock.
+const READ_AHEAD_MESSAGES: usize = 2048;
 /// How many bodies after the last delivery are read ahead: more than a consumer with a large
 /// prefetch is assigned at once (`ASSIGN_AHEAD_FACTOR`).
 const READ_AHEAD_WINDOW: usize = 8192;
-const READ_AHEAD_BYTES: usize = 1 << 20;
+const READ_AHEAD_BYTES: usize = 2 << 20;
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
 /// How long a basic.get answered "taken" by the leader waits for this node to apply the entry that
