@@ -25,8 +25,8 @@ use crate::segment;
 const REMOVE_DELAY_ENV: &str = "WARREN_TEST_REMOVE_DELAY_MS";
 
 pub(crate) enum Job {
-    /// Delete these WAL segments (path, length), then fsync the WAL directory.
-    Delete(Vec<(PathBuf, u64)>),
+    /// Delete these WAL segments, then fsync the WAL directory.
+    Delete(Vec<PathBuf>),
     /// Free the whole blocks of this kept WAL segment outside these ranges (sorted, not overlapping).
     Punch(PathBuf, Vec<(u64, u64)>),
 }
@@ -97,7 +97,8 @@ fn run(shared: &Shared, job: Job) {
     match job {
         Job::Delete(segments) => {
             let mut deleted = false;
-            for (path, len) in segments {
+            for path in segments {
+                let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
                 if let Err(e) = shared.disk.remove_file(&path) {
                     // Recovery keeps it (wholly before the checkpoint) and a later checkpoint deletes it.
                     tracing::warn!(error = %e, file = %path.display(), "could not delete a checkpointed WAL segment; it goes after the next start");

@@ -788,9 +788,7 @@ impl Writer {
                 kept.push_back(base);
                 continue;
             }
-            let p = segment::path(&shared.wal, base);
-            let len = std::fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
-            delete.push((p, len));
+            delete.push(segment::path(&shared.wal, base));
         }
         self.wal_bases = kept;
         if !delete.is_empty() {

@@ -707,9 +707,9 @@ impl QuorumReplica {
     /// hold it: the disk is kept busy (one read at a time: the store serializes a queue's reads).
     /// Draining 500,000 messages past the budget (`bench/cluster.py` Q2), the reads alone could
     /// not keep up with a consumer assigned three times its prefetch (a read waited for the lock
-    /// while the apply path, short of bodies, read on its own): ~395k msg/s with one read after
-    /// the other, ~545k so. The chain's last task looks again under the lock, and either reads on
-    /// or ends the chain.
+    /// while the apply path, short of bodies, read on its own): 266-286k msg/s with one read after
+    /// the other, 355-572k so (reads of 1 MiB). The chain's last task looks again under the lock,
+    /// and either reads on or ends the chain.
     fn read_ahead_task(rt: tokio::runtime::Handle, queue: Arc<Queue>, from: MsgId) {
         rt.clone().spawn_blocking(move || {
             let Some(me) = &queue.replica else { return };
@@ -739,14 +739,15 @@ impl QuorumReplica {
                     false
                 }
             };
+            if next.is_some() {
+                // The chain goes on in the task started above, which decides by these.
+                me.set_read_ahead_limits(&st);
+                return;
+            }
             // Bodies before `read_until` are this task's or its predecessors' (still to be held):
             // the chain reads on after them.
             let from = read_until.max(st.read_ahead.delivered + 1);
-            let more = me.read_ahead_from(&st, from);
-            if next.is_some() {
-                return; // the chain goes on in the task started above
-            }
-            match more.filter(|_| found && !st.deleted) {
+            match me.read_ahead_from(&st, from).filter(|_| found && !st.deleted) {
                 Some(from) => {
                     drop(st);
                     Self::read_ahead_task(rt, queue.clone(), from);
@@ -756,14 +757,21 @@ impl QuorumReplica {
         });
     }
 
-    /// Where a read ahead starts, at or after `from`: the first of the `READ_AHEAD_WINDOW` bodies
-    /// after the last delivery that is only in the store (and readable), if the memory budget has
-    /// room for a read. Updates `read_ahead_limits` for the reads under way.
-    fn read_ahead_from(&self, st: &ReplicaState, from: MsgId) -> Option<MsgId> {
+    /// Sets the limits a read-ahead task decides by without the lock (`ReadAheadLimits`); returns
+    /// the window's end.
+    fn set_read_ahead_limits(&self, st: &ReplicaState) -> MsgId {
         let window_end = st.bodies.range(st.read_ahead.delivered + 1..).nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
         let limits = &self.read_ahead_limits;
         limits.window_end.store(window_end, Ordering::Relaxed);
         limits.room.store(st.body_mem + 2 * READ_AHEAD_BYTES as u64 <= BODY_BUDGET_BYTES, Ordering::Relaxed);
+        window_end
+    }
+
+    /// Where a read ahead starts, at or after `from`: the first of the `READ_AHEAD_WINDOW` bodies
+    /// after the last delivery that is only in the store (and readable), if the memory budget has
+    /// room for a read. Sets the limits for the reads under way.
+    fn read_ahead_from(&self, st: &ReplicaState, from: MsgId) -> Option<MsgId> {
+        let window_end = self.set_read_ahead_limits(st);
         if st.body_mem + READ_AHEAD_BYTES as u64 > BODY_BUDGET_BYTES || from >= window_end {
             return None;
         }
