@@ -1,5 +1,5 @@
 """Leaders of quorum queues spread over three real `warren server` processes, and spread again after a
-node returns: six queues start with two leaders per node; kill -9 of a node moves its two to the
+node returns: six queues, declared through each node in turn, start with two leaders per node; kill -9 of a node moves its two to the
 survivors; once it is back (and up for the settle time) the nodes that lead its groups hand
 them back (the sweep's hand-back to the preferred member). A publisher (confirms) and a consumer (manual acks) run throughout, on
 the nodes that stay up: every confirmed message is consumed. About 20 s."""
@@ -107,9 +107,9 @@ class Consumer(threading.Thread):
 
 
 def test_leaders_are_spread_and_rebalanced_after_a_node_returns(cluster):
-    for q in QUEUES:
-        declare_on_one(cluster, q)
-    # Consecutive queue ids: each node is the preferred (first) leader of two groups.
+    for i, q in enumerate(QUEUES):
+        declare_on_one(cluster, q, node=1 + i % 3)
+    # Declared through each node in turn: each node is the preferred (first) leader of two groups.
     assert eventually(lambda: leaders(cluster[2]) == {1: 2, 2: 2, 3: 2}, timeout=10)
 
     publisher, consumer = Publisher([cluster[2], cluster[3]]), Consumer(cluster[3])
@@ -149,6 +149,36 @@ def test_leaders_are_spread_and_rebalanced_after_a_node_returns(cluster):
     print(f"{len(publisher.confirmed)} confirmed, all delivered; failures: {publisher.failures}")
     # Handing leadership back costs no publish (kill -9 may: a forwarded publish's fate is unknown).
     assert not [f for f in publisher.failures if f[0] >= back], publisher.failures
+
+
+def test_the_declaring_node_leads_a_quorum_queue_first_unless_balanced(cluster):
+    """RabbitMQ's leader locators: `client-local` (the default) makes the node the declaring client is
+    connected to a quorum queue's first leader, also with fewer members than nodes; `balanced` spreads
+    the queues declared through one node over the nodes; an unknown locator is refused with 406."""
+    for i in range(3):
+        declare_on_one(cluster, f"qq-local-{i}", node=2)
+    for i in range(3):
+        declare_on_one(cluster, f"qq-balanced-{i}", node=2, **{"x-queue-leader-locator": "balanced"})
+    declare_on_one(cluster, "qq-local-single", node=3, **{"x-quorum-initial-group-size": 1})
+
+    def led():
+        """The first leaders, in declaration order (group ids rise with it); None until all lead."""
+        gs = sorted(queue_groups(cluster[1]), key=lambda g: g["group"])
+        if len(gs) != 7 or any(g["state"] != "leader" for g in gs):
+            return None
+        return [(g["leader"], sorted(g["voters"])) for g in gs]
+
+    groups = eventually(led, timeout=10)
+    assert [leader for leader, _ in groups[:3]] == [2, 2, 2], groups
+    assert sorted(leader for leader, _ in groups[3:6]) == [1, 2, 3], groups
+    assert groups[6] == (3, [3]), groups
+
+    c = cluster[1].connection()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+        c.channel().queue_declare("qq-nearest", durable=True, arguments={"x-queue-type": "quorum", "x-queue-leader-locator": "nearest"})
+    assert refused.value.reply_code == 406
+    assert "unknown leader locator 'nearest'" in refused.value.reply_text, refused.value.reply_text
+    c.close()
 
 
 def test_a_leadership_transfer_to_a_node_that_stops_is_sent_elsewhere(cluster):

@@ -51,6 +51,12 @@ pub struct QueueDef {
     /// recorded (then each node computes them from its peers, as before).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub members: Option<Vec<u64>>,
+    /// In a cluster, the member that first leads a quorum queue's group, and that the leadership is
+    /// handed back to when it returns: the declaring node, under RabbitMQ's `client-local` leader
+    /// locator (the default). Absent under `balanced`, standalone, and in definitions from before it
+    /// was recorded (then the members take turns by queue id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -97,6 +103,7 @@ pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
         arguments: table_to_json(&q.arguments),
         home: q.home_node(),
         members: q.recorded_members().map(<[u64]>::to_vec),
+        leader: q.recorded_leader(),
     }
 }
 

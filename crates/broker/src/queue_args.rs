@@ -27,6 +27,18 @@ pub enum QueueType {
     Quorum,
 }
 
+/// `x-queue-leader-locator` (or the older `x-queue-master-locator`): which node first leads a quorum
+/// queue's group in a cluster, as RabbitMQ's `queue_leader_locator`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LeaderLocator {
+    /// The node the declaring client is connected to (RabbitMQ's default).
+    #[default]
+    ClientLocal,
+    /// Spread over the members by the queue's id (RabbitMQ's `balanced`; its older `random`,
+    /// `least-leaders` and `min-masters` mean the same here).
+    Balanced,
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct QueueArgs {
     /// `x-queue-type`.
@@ -54,12 +66,14 @@ pub struct QueueArgs {
     pub consumer_timeout_ms: Option<u64>,
     /// `x-max-priority`: 1..255 makes a priority queue (see `lane`); 0 (or absent) a classic one.
     pub max_priority: u8,
+    /// `x-queue-leader-locator`, else `x-queue-master-locator`; None: neither given.
+    pub leader_locator: Option<LeaderLocator>,
 }
 
-/// The `x-` queue arguments Warren accepts. The last three change nothing on a single node and are
-/// accepted so that clients written for RabbitMQ work unchanged: `x-queue-mode` (every Warren queue
-/// already keeps only a bounded window in memory and pages the rest to disk, which is what `lazy` asks
-/// for), and the leader/master locators (there is one node to place the queue on).
+/// The `x-` queue arguments Warren accepts. `x-queue-mode` changes nothing and is accepted so that
+/// clients written for RabbitMQ work unchanged (every Warren queue already keeps only a bounded window
+/// in memory and pages the rest to disk, which is what `lazy` asks for); the leader/master locators
+/// place a quorum queue's first leader in a cluster (a classic queue lives on its declaring node).
 pub const SUPPORTED: &[&str] = &[
     "x-message-ttl",
     "x-expires",
@@ -185,6 +199,7 @@ impl QueueArgs {
                 None => 0,
                 Some(n) => u8::try_from(n).map_err(|_| invalid("x-max-priority", &format!("{{max_value_exceeded,{n}}} (at most 255)")))?,
             },
+            leader_locator: None,
         };
         if parsed.expires_ms == Some(0) {
             return Err(invalid("x-expires", "{value_zero,0}"));
@@ -207,8 +222,15 @@ impl QueueArgs {
                 return Err(invalid("x-queue-mode", &format!("unknown queue mode '{mode}' (use 'default' or 'lazy')")));
             }
         }
-        string("x-queue-master-locator")?;
-        string("x-queue-leader-locator")?;
+        for arg in ["x-queue-leader-locator", "x-queue-master-locator"] {
+            let Some(locator) = string(arg)? else { continue };
+            let parsed_locator = match locator.as_str() {
+                "client-local" => LeaderLocator::ClientLocal,
+                "balanced" | "random" | "least-leaders" | "min-masters" => LeaderLocator::Balanced,
+                other => return Err(invalid(arg, &format!("unknown leader locator '{other}' (use 'client-local' or 'balanced')"))),
+            };
+            parsed.leader_locator.get_or_insert(parsed_locator);
+        }
         if parsed.dead_letter_routing_key.is_some() && parsed.dead_letter_exchange.is_none() {
             return Err(invalid(
                 "x-dead-letter-routing-key",

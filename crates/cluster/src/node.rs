@@ -253,6 +253,8 @@ trait GroupHandle: Send + Sync + 'static {
     /// openraft's `initialize`; a group that already has state (`NotAllowed`) is fine.
     fn initialize(&self, nodes: BTreeMap<NodeId, NodeAddr>) -> BoxFuture<Result<(), String>>;
     fn heartbeat(&self) -> BoxFuture<()>;
+    /// The member recorded to lead the group first, if any (see [`preferred_member`]).
+    fn preferred(&self) -> Option<NodeId>;
     /// What the sweep looks at: (state, leader, last log index, committed index).
     fn summary(&self) -> (ServerState, Option<NodeId>, Option<u64>, Option<u64>);
     /// For a leader: its term, the group's preferred member and every voter's lag behind the
@@ -269,6 +271,8 @@ struct Handle<SM: RaftStateMachine<TypeConfig>> {
     /// counting on a shared, usually cold, cache line), and the sweep reads every group's metrics
     /// five times a second (most of the node's idle CPU with 1,000 groups).
     metrics: WatchReceiverOf<TypeConfig, RaftMetrics<TypeConfig>>,
+    /// The member recorded to lead the group first (see [`preferred_member`]).
+    preferred: Option<NodeId>,
 }
 
 fn write_outcome<T>(r: Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>, ok: impl FnOnce(T) -> Reply) -> WriteOutcome {
@@ -379,6 +383,10 @@ where
         })
     }
 
+    fn preferred(&self) -> Option<NodeId> {
+        self.preferred
+    }
+
     fn summary(&self) -> (ServerState, Option<NodeId>, Option<u64>, Option<u64>) {
         use openraft::async_runtime::WatchReceiver;
         let m = self.metrics.borrow_watched();
@@ -400,7 +408,7 @@ where
                 (*v, matched.map(|i| last.saturating_sub(i)))
             })
             .collect();
-        Some((m.current_term, preferred_member(group, &voters), lags))
+        Some((m.current_term, preferred_member(group, &voters, self.preferred), lags))
     }
 
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>> {
@@ -646,6 +654,35 @@ impl ClusterNode {
         });
     }
 
+    /// Links to a node not in this node's `--peers` (one added at runtime) and watches it. The node
+    /// `warren ctl add-node` went to and the metadata group's leader learn it from the request; every
+    /// other node from the metadata group's membership (`sweep`), or quorum groups with it as a
+    /// member could not start here ("no known address").
+    fn learn_peer(&self, node: NodeId, addr: &str) {
+        if node == self.inner.id {
+            return;
+        }
+        self.inner.transport.add_peer(node, addr);
+        let added = self.inner.addrs.write().insert(node, NodeAddr { cluster_addr: addr.to_owned(), amqp_addr: String::new() }).is_none();
+        if added {
+            tracing::info!(peer = node, addr, "learnt a node added to the cluster");
+            self.watch_peer(node);
+        }
+    }
+
+    /// Learns the nodes of the metadata group's membership this node has no address for.
+    fn learn_peers_from_metadata(&self) {
+        let Some(h) = self.inner.groups.read().get(&METADATA_GROUP).cloned() else { return };
+        let membership = h.metrics().membership_config;
+        let unknown: Vec<(NodeId, String)> = {
+            let addrs = self.inner.addrs.read();
+            membership.nodes().filter(|(id, _)| **id != self.inner.id && !addrs.contains_key(*id)).map(|(id, a)| (*id, a.cluster_addr.clone())).collect()
+        };
+        for (node, addr) in unknown {
+            self.learn_peer(node, &addr);
+        }
+    }
+
     pub fn node_id(&self) -> NodeId {
         self.inner.id
     }
@@ -671,11 +708,15 @@ impl ClusterNode {
 
     /// Starts group `group` on this node with its log store and state machine, and registers it so
     /// the transport serves its RPCs. A group with no state yet is initialized with `members` as
-    /// its voters (each member does the same; see the module docs). Returns the group's `Raft`.
+    /// its voters (each member does the same; see the module docs) by its preferred member:
+    /// `preferred` if it is one of them (a quorum queue's declaring node), else one picked by the
+    /// group id ([`preferred_member`]), which the sweep also hands leadership back to. Returns the
+    /// group's `Raft`.
     pub async fn start_group<LS, SM>(
         &self,
         group: GroupId,
         members: &BTreeSet<NodeId>,
+        preferred: Option<NodeId>,
         log_store: LS,
         machine: SM,
     ) -> Result<openraft::Raft<TypeConfig, SM>, NodeError>
@@ -701,7 +742,7 @@ impl ClusterNode {
             let mut groups = self.inner.groups.write();
             let fresh = !groups.contains_key(&group);
             if fresh {
-                groups.insert(group, Arc::new(Handle { raft: raft.clone(), metrics: raft.metrics() }));
+                groups.insert(group, Arc::new(Handle { raft: raft.clone(), metrics: raft.metrics(), preferred }));
                 self.inner.groups_version.fetch_add(1, Ordering::Release);
             }
             fresh
@@ -711,7 +752,7 @@ impl ClusterNode {
             return Err(NodeError::GroupExists(group));
         }
         if !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
-            if preferred_member(group, members) == Some(self.inner.id) {
+            if preferred_member(group, members, preferred) == Some(self.inner.id) {
                 match raft.initialize(nodes).await {
                     Ok(()) => tracing::debug!(group, "group initialized"),
                     // Entries from the leader arrived first: the group is already part of the cluster.
@@ -968,11 +1009,7 @@ impl ClusterNode {
     pub async fn admin(&self, req: AdminRequest) -> Result<String, String> {
         match req {
             AdminRequest::AddNode { node, addr } => {
-                self.inner.transport.add_peer(node, &addr);
-                let added = self.inner.addrs.write().insert(node, NodeAddr { cluster_addr: addr.clone(), amqp_addr: String::new() }).is_none();
-                if added {
-                    self.watch_peer(node);
-                }
+                self.learn_peer(node, &addr);
                 let naddr = NodeAddr { cluster_addr: addr, amqp_addr: String::new() };
                 self.on_group_leader(METADATA_GROUP, AdminRequest::AddNode { node, addr: naddr.cluster_addr.clone() }, move |h| {
                     h.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([node])), Some((node, naddr.clone())))
@@ -1192,9 +1229,14 @@ impl ClusterNode {
 }
 
 
-/// The member that initializes a new group (and so first leads it): the voters in id order,
-/// rotated by the group id, so leadership of new groups spreads over the nodes.
-fn preferred_member(group: GroupId, members: &BTreeSet<NodeId>) -> Option<NodeId> {
+/// The member that initializes a new group (and so first leads it), and that the sweep hands the
+/// leadership back to: `recorded` if it is one of the voters (a quorum queue declared under
+/// RabbitMQ's `client-local` leader locator records its declaring node); otherwise the voters in id
+/// order, rotated by the group id, so leadership of new groups spreads over the nodes.
+fn preferred_member(group: GroupId, members: &BTreeSet<NodeId>, recorded: Option<NodeId>) -> Option<NodeId> {
+    if let Some(node) = recorded.filter(|n| members.contains(n)) {
+        return Some(node);
+    }
     if members.is_empty() {
         return None;
     }
@@ -1338,6 +1380,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             swept = node.inner.groups.read().iter().map(|(g, h)| (*g, h.clone(), timers.remove(g).unwrap_or_default())).collect();
         }
         let now = Instant::now();
+        node.learn_peers_from_metadata();
         // New groups whose preferred member has not made itself heard: initialize them here.
         let pending: Vec<(GroupId, BTreeMap<NodeId, NodeAddr>)> = {
             let mut p = node.inner.pending_init.lock();

@@ -51,7 +51,7 @@ async fn start_node(id: NodeId, dir: &Path, ports: &[(NodeId, u16)], groups: &[u
     for &g in groups {
         let m = if g == METADATA_GROUP { machine.clone() } else { ListMachine::default() };
         let sm = StateMachine::open(&logs, g, m).await.expect("state machine opens");
-        node.start_group(g, &members, logs.log_store(g).expect("log store"), sm).await.expect("group starts");
+        node.start_group(g, &members, None, logs.log_store(g).expect("log store"), sm).await.expect("group starts");
     }
     TestNode { id, node, store, machine }
 }
@@ -63,7 +63,7 @@ fn futures_are_send(node: &ClusterNode, logs: &Arc<RaftLogs>) {
     let members = BTreeSet::new();
     let f = async {
         let sm = StateMachine::open(logs, 9, ListMachine::default()).await.expect("sm");
-        node.start_group(9, &members, logs.log_store(9).expect("ls"), sm).await
+        node.start_group(9, &members, None, logs.log_store(9).expect("ls"), sm).await
     };
     send(&f);
     send(&node.propose(9, Command(Bytes::new()), Duration::from_secs(1)));

@@ -71,7 +71,7 @@ async fn idle_cpu_of_many_groups() {
     for g in 1..=groups {
         for (node, _, logs) in &nodes {
             let sm = StateMachine::open(logs, g, ListMachine::default()).await.expect("sm");
-            node.start_group(g, &members, logs.log_store(g).expect("ls"), sm).await.expect("group");
+            node.start_group(g, &members, None, logs.log_store(g).expect("ls"), sm).await.expect("group");
         }
     }
     eprintln!("{groups} groups x 3 nodes started in {:?}", started.elapsed());

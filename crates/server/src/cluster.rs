@@ -31,7 +31,7 @@ pub async fn start(config: &Config, settings: ClusterSettings, logs: &Arc<RaftLo
         .await
         .map_err(|e| format!("cannot open the metadata group: {e}"))?;
     let log_store = logs.log_store(METADATA_GROUP).map_err(|e| format!("cannot open the metadata group's log: {e}"))?;
-    node.start_group(METADATA_GROUP, &members, log_store, machine).await.map_err(|e| e.to_string())?;
+    node.start_group(METADATA_GROUP, &members, None, log_store, machine).await.map_err(|e| e.to_string())?;
     broker.set_metadata_group(Arc::new(crate::metadata_group::ClusterMetadata::new(node.clone())))?;
     tracing::info!(node_id = settings.node_id, members = ?members, "cluster member started: metadata group 0 running");
     Ok(node)

@@ -27,6 +27,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, watch};
 use warren_cluster::openraft::impls::ProgressResponder;
 use warren_broker::queue::replica::{ProposeDone, QuorumHost, Replicator};
+use warren_broker::queue_args::LeaderLocator;
 use warren_broker::Queue;
 use std::collections::BTreeSet;
 use std::sync::Weak;
@@ -299,6 +300,15 @@ pub fn members_of(group: GroupId, peers: &[NodeId], size: u32) -> BTreeSet<NodeI
     (0..k).map(|i| sorted[(start + i) % n]).collect()
 }
 
+/// The members of a quorum queue's group led first by node `me` (RabbitMQ's `client-local`): `me`
+/// and `size - 1` of the other peers, picked as [`members_of`] picks them.
+pub fn members_with(me: NodeId, group: GroupId, peers: &[NodeId], size: u32) -> BTreeSet<NodeId> {
+    let others: Vec<NodeId> = peers.iter().copied().filter(|p| *p != me).collect();
+    let mut members = if size > 1 { members_of(group, &others, size - 1) } else { BTreeSet::new() };
+    members.insert(me);
+    members
+}
+
 /// The default `x-quorum-initial-group-size`, as RabbitMQ.
 const DEFAULT_GROUP_SIZE: u32 = 3;
 
@@ -461,9 +471,13 @@ impl QuorumHost for QuorumGroups {
         }
     }
 
-    fn members_for(&self, group: u64, size: Option<u32>) -> Option<Vec<u64>> {
+    fn placement(&self, group: u64, size: Option<u32>, locator: LeaderLocator) -> Option<(Vec<u64>, Option<u64>)> {
         let (_, peers) = self.cluster.as_ref()?;
-        Some(members_of(group, peers, size.unwrap_or(DEFAULT_GROUP_SIZE)).into_iter().collect())
+        let size = size.unwrap_or(DEFAULT_GROUP_SIZE);
+        Some(match locator {
+            LeaderLocator::Balanced => (members_of(group, peers, size).into_iter().collect(), None),
+            LeaderLocator::ClientLocal => (members_with(self.node, group, peers, size).into_iter().collect(), Some(self.node)),
+        })
     }
 
     fn start(&self, queue: Arc<Queue>) {
@@ -491,6 +505,7 @@ impl QuorumHost for QuorumGroups {
         if let Some((node, _)) = &self.cluster {
             let (logs, node, runtime) = (self.logs.clone(), node.clone(), self.runtime.clone());
             let peers = BodyPeers { node: node.clone(), group, members: members.clone(), running: tx.subscribe() };
+            let preferred = queue.recorded_leader();
             // `ClusterNode::start_group`'s future is not `Send`: it runs on a blocking thread of its
             // own (the group's tasks it spawns run on the runtime as any other).
             self.runtime.spawn_blocking(move || {
@@ -498,7 +513,7 @@ impl QuorumHost for QuorumGroups {
                 let started = async {
                     let machine = StateMachine::open(&logs, group, QueueMachine(queue, Some(peers))).await.map_err(|e| e.to_string())?;
                     let log_store = logs.log_store(group).map_err(|e| e.to_string())?;
-                    node.start_group(group, &members, log_store, machine).await.map_err(|e| e.to_string())
+                    node.start_group(group, &members, preferred, log_store, machine).await.map_err(|e| e.to_string())
                 };
                 match runtime.block_on(started) {
                     Ok(raft) => {

@@ -133,7 +133,7 @@ impl State {
                     }
                     _ => None,
                 };
-                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None });
+                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None, leader: None });
                 self.deleted.insert(id, (vhost, def));
             }
             Op::Bound { vhost, binding } => {

@@ -10,7 +10,7 @@ use std::fs;
 fn queue(vhost: &str, name: &str, id: u64) -> Op {
     Op::QueueDeclared {
         vhost: vhost.into(),
-        queue: QueueDef { name: name.into(), id, auto_delete: false, arguments: json!([]), home: None, members: None },
+        queue: QueueDef { name: name.into(), id, auto_delete: false, arguments: json!([]), home: None, members: None, leader: None },
     }
 }
 
@@ -86,7 +86,7 @@ fn a_deleted_priority_queue_releases_every_store_id_it_had_also_after_compaction
     let dir = tempfile::tempdir().unwrap();
     let m = open(dir.path());
     let args = json!([["x-max-priority", {"t": "u8", "v": 3}]]);
-    m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "p".into(), id: 10, auto_delete: false, arguments: args, home: None, members: None } }]).unwrap();
+    m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "p".into(), id: 10, auto_delete: false, arguments: args, home: None, members: None, leader: None } }]).unwrap();
     m.commit(vec![queue("/", "after", 14)]).unwrap();
     m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "p".into(), id: 10 }]).unwrap();
     for m in [open(dir.path()), { m.compact().unwrap(); open(dir.path()) }] {
@@ -203,7 +203,7 @@ fn churn_triggers_compaction_so_the_log_stays_near_the_state_size() {
     let big = json!([["x-padding", {"t": "str", "v": "p".repeat(4000)}]]);
     let mut high = 0;
     for i in 0..500u64 {
-        let op = Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "churn".into(), id: i + 1, auto_delete: false, arguments: big.clone(), home: None, members: None } };
+        let op = Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "churn".into(), id: i + 1, auto_delete: false, arguments: big.clone(), home: None, members: None, leader: None } };
         m.commit(vec![op]).unwrap();
         m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "churn".into(), id: i + 1 }]).unwrap();
         high = high.max(m.log_len());

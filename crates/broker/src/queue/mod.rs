@@ -282,8 +282,9 @@ impl Queue {
         store: Store,
         runtime: Arc<replica::QuorumRuntime>,
         members: Option<Vec<u64>>,
+        leader: Option<u64>,
     ) -> Arc<Queue> {
-        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime, members);
+        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime, members, leader);
         Self::build(name, id, true, None, false, arguments, args, vhost, store, crate::now_ms(), Some(replica))
     }
 
@@ -376,6 +377,11 @@ impl Queue {
     /// The members of a quorum queue's group recorded at its declaration (`QueueDef::members`).
     pub fn recorded_members(&self) -> Option<&[u64]> {
         self.replica.as_ref().and_then(|r| r.recorded_members())
+    }
+
+    /// The member recorded at the declaration to lead a quorum queue's group first (`QueueDef::leader`).
+    pub fn recorded_leader(&self) -> Option<u64> {
+        self.replica.as_ref().and_then(|r| r.recorded_leader())
     }
 
     /// A quorum queue with a replica on this node (a member of its group, or not known otherwise yet).

@@ -92,10 +92,11 @@ pub trait QuorumHost: Send + Sync {
     fn start(&self, queue: Arc<Queue>);
     /// The queue was deleted: stops its group and removes its log.
     fn remove(&self, group: u64);
-    /// In a cluster: the members of a new quorum queue's group (`size` of them, the default without),
-    /// chosen by the declaring node and recorded with the declaration. None standalone.
-    fn members_for(&self, group: u64, size: Option<u32>) -> Option<Vec<u64>> {
-        let _ = (group, size);
+    /// In a cluster: the members of a new quorum queue's group (`size` of them, the default without)
+    /// and the one to lead it first (None: picked by the group id), chosen by the declaring node
+    /// with `locator` and recorded with the declaration. None standalone.
+    fn placement(&self, group: u64, size: Option<u32>, locator: crate::queue_args::LeaderLocator) -> Option<(Vec<u64>, Option<u64>)> {
+        let _ = (group, size, locator);
         None
     }
     /// Sends a request about a classic queue to another node (`super::remote`); `done` is called
@@ -368,6 +369,8 @@ pub struct QuorumReplica {
     runtime: Arc<QuorumRuntime>,
     /// The group's members recorded at the declaration (None: before they were recorded).
     members: Option<Vec<u64>>,
+    /// The member recorded to lead the group first (None: picked by the group id).
+    leader: Option<u64>,
     /// The high 32 bits of this process's local consumer ids: a restart never reuses one.
     incarnation: u64,
     next_local: AtomicU64,
@@ -406,12 +409,13 @@ fn death_reason(reason: Reason) -> Option<DeathReason> {
 }
 
 impl QuorumReplica {
-    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>, members: Option<Vec<u64>>) -> QuorumReplica {
+    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>, members: Option<Vec<u64>>, leader: Option<u64>) -> QuorumReplica {
         QuorumReplica {
             group,
             store,
             runtime,
             members,
+            leader,
             incarnation: (rand::random::<u32>() as u64 | 1) << 32,
             next_local: AtomicU64::new(1),
             own_session: rand::random::<u64>() | 1,
@@ -459,6 +463,10 @@ impl QuorumReplica {
 
     pub(super) fn recorded_members(&self) -> Option<&[u64]> {
         self.members.as_deref()
+    }
+
+    pub(super) fn recorded_leader(&self) -> Option<u64> {
+        self.leader
     }
 
     /// Whether this node is known to be outside the group (its consumers go through a member).

@@ -173,7 +173,7 @@ impl ClusterNode {
                 continue;
             }
             report.led += 1;
-            if let Some(pref) = preferred_member(*group, &voters).filter(|p| *p != me) {
+            if let Some(pref) = preferred_member(*group, &voters, h.preferred()).filter(|p| *p != me) {
                 candidates.push((*group, h.clone(), pref, m));
             }
         }
