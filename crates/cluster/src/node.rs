@@ -449,8 +449,9 @@ struct NodeInner {
     /// New groups waiting for their preferred member to initialize them: (voters, since).
     pending_init: parking_lot::Mutex<HashMap<GroupId, (BTreeMap<NodeId, NodeAddr>, Instant)>>,
     /// Groups whose leader, as this node knows it, asked for a (pre-)vote: it no longer leads
-    /// (restarted: a restarted leader never leads again in its old term), though its node answers.
-    deposed: parking_lot::Mutex<HashMap<GroupId, NodeId>>,
+    /// (restarted: a restarted leader never leads again in its old term), though its node answers;
+    /// and the term it campaigned in.
+    deposed: parking_lot::Mutex<HashMap<GroupId, (NodeId, u64)>>,
     /// Bumped at every change the detector sees and every deposed leader: the sweep looks again
     /// at once at the groups it follows (otherwise only every [`FOLLOWER_RECHECK`]).
     liveness_version: AtomicU64,
@@ -915,20 +916,27 @@ impl ClusterNode {
 
     /// Whether `leader`, the leader of `group` as this node knows it, is gone: its node is down (as
     /// the failure detector says), or it asked for a vote since (see `serve`). Forgets a deposed
-    /// leader once the group names another.
+    /// leader once the group names another, or the same one for the term it campaigned in or a
+    /// later one: a leader restarted with the others (kill -9 of all three) often wins again, and
+    /// taking it for gone held this node's proposals until their timeout.
     fn leader_gone(&self, group: GroupId, leader: NodeId) -> bool {
         if self.inner.detector.is_down(leader) {
             return true;
         }
-        let mut deposed = self.inner.deposed.lock();
-        match deposed.get(&group) {
-            Some(d) if *d == leader => true,
-            Some(_) => {
-                deposed.remove(&group);
-                false
-            }
-            None => false,
+        let Some((deposed, campaign_term)) = self.inner.deposed.lock().get(&group).copied() else { return false };
+        let reelected = deposed == leader
+            && self.handle(group).is_some_and(|h| {
+                let m = h.metrics();
+                m.current_leader == Some(leader) && m.vote.is_committed() && m.current_term >= campaign_term
+            });
+        if deposed == leader && !reelected {
+            return true;
         }
+        let mut map = self.inner.deposed.lock();
+        if map.get(&group) == Some(&(deposed, campaign_term)) {
+            map.remove(&group);
+        }
+        false
     }
 
     /// This node's rank among the live voters of `group` for an election (0 goes first), and
@@ -1204,7 +1212,7 @@ impl ClusterNode {
                 if leader == Some(candidate) {
                     // The leader this node follows campaigns: it leads no more (it restarted), even
                     // though its node answers. The sweep elects as for a leader that is down.
-                    self.inner.deposed.lock().insert(group, candidate);
+                    self.inner.deposed.lock().insert(group, (candidate, req.vote.leader_id.term));
                     self.inner.liveness_version.fetch_add(1, Ordering::Release);
                 } else if rpc == Rpc::Vote && leader.is_some_and(|l| self.leader_gone(group, l)) {
                     // The leader this node follows is down (as the detector says): grant despite
