@@ -75,6 +75,8 @@ use crate::types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADA
 
 /// How often the node looks at its groups (the node's one timer for all of them).
 pub const SWEEP_EVERY: Duration = Duration::from_millis(200);
+/// How often the sweep looks for nodes added to the cluster it has no address for.
+const LEARN_PEERS_EVERY: Duration = Duration::from_secs(1);
 /// Delay between the candidates of one group (by rank).
 pub const ELECTION_STAGGER: Duration = Duration::from_millis(300);
 /// How long a group may have no known leader (its leader's node not known down) before an
@@ -1371,6 +1373,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
     // 1,000 handles five times a second was a fifth of an idle node's CPU).
     let mut swept: Vec<(GroupId, Arc<dyn GroupHandle>, GroupTimer)> = Vec::new();
     let mut swept_version = None;
+    let mut last_learnt: Option<Instant> = None;
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -1388,7 +1391,10 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             swept = node.inner.groups.read().iter().map(|(g, h)| (*g, h.clone(), timers.remove(g).unwrap_or_default())).collect();
         }
         let now = Instant::now();
-        node.learn_peers_from_metadata();
+        if last_learnt.is_none_or(|at| now.duration_since(at) >= LEARN_PEERS_EVERY) {
+            last_learnt = Some(now);
+            node.learn_peers_from_metadata();
+        }
         // New groups whose preferred member has not made itself heard: initialize them here.
         let pending: Vec<(GroupId, BTreeMap<NodeId, NodeAddr>)> = {
             let mut p = node.inner.pending_init.lock();
