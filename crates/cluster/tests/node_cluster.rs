@@ -255,3 +255,58 @@ async fn a_group_idle_past_the_leader_lease_takes_commands_at_once() {
         stop_node(n).await;
     }
 }
+
+/// All three nodes stopped and started again on their data: the followers still name the old
+/// leader (from their stored vote) when it campaigns, and it often wins again. Their proposals,
+/// forwarded to it, must then go through: they once took it for deposed until another node led,
+/// and looped on "leader gone" until their timeout (a restarted quorum-queue node's first
+/// proposal, which returns what its consumers held before the crash, among them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_propose_through_a_leader_that_wins_again_after_all_three_restart() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let groups = [METADATA_GROUP];
+    let mut nodes = Vec::new();
+    for (i, dir) in d.iter().enumerate() {
+        nodes.push(start_node(i as NodeId + 1, dir, &ports, &groups).await);
+    }
+    let mut leader = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(10)).await.expect("a leader");
+    nodes[0].node.propose(METADATA_GROUP, Command(Bytes::from_static(b"before")), Duration::from_secs(10)).await.expect("first proposal");
+    let mut re_elected = 0;
+    for round in 0..4 {
+        for n in nodes.drain(..) {
+            stop_node(n).await;
+        }
+        for (i, dir) in d.iter().enumerate() {
+            nodes.push(start_node(i as NodeId + 1, dir, &ports, &groups).await);
+        }
+        // Every follower proposes at once, while the old leader campaigns; each must get through
+        // well within the proposal timeout once a leader is elected.
+        let started = Instant::now();
+        let proposals: Vec<_> = nodes
+            .iter()
+            .map(|n| {
+                let node = n.node.clone();
+                let command = Command(Bytes::from(format!("round-{round}-node-{}", n.id)));
+                tokio::spawn(async move { node.propose(METADATA_GROUP, command, Duration::from_secs(20)).await })
+            })
+            .collect();
+        for (n, p) in nodes.iter().zip(proposals) {
+            p.await.expect("task").unwrap_or_else(|e| panic!("round {round}: node {}'s proposal failed after {:?}: {e}", n.id, started.elapsed()));
+        }
+        let took = started.elapsed();
+        let now = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(10)).await.expect("a leader");
+        eprintln!("round {round}: leader {leader} before, {now} after; every node's proposal applied {took:?} after the restart");
+        assert!(took < Duration::from_secs(8), "round {round}: proposals took {took:?} (leader {now}, before {leader})");
+        re_elected += usize::from(now == leader);
+        leader = now;
+    }
+    // Before the fix the followers took the old leader for gone as soon as it campaigned, so it
+    // never led again after a full restart (and in `warren server`, where it did win, their
+    // proposals looped until their timeout).
+    assert!(re_elected > 0, "after every full restart another node led: the old leader was taken for gone");
+    for n in nodes {
+        stop_node(n).await;
+    }
+}
