@@ -59,10 +59,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_GIVEN_PORTS = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before in this run: the kernel may give the same free
+    port twice in a row, and a broker whose AMQP and HTTP ports came out equal refused to start."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def eventually(fn, timeout=10.0, interval=0.05):
