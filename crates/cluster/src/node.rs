@@ -925,19 +925,18 @@ impl ClusterNode {
         if self.inner.detector.is_down(leader) {
             return true;
         }
-        let Some((deposed, campaign_term)) = self.inner.deposed.lock().get(&group).copied() else { return false };
-        let reelected = deposed == leader
-            && self.handle(group).is_some_and(|h| {
+        let mut deposed = self.inner.deposed.lock();
+        let Some(&(node, campaign_term)) = deposed.get(&group) else { return false };
+        if node == leader {
+            let reelected = self.handle(group).is_some_and(|h| {
                 let m = h.metrics();
                 m.current_leader == Some(leader) && m.vote.is_committed() && m.current_term >= campaign_term
             });
-        if deposed == leader && !reelected {
-            return true;
+            if !reelected {
+                return true;
+            }
         }
-        let mut map = self.inner.deposed.lock();
-        if map.get(&group) == Some(&(deposed, campaign_term)) {
-            map.remove(&group);
-        }
+        deposed.remove(&group);
         false
     }
 

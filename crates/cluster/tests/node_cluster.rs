@@ -105,6 +105,15 @@ fn dirs(root: &Path) -> Vec<PathBuf> {
     (1..=3).map(|i| root.join(format!("node{i}"))).collect()
 }
 
+/// Nodes 1 to 3, each on its directory of `dirs`, started one after the other.
+async fn start_all(dirs: &[PathBuf], ports: &[(NodeId, u16)], groups: &[u64]) -> Vec<TestNode> {
+    let mut nodes = Vec::new();
+    for (i, dir) in dirs.iter().enumerate() {
+        nodes.push(start_node(i as NodeId + 1, dir, ports, groups).await);
+    }
+    nodes
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_nodes_elect_forward_fail_over_and_rejoin() {
     let root = tempfile::tempdir().expect("tempdir");
@@ -234,10 +243,7 @@ async fn a_group_idle_past_the_leader_lease_takes_commands_at_once() {
     let d = dirs(root.path());
     let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
     let groups = [METADATA_GROUP];
-    let mut nodes = Vec::new();
-    for i in 1..=3 {
-        nodes.push(start_node(i, &d[i as usize - 1], &ports, &groups).await);
-    }
+    let nodes = start_all(&d, &ports, &groups).await;
     let leader = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(15)).await.expect("a leader is elected");
     let lease = Duration::from_millis(test_raft_config().election_timeout_max);
     let mut want = Vec::new();
@@ -267,10 +273,7 @@ async fn followers_propose_through_a_leader_that_wins_again_after_all_three_rest
     let d = dirs(root.path());
     let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
     let groups = [METADATA_GROUP];
-    let mut nodes = Vec::new();
-    for (i, dir) in d.iter().enumerate() {
-        nodes.push(start_node(i as NodeId + 1, dir, &ports, &groups).await);
-    }
+    let mut nodes = start_all(&d, &ports, &groups).await;
     let mut leader = agreed_leader(&nodes.iter().collect::<Vec<_>>(), METADATA_GROUP, Duration::from_secs(10)).await.expect("a leader");
     nodes[0].node.propose(METADATA_GROUP, Command(Bytes::from_static(b"before")), Duration::from_secs(10)).await.expect("first proposal");
     let mut re_elected = 0;
@@ -278,9 +281,7 @@ async fn followers_propose_through_a_leader_that_wins_again_after_all_three_rest
         for n in nodes.drain(..) {
             stop_node(n).await;
         }
-        for (i, dir) in d.iter().enumerate() {
-            nodes.push(start_node(i as NodeId + 1, dir, &ports, &groups).await);
-        }
+        nodes = start_all(&d, &ports, &groups).await;
         // Every follower proposes at once, while the old leader campaigns; each must get through
         // well within the proposal timeout once a leader is elected.
         let started = Instant::now();
