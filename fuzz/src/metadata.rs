@@ -83,6 +83,7 @@ pub fn sample_log(dir: &Path) -> Vec<u8> {
             vec![Op::QueueDeclared { vhost: v(), queue: q("q1", 1) }, Op::QueueDeclared { vhost: v(), queue: q("q2", 2) }],
             vec![Op::Bound { vhost: v(), binding: b("orders", "q1", "queue") }, Op::Bound { vhost: v(), binding: b("orders", "dlx", "exchange") }],
             vec![Op::Unbound { vhost: v(), binding: b("orders", "dlx", "exchange") }],
+            vec![Op::QueueMembers { vhost: v(), name: "q1".into(), id: 1, members: vec![1, 2, 4] }],
             vec![Op::QueueDeleted { vhost: v(), name: "q2".into(), id: 2 }, Op::ExchangeDeleted { vhost: v(), name: "dlx".into() }],
             vec![Op::NextQueueId { value: 9 }],
         ];

@@ -272,6 +272,39 @@ impl Broker {
         Ok(())
     }
 
+    /// In a cluster: every quorum queue whose group's members are recorded, as
+    /// (vhost, name, queue id, members).
+    pub fn quorum_members(&self) -> Vec<(String, String, u64, Vec<u64>)> {
+        let state = self.metadata.state();
+        let mut out = Vec::new();
+        for vhost in state.vhost_names() {
+            for q in state.vhost(&vhost).queues {
+                if let Some(members) = q.members {
+                    out.push((vhost.clone(), q.name, q.id, members));
+                }
+            }
+        }
+        out
+    }
+
+    /// Records other members for quorum queues' groups (`warren ctl remove-node`, `grow`), through
+    /// the metadata group: `(vhost, name, queue id, members)` each. Blocks the caller (run it off
+    /// the runtime's workers) until this node has applied them.
+    pub fn set_quorum_members(&self, changes: Vec<(String, String, u64, Vec<u64>)>) -> Result<(), String> {
+        // Entries of a bounded size, however many queues there are.
+        const PER_ENTRY: usize = 256;
+        let ops: Vec<crate::metadata::Op> =
+            changes.into_iter().map(|(vhost, name, id, members)| crate::metadata::Op::QueueMembers { vhost, name, id, members }).collect();
+        for chunk in ops.chunks(PER_ENTRY) {
+            self.metadata.commit_replicated(chunk).map_err(|e| match e {
+                crate::metadata::GroupCommitError::NotCommitted(e) => format!("not recorded: {e}"),
+                crate::metadata::GroupCommitError::Unknown(e) => format!("may not be recorded: {e}"),
+                crate::metadata::GroupCommitError::Conflict => "a conflicting change came first".to_string(),
+            })?;
+        }
+        Ok(())
+    }
+
     /// The metadata group's state machine: applies committed entry `index` (from any node) to
     /// the durable state (`metadata.log`) and the in-memory topology, and returns the proposer's
     /// reply. Deterministic: every node applying the same entries reaches the same topology and

@@ -102,7 +102,7 @@ pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
         auto_delete: q.auto_delete,
         arguments: table_to_json(&q.arguments),
         home: q.home_node(),
-        members: q.recorded_members().map(<[u64]>::to_vec),
+        members: q.recorded_members(),
         leader: q.recorded_leader(),
     }
 }

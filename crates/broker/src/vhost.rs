@@ -959,6 +959,11 @@ impl VHost {
                     self.drop_queue(&queue);
                 }
             }
+            Op::QueueMembers { name, id, members, .. } => {
+                if let Some(queue) = self.find_queue(name).filter(|q| q.id == *id) {
+                    queue.set_recorded_members(members.clone());
+                }
+            }
             Op::Bound { binding, .. } => {
                 if let Some((src, binding)) = self.resolve_binding(binding) {
                     if !src.has_binding(&binding) {

@@ -65,7 +65,9 @@ use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+mod members;
 mod rebalance;
+pub use members::{GroupMembership, MembersStep, CATCH_UP_LAG};
 
 use crate::detector::{Change, Detector};
 use crate::transport::raft::{GroupNetworkFactory, SnapshotMessage, SnapshotWire};
@@ -421,14 +423,26 @@ where
     fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome> {
         let raft = self.raft.clone();
         Box::pin(async move {
+            // As in `write`: a leader whose lease ran out (an idle group) renews it once.
+            let lease_expired = |r: &Result<_, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>| {
+                matches!(r, Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) if f.reason == ForwardReason::LeaseExpired)
+            };
             if let Some((id, addr)) = learner {
-                if let o @ (WriteOutcome::NotLeader(_) | WriteOutcome::Unknown(_) | WriteOutcome::Fatal(_)) =
-                    write_outcome(raft.add_learner(id, addr, true).await, |_| Reply::default())
-                {
+                let mut added = raft.add_learner(id, addr.clone(), true).await;
+                if lease_expired(&added) {
+                    renew_lease(&raft).await;
+                    added = raft.add_learner(id, addr, true).await;
+                }
+                if let o @ (WriteOutcome::NotLeader(_) | WriteOutcome::Unknown(_) | WriteOutcome::Fatal(_)) = write_outcome(added, |_| Reply::default()) {
                     return o;
                 }
             }
-            write_outcome(raft.change_membership(change, false).await, |_| Reply::default())
+            let mut changed = raft.change_membership(change.clone(), false).await;
+            if lease_expired(&changed) {
+                renew_lease(&raft).await;
+                changed = raft.change_membership(change, false).await;
+            }
+            write_outcome(changed, |_| Reply::default())
         })
     }
 
@@ -466,6 +480,28 @@ struct NodeInner {
     body_source: RwLock<Option<BodySource>>,
     /// Answers `Rpc::Classic` (the server's classic queues).
     classic_service: RwLock<Option<ClassicService>>,
+    /// Records quorum queues' members (the server's broker, through the metadata group).
+    queue_members: RwLock<Option<Arc<dyn QueueMembers>>>,
+}
+
+/// A change of the members of quorum queues' groups, asked by `warren ctl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MembersChange {
+    /// Every group with a member on the node gets another member in its place (where the cluster
+    /// has one), and loses that one.
+    Remove(NodeId),
+    /// Every group without a member on the node gets one.
+    Grow(NodeId),
+}
+
+/// What records the members of quorum queues' groups (the server's broker, through the metadata
+/// group). The groups' leaders then move their voters to them ([`ClusterNode::reconcile_members`]).
+pub trait QueueMembers: Send + Sync {
+    /// Records the change for every quorum queue it concerns; answers what it did.
+    fn change(&self, change: MembersChange) -> BoxFuture<Result<String, String>>;
+    /// Whether the group's members are recorded (its leader follows them, so `remove-node` leaves
+    /// the group alone).
+    fn follows_recorded(&self, group: GroupId) -> bool;
 }
 
 /// What answers a peer's body request for a group: (group, request) → answer.
@@ -486,12 +522,18 @@ pub struct ClusterNode {
 pub enum AdminRequest {
     /// Adds a node to the metadata group (as a learner, then a voter).
     AddNode { node: NodeId, addr: String },
-    /// Removes a node from every group it is a voter of.
+    /// Removes a node from the cluster: quorum queues' groups get another member in its place
+    /// (where the cluster has one), then it leaves the metadata group and every other group.
     RemoveNode { node: NodeId },
+    /// Adds a member on `node` to every quorum queue's group that lacks one (RabbitMQ's
+    /// `rabbitmq-queues grow`).
+    Grow { node: NodeId },
     /// Moves a group's leadership to a node.
     TransferLeader { group: GroupId, node: NodeId },
     /// (between nodes) Remove `node` from the groups this node leads.
     RemoveFromLedGroups { node: NodeId },
+    /// (between nodes) The group's membership as the node asked knows it ([`GroupMembership`]).
+    GroupMembership { group: GroupId },
     /// Rebalances leadership on every node now (waiving the settle time for a while).
     Rebalance,
     /// (between nodes) Rebalance the groups this node leads now.
@@ -621,6 +663,7 @@ impl ClusterNode {
             stop,
             body_source: RwLock::new(None),
             classic_service: RwLock::new(None),
+            queue_members: RwLock::new(None),
         });
         transport.set_handler(Arc::new(NodeHandler(Arc::downgrade(&inner))));
         let node = ClusterNode { inner };
@@ -713,8 +756,9 @@ impl ClusterNode {
     /// the transport serves its RPCs. A group with no state yet is initialized with `members` as
     /// its voters (each member does the same; see the module docs) by its preferred member:
     /// `preferred` if it is one of them (a quorum queue's declaring node), else one picked by the
-    /// group id ([`preferred_member`]), which the sweep also hands leadership back to. Returns the
-    /// group's `Raft`.
+    /// group id ([`preferred_member`]), which the sweep also hands leadership back to. With no
+    /// `members`, this node joins a group that runs elsewhere: nothing is initialized, and the
+    /// group's leader adds it ([`ClusterNode::reconcile_members`]). Returns the group's `Raft`.
     pub async fn start_group<LS, SM>(
         &self,
         group: GroupId,
@@ -754,7 +798,8 @@ impl ClusterNode {
             let _ = raft.shutdown().await;
             return Err(NodeError::GroupExists(group));
         }
-        if !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
+        // No members: this node joins a running group (`reconcile_members` on its leader adds it).
+        if !members.is_empty() && !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
             if preferred_member(group, members, preferred) == Some(self.inner.id) {
                 match raft.initialize(nodes).await {
                     Ok(()) => tracing::debug!(group, "group initialized"),
@@ -785,6 +830,11 @@ impl ClusterNode {
     /// Asks `peer` for bodies of `group` (its body source answers); the bytes are the caller's.
     pub async fn fetch_bodies(&self, peer: NodeId, group: GroupId, request: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
         self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Bodies, group, request, timeout).await
+    }
+
+    /// Sets what records quorum queues' members (`warren ctl remove-node`, `grow`).
+    pub fn set_queue_members(&self, service: Arc<dyn QueueMembers>) {
+        *self.inner.queue_members.write() = Some(service);
     }
 
     /// Sets what answers peers' requests about classic queues (`Rpc::Classic`).
@@ -1027,7 +1077,12 @@ impl ClusterNode {
                 .map(|_| format!("node {node} added to the metadata group"))
             }
             AdminRequest::RemoveNode { node } => {
-                let mut done = vec![self.remove_from_led_groups(node).await?];
+                let mut done = Vec::new();
+                let service = self.inner.queue_members.read().clone();
+                if let Some(service) = service {
+                    done.push(service.change(MembersChange::Remove(node)).await?);
+                }
+                done.push(self.remove_from_led_groups(node).await?);
                 for peer in self.inner.transport.peers() {
                     if peer == node {
                         continue;
@@ -1041,6 +1096,13 @@ impl ClusterNode {
                 Ok(done.join("; "))
             }
             AdminRequest::RemoveFromLedGroups { node } => self.remove_from_led_groups(node).await,
+            AdminRequest::Grow { node } => {
+                let service = self.inner.queue_members.read().clone();
+                match service {
+                    Some(service) => service.change(MembersChange::Grow(node)).await,
+                    None => Err(format!("node {} runs no quorum queues", self.inner.id)),
+                }
+            }
             AdminRequest::TransferLeader { group, node } => {
                 let this = self.clone();
                 self.on_group_leader(group, AdminRequest::TransferLeader { group, node }, move |h| {
@@ -1076,6 +1138,10 @@ impl ClusterNode {
                 Ok(done.join("\n"))
             }
             AdminRequest::RebalanceHere => Ok(self.rebalance_here().await),
+            AdminRequest::GroupMembership { group } => {
+                let membership = self.group_membership(group).ok_or_else(|| format!("group {group} is not on node {}", self.inner.id))?;
+                serde_json::to_string(&membership).map_err(|e| e.to_string())
+            }
         }
     }
 
@@ -1085,12 +1151,18 @@ impl ClusterNode {
     }
 
     async fn remove_from_led_groups(&self, node: NodeId) -> Result<String, String> {
+        let service = self.inner.queue_members.read().clone();
+        let follows_recorded = |group: GroupId| group != METADATA_GROUP && service.as_ref().is_some_and(|s| s.follows_recorded(group));
         let handles: Vec<(GroupId, Arc<dyn GroupHandle>)> =
             self.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
         let mut removed = 0;
         for (group, h) in handles {
             let m = h.metrics();
             if m.state != ServerState::Leader || !m.membership_config.membership().voter_ids().any(|v| v == node) {
+                continue;
+            }
+            // Its leader moves it to the members recorded for it, in its place (`reconcile_members`).
+            if follows_recorded(group) {
                 continue;
             }
             match h.change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([node])), None).await {
@@ -1408,10 +1480,21 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             node.inner.pending_init.lock().remove(&group);
             let has_members = h.metrics().membership_config.membership().voter_ids().next().is_some();
             if !has_members {
-                tracing::info!(group, "the group's preferred member did not initialize it: initializing it here");
-                if let Err(e) = h.initialize(nodes).await {
-                    tracing::warn!(group, error = %e, "cannot initialize the group");
-                }
+                // Not if the group runs on another member already: this node may be one added later
+                // (`reconcile_members`), restarted before it got anything from the group's leader.
+                // Initialized here, it would hold a log of its own. Asked off the sweep.
+                let node = node.clone();
+                tokio::spawn(async move {
+                    let members: BTreeSet<NodeId> = nodes.keys().copied().collect();
+                    if node.group_runs_elsewhere(group, &members).await {
+                        tracing::info!(group, "the group runs on other members: waiting for its leader to reach this node");
+                        return;
+                    }
+                    tracing::info!(group, "the group's preferred member did not initialize it: initializing it here");
+                    if let Err(e) = h.initialize(nodes).await {
+                        tracing::warn!(group, error = %e, "cannot initialize the group");
+                    }
+                });
             }
         }
         let mut handbacks = HANDBACKS_PER_SWEEP;

@@ -46,8 +46,15 @@ pub enum CtlCommand {
         /// Its cluster address, HOST:PORT
         addr: String,
     },
-    /// Removes a node from every group it is a voter of
+    /// Removes a node from the cluster: each quorum queue with a member on it gets one on another
+    /// node instead (where the cluster has one), then the node leaves every group
     RemoveNode {
+        /// The node's id
+        id: u64,
+    },
+    /// Adds a member on a node to every quorum queue that has none there (RabbitMQ's
+    /// `rabbitmq-queues grow NODE all`), e.g. after `add-node`
+    Grow {
         /// The node's id
         id: u64,
     },
@@ -97,6 +104,7 @@ fn run_inner(args: CtlArgs) -> Result<String, String> {
         CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),
         CtlCommand::AddNode { id, addr } => (Rpc::Admin, admin(AdminRequest::AddNode { node: *id, addr: addr.clone() })?),
         CtlCommand::RemoveNode { id } => (Rpc::Admin, admin(AdminRequest::RemoveNode { node: *id })?),
+        CtlCommand::Grow { id } => (Rpc::Admin, admin(AdminRequest::Grow { node: *id })?),
         CtlCommand::Rebalance => (Rpc::Admin, admin(AdminRequest::Rebalance)?),
         CtlCommand::TransferLeader { group, to } => {
             (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *to })?)

@@ -8,6 +8,7 @@ mod connection;
 mod ctl;
 mod metadata_group;
 mod powercut;
+mod queue_members;
 mod quorum;
 mod server;
 
@@ -97,6 +98,7 @@ mod cli_tests {
             &["warren", "ctl", "--node", "127.0.0.1:1", "transfer-leader", "5", "2"],
             &["warren", "ctl", "add-node", "4", "127.0.0.1:2"],
             &["warren", "ctl", "remove-node", "4"],
+            &["warren", "ctl", "grow", "4"],
         ] {
             let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
             assert!(matches!(cli.command, Command::Ctl(_)));

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, watch};
 use warren_cluster::openraft::impls::ProgressResponder;
 use warren_broker::queue::replica::{ProposeDone, QuorumHost, Replicator};
@@ -32,6 +32,7 @@ use warren_broker::Queue;
 use std::collections::BTreeSet;
 use std::sync::Weak;
 use warren_cluster::machine::StateMachine;
+use warren_cluster::node::MembersStep;
 use warren_cluster::{start_single_voter, ClusterNode, Command, GroupId, GroupMachine, NodeAddr, NodeId, RaftLogs};
 
 /// How long a proposal may wait for its commit and apply before its publishers are nacked.
@@ -137,7 +138,7 @@ async fn fetch_bodies(queue: &Arc<Queue>, peers: BodyPeers, first: Bytes) -> Res
 async fn serve_bodies(groups: Weak<QuorumGroups>, group: GroupId, request: Bytes) -> Result<Bytes, String> {
     let queue = groups
         .upgrade()
-        .and_then(|g| g.groups.lock().get(&group).and_then(|(_, q)| q.upgrade()))
+        .and_then(|g| g.groups.lock().get(&group).and_then(|(_, q, _)| q.upgrade()))
         .ok_or_else(|| format!("no quorum queue of group {group} on this node"))?;
     tokio::task::spawn_blocking(move || queue.serve_bodies(&request)).await.map_err(|e| e.to_string())?
 }
@@ -160,12 +161,15 @@ pub struct Group {
     proposals: mpsc::UnboundedSender<(Bytes, ProposeDone)>,
     runtime: tokio::runtime::Handle,
     /// In a cluster: this node and the group's members (a node outside the group relays its
-    /// consumers through one of them).
-    members: Option<(ClusterNode, BTreeSet<NodeId>)>,
+    /// consumers through one of them), kept to the recorded ones by [`follow_members`].
+    members: Option<(ClusterNode, Relay)>,
 }
 
+/// A group's recorded members, as the nodes outside it relay through them.
+type Relay = Arc<RwLock<BTreeSet<NodeId>>>;
+
 impl Group {
-    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, cluster: Option<(ClusterNode, GroupId, BTreeSet<NodeId>)>) -> Group {
+    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, cluster: Option<(ClusterNode, GroupId, Relay)>) -> Group {
         let (proposals, rx) = mpsc::unbounded_channel();
         let members = match cluster {
             None => {
@@ -199,7 +203,7 @@ impl Replicator for Group {
     fn relay_member(&self, avoid: Option<u64>) -> Option<u64> {
         let (node, members) = self.members.as_ref()?;
         // Starting at this node's place among them, so the nodes outside spread over the members.
-        let members: Vec<NodeId> = members.iter().copied().collect();
+        let members: Vec<NodeId> = members.read().iter().copied().collect();
         let start = (node.node_id() as usize) % members.len().max(1);
         let order = || members[start..].iter().chain(&members[..start]).copied().filter(|&m| Some(m) != avoid);
         order().find(|&m| node.is_reachable(m)).or_else(|| order().next()).or_else(|| members.first().copied())
@@ -320,7 +324,13 @@ pub struct QuorumGroups {
     /// In a cluster: the cluster node and every node's id.
     cluster: Option<(ClusterNode, Vec<NodeId>)>,
     runtime: tokio::runtime::Handle,
-    groups: Mutex<HashMap<GroupId, (watch::Sender<Running>, Weak<Queue>)>>,
+    groups: Mutex<HashMap<GroupId, (watch::Sender<Running>, Weak<Queue>, Relay)>>,
+    /// Woken when a queue's recorded members change ([`follow_members`]).
+    members_changed: Arc<tokio::sync::Notify>,
+    /// Groups whose voters are the recorded members (nothing for [`follow_members`] to do), with
+    /// those members; and the groups a membership step is under way for.
+    members_settled: Mutex<HashMap<GroupId, BTreeSet<NodeId>>>,
+    members_stepping: Mutex<std::collections::HashSet<GroupId>>,
     /// In a cluster: requests about classic queues go through it (`classic_home`).
     pub classic: std::sync::OnceLock<Arc<crate::classic_home::ClassicHome>>,
 }
@@ -328,7 +338,18 @@ pub struct QuorumGroups {
 impl QuorumGroups {
     /// A node without peers: every group has this node as its only voter.
     pub fn new(logs: Arc<RaftLogs>, node: NodeId, addr: NodeAddr) -> Arc<QuorumGroups> {
-        let groups = Arc::new(QuorumGroups { logs, node, addr, cluster: None, runtime: tokio::runtime::Handle::current(), groups: Mutex::new(HashMap::new()), classic: std::sync::OnceLock::new() });
+        let groups = Arc::new(QuorumGroups {
+            logs,
+            node,
+            addr,
+            cluster: None,
+            runtime: tokio::runtime::Handle::current(),
+            groups: Mutex::new(HashMap::new()),
+            members_changed: Arc::new(tokio::sync::Notify::new()),
+            members_settled: Mutex::new(HashMap::new()),
+            members_stepping: Mutex::new(std::collections::HashSet::new()),
+            classic: std::sync::OnceLock::new(),
+        });
         groups.runtime.spawn(compact_logs(Arc::downgrade(&groups)));
         groups
     }
@@ -344,9 +365,13 @@ impl QuorumGroups {
             cluster: Some((node, peers)),
             runtime: tokio::runtime::Handle::current(),
             groups: Mutex::new(HashMap::new()),
+            members_changed: Arc::new(tokio::sync::Notify::new()),
+            members_settled: Mutex::new(HashMap::new()),
+            members_stepping: Mutex::new(std::collections::HashSet::new()),
             classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
+        groups.runtime.spawn(follow_members(Arc::downgrade(&groups)));
         groups.runtime.spawn(compact_logs(Arc::downgrade(&groups)));
         if let Some((node, _)) = &groups.cluster {
             let weak = Arc::downgrade(&groups);
@@ -357,7 +382,7 @@ impl QuorumGroups {
 
     /// Stops every group (shutdown), so none applies anything while the store closes.
     pub async fn shutdown(&self) {
-        let senders: Vec<(GroupId, watch::Sender<Running>)> = self.groups.lock().drain().map(|(g, (tx, _))| (g, tx)).collect();
+        let senders: Vec<(GroupId, watch::Sender<Running>)> = self.groups.lock().drain().map(|(g, (tx, _, _))| (g, tx)).collect();
         for (group, tx) in senders {
             let previous = tx.send_replace(Running::Stopped);
             if let Some((node, _)) = &self.cluster {
@@ -368,13 +393,62 @@ impl QuorumGroups {
         }
     }
 
+    /// Starts the group of `queue` on this node, one of its `members`. A group with no state yet is
+    /// initialized with voters `init` (`ClusterNode::start_group`); with none, this node joins the
+    /// group where it runs (its leader adds it: [`follow_members`]).
+    fn start_member(
+        &self,
+        node: &ClusterNode,
+        queue: Arc<Queue>,
+        members: BTreeSet<NodeId>,
+        init: BTreeSet<NodeId>,
+        preferred: Option<NodeId>,
+        tx: watch::Sender<Running>,
+    ) {
+        let group = queue.id;
+        let (logs, node, runtime) = (self.logs.clone(), node.clone(), self.runtime.clone());
+        let peers = BodyPeers { node: node.clone(), group, members: members.clone(), running: tx.subscribe() };
+        // `ClusterNode::start_group`'s future is not `Send`: it runs on a blocking thread of its
+        // own (the group's tasks it spawns run on the runtime as any other).
+        self.runtime.spawn_blocking(move || {
+            let name = queue.name.clone();
+            let started = async {
+                let machine = StateMachine::open(&logs, group, QueueMachine(queue, Some(peers))).await.map_err(|e| e.to_string())?;
+                let log_store = logs.log_store(group).map_err(|e| e.to_string())?;
+                node.start_group(group, &init, preferred, log_store, machine).await.map_err(|e| e.to_string())
+            };
+            match runtime.block_on(started) {
+                Ok(raft) => {
+                    tracing::debug!(queue = %name, group, ?members, "quorum queue's group started on this node");
+                    tx.send_if_modified(|state| match state {
+                        Running::Stopped => false,
+                        _ => {
+                            *state = Running::Running(raft.clone());
+                            true
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::error!(queue = %name, group, error = %e, "could not start a quorum queue's Raft group");
+                    let _ = tx.send(Running::Failed(e));
+                }
+            }
+        });
+    }
+
+    /// Whether the group's members are recorded (its leader follows them: [`follow_members`]).
+    pub fn follows_recorded(&self, group: GroupId) -> bool {
+        let queue = self.groups.lock().get(&group).and_then(|(_, q, _)| q.upgrade());
+        queue.is_some_and(|q| q.recorded_members().is_some_and(|m| !m.is_empty()))
+    }
+
     /// The groups this node leads now, with their queues.
     fn led(&self) -> Vec<Arc<Queue>> {
         self.groups
             .lock()
             .values()
-            .filter(|(tx, _)| matches!(&*tx.borrow(), Running::Running(r) if r.is_leader()))
-            .filter_map(|(_, q)| q.upgrade())
+            .filter(|(tx, _, _)| matches!(&*tx.borrow(), Running::Running(r) if r.is_leader()))
+            .filter_map(|(_, q, _)| q.upgrade())
             .collect()
     }
 }
@@ -407,7 +481,7 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
             .groups
             .lock()
             .iter()
-            .filter_map(|(g, (tx, _))| match &*tx.borrow() {
+            .filter_map(|(g, (tx, _, _))| match &*tx.borrow() {
                 Running::Running(raft) => Some((*g, raft.clone())),
                 _ => None,
             })
@@ -426,6 +500,115 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
                 let _ = tokio::time::timeout(COMPACT_EVERY, raft.trigger().purge_log(upto)).await;
             }
         }
+    }
+}
+
+/// How often [`follow_members`] looks at every group (and at once when recorded members change).
+const FOLLOW_EVERY: Duration = Duration::from_secs(1);
+
+/// In a cluster: keeps each group's members on this node to the recorded ones
+/// (`QueueDef::members`, changed by `warren ctl remove-node` and `grow`):
+///
+/// - a node newly recorded as a member joins the group (starts it with no voters of its own; the
+///   leader adds it as a learner, then a voter, once it has caught up);
+/// - the leader moves the group's voters to the recorded members, one step at a time
+///   (`ClusterNode::reconcile_members`: adds first, then hands over its own leadership if it is no
+///   longer a member, then removes);
+/// - a node no longer recorded leaves once the group's leader has a uniform configuration without
+///   it (`ClusterNode::is_out_of`): its consumers are cancelled, its copy of the queue dropped, its
+///   group stopped and its log removed (`Queue::leave_group`).
+async fn follow_members(groups: Weak<QuorumGroups>) {
+    loop {
+        let Some(this) = groups.upgrade() else { return };
+        let changed = this.members_changed.clone();
+        let notified = changed.notified();
+        this.follow_members_once();
+        drop(this);
+        let _ = tokio::time::timeout(FOLLOW_EVERY, notified).await;
+    }
+}
+
+impl QuorumGroups {
+    fn follow_members_once(self: &Arc<Self>) {
+        let Some((node, _)) = &self.cluster else { return };
+        type Followed = (GroupId, watch::Sender<Running>, Arc<Queue>, Relay);
+        let entries: Vec<Followed> =
+            self.groups.lock().iter().filter_map(|(g, (tx, q, relay))| Some((*g, tx.clone(), q.upgrade()?, relay.clone()))).collect();
+        for (group, tx, queue, relay) in entries {
+            let Some(recorded) = queue.recorded_members() else { continue };
+            let recorded: BTreeSet<NodeId> = recorded.into_iter().collect();
+            if recorded.is_empty() || self.members_settled.lock().get(&group) == Some(&recorded) {
+                continue;
+            }
+            if *relay.read() != recorded {
+                *relay.write() = recorded.clone();
+            }
+            let member = recorded.contains(&self.node);
+            let state = tx.borrow().clone();
+            match state {
+                Running::NotMember if member => {
+                    tracing::info!(queue = %queue.name, group, members = ?recorded, "this node is a new member of the quorum queue's group: joining it");
+                    tx.send_replace(Running::Starting);
+                    self.start_member(node, queue, recorded, BTreeSet::new(), None, tx);
+                }
+                Running::NotMember => {
+                    self.members_settled.lock().insert(group, recorded);
+                }
+                Running::Running(raft) if !member && !raft.is_leader() => {
+                    if self.members_stepping.lock().insert(group) {
+                        let (this, node) = (self.clone(), node.clone());
+                        self.runtime.spawn(async move {
+                            if node.is_out_of(group, &recorded).await {
+                                this.leave(&node, group, queue, tx);
+                            }
+                            this.members_stepping.lock().remove(&group);
+                        });
+                    }
+                }
+                Running::Running(raft) if raft.is_leader() => {
+                    if self.members_stepping.lock().insert(group) {
+                        let (this, node) = (self.clone(), node.clone());
+                        self.runtime.spawn(async move {
+                            let step = node.reconcile_members(group, &recorded).await;
+                            this.members_stepping.lock().remove(&group);
+                            match step {
+                                Ok(MembersStep::Done) => {
+                                    this.members_settled.lock().insert(group, recorded);
+                                }
+                                Ok(MembersStep::Changed(what)) => {
+                                    tracing::info!(queue = %queue.name, group, members = ?recorded, "{what}");
+                                    // The next step at once, not at the next pass.
+                                    this.members_changed.notify_one();
+                                }
+                                Ok(MembersStep::NotLeader) => {}
+                                Ok(MembersStep::HandedOver(to)) => {
+                                    tracing::info!(queue = %queue.name, group, to, "this node is no longer a member: handing the group's leadership over")
+                                }
+                                Ok(MembersStep::CatchingUp(learner)) => tracing::debug!(queue = %queue.name, group, learner, "the new member is catching up"),
+                                // Tried again at the next pass.
+                                Err(e) => tracing::warn!(queue = %queue.name, group, members = ?recorded, error = %e, "cannot move the group to its recorded members yet"),
+                            }
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// This node leaves group `group` (see [`follow_members`]).
+    fn leave(&self, node: &ClusterNode, group: GroupId, queue: Arc<Queue>, tx: watch::Sender<Running>) {
+        tracing::info!(queue = %queue.name, group, "this node is no longer a member of the quorum queue's group: leaving it");
+        tx.send_replace(Running::NotMember);
+        let (node, logs) = (node.clone(), self.logs.clone());
+        self.runtime.spawn(async move {
+            // Stopped first: nothing more is applied to the replica it resets.
+            let _ = node.stop_group(group).await;
+            queue.leave_group();
+            if let Err(e) = logs.remove_group(group) {
+                tracing::error!(group, error = %e, "could not remove the Raft log of a group this node left");
+            }
+        });
     }
 }
 
@@ -490,48 +673,22 @@ impl QuorumHost for QuorumGroups {
         };
         let member = members.contains(&self.node);
         let (tx, rx) = watch::channel(if member { Running::Starting } else { Running::NotMember });
+        let relay: Relay = Arc::new(RwLock::new(members.clone()));
         {
             let mut groups = self.groups.lock();
             if groups.contains_key(&group) {
                 return; // started already (declared while the node started)
             }
-            groups.insert(group, (tx.clone(), Arc::downgrade(&queue)));
+            groups.insert(group, (tx.clone(), Arc::downgrade(&queue), relay.clone()));
         }
-        let cluster = self.cluster.as_ref().map(|(node, _)| (node.clone(), group, members.clone()));
+        let cluster = self.cluster.as_ref().map(|(node, _)| (node.clone(), group, relay));
         queue.attach_replicator(Arc::new(Group::new(rx, self.runtime.clone(), cluster)));
         if !member {
             return;
         }
         if let Some((node, _)) = &self.cluster {
-            let (logs, node, runtime) = (self.logs.clone(), node.clone(), self.runtime.clone());
-            let peers = BodyPeers { node: node.clone(), group, members: members.clone(), running: tx.subscribe() };
             let preferred = queue.recorded_leader();
-            // `ClusterNode::start_group`'s future is not `Send`: it runs on a blocking thread of its
-            // own (the group's tasks it spawns run on the runtime as any other).
-            self.runtime.spawn_blocking(move || {
-                let name = queue.name.clone();
-                let started = async {
-                    let machine = StateMachine::open(&logs, group, QueueMachine(queue, Some(peers))).await.map_err(|e| e.to_string())?;
-                    let log_store = logs.log_store(group).map_err(|e| e.to_string())?;
-                    node.start_group(group, &members, preferred, log_store, machine).await.map_err(|e| e.to_string())
-                };
-                match runtime.block_on(started) {
-                    Ok(raft) => {
-                        tracing::debug!(queue = %name, group, ?members, "quorum queue's group started on this node");
-                        tx.send_if_modified(|state| match state {
-                            Running::Stopped => false,
-                            _ => {
-                                *state = Running::Running(raft.clone());
-                                true
-                            }
-                        });
-                    }
-                    Err(e) => {
-                        tracing::error!(queue = %name, group, error = %e, "could not start a quorum queue's Raft group");
-                        let _ = tx.send(Running::Failed(e));
-                    }
-                }
-            });
+            self.start_member(node, queue, members.clone(), members, preferred, tx);
             return;
         }
         let (logs, node, addr) = (self.logs.clone(), self.node, self.addr.clone());
@@ -564,8 +721,13 @@ impl QuorumHost for QuorumGroups {
         });
     }
 
+    fn members_changed(&self, group: u64) {
+        self.members_settled.lock().remove(&group);
+        self.members_changed.notify_one();
+    }
+
     fn remove(&self, group: u64) {
-        let Some((tx, _)) = self.groups.lock().remove(&group) else { return };
+        let Some((tx, _, _)) = self.groups.lock().remove(&group) else { return };
         let logs = self.logs.clone();
         let node = self.cluster.as_ref().map(|(node, _)| node.clone());
         self.runtime.spawn(async move {

@@ -132,6 +132,8 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     if let Some(node) = &cluster {
         // Classic queues across the nodes: publishes and consumers of other nodes, deliveries to ours.
         let _ = quorum_groups.classic.set(crate::classic_home::ClassicHome::start(Arc::downgrade(&broker), node.clone()));
+        // `warren ctl remove-node` and `grow` record quorum queues' members through the broker.
+        crate::queue_members::QueueMembersAdmin::install(&broker, node, &quorum_groups);
     }
 
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {

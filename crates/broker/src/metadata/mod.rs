@@ -44,6 +44,9 @@ pub enum Op {
     QueueDeclared { vhost: String, queue: QueueDef },
     /// Also removes the bindings to the queue. What the store holds for `id` may then be dropped.
     QueueDeleted { vhost: String, name: String, id: u64 },
+    /// A quorum queue's group has other members from now on (`warren ctl remove-node`, `grow`):
+    /// the group's leader moves its voters to them (`QuorumHost::members_changed`).
+    QueueMembers { vhost: String, name: String, id: u64, members: Vec<u64> },
     Bound { vhost: String, binding: BindingDef },
     Unbound { vhost: String, binding: BindingDef },
     /// Queue ids below this have been used (written by compaction).
@@ -61,6 +64,7 @@ impl Op {
             | Op::ExchangeDeleted { vhost, .. }
             | Op::QueueDeclared { vhost, .. }
             | Op::QueueDeleted { vhost, .. }
+            | Op::QueueMembers { vhost, .. }
             | Op::Bound { vhost, .. }
             | Op::Unbound { vhost, .. } => Some(vhost),
             Op::NextQueueId { .. } | Op::GroupApplied { .. } => None,
@@ -135,6 +139,11 @@ impl State {
                 };
                 let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None, leader: None });
                 self.deleted.insert(id, (vhost, def));
+            }
+            Op::QueueMembers { vhost, name, id, members } => {
+                if let Some(q) = self.vhosts.get_mut(&vhost).and_then(|v| v.queues.get_mut(&name)).filter(|q| q.id == id) {
+                    q.members = Some(members);
+                }
             }
             Op::Bound { vhost, binding } => {
                 self.vhosts.entry(vhost).or_default().bindings.insert(binding_key(&binding), binding);

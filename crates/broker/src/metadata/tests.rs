@@ -362,3 +362,18 @@ fn a_concurrent_declaration_with_other_properties_is_a_conflict() {
     assert_eq!(m.state().exchange("/", "ex").map(|e| e.kind.as_str()), Some("topic"));
     assert_eq!(m.state().queue("/", "q").map(|q| q.arguments.clone()), Some(json!([["x-queue-type", {"t": "longstr", "v": "quorum"}]])));
 }
+
+#[test]
+fn a_quorum_queues_new_members_survive_a_reopen_and_a_compaction_and_a_stale_id_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    let mut declared = QueueDef { name: "qq".into(), id: 5, auto_delete: false, arguments: json!([]), home: None, members: Some(vec![1, 2, 3]), leader: Some(3) };
+    m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: declared.clone() }]).unwrap();
+    m.commit(vec![Op::QueueMembers { vhost: "/".into(), name: "qq".into(), id: 5, members: vec![1, 2, 4] }]).unwrap();
+    // A change for another queue of the same name (an id since deleted) is not this queue's.
+    m.commit(vec![Op::QueueMembers { vhost: "/".into(), name: "qq".into(), id: 4, members: vec![9] }]).unwrap();
+    declared.members = Some(vec![1, 2, 4]);
+    assert_eq!(open(dir.path()).vhost("/").queues, vec![declared.clone()]);
+    m.compact().unwrap();
+    assert_eq!(open(dir.path()).vhost("/").queues, vec![declared]);
+}

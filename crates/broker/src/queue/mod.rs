@@ -375,8 +375,25 @@ impl Queue {
     }
 
     /// The members of a quorum queue's group recorded at its declaration (`QueueDef::members`).
-    pub fn recorded_members(&self) -> Option<&[u64]> {
+    pub fn recorded_members(&self) -> Option<Vec<u64>> {
         self.replica.as_ref().and_then(|r| r.recorded_members())
+    }
+
+    /// A quorum queue's group has other members from now on (`metadata::Op::QueueMembers`): the
+    /// node's quorum host moves the group to them.
+    pub fn set_recorded_members(&self, members: Vec<u64>) {
+        let Some(r) = &self.replica else { return };
+        r.set_recorded_members(members);
+        if let Some(host) = r.runtime().host() {
+            host.members_changed(self.id);
+        }
+    }
+
+    /// This node left the quorum queue's group (see `QuorumReplica::leave_group`).
+    pub fn leave_group(self: &Arc<Self>) {
+        if let Some(r) = &self.replica {
+            r.leave_group(self);
+        }
     }
 
     /// The member recorded at the declaration to lead a quorum queue's group first (`QueueDef::leader`).

@@ -99,6 +99,10 @@ pub trait QuorumHost: Send + Sync {
         let _ = (group, size, locator);
         None
     }
+    /// In a cluster: the members recorded for the group changed (`Queue::set_recorded_members`).
+    fn members_changed(&self, group: u64) {
+        let _ = group;
+    }
     /// Sends a request about a classic queue to another node (`super::remote`); `done` is called
     /// exactly once, later, with the answer.
     fn classic_request(&self, node: u64, request: Bytes, done: super::remote::RequestDone) {
@@ -235,6 +239,27 @@ struct Getter {
     done: Option<bool>,
 }
 
+impl ReplicaState {
+    fn new(config: QueueConfig) -> ReplicaState {
+        ReplicaState {
+            machine: QuorumMachine::new(config),
+            sessions: HashMap::new(),
+            sessions_pruned_at: 16,
+            bodies: BTreeMap::new(),
+            body_mem: 0,
+            stored_until: 0,
+            last_ticket: 0,
+            fetch: None,
+            consumers: HashMap::new(),
+            getters: HashMap::new(),
+            checked_out: BTreeMap::new(),
+            last_tick_ms: 0,
+            deleted: false,
+            read_ahead: ReadAhead::default(),
+        }
+    }
+}
+
 struct ReplicaState {
     machine: QuorumMachine,
     /// By msg id: ordered, since ids rise as messages come and mostly leave oldest first, which
@@ -367,8 +392,9 @@ pub struct QuorumReplica {
     group: u64,
     store: Store,
     runtime: Arc<QuorumRuntime>,
-    /// The group's members recorded at the declaration (None: before they were recorded).
-    members: Option<Vec<u64>>,
+    /// The group's members recorded at the declaration, or since by `warren ctl remove-node` or
+    /// `grow` (None: before they were recorded).
+    members: RwLock<Option<Vec<u64>>>,
     /// The member recorded to lead the group first (None: picked by the group id).
     leader: Option<u64>,
     /// The high 32 bits of this process's local consumer ids: a restart never reuses one.
@@ -414,28 +440,13 @@ impl QuorumReplica {
             group,
             store,
             runtime,
-            members,
+            members: RwLock::new(members),
             leader,
             incarnation: (rand::random::<u32>() as u64 | 1) << 32,
             next_local: AtomicU64::new(1),
             own_session: rand::random::<u64>() | 1,
             own_seq: AtomicU64::new(1),
-            state: Mutex::new(ReplicaState {
-                machine: QuorumMachine::new(queue_config(name, args)),
-                sessions: HashMap::new(),
-                sessions_pruned_at: 16,
-                bodies: BTreeMap::new(),
-                body_mem: 0,
-                stored_until: 0,
-                last_ticket: 0,
-                fetch: None,
-                consumers: HashMap::new(),
-                getters: HashMap::new(),
-                checked_out: BTreeMap::new(),
-                last_tick_ms: 0,
-                deleted: false,
-                read_ahead: ReadAhead::default(),
-            }),
+            state: Mutex::new(ReplicaState::new(queue_config(name, args))),
             saw_expiration: AtomicBool::new(false),
             proposals: Mutex::new(Proposals::new()),
             replicator: RwLock::new(None),
@@ -461,8 +472,13 @@ impl QuorumReplica {
         self.replicator.read().as_ref().is_some_and(|r| r.is_leader())
     }
 
-    pub(super) fn recorded_members(&self) -> Option<&[u64]> {
-        self.members.as_deref()
+    pub(super) fn recorded_members(&self) -> Option<Vec<u64>> {
+        self.members.read().clone()
+    }
+
+    /// The group's members recorded from now on (`metadata::Op::QueueMembers`).
+    pub(super) fn set_recorded_members(&self, members: Vec<u64>) {
+        *self.members.write() = Some(members);
     }
 
     pub(super) fn recorded_leader(&self) -> Option<u64> {
@@ -1556,6 +1572,39 @@ impl QuorumReplica {
         p.encoder.tick(now_ms);
         p.command(Waiter::None);
         self.flush(queue, &mut p);
+    }
+
+    /// This node is no longer a member of the group (`warren ctl remove-node`, a shrink; the caller
+    /// stops the group here and removes its log). Its consumers are cancelled, and what they held
+    /// goes back to the group (`ConsumerDown` of this node, proposed through the members). The
+    /// replica forgets the group's state and this node's copies of its bodies: it is now what a node
+    /// outside the group always was, and its clients go through the members (`Queue::member_relay`).
+    pub(super) fn leave_group(&self, queue: &Arc<Queue>) {
+        let consumers: Vec<Arc<Consumer>> = {
+            let mut st = self.state.lock();
+            let mut old = std::mem::replace(&mut *st, ReplicaState::new(queue_config(&queue.name, &queue.args)));
+            // A read-ahead chain under way ends by itself; another must not start beside it.
+            st.read_ahead.in_flight = old.read_ahead.in_flight;
+            // A basic.get waiting for its entry answers empty (the next one goes through a member).
+            st.getters = std::mem::take(&mut old.getters);
+            for g in st.getters.values_mut() {
+                g.done.get_or_insert(false);
+            }
+            old.consumers.into_values().map(|c| c.consumer).collect()
+        };
+        self.gets_done.notify_waiters();
+        {
+            let mut p = self.proposals.lock();
+            p.encoder.consumer_down(self.node());
+            p.command(Waiter::None);
+            self.flush(queue, &mut p);
+        }
+        let mut drop = Batch::new();
+        drop.drop_queue(self.group);
+        queue.append_acks(&mut drop);
+        for c in consumers {
+            c.channel.consumer_cancelled_by_server(&c.tag);
+        }
     }
 
     /// The queue was deleted: its consumers are cancelled, its records dropped, its group removed.

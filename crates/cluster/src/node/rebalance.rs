@@ -92,7 +92,7 @@ impl Rebalancer {
 }
 
 /// Whether `peer`'s replicated index has reached the leader's last log index.
-fn caught_up(m: &RaftMetrics<TypeConfig>, peer: NodeId) -> bool {
+pub(super) fn caught_up(m: &RaftMetrics<TypeConfig>, peer: NodeId) -> bool {
     let matched = m.replication.as_ref().and_then(|r| r.get(&peer)).and_then(|l| l.as_ref()).map(|l| l.index);
     matched.is_some() && matched == m.last_log_index
 }
@@ -105,7 +105,7 @@ fn fair_share(voter_counts: impl Iterator<Item = usize>) -> usize {
 
 impl ClusterNode {
     /// Whether `peer` may take leadership: up (as the failure detector hears it).
-    fn may_lead(&self, peer: NodeId) -> bool {
+    pub(super) fn may_lead(&self, peer: NodeId) -> bool {
         self.inner.detector.is_up(peer)
     }
 

@@ -1,0 +1,138 @@
+"""The members of quorum queues' groups change at runtime, on real `warren server` processes:
+`warren ctl remove-node N` gives each queue with a member on N a member on another node in its
+place (the new one catches up from the others before it votes), and `warren ctl grow N` adds a
+member on N to every queue without one. Each test then kills nodes so that only the new
+membership keeps a majority: every confirmed message must still be delivered. About 60 s."""
+import time
+
+import pika
+
+from conftest import Broker, eventually, free_port, three_node_cluster
+from test_quorum_cluster import QUORUM, SECRET, consume, ctl, groups, known_everywhere, publish
+
+import pytest
+
+pytestmark = [pytest.mark.warren_only]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    yield from three_node_cluster(tmp_path, SECRET)
+
+
+def queue_groups(node):
+    """The quorum queues' groups (every group but the metadata group's), as `node` sees them."""
+    return {g: s for g, s in groups(node).items() if g != 0}
+
+
+def voters_are(node, wanted, count):
+    """`count` quorum-queue groups, every one with voters `wanted` and no learner."""
+    gs = queue_groups(node)
+    return len(gs) == count and all(set(s["voters"]) == wanted and not s["learners"] for s in gs.values())
+
+
+def start_fourth_node(cluster, tmp_path):
+    port4 = free_port()
+    peers = ",".join(f"{i}=127.0.0.1:{b.cluster_port}" for i, b in cluster.items()) + f",4=127.0.0.1:{port4}"
+    node4 = Broker(tmp_path / "node4", tmp_path / "node4.log")
+    node4.extra_args = ["--node-id", "4", "--peers", peers, "--cluster-secret", SECRET]
+    node4.cluster_port = port4
+    node4.start()
+    out = ctl(cluster[1], "add-node", "4", f"127.0.0.1:{port4}", timeout=15)
+    assert out.returncode == 0, out.stderr
+    return node4
+
+
+def test_remove_node_moves_its_members_to_another_node_and_loses_nothing(cluster, tmp_path):
+    """Two queues with members on 1, 2, 3, led by 3, and 300 confirmed messages each; node 4 joins the cluster;
+    `remove-node 3`: the queues' voters become 1, 2, 4. Then nodes 3 and 1 are killed: with the old
+    members that is two of three gone (no majority), with the new ones 2 and 4 still are one. Every
+    message is consumed through node 4, and a publish through node 2 is confirmed."""
+    names = ["qq-move-a", "qq-move-b"]
+    # Declared through node 3: it leads them (client-local) and is their preferred leader, so its
+    # removal must hand the leadership over first (a leader does not remove itself).
+    c = cluster[3].connection()
+    for name in names:
+        c.channel().queue_declare(name, durable=True, arguments=QUORUM)
+    c.close()
+    known_everywhere(cluster.values(), names, timeout=10)
+    bodies = {name: [f"{name}-{i}".encode() for i in range(300)] for name in names}
+    for name in names:
+        publish(cluster[2], name, bodies[name])
+    eventually(lambda: voters_are(cluster[1], {1, 2, 3}, 2), timeout=10)
+
+    # A consumer on node 3 holds 50 messages unacked when node 3 leaves the groups.
+    held = cluster[3].connection()
+    ch = held.channel()
+    ch.basic_qos(prefetch_count=50)
+    delivered, cancelled = [], []
+    ch.add_on_cancel_callback(lambda frame: cancelled.append(frame))
+    ch.basic_consume(names[0], lambda _c, _m, _p, body: delivered.append(body))
+    eventually(lambda: held.process_data_events(time_limit=0.1) or len(delivered) == 50, timeout=10)
+
+    node4 = start_fourth_node(cluster, tmp_path)
+    try:
+        known_everywhere([node4], names, timeout=20)
+        out = ctl(cluster[1], "remove-node", "3", timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "2 quorum queues move their member on node 3" in out.stdout, out.stdout
+        eventually(lambda: voters_are(cluster[1], {1, 2, 4}, 2), timeout=60, interval=0.5)
+        # Node 3 leaves once it sees itself out: its consumer is cancelled (basic.cancel), and what
+        # it held goes back to the queue.
+        eventually(lambda: held.process_data_events(time_limit=0.1) or cancelled, timeout=30)
+        assert len(delivered) == 50, "nothing more was delivered on node 3"
+        eventually(lambda: cluster[3].log_text().count("no longer a member of the quorum queue's group: leaving it") == 2, timeout=30)
+        held.close()
+
+        cluster[3].kill9()
+        cluster[1].kill9()
+        for name in names:
+            got = consume(node4, name, len(bodies[name]), timeout=60)
+            assert sorted(got) == sorted(bodies[name]), f"{name}: {len(got)} of {len(bodies[name])} through node 4"
+        publish(cluster[2], names[0], [b"after"])
+        assert consume(node4, names[0], 1, timeout=30) == [b"after"]
+    finally:
+        if node4.alive():
+            node4.kill9()
+
+
+def test_grow_adds_a_member_that_catches_up_and_keeps_the_queue_up(cluster):
+    """A queue with two members (x-quorum-initial-group-size 2) and 4,000 confirmed messages;
+    `grow` on the third node gives it three voters, the new one caught up. Then one of the first two
+    is killed: the two left are a majority of three (of the old two, one was not), and every message
+    is delivered through the new member."""
+    name = "qq-grow"
+    c = cluster[1].connection()
+    c.channel().queue_declare(name, durable=True, arguments={**QUORUM, "x-quorum-initial-group-size": 2})
+    c.close()
+    known_everywhere(cluster.values(), [name], timeout=10)
+    # 4 MB: more than the leader keeps in its log (1 MiB after a snapshot), so the new member
+    # catches up from a snapshot and fetches the bodies of its live messages.
+    bodies = [f"g{i}-".encode().ljust(1000, b"x") for i in range(4000)]
+    publish(cluster[1], name, bodies)
+    # The log is snapshotted and purged once the group has been quiet for 5 s (`compaction`).
+    time.sleep(7)
+
+    def two_voters():
+        gs = queue_groups(cluster[1])
+        return len(gs) == 1 and len(next(iter(gs.values()))["voters"]) == 2 and gs
+
+    first = set(next(iter(eventually(two_voters, timeout=10).values()))["voters"])
+    outside = ({1, 2, 3} - first).pop()
+    out = ctl(cluster[1], "grow", str(outside), timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "1 quorum queues get a member" in out.stdout, out.stdout
+    eventually(lambda: voters_are(cluster[1], {1, 2, 3}, 1), timeout=60, interval=0.5)
+    # A second grow finds nothing to do.
+    again = ctl(cluster[1], "grow", str(outside), timeout=30)
+    assert again.returncode == 0 and "0 quorum queues" in again.stdout, (again.stdout, again.stderr)
+
+    victim = min(first - {1}) if first - {1} else min(first)
+    cluster[victim].kill9()
+    got = consume(cluster[outside], name, len(bodies), timeout=60)
+    assert sorted(got) == sorted(bodies), f"{len(got)} of {len(bodies)} through the new member, node {victim} down"
+
+
+def test_grow_refuses_a_node_outside_the_cluster(cluster):
+    out = ctl(cluster[1], "grow", "9", timeout=15)
+    assert out.returncode != 0 and "not a member of the cluster" in out.stderr, (out.stdout, out.stderr)
