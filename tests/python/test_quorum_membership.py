@@ -96,11 +96,13 @@ def test_remove_node_moves_its_members_to_another_node_and_loses_nothing(cluster
             node4.kill9()
 
 
-def test_grow_adds_a_member_that_catches_up_and_keeps_the_queue_up(cluster):
+@pytest.mark.parametrize("down", [False, True], ids=["up", "down-then-started"])
+def test_grow_adds_a_member_that_catches_up_and_keeps_the_queue_up(cluster, down):
     """A queue with two members (x-quorum-initial-group-size 2) and 4,000 confirmed messages;
     `grow` on the third node gives it three voters, the new one caught up. Then one of the first two
     is killed: the two left are a majority of three (of the old two, one was not), and every message
-    is delivered through the new member."""
+    is delivered through the new member. `down`: the third node is down when `grow` runs, and
+    starts after it (with no state of the group: it must join it, not start one of its own)."""
     name = "qq-grow"
     c = cluster[1].connection()
     c.channel().queue_declare(name, durable=True, arguments={**QUORUM, "x-quorum-initial-group-size": 2})
@@ -119,9 +121,13 @@ def test_grow_adds_a_member_that_catches_up_and_keeps_the_queue_up(cluster):
 
     first = set(next(iter(eventually(two_voters, timeout=10).values()))["voters"])
     outside = ({1, 2, 3} - first).pop()
+    if down:
+        cluster[outside].kill9()
     out = ctl(cluster[1], "grow", str(outside), timeout=30)
     assert out.returncode == 0, out.stderr
     assert "1 quorum queues get a member" in out.stdout, out.stdout
+    if down:
+        cluster[outside].start()
     eventually(lambda: voters_are(cluster[1], {1, 2, 3}, 1), timeout=60, interval=0.5)
     # A second grow finds nothing to do.
     again = ctl(cluster[1], "grow", str(outside), timeout=30)

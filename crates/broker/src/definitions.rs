@@ -57,6 +57,10 @@ pub struct QueueDef {
     /// was recorded (then the members take turns by queue id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub leader: Option<u64>,
+    /// The members were changed since the declaration (`warren ctl remove-node`, `grow`): the group
+    /// runs already, so a member that starts with no state of it joins it, never initializes it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub members_changed: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -104,6 +108,7 @@ pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
         home: q.home_node(),
         members: q.recorded_members(),
         leader: q.recorded_leader(),
+        members_changed: q.members_changed(),
     }
 }
 

@@ -409,7 +409,7 @@ impl VHost {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
             // In a cluster it lives on this node, whose client declared it (`queue::remote`).
             let home = self.metadata.is_replicated().then(|| self.quorum.node()).filter(|n| *n != 0);
-            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home, members: None, leader: None };
+            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home, members: None, leader: None, members_changed: false };
             let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
             return self.declare_durable_queue(op, name, d);
         }
@@ -467,7 +467,7 @@ impl VHost {
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
         let placement = self.quorum.host().and_then(|h| h.placement(id, args.quorum_initial_group_size, args.leader_locator.unwrap_or_default()));
         let (members, leader) = placement.map_or((None, None), |(members, leader)| (Some(members), leader));
-        let queue = QueueDef { name: name.clone(), id, auto_delete: false, arguments: table_to_json(d.arguments), home: None, members, leader };
+        let queue = QueueDef { name: name.clone(), id, auto_delete: false, arguments: table_to_json(d.arguments), home: None, members, leader, members_changed: false };
         let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
         self.declare_durable_queue(op, name, d)
     }
@@ -839,7 +839,7 @@ impl VHost {
         let arguments = table_from_json(&def.arguments);
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         if args.queue_type == QueueType::Quorum {
-            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), def.members.clone(), def.leader);
+            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), crate::queue::replica::Recorded { members: def.members.clone(), leader: def.leader, members_changed: def.members_changed });
             self.queues.write().insert(name, queue.clone());
             // Declared now (or applied from the metadata group): its group starts at once. At a
             // start, the server starts them all once it has set the quorum host (`Broker::set_quorum_host`).

@@ -688,7 +688,10 @@ impl QuorumHost for QuorumGroups {
         }
         if let Some((node, _)) = &self.cluster {
             let preferred = queue.recorded_leader();
-            self.start_member(node, queue, members.clone(), members, preferred, tx);
+            // Members changed since the declaration: the group runs, a member with no state of it
+            // joins it (it was added and restarted before it got anything).
+            let init = if queue.members_changed() { BTreeSet::new() } else { members.clone() };
+            self.start_member(node, queue, members, init, preferred, tx);
             return;
         }
         let (logs, node, addr) = (self.logs.clone(), self.node, self.addr.clone());

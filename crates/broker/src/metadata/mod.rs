@@ -137,12 +137,13 @@ impl State {
                     }
                     _ => None,
                 };
-                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None, leader: None });
+                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None, leader: None, members_changed: false });
                 self.deleted.insert(id, (vhost, def));
             }
             Op::QueueMembers { vhost, name, id, members } => {
                 if let Some(q) = self.vhosts.get_mut(&vhost).and_then(|v| v.queues.get_mut(&name)).filter(|q| q.id == id) {
                     q.members = Some(members);
+                    q.members_changed = true;
                 }
             }
             Op::Bound { vhost, binding } => {

@@ -281,10 +281,9 @@ impl Queue {
         vhost: Weak<VHost>,
         store: Store,
         runtime: Arc<replica::QuorumRuntime>,
-        members: Option<Vec<u64>>,
-        leader: Option<u64>,
+        recorded: replica::Recorded,
     ) -> Arc<Queue> {
-        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime, members, leader);
+        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime, recorded);
         Self::build(name, id, true, None, false, arguments, args, vhost, store, crate::now_ms(), Some(replica))
     }
 
@@ -387,6 +386,11 @@ impl Queue {
         if let Some(host) = r.runtime().host() {
             host.members_changed(self.id);
         }
+    }
+
+    /// Whether a quorum queue's members were changed since its declaration (`QueueDef::members_changed`).
+    pub fn members_changed(&self) -> bool {
+        self.replica.as_ref().is_some_and(|r| r.members_changed())
     }
 
     /// This node left the quorum queue's group (see `QuorumReplica::leave_group`).

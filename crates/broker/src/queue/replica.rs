@@ -388,13 +388,21 @@ struct After {
     expired: bool,
 }
 
+/// Where a quorum queue's group runs, as recorded with its declaration (`QueueDef`).
+#[derive(Debug, Clone, Default)]
+pub struct Recorded {
+    pub members: Option<Vec<u64>>,
+    pub leader: Option<u64>,
+    pub members_changed: bool,
+}
+
 pub struct QuorumReplica {
     group: u64,
     store: Store,
     runtime: Arc<QuorumRuntime>,
     /// The group's members recorded at the declaration, or since by `warren ctl remove-node` or
-    /// `grow` (None: before they were recorded).
-    members: RwLock<Option<Vec<u64>>>,
+    /// `grow` (None: before they were recorded); and whether they were changed since.
+    members: RwLock<(Option<Vec<u64>>, bool)>,
     /// The member recorded to lead the group first (None: picked by the group id).
     leader: Option<u64>,
     /// The high 32 bits of this process's local consumer ids: a restart never reuses one.
@@ -435,13 +443,13 @@ fn death_reason(reason: Reason) -> Option<DeathReason> {
 }
 
 impl QuorumReplica {
-    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>, members: Option<Vec<u64>>, leader: Option<u64>) -> QuorumReplica {
+    pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>, recorded: Recorded) -> QuorumReplica {
         QuorumReplica {
             group,
             store,
             runtime,
-            members: RwLock::new(members),
-            leader,
+            members: RwLock::new((recorded.members, recorded.members_changed)),
+            leader: recorded.leader,
             incarnation: (rand::random::<u32>() as u64 | 1) << 32,
             next_local: AtomicU64::new(1),
             own_session: rand::random::<u64>() | 1,
@@ -473,12 +481,16 @@ impl QuorumReplica {
     }
 
     pub(super) fn recorded_members(&self) -> Option<Vec<u64>> {
-        self.members.read().clone()
+        self.members.read().0.clone()
+    }
+
+    pub(super) fn members_changed(&self) -> bool {
+        self.members.read().1
     }
 
     /// The group's members recorded from now on (`metadata::Op::QueueMembers`).
     pub(super) fn set_recorded_members(&self, members: Vec<u64>) {
-        *self.members.write() = Some(members);
+        *self.members.write() = (Some(members), true);
     }
 
     pub(super) fn recorded_leader(&self) -> Option<u64> {
