@@ -41,9 +41,9 @@ def pytest_runtest_makereport(item, call):
     setattr(item, "rep_" + rep.when, rep)
 
 
-def _cluster(tmp_path, request, clustered, extra_env=None):
+def _cluster(tmp_path, request, clustered, extra_env=None, nodes=(1, 2, 3)):
     skip_unless_namespaces()
-    c = Cluster(tmp_path, clustered=clustered, extra_env=extra_env).create()
+    c = Cluster(tmp_path, clustered=clustered, extra_env=extra_env, nodes=nodes).create()
     try:
         c.start()
         yield c
@@ -67,6 +67,14 @@ def cluster(tmp_path, request):
     if not cluster_flags_supported():
         pytest.skip("needs --peers: `warren server` has no cluster flags yet")
     yield from _cluster(tmp_path, request, clustered=True)
+
+
+@pytest.fixture
+def four_nodes(tmp_path, request):
+    """Four Warren nodes started as one cluster (for membership changes)."""
+    if not cluster_flags_supported():
+        pytest.skip("needs --peers: `warren server` has no cluster flags yet")
+    yield from _cluster(tmp_path, request, clustered=True, nodes=(1, 2, 3, 4))
 
 
 @pytest.fixture

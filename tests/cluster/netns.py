@@ -1,10 +1,11 @@
-"""Three hosts on one machine: a network namespace per node, a full mesh of links, faults on links.
+"""Three (or four) hosts on one machine: a network namespace per node, a full mesh of links, faults on links.
 
 Layout for a topology in slot S (a number 0..63 owned by one test run, see `claim_slot`):
 
-- namespace `wn{S}-n{N}` for node N (1..3), with `lo` up and the node's stable address
+- namespace `wn{S}-n{N}` for node N (1..3, or 1..4 for a membership test), with `lo` up and the node's stable address
   `10.77.S.N/32` on `lo`: every peer and every client reaches node N at that one address;
-- a veth pair per pair of nodes (a<b, pair index k: (1,2)=0, (1,3)=1, (2,3)=2), named `p{b}` in a's
+- a veth pair per pair of nodes (a<b, pair index k: (1,2)=0, (1,3)=1, (2,3)=2, (1,4)=3, (2,4)=4,
+  (3,4)=5), named `p{b}` in a's
   namespace and `p{a}` in b's, addressed `10.78.S.(4k+1)/30` (a) and `10.78.S.(4k+2)/30` (b); a
   host route sends `10.77.S.b` over it with source `10.77.S.a`, so a peer always sees the stable
   address. Cutting one pair therefore leaves both ends reaching the third node (the "bridge" case);
@@ -33,6 +34,8 @@ import time
 from pathlib import Path
 
 NODES = (1, 2, 3)
+# What the addressing covers: a fourth node for the membership tests (`remove-node`, `grow`).
+MAX_NODES = (1, 2, 3, 4)
 SLOTS = 64
 LOCK_DIR = Path(os.environ.get("WARREN_NETNS_LOCK_DIR", "/tmp/warren-netns"))
 NAME = re.compile(r"^wn(\d+)-n\d+$")
@@ -136,7 +139,7 @@ def claim_slot():
 
 def pair_index(a, b):
     a, b = min(a, b), max(a, b)
-    return {(1, 2): 0, (1, 3): 1, (2, 3): 2}[(a, b)]
+    return {(1, 2): 0, (1, 3): 1, (2, 3): 2, (1, 4): 3, (2, 4): 4, (3, 4): 5}[(a, b)]
 
 
 class Topology:
@@ -147,7 +150,7 @@ class Topology:
 
     def __init__(self, nodes=NODES):
         self.nodes = tuple(nodes)
-        assert set(self.nodes) <= set(NODES), "the mesh addressing covers nodes 1..3"
+        assert set(self.nodes) <= set(MAX_NODES), "the mesh addressing covers nodes 1..4"
         self.slot = None
         self._lock_fd = None
         self._dropping = set()  # (namespace or None for root, interface)

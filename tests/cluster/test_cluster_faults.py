@@ -144,3 +144,65 @@ def test_rolling_restart_of_all_three(cluster, history):
     # of the queue's leader, publishers on a follower got no confirm until their 5 s stall timeout
     # moved them to the third node).
 
+
+
+def queue_voters(cluster, timeout=5):
+    """The voters of the test queue's group, as its leader sees them (a cluster holds one queue)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for _node, status in cluster.statuses():
+            if not isinstance(status, dict):
+                continue
+            groups = [g for g in status.get("groups", []) if g.get("group") != 0 and g.get("state") == "leader"]
+            if groups and not groups[0].get("learners"):
+                return set(groups[0].get("voters") or [])
+        time.sleep(0.2)
+    return set()
+
+
+def test_remove_node_under_load_then_losing_another_member(four_nodes, history):
+    """Four nodes, the queue's group on three of them, publishers and consumers on every node.
+    `warren ctl remove-node` of the queue's leader, under load: the group gets the fourth node in
+    its place (a learner until caught up, then a voter), the leader hands its leadership over, and
+    the removed node leaves. Then the removed node is killed for good and another of the first
+    three is killed and restarted: with the old members two of three would be gone; with the new
+    ones confirms go on. Nothing confirmed is lost."""
+    cluster = four_nodes
+    nemesis = Nemesis(cluster, history)
+    targets = cluster.targets()
+    rotations = [targets[i:] + targets[:i] for i in range(len(targets))]
+    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, arguments=QUORUM,
+                    publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0)).start()
+    removed = None
+    try:
+        work.wait_for_confirms(300, timeout=30)
+        members = queue_voters(cluster)
+        assert len(members) == 3, members
+        removed = cluster.leader(QUEUE)
+        [newcomer] = {1, 2, 3, 4} - members
+        asker = cluster.node(min(members - {removed}))
+        with history.fault(f"remove-node n{removed}"):
+            out = asker.ctl("--node", f"{asker.host}:{asker.cluster_port}", "--timeout", "30", "remove-node", str(removed), timeout=60)
+            assert out.returncode == 0, out.stderr
+            wanted = members - {removed} | {newcomer}
+            deadline = time.monotonic() + 60
+            while (voters := queue_voters(cluster)) != wanted:
+                assert time.monotonic() < deadline, f"voters {voters}, not {wanted}, 60 s after remove-node"
+                time.sleep(0.5)
+        work.wait_for_confirms(300, timeout=30)
+        with history.fault(f"kill -9 n{removed} (removed)"):
+            cluster.node(removed).kill9()
+        work.wait_for_confirms(300, timeout=30)
+        second = min(members - {removed})
+        with history.fault(f"kill -9 n{second} (two of the first three down)"):
+            cluster.node(second).kill9()
+            work.wait_for_confirms(300, timeout=30)  # the new members still have a majority
+            cluster.node(second).start()
+        work.wait_for_confirms(300, timeout=30)
+    finally:
+        work.stop()
+        write_timeline(history, cluster.base_dir / "timeline.txt")
+    drain([cluster.node(newcomer).target], QUEUE, history, arguments=QUORUM)
+    report = check(history)
+    print(report)
+    report.assert_valid()

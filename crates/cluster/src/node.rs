@@ -1084,7 +1084,9 @@ impl ClusterNode {
                 }
                 done.push(self.remove_from_led_groups(node).await?);
                 for peer in self.inner.transport.peers() {
-                    if peer == node {
+                    // The node itself too, if it is up: it may lead the metadata group (or a
+                    // group from before members were recorded), and then it removes itself.
+                    if peer == node && !self.is_reachable(node) {
                         continue;
                     }
                     let req = serde_json::to_vec(&AdminRequest::RemoveFromLedGroups { node }).map_err(|e| e.to_string())?;

@@ -22,7 +22,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use openraft::{ChangeMembers, RaftMetrics, ServerState};
 use serde::{Deserialize, Serialize};
 
-use super::rebalance::caught_up;
 use super::{AdminRequest, ClusterNode, WriteOutcome, PEER_CALL_TIMEOUT};
 use crate::transport::{LinkKind, Rpc};
 use crate::types::{GroupId, NodeId, TypeConfig, METADATA_GROUP};
@@ -101,7 +100,15 @@ impl ClusterNode {
         }
         let me = self.inner.id;
         if !wanted.contains(&me) {
-            let to = wanted.iter().copied().find(|v| voters.contains(v) && self.may_lead(*v) && caught_up(&m, *v));
+            // The voter least behind (a busy group's followers are rarely at the very last entry:
+            // the target waits for the leader's last entry before it campaigns).
+            let to = wanted
+                .iter()
+                .copied()
+                .filter(|v| voters.contains(v) && self.may_lead(*v))
+                .filter_map(|v| Some((lag(&m, v).filter(|l| *l <= CATCH_UP_LAG)?, v)))
+                .min()
+                .map(|(_, v)| v);
             let Some(to) = to else { return Err("no recorded member is up and caught up to hand the leadership to".to_string()) };
             self.start_transfer(group, &h, to).await?;
             return Ok(MembersStep::HandedOver(to));
