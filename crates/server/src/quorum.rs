@@ -581,6 +581,15 @@ impl QuorumGroups {
                                     this.members_changed.notify_one();
                                 }
                                 Ok(MembersStep::NotLeader) => {}
+                                Ok(MembersStep::Removed(gone)) => {
+                                    tracing::info!(queue = %queue.name, group, members = ?recorded, removed = ?gone, "removed from the group");
+                                    // Their consumers are served by no replica now (a removed node that
+                                    // is up leaves and proposes the same; one that is down never does).
+                                    for node in gone {
+                                        queue.consumers_down(node);
+                                    }
+                                    this.members_changed.notify_one();
+                                }
                                 Ok(MembersStep::HandedOver(to)) => {
                                     tracing::info!(queue = %queue.name, group, to, "this node is no longer a member: handing the group's leadership over")
                                 }
@@ -625,7 +634,12 @@ async fn watch_nodes(groups: Weak<QuorumGroups>) {
         tick.tick().await;
         let Some(groups) = groups.upgrade() else { return };
         let Some((node, peers)) = &groups.cluster else { return };
-        for &peer in peers.iter().filter(|p| **p != groups.node) {
+        // The nodes it started with, and those added since (the metadata group's voters).
+        let mut watched = node.cluster_members();
+        watched.extend(peers.iter().copied());
+        watched.sort_unstable();
+        watched.dedup();
+        for &peer in watched.iter().filter(|p| **p != groups.node) {
             if node.is_reachable(peer) {
                 down_since.remove(&peer);
                 continue;

@@ -58,6 +58,9 @@ pub enum MembersStep {
     /// This node, no longer a member, started handing its leadership to this member (which takes
     /// the next steps).
     HandedOver(NodeId),
+    /// These nodes are no longer voters or learners of the group: what their consumers held is the
+    /// caller's to return (a removed node that is down never does it itself).
+    Removed(BTreeSet<NodeId>),
     /// The learner is catching up: it becomes a voter at a later call.
     CatchingUp(NodeId),
 }
@@ -125,7 +128,7 @@ impl ClusterNode {
             return Ok(MembersStep::Done);
         };
         match h.change_membership(change, None).await {
-            WriteOutcome::Applied(_) => Ok(MembersStep::Changed(format!("removed nodes {extra:?}"))),
+            WriteOutcome::Applied(_) => Ok(MembersStep::Removed(extra)),
             WriteOutcome::NotLeader(_) => Ok(MembersStep::NotLeader),
             WriteOutcome::Unknown(e) | WriteOutcome::Fatal(e) => Err(format!("removing nodes {extra:?}: {e}")),
         }
