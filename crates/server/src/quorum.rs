@@ -331,6 +331,8 @@ pub struct QuorumGroups {
     /// those members; and the groups a membership step is under way for.
     members_settled: Mutex<HashMap<GroupId, BTreeSet<NodeId>>>,
     members_stepping: Mutex<std::collections::HashSet<GroupId>>,
+    /// When a step toward a group's recorded members last failed with a warning (once a minute).
+    members_warned: Mutex<HashMap<GroupId, tokio::time::Instant>>,
     /// In a cluster: requests about classic queues go through it (`classic_home`).
     pub classic: std::sync::OnceLock<Arc<crate::classic_home::ClassicHome>>,
 }
@@ -348,6 +350,7 @@ impl QuorumGroups {
             members_changed: Arc::new(tokio::sync::Notify::new()),
             members_settled: Mutex::new(HashMap::new()),
             members_stepping: Mutex::new(std::collections::HashSet::new()),
+            members_warned: Mutex::new(HashMap::new()),
             classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(compact_logs(Arc::downgrade(&groups)));
@@ -368,6 +371,7 @@ impl QuorumGroups {
             members_changed: Arc::new(tokio::sync::Notify::new()),
             members_settled: Mutex::new(HashMap::new()),
             members_stepping: Mutex::new(std::collections::HashSet::new()),
+            members_warned: Mutex::new(HashMap::new()),
             classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
@@ -503,6 +507,9 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
     }
 }
 
+/// How often a step toward a group's recorded members that keeps failing is logged as a warning.
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
 /// How often [`follow_members`] looks at every group (and at once when recorded members change).
 const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 
@@ -573,6 +580,7 @@ impl QuorumGroups {
                             this.members_stepping.lock().remove(&group);
                             match step {
                                 Ok(MembersStep::Done) => {
+                                    this.members_warned.lock().remove(&group);
                                     this.members_settled.lock().insert(group, recorded);
                                 }
                                 Ok(MembersStep::Changed(what)) => {
@@ -594,8 +602,17 @@ impl QuorumGroups {
                                     tracing::info!(queue = %queue.name, group, to, "this node is no longer a member: handing the group's leadership over")
                                 }
                                 Ok(MembersStep::CatchingUp(learner)) => tracing::debug!(queue = %queue.name, group, learner, "the new member is catching up"),
-                                // Tried again at the next pass.
-                                Err(e) => tracing::warn!(queue = %queue.name, group, members = ?recorded, error = %e, "cannot move the group to its recorded members yet"),
+                                // Tried again at the next pass; said once a minute per group.
+                                Err(e) => {
+                                    let now = tokio::time::Instant::now();
+                                    let say = this.members_warned.lock().get(&group).is_none_or(|at| now.duration_since(*at) >= WARN_EVERY);
+                                    if say {
+                                        this.members_warned.lock().insert(group, now);
+                                        tracing::warn!(queue = %queue.name, group, members = ?recorded, error = %e, "cannot move the group to its recorded members yet");
+                                    } else {
+                                        tracing::debug!(queue = %queue.name, group, members = ?recorded, error = %e, "cannot move the group to its recorded members yet");
+                                    }
+                                }
                             }
                         });
                     }
