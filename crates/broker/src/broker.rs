@@ -273,8 +273,11 @@ impl Broker {
     }
 
     /// In a cluster: every quorum queue whose group's members are recorded, as
-    /// (vhost, name, queue id, members).
+    /// (vhost, name, queue id, members), once this node has applied everything the metadata group
+    /// had committed (a read barrier: a queue declared through another node a moment ago is
+    /// included). Blocks the caller (run it off the runtime's workers).
     pub fn quorum_members(&self) -> Vec<(String, String, u64, Vec<u64>)> {
+        self.metadata.catch_up();
         let state = self.metadata.state();
         let mut out = Vec::new();
         for vhost in state.vhost_names() {

@@ -39,12 +39,16 @@ impl QueueMembers for QueueMembersAdmin {
         let (broker, cluster) = (self.broker.clone(), self.node.cluster_members());
         Box::pin(async move {
             let broker = broker.upgrade().ok_or("the node is stopping")?;
-            let queues = broker.quorum_members();
-            let (changes, summary) = plan(change, &cluster, queues)?;
-            if !changes.is_empty() {
-                tokio::task::spawn_blocking(move || broker.set_quorum_members(changes)).await.map_err(|e| e.to_string())??;
-            }
-            Ok(summary)
+            // Off the runtime's workers: the read barrier and the commits wait for the group.
+            tokio::task::spawn_blocking(move || {
+                let (changes, summary) = plan(change, &cluster, broker.quorum_members())?;
+                if !changes.is_empty() {
+                    broker.set_quorum_members(changes)?;
+                }
+                Ok(summary)
+            })
+            .await
+            .map_err(|e| e.to_string())?
         })
     }
 
