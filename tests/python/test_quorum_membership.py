@@ -142,3 +142,49 @@ def test_grow_adds_a_member_that_catches_up_and_keeps_the_queue_up(cluster, down
 def test_grow_refuses_a_node_outside_the_cluster(cluster):
     out = ctl(cluster[1], "grow", "9", timeout=15)
     assert out.returncode != 0 and "not a member of the cluster" in out.stderr, (out.stdout, out.stderr)
+
+
+def test_acks_on_a_node_that_joined_after_relaying_a_consumer_stick(cluster):
+    """A node outside a two-member group relays its consumers through a member; after `grow` it
+    holds a replica, and its new consumers take deliveries from it. Their acks must reach the
+    replica: before, every settlement on that node went to the relay (it existed) and the replica's
+    acks were dropped. Here the 50 acked messages stayed checked out to the closed consumer and came
+    back once the node died; in the fault suite, one message was delivered 19 times to consumers
+    that acked it each time."""
+    name = "qq-relay-then-member"
+    c = cluster[1].connection()
+    c.channel().queue_declare(name, durable=True, arguments={**QUORUM, "x-quorum-initial-group-size": 2})
+    c.close()
+    known_everywhere(cluster.values(), [name], timeout=10)
+    voters = eventually(lambda: next(iter(queue_groups(cluster[1]).values()), {}).get("voters"), timeout=10)
+    outside = ({1, 2, 3} - set(voters)).pop()
+    publish(cluster[1], name, [b"relayed"])
+    # A consumer on the outside node: relayed through a member. It takes the one message and acks it.
+    assert consume(cluster[outside], name, 1) == [b"relayed"]
+
+    out = ctl(cluster[1], "grow", str(outside), timeout=30)
+    assert out.returncode == 0, out.stderr
+    eventually(lambda: voters_are(cluster[1], {1, 2, 3}, 1), timeout=60, interval=0.5)
+    bodies = [f"m{i}".encode() for i in range(50)]
+    publish(cluster[1], name, bodies)
+    # Consumed and acked on the node that joined, from its own replica, and the connection closed
+    # without a basic.cancel (what a consumer holds at its close goes back): nothing is left.
+    c = cluster[outside].connection()
+    ch = c.channel()
+    ch.basic_qos(prefetch_count=100)
+    got = []
+
+    def on_message(chan, method, _props, body):
+        got.append(body)
+        chan.basic_ack(method.delivery_tag)
+
+    ch.basic_consume(name, on_message)
+    eventually(lambda: c.process_data_events(time_limit=0.1) or len(got) == len(bodies), timeout=30)
+    assert sorted(got) == sorted(bodies)
+    c.process_data_events(time_limit=0.3)  # the last acks go out
+    c.close()
+    # With the acks dropped, the messages stayed checked out to the closed consumer (neither ready
+    # nor gone). Node 3 killed, the leader returns what its consumers held after 5 s: nothing.
+    cluster[outside].kill9()
+    leftover = consume(cluster[1], name, 1, timeout=10)
+    assert leftover == [], f"acked on node {outside}, yet {len(leftover)}+ messages came back after it died"

@@ -1375,8 +1375,15 @@ impl Queue {
     /// its session once applied.
     pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch, publisher: Option<Publisher>) -> Option<SyncTicket> {
         if let Some(relay) = self.member_relay.get() {
-            // Outside the group, everything delivered here came through the member.
-            relay.settle(self, entries, how);
+            // What came through a member goes back to it; the rest is this node's replica's (it
+            // joined the group since: `warren ctl grow`, `remove-node`).
+            let (relayed, own): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| e.seq & remote::relay::RELAY_SEQ != 0);
+            if !relayed.is_empty() {
+                relay.settle(self, relayed, how);
+            }
+            if let Some(r) = self.replica.as_ref().filter(|_| !own.is_empty()) {
+                r.settle(self, own, how, publisher);
+            }
             return None;
         }
         if let Some(r) = &self.replica {

@@ -94,13 +94,21 @@ struct Relay {
     cancelled: bool,
 }
 
+/// Set in every seq a relayed delivery carries here, so that a settlement tells by itself which
+/// way the entry came (`Queue::settle`): a quorum queue's node that joined its group after relaying
+/// consumers through a member has both relayed deliveries and its own replica's (msg ids, which
+/// stay far below this bit). Before, every settlement went to the relay then, and acks of the
+/// replica's deliveries were dropped: the messages stayed checked out, or came back again and
+/// again.
+pub const RELAY_SEQ: u64 = 1 << 63;
+
 impl Relays {
     /// A message basic.get took for get relay `relay` (tag `tag` on the home): the seq it carries
     /// in the client's channel here.
     pub(super) fn hold_got(&self, relay: u64, tag: u64) -> u64 {
         let mut st = self.st.lock();
         st.next_seq += 1;
-        let seq = st.next_seq;
+        let seq = RELAY_SEQ | st.next_seq;
         st.held.insert(seq, (relay, tag));
         st.gets.insert(relay);
         seq
@@ -218,7 +226,7 @@ impl RemoteHome {
             } else {
                 for (tag, redelivered, message) in deliveries {
                     *next_seq += 1;
-                    let seq = *next_seq;
+                    let seq = RELAY_SEQ | *next_seq;
                     held.insert(seq, (relay, tag));
                     r.backlog_bytes += message.memory_bytes();
                     r.backlog.push_back(Entry { message, seq, stored_bytes: 0, expires_at_ms: None, redelivered });
