@@ -151,16 +151,13 @@ impl ClusterNode {
     /// of the change.
     pub async fn is_out_of(&self, group: GroupId, members: &BTreeSet<NodeId>) -> bool {
         let me = self.inner.id;
-        let Ok(payload) = serde_json::to_vec(&AdminRequest::GroupMembership { group }) else { return false };
         let mut order: Vec<NodeId> = members.iter().copied().filter(|m| *m != me).collect();
         if let Some(leader) = self.leader(group).filter(|l| *l != me) {
             order.retain(|m| *m != leader);
             order.insert(0, leader);
         }
         for peer in order {
-            let Ok(answer) = self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Admin, group, &payload, PEER_CALL_TIMEOUT).await else { continue };
-            let Ok(theirs) = serde_json::from_slice::<GroupMembership>(&answer) else { continue };
-            if theirs.leader {
+            if let Some(theirs) = self.ask_membership(peer, group).await.filter(|m| m.leader) {
                 return theirs.uniform && !theirs.nodes.contains(&me);
             }
         }
@@ -169,15 +166,19 @@ impl ClusterNode {
 
     /// Whether another of `members` runs the group with members (it was initialized).
     pub(super) async fn group_runs_elsewhere(&self, group: GroupId, members: &BTreeSet<NodeId>) -> bool {
-        let me = self.inner.id;
-        let Ok(payload) = serde_json::to_vec(&AdminRequest::GroupMembership { group }) else { return false };
-        for peer in members.iter().copied().filter(|m| *m != me) {
-            let Ok(answer) = self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Admin, group, &payload, PEER_CALL_TIMEOUT).await else { continue };
-            if serde_json::from_slice::<GroupMembership>(&answer).is_ok_and(|theirs| !theirs.nodes.is_empty()) {
+        for peer in members.iter().copied().filter(|m| *m != self.inner.id) {
+            if self.ask_membership(peer, group).await.is_some_and(|theirs| !theirs.nodes.is_empty()) {
                 return true;
             }
         }
         false
+    }
+
+    /// The group's membership as `peer` knows it (None: it did not answer, or does not run it).
+    async fn ask_membership(&self, peer: NodeId, group: GroupId) -> Option<GroupMembership> {
+        let payload = serde_json::to_vec(&AdminRequest::GroupMembership { group }).ok()?;
+        let answer = self.inner.transport.request(peer, LinkKind::Bulk, Rpc::Admin, group, &payload, PEER_CALL_TIMEOUT).await.ok()?;
+        serde_json::from_slice(&answer).ok()
     }
 
     /// The cluster's nodes: the metadata group's voters, as this node knows them.
