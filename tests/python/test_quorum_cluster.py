@@ -77,7 +77,9 @@ def publish(node, name, bodies):
     c.close()
 
 
-def consume(node, name, count, timeout=30):
+def consume(node, name, count, timeout=30, cancel=True):
+    """Consumes and acks up to `count` messages on `node`, then closes; without `cancel`, closes
+    without a basic.cancel first (what the consumer holds goes back with its close)."""
     c = node.connection()
     ch = c.channel()
     ch.basic_qos(prefetch_count=100)
@@ -91,8 +93,9 @@ def consume(node, name, count, timeout=30):
     deadline = time.time() + timeout
     while len(got) < count and time.time() < deadline:
         c.process_data_events(time_limit=0.1)
-    # The acks go out with the next round trip.
-    ch.basic_cancel(ch.consumer_tags[0]) if ch.consumer_tags else None
+    # The acks go out with the next round trip (or before the close, in order).
+    if cancel and ch.consumer_tags:
+        ch.basic_cancel(ch.consumer_tags[0])
     c.close()
     return got
 

@@ -169,20 +169,8 @@ def test_acks_on_a_node_that_joined_after_relaying_a_consumer_stick(cluster):
     publish(cluster[1], name, bodies)
     # Consumed and acked on the node that joined, from its own replica, and the connection closed
     # without a basic.cancel (what a consumer holds at its close goes back): nothing is left.
-    c = cluster[outside].connection()
-    ch = c.channel()
-    ch.basic_qos(prefetch_count=100)
-    got = []
-
-    def on_message(chan, method, _props, body):
-        got.append(body)
-        chan.basic_ack(method.delivery_tag)
-
-    ch.basic_consume(name, on_message)
-    eventually(lambda: c.process_data_events(time_limit=0.1) or len(got) == len(bodies), timeout=30)
+    got = consume(cluster[outside], name, len(bodies), cancel=False)
     assert sorted(got) == sorted(bodies)
-    c.process_data_events(time_limit=0.3)  # the last acks go out
-    c.close()
     # With the acks dropped, the messages stayed checked out to the closed consumer (neither ready
     # nor gone). Node 3 killed, the leader returns what its consumers held after 5 s: nothing.
     cluster[outside].kill9()

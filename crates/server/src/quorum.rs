@@ -325,16 +325,23 @@ pub struct QuorumGroups {
     cluster: Option<(ClusterNode, Vec<NodeId>)>,
     runtime: tokio::runtime::Handle,
     groups: Mutex<HashMap<GroupId, (watch::Sender<Running>, Weak<Queue>, Relay)>>,
-    /// Woken when a queue's recorded members change ([`follow_members`]).
-    members_changed: Arc<tokio::sync::Notify>,
-    /// Groups whose voters are the recorded members (nothing for [`follow_members`] to do), with
-    /// those members; and the groups a membership step is under way for.
-    members_settled: Mutex<HashMap<GroupId, BTreeSet<NodeId>>>,
-    members_stepping: Mutex<std::collections::HashSet<GroupId>>,
-    /// When a step toward a group's recorded members last failed with a warning (once a minute).
-    members_warned: Mutex<HashMap<GroupId, tokio::time::Instant>>,
+    /// In a cluster: what [`follow_members`] keeps between its passes.
+    following: Following,
     /// In a cluster: requests about classic queues go through it (`classic_home`).
     pub classic: std::sync::OnceLock<Arc<crate::classic_home::ClassicHome>>,
+}
+
+/// What [`follow_members`] keeps between its passes.
+#[derive(Default)]
+struct Following {
+    /// Woken when a queue's recorded members change.
+    changed: Arc<tokio::sync::Notify>,
+    /// Groups whose voters are the recorded members (nothing to do), with those members.
+    settled: Mutex<HashMap<GroupId, BTreeSet<NodeId>>>,
+    /// Groups a membership step (or a leave) is under way for.
+    stepping: Mutex<std::collections::HashSet<GroupId>>,
+    /// When a step toward a group's recorded members last failed with a warning (once a minute).
+    warned: Mutex<HashMap<GroupId, tokio::time::Instant>>,
 }
 
 impl QuorumGroups {
@@ -347,10 +354,7 @@ impl QuorumGroups {
             cluster: None,
             runtime: tokio::runtime::Handle::current(),
             groups: Mutex::new(HashMap::new()),
-            members_changed: Arc::new(tokio::sync::Notify::new()),
-            members_settled: Mutex::new(HashMap::new()),
-            members_stepping: Mutex::new(std::collections::HashSet::new()),
-            members_warned: Mutex::new(HashMap::new()),
+            following: Following::default(),
             classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(compact_logs(Arc::downgrade(&groups)));
@@ -368,10 +372,7 @@ impl QuorumGroups {
             cluster: Some((node, peers)),
             runtime: tokio::runtime::Handle::current(),
             groups: Mutex::new(HashMap::new()),
-            members_changed: Arc::new(tokio::sync::Notify::new()),
-            members_settled: Mutex::new(HashMap::new()),
-            members_stepping: Mutex::new(std::collections::HashSet::new()),
-            members_warned: Mutex::new(HashMap::new()),
+            following: Following::default(),
             classic: std::sync::OnceLock::new(),
         });
         groups.runtime.spawn(watch_nodes(Arc::downgrade(&groups)));
@@ -527,7 +528,7 @@ const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 async fn follow_members(groups: Weak<QuorumGroups>) {
     loop {
         let Some(this) = groups.upgrade() else { return };
-        let changed = this.members_changed.clone();
+        let changed = this.following.changed.clone();
         let notified = changed.notified();
         this.follow_members_once();
         drop(this);
@@ -544,7 +545,7 @@ impl QuorumGroups {
         for (group, tx, queue, relay) in entries {
             let Some(recorded) = queue.recorded_members() else { continue };
             let recorded: BTreeSet<NodeId> = recorded.into_iter().collect();
-            if recorded.is_empty() || self.members_settled.lock().get(&group) == Some(&recorded) {
+            if recorded.is_empty() || self.following.settled.lock().get(&group) == Some(&recorded) {
                 continue;
             }
             if *relay.read() != recorded {
@@ -559,34 +560,34 @@ impl QuorumGroups {
                     self.start_member(node, queue, recorded, BTreeSet::new(), None, tx);
                 }
                 Running::NotMember => {
-                    self.members_settled.lock().insert(group, recorded);
+                    self.following.settled.lock().insert(group, recorded);
                 }
                 Running::Running(raft) if !member && !raft.is_leader() => {
-                    if self.members_stepping.lock().insert(group) {
+                    if self.following.stepping.lock().insert(group) {
                         let (this, node) = (self.clone(), node.clone());
                         self.runtime.spawn(async move {
                             if node.is_out_of(group, &recorded).await {
                                 this.leave(&node, group, queue, tx);
                             }
-                            this.members_stepping.lock().remove(&group);
+                            this.following.stepping.lock().remove(&group);
                         });
                     }
                 }
                 Running::Running(raft) if raft.is_leader() => {
-                    if self.members_stepping.lock().insert(group) {
+                    if self.following.stepping.lock().insert(group) {
                         let (this, node) = (self.clone(), node.clone());
                         self.runtime.spawn(async move {
                             let step = node.reconcile_members(group, &recorded).await;
-                            this.members_stepping.lock().remove(&group);
+                            this.following.stepping.lock().remove(&group);
                             match step {
                                 Ok(MembersStep::Done) => {
-                                    this.members_warned.lock().remove(&group);
-                                    this.members_settled.lock().insert(group, recorded);
+                                    this.following.warned.lock().remove(&group);
+                                    this.following.settled.lock().insert(group, recorded);
                                 }
                                 Ok(MembersStep::Changed(what)) => {
                                     tracing::info!(queue = %queue.name, group, members = ?recorded, "{what}");
                                     // The next step at once, not at the next pass.
-                                    this.members_changed.notify_one();
+                                    this.following.changed.notify_one();
                                 }
                                 Ok(MembersStep::NotLeader) => {}
                                 Ok(MembersStep::Removed(gone)) => {
@@ -596,7 +597,7 @@ impl QuorumGroups {
                                     for node in gone {
                                         queue.consumers_down(node);
                                     }
-                                    this.members_changed.notify_one();
+                                    this.following.changed.notify_one();
                                 }
                                 Ok(MembersStep::HandedOver(to)) => {
                                     tracing::info!(queue = %queue.name, group, to, "this node is no longer a member: handing the group's leadership over")
@@ -605,9 +606,9 @@ impl QuorumGroups {
                                 // Tried again at the next pass; said once a minute per group.
                                 Err(e) => {
                                     let now = tokio::time::Instant::now();
-                                    let say = this.members_warned.lock().get(&group).is_none_or(|at| now.duration_since(*at) >= WARN_EVERY);
+                                    let say = this.following.warned.lock().get(&group).is_none_or(|at| now.duration_since(*at) >= WARN_EVERY);
                                     if say {
-                                        this.members_warned.lock().insert(group, now);
+                                        this.following.warned.lock().insert(group, now);
                                         tracing::warn!(queue = %queue.name, group, members = ?recorded, error = %e, "cannot move the group to its recorded members yet");
                                     } else {
                                         tracing::debug!(queue = %queue.name, group, members = ?recorded, error = %e, "cannot move the group to its recorded members yet");
@@ -756,8 +757,8 @@ impl QuorumHost for QuorumGroups {
     }
 
     fn members_changed(&self, group: u64) {
-        self.members_settled.lock().remove(&group);
-        self.members_changed.notify_one();
+        self.following.settled.lock().remove(&group);
+        self.following.changed.notify_one();
     }
 
     fn remove(&self, group: u64) {

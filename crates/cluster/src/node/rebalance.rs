@@ -92,7 +92,7 @@ impl Rebalancer {
 }
 
 /// Whether `peer`'s replicated index has reached the leader's last log index.
-pub(super) fn caught_up(m: &RaftMetrics<TypeConfig>, peer: NodeId) -> bool {
+fn caught_up(m: &RaftMetrics<TypeConfig>, peer: NodeId) -> bool {
     let matched = m.replication.as_ref().and_then(|r| r.get(&peer)).and_then(|l| l.as_ref()).map(|l| l.index);
     matched.is_some() && matched == m.last_log_index
 }
