@@ -101,20 +101,38 @@ pub fn write_heartbeat(out: &mut BytesMut) {
 /// Content header + body frames, the body split so that no frame exceeds `frame_max`.
 pub fn write_content(out: &mut BytesMut, channel: u16, class_id: u16, properties_raw: &[u8], body: &[u8], frame_max: u32) {
     out.reserve(body.len() + properties_raw.len() + 64);
-    let at = begin_frame(out, FRAME_HEADER, channel);
-    out.put_u16(class_id);
-    out.put_u16(0);
-    out.put_u64(body.len() as u64);
-    out.put_slice(properties_raw);
-    end_frame(out, at);
-    let max_payload = if frame_max == 0 { usize::MAX } else { (frame_max.saturating_sub(FRAME_OVERHEAD) as usize).max(1) };
-    for chunk in body.chunks(max_payload) {
+    write_content_header(out, channel, class_id, properties_raw, body.len());
+    for chunk in body.chunks(max_body_payload(frame_max)) {
         out.put_u8(FRAME_BODY);
         out.put_u16(channel);
         out.put_u32(chunk.len() as u32);
         out.put_slice(chunk);
         out.put_u8(FRAME_END);
     }
+}
+
+fn write_content_header(out: &mut BytesMut, channel: u16, class_id: u16, properties_raw: &[u8], body_len: usize) {
+    let at = begin_frame(out, FRAME_HEADER, channel);
+    out.put_u16(class_id);
+    out.put_u16(0);
+    out.put_u64(body_len as u64);
+    out.put_slice(properties_raw);
+    end_frame(out, at);
+}
+
+/// The most body bytes one frame carries under `frame_max` (0: no limit).
+fn max_body_payload(frame_max: u32) -> usize {
+    if frame_max == 0 {
+        usize::MAX
+    } else {
+        (frame_max.saturating_sub(FRAME_OVERHEAD) as usize).max(1)
+    }
+}
+
+/// Whether a body of `body_len` bytes goes in one body frame under `frame_max` (what
+/// [`write_basic_deliver_head`] needs).
+pub fn fits_one_body_frame(body_len: usize, frame_max: u32) -> bool {
+    body_len > 0 && body_len <= max_body_payload(frame_max)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -130,6 +148,34 @@ pub fn write_basic_deliver(
     body: &[u8],
     frame_max: u32,
 ) {
+    write_basic_deliver_method(out, channel, consumer_tag, delivery_tag, redelivered, exchange, routing_key);
+    write_content(out, channel, CLASS_BASIC, properties_raw, body, frame_max);
+}
+
+/// [`write_basic_deliver`] up to the body's bytes: the method frame, the content header and the
+/// body frame's header, for a body that goes in one frame ([`fits_one_body_frame`]). The caller
+/// sends the `body_len` bytes of the body from where they are, then [`FRAME_END`] (a large body is
+/// not copied into the output buffer: the connection writes it with `writev`).
+#[allow(clippy::too_many_arguments)]
+pub fn write_basic_deliver_head(
+    out: &mut BytesMut,
+    channel: u16,
+    consumer_tag: &str,
+    delivery_tag: u64,
+    redelivered: bool,
+    exchange: &str,
+    routing_key: &str,
+    properties_raw: &[u8],
+    body_len: usize,
+) {
+    write_basic_deliver_method(out, channel, consumer_tag, delivery_tag, redelivered, exchange, routing_key);
+    write_content_header(out, channel, CLASS_BASIC, properties_raw, body_len);
+    out.put_u8(FRAME_BODY);
+    out.put_u16(channel);
+    out.put_u32(body_len as u32);
+}
+
+fn write_basic_deliver_method(out: &mut BytesMut, channel: u16, consumer_tag: &str, delivery_tag: u64, redelivered: bool, exchange: &str, routing_key: &str) {
     let at = begin_frame(out, FRAME_METHOD, channel);
     out.put_u16(CLASS_BASIC);
     out.put_u16(60);
@@ -139,7 +185,6 @@ pub fn write_basic_deliver(
     put_short_str(out, exchange);
     put_short_str(out, routing_key);
     end_frame(out, at);
-    write_content(out, channel, CLASS_BASIC, properties_raw, body, frame_max);
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -322,3 +322,25 @@ fn hot_path_writers_match_the_generic_ones() {
     assert_eq!(h.body_size, body.len() as u64);
     assert_eq!(got, body);
 }
+
+/// `write_basic_deliver_head` + the body + FRAME_END is `write_basic_deliver`, for a body that fits
+/// one frame; longer ones do not qualify.
+#[test]
+fn deliver_head_and_spliced_body_match_the_whole_deliver() {
+    let props = encode_props(&all_properties());
+    let frame_max = c::FRAME_MIN_SIZE;
+    for len in [1usize, 1000, (frame_max - c::FRAME_OVERHEAD) as usize] {
+        let body = vec![0x5au8; len];
+        assert!(frame::fits_one_body_frame(len, frame_max));
+        let mut whole = BytesMut::new();
+        frame::write_basic_deliver(&mut whole, 3, "ctag", 7, true, "ex", "rk", &props, &body, frame_max);
+        let mut spliced = BytesMut::new();
+        frame::write_basic_deliver_head(&mut spliced, 3, "ctag", 7, true, "ex", "rk", &props, len);
+        spliced.extend_from_slice(&body);
+        spliced.extend_from_slice(&[c::FRAME_END]);
+        assert_eq!(whole, spliced, "body of {len} bytes");
+    }
+    assert!(!frame::fits_one_body_frame((frame_max - c::FRAME_OVERHEAD) as usize + 1, frame_max));
+    assert!(!frame::fits_one_body_frame(0, frame_max), "an empty body has no body frame");
+    assert!(frame::fits_one_body_frame(10 << 20, 0), "frame_max 0: no limit");
+}

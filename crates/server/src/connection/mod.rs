@@ -7,6 +7,7 @@
 
 mod channel;
 mod error;
+mod frames;
 mod handshake;
 mod io;
 pub mod outbox;

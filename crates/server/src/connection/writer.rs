@@ -7,6 +7,7 @@
 //! A socket that takes nothing for `write_timeout` (a peer that stopped reading) ends the
 //! connection; the reader is told through [`Outbox::writer_ended`].
 
+use super::frames::{OutFrames, WriteFailed, SPLICE_MIN_BODY};
 use super::outbox::{DurableAction, Outbox, Outgoing, CONFIRM_COST};
 use bytes::BytesMut;
 use std::collections::{HashMap, VecDeque};
@@ -49,25 +50,6 @@ pub async fn run(
     outbox.writer_ended();
 }
 
-/// Why writing stopped.
-enum WriteFailed {
-    Gone,
-    TimedOut,
-}
-
-/// Writes all of `buf`; fails if the peer is gone or a write makes no progress for `timeout`.
-async fn write_all(socket: &mut OwnedWriteHalf, buf: &[u8], timeout: Duration) -> Result<(), WriteFailed> {
-    let mut pos = 0;
-    while pos < buf.len() {
-        match tokio::time::timeout(timeout, socket.write(&buf[pos..])).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return Err(WriteFailed::Gone),
-            Ok(Ok(n)) => pos += n,
-            Err(_) => return Err(WriteFailed::TimedOut),
-        }
-    }
-    Ok(())
-}
-
 async fn write_loop(
     mut socket: OwnedWriteHalf,
     outbox: &Outbox,
@@ -76,9 +58,9 @@ async fn write_loop(
     config: Arc<parking_lot::Mutex<WriterConfig>>,
 ) {
     let mut items = Vec::new();
-    let mut buf = BytesMut::new();
+    let mut out = OutFrames::default();
     let mut pending: HashMap<u16, VecDeque<PendingDurable>> = HashMap::new();
-    // Store acks of the no-ack deliveries in `buf`, appended once it is written (see `AckWhenWritten`).
+    // Store acks of the no-ack deliveries in `out`, appended once it is written (see `AckWhenWritten`).
     let mut acks = Batch::new();
     let mut closing = false;
     loop {
@@ -95,7 +77,7 @@ async fn write_loop(
         };
         // An idle connection gives back its write buffers: ten thousand idle connections must not
         // keep 64 KiB each.
-        let holds_memory = buf.capacity() > 0 || items.capacity() > 0;
+        let holds_memory = out.buf.capacity() > 0 || items.capacity() > 0;
         let release = async {
             match holds_memory {
                 true => tokio::time::sleep(super::RELEASE_BUFFERS_AFTER).await,
@@ -106,7 +88,7 @@ async fn write_loop(
         tokio::select! {
             _ = outbox.wait() => {}
             _ = release => {
-                buf = BytesMut::new();
+                out.release();
                 items = Vec::new();
                 outbox.release_memory();
                 continue;
@@ -120,22 +102,22 @@ async fn write_loop(
             _ = idle => heartbeat_due = true,
         }
         outbox.take(&mut items);
-        // Bytes of what goes into `buf` (released once written) and of confirms dropped unsent.
+        // Bytes of what goes into `out` (released once written) and of confirms dropped unsent.
         let mut cost = 0;
         for item in items.drain(..) {
             if !matches!(item, Outgoing::WhenDurable { .. }) {
                 cost += item.cost();
             }
             match item {
-                Outgoing::Method { channel, method } => frame::write_method(&mut buf, channel, &method),
+                Outgoing::Method { channel, method } => frame::write_method(&mut out.buf, channel, &method),
                 Outgoing::Delivery(d) => {
                     if let Some(ack) = d.ack_when_written() {
                         ack.add_to(&mut acks);
                     }
-                    write_delivery(&mut buf, d, frame_max, cancel_notify)
+                    write_delivery(&mut out, d, frame_max, cancel_notify)
                 }
                 Outgoing::Return { channel, reply_code, reply_text, message } => frame::write_basic_return(
-                    &mut buf,
+                    &mut out.buf,
                     channel,
                     reply_code,
                     reply_text,
@@ -152,9 +134,9 @@ async fn write_loop(
                     // Confirms are per channel incarnation: what is not durable now is never sent.
                     if let Some(mut queue) = pending.remove(&channel) {
                         cost += queue.len() * CONFIRM_COST;
-                        write_ready_confirms(&mut buf, channel, &mut queue, *durable.borrow(), session);
+                        write_ready_confirms(&mut out.buf, channel, &mut queue, *durable.borrow(), session);
                     }
-                    frame::write_method(&mut buf, channel, &method);
+                    frame::write_method(&mut out.buf, channel, &method);
                 }
                 Outgoing::Close => closing = true,
             }
@@ -162,15 +144,15 @@ async fn write_loop(
         let on_disk = *durable.borrow_and_update();
         for (channel, queue) in pending.iter_mut() {
             let before = queue.len();
-            write_ready_confirms(&mut buf, *channel, queue, on_disk, session);
+            write_ready_confirms(&mut out.buf, *channel, queue, on_disk, session);
             cost += (before - queue.len()) * CONFIRM_COST;
         }
         pending.retain(|_, q| !q.is_empty());
-        if buf.is_empty() && heartbeat_due {
-            frame::write_heartbeat(&mut buf);
+        if out.is_empty() && heartbeat_due {
+            frame::write_heartbeat(&mut out.buf);
         }
-        if !buf.is_empty() {
-            let written = write_all(&mut socket, &buf, write_timeout).await;
+        if !out.is_empty() {
+            let written = out.write_to(&mut socket, write_timeout).await;
             // Written, or never will be (the connection is gone, and a no-ack consumer's messages with it).
             outbox.ack_written(&mut acks);
             match written {
@@ -182,11 +164,11 @@ async fn write_loop(
                     return;
                 }
             }
-            buf.clear();
+            out.clear();
         }
         outbox.written(cost);
-        if buf.capacity() > 4 * 1024 * 1024 {
-            buf = BytesMut::new();
+        if out.buf.capacity() > 4 * 1024 * 1024 {
+            out.buf = BytesMut::new();
         }
         if closing {
             let _ = socket.shutdown().await;
@@ -195,8 +177,16 @@ async fn write_loop(
     }
 }
 
-fn write_delivery(buf: &mut BytesMut, d: Delivery, frame_max: u32, cancel_notify: bool) {
+fn write_delivery(out: &mut OutFrames, d: Delivery, frame_max: u32, cancel_notify: bool) {
+    let buf = &mut out.buf;
     match d {
+        Delivery::Deliver { channel, consumer_tag, delivery_tag, redelivered, message, .. }
+            if message.body.len() >= SPLICE_MIN_BODY && frame::fits_one_body_frame(message.body.len(), frame_max) =>
+        {
+            let body_len = message.body.len();
+            frame::write_basic_deliver_head(buf, channel, &consumer_tag, delivery_tag, redelivered, &message.exchange, &message.routing_key, &message.properties, body_len);
+            out.splice_body(message);
+        }
         Delivery::Deliver { channel, consumer_tag, delivery_tag, redelivered, message, .. } => frame::write_basic_deliver(
             buf,
             channel,
