@@ -176,3 +176,58 @@ def test_acks_on_a_node_that_joined_after_relaying_a_consumer_stick(cluster):
     cluster[outside].kill9()
     leftover = consume(cluster[1], name, 1, timeout=10)
     assert leftover == [], f"acked on node {outside}, yet {len(leftover)}+ messages came back after it died"
+
+
+def test_a_node_removed_while_down_stops_when_it_comes_back_and_loses_nothing(cluster, tmp_path):
+    """Node 3 is killed, then removed (`remove-node 3`: the queue's members become 1, 2, 4), and
+    started again with its old data, which still has it as a member of everything. No member
+    replicates to it any more, so its topology is stale: it must find out that it was removed and
+    stop (with a message saying how to bring it back), without taking leadership from the members,
+    and whatever it confirmed meanwhile must be kept (it forwards to the members)."""
+    name = "qq-removed-while-down"
+    c = cluster[1].connection()
+    c.channel().queue_declare(name, durable=True, arguments=QUORUM)
+    c.close()
+    known_everywhere(cluster.values(), [name], timeout=10)
+    before = [f"before-{i}".encode() for i in range(100)]
+    publish(cluster[1], name, before)
+    node4 = start_fourth_node(cluster, tmp_path)
+    try:
+        known_everywhere([node4], [name], timeout=20)
+        cluster[3].kill9()
+        out = ctl(cluster[1], "remove-node", "3", timeout=30)
+        assert out.returncode == 0, out.stderr
+        eventually(lambda: voters_are(cluster[1], {1, 2, 4}, 1), timeout=60, interval=0.5)
+        leader = {g["leader"] for g in queue_groups(cluster[1]).values()}
+
+        started = time.time()
+        cluster[3].start()
+        # Publishes through node 3 until it stops: whatever it confirmed must be kept.
+        confirmed_on_3 = []
+        while cluster[3].alive() and time.time() < started + 30:
+            body = f"on-3-{len(confirmed_on_3)}".encode()
+            try:
+                c3 = cluster[3].connection()
+                ch = c3.channel()
+                ch.confirm_delivery()
+                ch.basic_publish("", name, body, pika.BasicProperties(delivery_mode=2))
+                confirmed_on_3.append(body)
+                c3.close()
+            except (pika.exceptions.AMQPError, OSError):
+                time.sleep(0.2)
+        assert not cluster[3].alive(), "node 3 still runs 30 s after it was started, although it was removed"
+        assert cluster[3].proc.returncode not in (0, None), f"node 3 exited with {cluster[3].proc.returncode}"
+        log = cluster[3].log_text()
+        assert "was removed from the cluster" in log and "warren ctl add-node 3" in log, log[-2000:]
+        assert {g["leader"] for g in queue_groups(cluster[1]).values()} == leader, "node 3 disrupted the queue's leadership"
+        assert voters_are(cluster[1], {1, 2, 4}, 1)
+
+        after = [f"after-{i}".encode() for i in range(100)]
+        publish(cluster[1], name, after)
+        wanted = before + confirmed_on_3 + after
+        got = consume(node4, name, len(wanted), timeout=60)
+        missing = set(wanted) - set(got)
+        assert not missing, f"{len(missing)} confirmed messages lost, e.g. {sorted(missing)[:5]} ({len(confirmed_on_3)} confirmed by node 3)"
+    finally:
+        if node4.alive():
+            node4.kill9()

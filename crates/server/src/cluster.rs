@@ -2,12 +2,13 @@
 //! detector and the metadata group (group 0). Without peers nothing here runs: no Raft, no cluster
 //! port, no cost.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use warren_cluster::node::{group_config, NodeConfig};
 use warren_broker::Broker;
-use warren_cluster::{ClusterNode, RaftLogs, StateMachine, METADATA_GROUP};
+use warren_cluster::{ClusterNode, GroupId, RaftLogs, StateMachine, METADATA_GROUP};
 
 use crate::config::{ClusterSettings, Config};
 
@@ -35,4 +36,50 @@ pub async fn start(config: &Config, settings: ClusterSettings, logs: &Arc<RaftLo
     broker.set_metadata_group(Arc::new(crate::metadata_group::ClusterMetadata::new(node.clone())))?;
     tracing::info!(node_id = settings.node_id, members = ?members, "cluster member started: metadata group 0 running");
     Ok(node)
+}
+
+/// How often a cluster member asks whether it is still one (the first time, this long after start).
+const MEMBERSHIP_CHECK_EVERY: Duration = Duration::from_secs(5);
+/// How long a node found out of the cluster waits for its quorum queues' groups to let it go before
+/// it stops: each group's leader moves this node's member elsewhere, and this node leaves the group
+/// (`quorum::follow_members`; a queue whose only member was this node keeps it, and stays here).
+const LEAVE_GROUPS_WAIT: Duration = Duration::from_secs(30);
+
+/// Completes once this node was taken out of the cluster (`warren ctl remove-node`, perhaps while
+/// it was down: `ClusterNode::is_out_of_cluster`) and no quorum queue's group still counts it as a
+/// member (or `LEAVE_GROUPS_WAIT` passed); the server then stops. No member replicates to a removed
+/// node, so its topology and queues are stale from then on: serving clients with them (declaring
+/// on an old view, reading queues that moved) is what it must not do. A RabbitMQ node removed with
+/// `forget_cluster_node` refuses to boot in the same way.
+pub async fn removed_from_cluster(node: ClusterNode, groups: Arc<crate::quorum::QuorumGroups>) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + MEMBERSHIP_CHECK_EVERY, MEMBERSHIP_CHECK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if node.is_out_of_cluster().await {
+            break;
+        }
+    }
+    tracing::warn!(node_id = node.node_id(), "this node was removed from the cluster: stopping once its quorum queues' groups have let it go");
+    let deadline = tokio::time::Instant::now() + LEAVE_GROUPS_WAIT;
+    // Groups that still count this node: on a node removed while it ran, those whose leader has not
+    // moved its member yet. A node removed while down runs its groups from its stale view, and
+    // their leaders have let it go already.
+    let mut holding = groups.member_of();
+    while !holding.is_empty() {
+        let running: HashSet<GroupId> = groups.member_of().into_iter().collect();
+        let mut still = Vec::new();
+        for group in holding.into_iter().filter(|g| running.contains(g)) {
+            if tokio::time::Instant::now() >= deadline {
+                return;
+            }
+            if !node.is_out_of_group(group).await {
+                still.push(group);
+            }
+        }
+        holding = still;
+        if !holding.is_empty() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    }
 }

@@ -385,6 +385,11 @@ impl QuorumGroups {
         groups
     }
 
+    /// The groups this node runs as a member (not those it only forwards to).
+    pub fn member_of(&self) -> Vec<GroupId> {
+        self.groups.lock().iter().filter(|(_, (tx, _, _))| matches!(&*tx.borrow(), Running::Running(_))).map(|(g, _)| *g).collect()
+    }
+
     /// Stops every group (shutdown), so none applies anything while the store closes.
     pub async fn shutdown(&self) {
         let senders: Vec<(GroupId, watch::Sender<Running>)> = self.groups.lock().drain().map(|(g, (tx, _, _))| (g, tx)).collect();

@@ -175,6 +175,14 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let mut connections = tokio::task::JoinSet::new();
     let signal = stop_signals.received();
     tokio::pin!(signal);
+    let removed = async {
+        match &cluster {
+            Some(node) => crate::cluster::removed_from_cluster(node.clone(), quorum_groups.clone()).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(removed);
+    let mut removed_from_cluster = false;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -188,6 +196,10 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
             },
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
             _ = &mut signal => break,
+            _ = &mut removed => {
+                removed_from_cluster = true;
+                break;
+            }
         }
     }
 
@@ -210,7 +222,18 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     }
     broker.close();
     tracing::info!("stopped");
-    Ok(())
+    match (removed_from_cluster, config.cluster()) {
+        (true, Some(settings)) => Err(format!(
+            "node {id} was removed from the cluster (`warren ctl remove-node {id}`): no member replicates to it, so its \
+             topology and queues here are stale, and it stopped. To bring it back, delete its data directory ({dir}), start \
+             it, and run `warren ctl add-node {id} {addr}` on a member",
+            id = settings.node_id,
+            dir = config.data_dir.display(),
+            addr = settings.peers.iter().find(|(id, _)| *id == settings.node_id).map_or_else(|| settings.listen.to_string(), |(_, addr)| addr.clone()),
+        )
+        .into()),
+        _ => Ok(()),
+    }
 }
 
 /// On SIGHUP, re-reads the configuration and applies what can change while running: the alarm limits.

@@ -164,6 +164,31 @@ impl ClusterNode {
         false
     }
 
+    /// Whether this node was taken out of the cluster (`warren ctl remove-node`, perhaps while it was
+    /// down): it was a member of the metadata group (its own view has a configuration) and the
+    /// group's leader, asked among the nodes this one knows, has a uniform configuration without it.
+    /// A node started to be added (`add-node` not run yet) has no configuration: it is not out.
+    pub async fn is_out_of_cluster(&self) -> bool {
+        let Some(mine) = self.group_membership(METADATA_GROUP) else { return false };
+        if mine.nodes.is_empty() {
+            return false;
+        }
+        self.is_out_of(METADATA_GROUP, &self.known_nodes()).await
+    }
+
+    /// [`ClusterNode::is_out_of`] `group`, asking every node this one knows (its own view of the
+    /// group's members may be stale: a node that was down when it was moved elsewhere).
+    pub async fn is_out_of_group(&self, group: GroupId) -> bool {
+        self.is_out_of(group, &self.known_nodes()).await
+    }
+
+    /// Every node this one knows of: its peers (those it was started with and those it learnt) and
+    /// the metadata group's members as it sees them.
+    fn known_nodes(&self) -> BTreeSet<NodeId> {
+        let members = self.group_membership(METADATA_GROUP).map(|m| m.nodes).unwrap_or_default();
+        self.inner.transport.peers().into_iter().chain(members).filter(|n| *n != self.inner.id).collect()
+    }
+
     /// Whether another of `members` runs the group with members (it was initialized).
     pub(super) async fn group_runs_elsewhere(&self, group: GroupId, members: &BTreeSet<NodeId>) -> bool {
         for peer in members.iter().copied().filter(|m| *m != self.inner.id) {
