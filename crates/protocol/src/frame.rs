@@ -103,9 +103,7 @@ pub fn write_content(out: &mut BytesMut, channel: u16, class_id: u16, properties
     out.reserve(body.len() + properties_raw.len() + 64);
     write_content_header(out, channel, class_id, properties_raw, body.len());
     for chunk in body.chunks(max_body_payload(frame_max)) {
-        out.put_u8(FRAME_BODY);
-        out.put_u16(channel);
-        out.put_u32(chunk.len() as u32);
+        begin_body_frame(out, channel, chunk.len());
         out.put_slice(chunk);
         out.put_u8(FRAME_END);
     }
@@ -170,9 +168,14 @@ pub fn write_basic_deliver_head(
 ) {
     write_basic_deliver_method(out, channel, consumer_tag, delivery_tag, redelivered, exchange, routing_key);
     write_content_header(out, channel, CLASS_BASIC, properties_raw, body_len);
+    begin_body_frame(out, channel, body_len);
+}
+
+/// A body frame's header; `len` bytes of the body and `FRAME_END` follow.
+fn begin_body_frame(out: &mut BytesMut, channel: u16, len: usize) {
     out.put_u8(FRAME_BODY);
     out.put_u16(channel);
-    out.put_u32(body_len as u32);
+    out.put_u32(len as u32);
 }
 
 fn write_basic_deliver_method(out: &mut BytesMut, channel: u16, consumer_tag: &str, delivery_tag: u64, redelivered: bool, exchange: &str, routing_key: &str) {
