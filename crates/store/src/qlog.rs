@@ -91,13 +91,32 @@ struct TailRecord {
 
 /// An open segment file for reads.
 struct SegReader {
-    first_seq: u64,
+    file_of: SegFile,
     /// Opened for reads past the page cache. A direct reader the file system refused (it reads
     /// buffered) is kept as one: opening it again would be refused again.
     asked_direct: bool,
     /// Reads past the page cache (`O_DIRECT`).
     is_direct: bool,
     file: File,
+}
+
+/// The file a queue segment is in: consecutive extents of one WAL segment share it, so a read
+/// going from one to the next keeps the file open. Keyed by segment, a draining quorum queue (its
+/// records in extents of ~0.5-1 MB between its Raft entries) opened a WAL file for nearly every
+/// pread: ~850 opens a second in Q2 of `bench/cluster.py`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SegFile {
+    Wal(u64),
+    Own(u64),
+}
+
+impl SegFile {
+    fn of(seg: &QSeg) -> SegFile {
+        match seg.wal {
+            Some(base) => SegFile::Wal(base),
+            None => SegFile::Own(seg.first_seq),
+        }
+    }
 }
 
 /// Where a record sits in the WAL.
@@ -418,7 +437,7 @@ impl QueueLog {
             freed = seg.len;
         }
         self.segments.remove(&seg.first_seq);
-        if self.reader.as_ref().is_some_and(|r| r.first_seq == seg.first_seq) {
+        if self.reader.as_ref().is_some_and(|r| r.file_of == SegFile::of(&seg)) {
             self.reader = None;
         }
         self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
@@ -590,13 +609,13 @@ impl QueueLog {
     }
 
     fn pread(&mut self, seg: &QSeg, offset: u64, len: usize, direct: bool) -> std::io::Result<Bytes> {
-        if self.reader.as_ref().is_none_or(|r| r.first_seq != seg.first_seq || r.asked_direct != direct) {
+        if self.reader.as_ref().is_none_or(|r| r.file_of != SegFile::of(seg) || r.asked_direct != direct) {
             let path = match seg.wal {
                 Some(base) => crate::segment::path(&self.wal_dir, base),
                 None => seg_path(&self.dir, seg.first_seq),
             };
             let (file, is_direct) = if direct { crate::direct::open_direct_reader(&path)? } else { (crate::direct::open_reader(&path)?, false) };
-            self.reader = Some(SegReader { first_seq: seg.first_seq, asked_direct: direct, is_direct, file });
+            self.reader = Some(SegReader { file_of: SegFile::of(seg), asked_direct: direct, is_direct, file });
         }
         match &self.reader {
             Some(r) if r.is_direct => crate::direct::read_range_direct(&r.file, offset, len),
