@@ -445,12 +445,14 @@ impl QueueLog {
         Some(freed)
     }
 
-    /// Reads live messages from `from_seq` on: at most `max_count` of them and about `max_bytes` of payload.
-    /// `direct`: past the page cache (`direct::open_direct_reader`), for reads off the delivery path.
-    pub fn read(&mut self, from_seq: u64, max_count: usize, max_bytes: usize, direct: bool) -> std::io::Result<ReadBatch> {
+    /// Reads live messages of `seqs` in order: at most `max_count` of them and about `max_bytes` of
+    /// payload. `direct`: past the page cache (`direct::open_direct_reader`), for reads off the
+    /// delivery path.
+    pub fn read(&mut self, seqs: std::ops::Range<u64>, max_count: usize, max_bytes: usize, direct: bool) -> std::io::Result<ReadBatch> {
+        let (from_seq, end_seq) = (seqs.start, seqs.end);
         let mut out = ReadBatch { next_seq: self.gone.next_live(from_seq), ..Default::default() };
         let mut bytes = 0usize;
-        while out.messages.len() < max_count && bytes < max_bytes && out.next_seq < self.file_next_seq {
+        while out.messages.len() < max_count && bytes < max_bytes && out.next_seq < self.file_next_seq && out.next_seq < end_seq {
             let seq = out.next_seq;
             let Some((&first, &seg)) = self.segments.range(..=seq).next_back() else {
                 // Below the oldest segment: all gone; continue at the oldest one.
@@ -493,6 +495,12 @@ impl QueueLog {
             while pos < chunk.len() || pos == 0 {
                 match format::decode_record(&chunk[pos..]) {
                     Ok((Record::Enqueue { queue, seq: rseq, timestamp_ms, payload }, n)) if queue == self.id && rseq < seg.end_seq => {
+                        if rseq >= end_seq && rseq >= own_next {
+                            // Past the range: the cursor stays at this record, where the read of the
+                            // next range starts.
+                            out.next_seq = rseq;
+                            break;
+                        }
                         let start = pos + RECORD_HEADER_SIZE + format::ENQUEUE_FIXED_LEN;
                         pos += n;
                         if rseq < own_next {
@@ -555,12 +563,12 @@ impl QueueLog {
             }
         }
         // Everything live below `file_next_seq` is in the files; the rest is in the tail, in memory.
-        if out.messages.len() < max_count && bytes < max_bytes {
+        if out.messages.len() < max_count && bytes < max_bytes && out.next_seq < end_seq {
             let from = out.next_seq.max(self.file_next_seq);
             let start = self.tail.partition_point(|r| r.seq < from);
             out.next_seq = self.gone.next_live(from);
             for rec in self.tail.iter().skip(start) {
-                if out.messages.len() >= max_count || bytes >= max_bytes {
+                if out.messages.len() >= max_count || bytes >= max_bytes || rec.seq >= end_seq {
                     break;
                 }
                 out.next_seq = self.gone.next_live(rec.seq + 1);
@@ -853,3 +861,4 @@ mod tests {
         assert!(log.admit(5, 10, 0).is_err(), "the same seq twice");
     }
 }
+

@@ -257,22 +257,24 @@ impl Store {
     /// copied into the queue's files is visible: a message appended a moment ago may show up only on a
     /// later read, once [`Store::readable`] has reached its ticket. Gone seqs are skipped; `next_seq` says where to continue.
     pub fn read(&self, queue: u64, from_seq: u64, max_count: usize, max_bytes: usize) -> Result<ReadBatch, StoreError> {
-        self.read_from(queue, from_seq, max_count, max_bytes, false)
+        self.read_from(queue, from_seq..u64::MAX, max_count, max_bytes, false)
     }
 
-    /// [`Store::read`] past the page cache (`O_DIRECT`, where the file system has it): for reads made
-    /// ahead of delivery, off its path. Each read waits for the disk, but costs less CPU than filling
-    /// the page cache with what is read once (queue files are written with `O_DIRECT` too).
-    pub fn read_direct(&self, queue: u64, from_seq: u64, max_count: usize, max_bytes: usize) -> Result<ReadBatch, StoreError> {
-        self.read_from(queue, from_seq, max_count, max_bytes, true)
+    /// [`Store::read`] of the seqs below `end_seq` only, past the page cache (`O_DIRECT`, where the
+    /// file system has it): for reads made ahead of delivery, off its path, several at once over
+    /// consecutive ranges. Each read waits for the disk, but costs less CPU than filling the page
+    /// cache with what is read once (queue files are written with `O_DIRECT` too). A read that
+    /// reached `end_seq` returns `next_seq` at or past it.
+    pub fn read_direct(&self, queue: u64, from_seq: u64, end_seq: u64, max_count: usize, max_bytes: usize) -> Result<ReadBatch, StoreError> {
+        self.read_from(queue, from_seq..end_seq, max_count, max_bytes, true)
     }
 
-    fn read_from(&self, queue: u64, from_seq: u64, max_count: usize, max_bytes: usize, direct: bool) -> Result<ReadBatch, StoreError> {
+    fn read_from(&self, queue: u64, seqs: std::ops::Range<u64>, max_count: usize, max_bytes: usize, direct: bool) -> Result<ReadBatch, StoreError> {
         let Some(log) = self.inner.shared.logs.get(queue) else {
-            return Ok(ReadBatch { next_seq: from_seq, ..Default::default() });
+            return Ok(ReadBatch { next_seq: seqs.start, ..Default::default() });
         };
         let mut log = log.lock();
-        log.read(from_seq, max_count.max(1), max_bytes.max(1), direct)
+        log.read(seqs, max_count.max(1), max_bytes.max(1), direct)
             .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
     }
 

@@ -1096,8 +1096,12 @@ fn direct_reads_return_what_buffered_reads_do_from_files_extents_and_the_tail() 
         assert_eq!(read_all(&store, q, 0, expect.len()), expect, "queue {q}: buffered reads");
         let mut got = Vec::new();
         let mut seq = 0;
-        for step in [1usize, 7, 64].iter().cycle() {
-            let batch = store.read_direct(q, seq, *step, 20_000).unwrap();
+        for (i, step) in [1usize, 7, 64].iter().cycle().enumerate() {
+            // Every other read is bounded by a range of seqs instead of a count, as the reads ahead
+            // of a quorum queue's deliveries are (several ranges at once, one after the other).
+            let (end, count) = if i % 2 == 1 { (seq + 3 * *step as u64, usize::MAX) } else { (u64::MAX, *step) };
+            let batch = store.read_direct(q, seq, end, count, 20_000).unwrap();
+            assert!(batch.messages.iter().all(|m| m.seq < end), "queue {q}: a read of seqs {seq}..{end} returned a seq past them");
             assert_eq!(batch.lost, 0);
             if batch.messages.is_empty() {
                 break;

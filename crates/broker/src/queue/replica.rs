@@ -176,6 +176,14 @@ const READ_AHEAD_MESSAGES: usize = 2048;
 /// How many bodies after the last delivery are read ahead: more than a consumer with a large
 /// prefetch is assigned at once (`ASSIGN_AHEAD_FACTOR`).
 const READ_AHEAD_WINDOW: usize = 8192;
+/// Reads ahead under way at once (see `QuorumReplica::read_ahead_task`). Q2 of `bench/cluster.py`
+/// (500,000 messages), five drains each, alternating: two, 529-553k msg/s (median 540k); a chain
+/// of one read at a time, each starting the next before it decoded, 381-531k (median 510k).
+/// Three were no better (402-538k), nor reads of 4,096 (439-540k); reads of 1,024 were worse
+/// (331-371k).
+const READS_IN_FLIGHT: usize = 2;
+/// After a look for a read ahead found none, deliveries look again after this many more bodies.
+const LOOK_AGAIN_EVERY: usize = 256;
 const READ_AHEAD_BYTES: usize = 2 << 20;
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
@@ -294,22 +302,22 @@ struct ReplicaState {
 /// hundred messages (`QuorumReplica::read_ahead`).
 #[derive(Default)]
 struct ReadAhead {
-    /// A chain of read-ahead tasks is under way (`QuorumReplica::read_ahead_task`): no other starts.
-    in_flight: bool,
+    /// Reads under way (`QuorumReplica::read_ahead_task`), at most `READS_IN_FLIGHT`.
+    in_flight: usize,
     /// The largest msg id delivered on this node.
     delivered: MsgId,
+    /// Msg ids below this are held or being read: the next read starts at or after it.
+    claimed_until: MsgId,
+    /// Deliveries look for a read to start again only once `delivered` reaches this: after a look
+    /// found none (the window full, everything held, or no room), looking at every delivery would
+    /// walk thousands of bodies each time.
+    look_again_at: MsgId,
 }
 
-/// What a read-ahead task decides by before it takes the replica's lock (whether the next read can
-/// start while this one's bodies are decoded and held): set under the lock, after each read and
-/// whenever a chain starts.
-#[derive(Default)]
-struct ReadAheadLimits {
-    /// One past the last msg id of the `READ_AHEAD_WINDOW` bodies after the last delivery (msg ids
-    /// are sparse, so the window is counted in bodies, not ids).
-    window_end: AtomicU64,
-    /// The memory budget had room for two more reads.
-    room: AtomicBool,
+/// One read ahead: the msg ids it reads and their payload bytes.
+struct ReadRange {
+    seqs: std::ops::Range<MsgId>,
+    bytes: usize,
 }
 
 /// What a reply is for, per command of an entry.
@@ -419,7 +427,6 @@ pub struct QuorumReplica {
     replicator: RwLock<Option<Arc<dyn Replicator>>>,
     gets_done: Notify,
     drained: Notify,
-    read_ahead_limits: ReadAheadLimits,
 }
 
 /// The machine's settings from the queue's arguments (validated at declare; a queue restored from
@@ -460,7 +467,6 @@ impl QuorumReplica {
             replicator: RwLock::new(None),
             gets_done: Notify::new(),
             drained: Notify::new(),
-            read_ahead_limits: ReadAheadLimits::default(),
         }
     }
 
@@ -720,50 +726,48 @@ impl QuorumReplica {
     }
 
     /// After a delivery of `delivered`: if bodies within `READ_AHEAD_WINDOW` after it are only in the
-    /// store, reads them on blocking threads (one chain of reads at a time, reading until the
-    /// window is held or the memory budget is reached), so they are held when the machine delivers
-    /// them. Measured on three nodes draining 1,000,000 messages (`warren bench`, prefetch 1000):
-    /// reading 512 bodies on the apply path whenever a delivery found one not held, ~280k msg/s;
-    /// with the read-ahead ~360k; with the whole backlog in memory ~530k.
+    /// store, reads them on blocking threads, `READS_IN_FLIGHT` reads of consecutive ranges at once,
+    /// until the window is held or the memory budget is reached, so they are held when the machine
+    /// delivers them. Measured on three nodes draining 1,000,000 messages (`warren bench`, prefetch
+    /// 1000): reading 512 bodies on the apply path whenever a delivery found one not held, ~280k
+    /// msg/s; with the read-ahead ~360k; with the whole backlog in memory ~530k.
     fn read_ahead(&self, queue: &Arc<Queue>, st: &mut ReplicaState, delivered: MsgId) {
         st.read_ahead.delivered = st.read_ahead.delivered.max(delivered);
-        if st.read_ahead.in_flight {
-            return;
+        if st.read_ahead.in_flight < READS_IN_FLIGHT && st.read_ahead.delivered >= st.read_ahead.look_again_at {
+            self.start_reads(queue, st);
         }
-        let from = st.read_ahead.delivered + 1;
-        let Some(from) = self.read_ahead_from(st, from) else { return };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        st.read_ahead.in_flight = true;
-        Self::read_ahead_task(rt, queue.clone(), from);
     }
 
-    /// One read of a read-ahead chain, on a blocking thread. If the read found bodies and what
-    /// follows is still inside the window (and the budget had room), the next read starts at once,
-    /// on another thread, while this one decodes what it read and waits for the replica's lock to
-    /// hold it: the disk is kept busy (one read at a time: the store serializes a queue's reads).
-    /// Draining 500,000 messages past the budget (`bench/cluster.py` Q2), the reads alone could
-    /// not keep up with a consumer assigned three times its prefetch (a read waited for the lock
-    /// while the apply path, short of bodies, read on its own): 266-286k msg/s with one read after
-    /// the other, 355-572k so (reads of 1 MiB). The chain's last task looks again under the lock,
-    /// and either reads on or ends the chain.
-    fn read_ahead_task(rt: tokio::runtime::Handle, queue: Arc<Queue>, from: MsgId) {
-        rt.clone().spawn_blocking(move || {
+    /// Starts reads ahead while fewer than `READS_IN_FLIGHT` are under way and there is one to make
+    /// (`next_read`).
+    fn start_reads(&self, queue: &Arc<Queue>, st: &mut ReplicaState) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        while st.read_ahead.in_flight < READS_IN_FLIGHT && !st.deleted {
+            let Some(range) = self.next_read(st) else { return };
+            st.read_ahead.in_flight += 1;
+            st.read_ahead.claimed_until = range.seqs.end;
+            Self::read_ahead_task(&rt, queue.clone(), range);
+        }
+    }
+
+    /// One read ahead, of the bodies in `range`, on a blocking thread. The store serializes a
+    /// queue's reads, so with two under way one waits for the other's disk reads while that one
+    /// decodes its bodies and waits for the replica's lock to hold them: the disk is kept busy.
+    /// Draining 500,000 messages past the budget (`bench/cluster.py` Q2): one read after the
+    /// other, 266-286k msg/s; two in flight, see `READS_IN_FLIGHT`. The task then starts the next
+    /// reads, unless it found nothing (not readable yet, or a failed read): a later delivery looks
+    /// again.
+    fn read_ahead_task(rt: &tokio::runtime::Handle, queue: Arc<Queue>, range: ReadRange) {
+        rt.spawn_blocking(move || {
             let Some(me) = &queue.replica else { return };
-            let read = me.store.read_direct(me.group, from, READ_AHEAD_MESSAGES, READ_AHEAD_BYTES);
-            let limits = &me.read_ahead_limits;
-            let next = match &read {
-                Ok(b) if !b.messages.is_empty() && b.next_seq < limits.window_end.load(Ordering::Relaxed) && limits.room.load(Ordering::Relaxed) => Some(b.next_seq),
-                _ => None,
-            };
-            if let Some(next) = next {
-                Self::read_ahead_task(rt.clone(), queue.clone(), next);
-            }
-            let read_until = read.as_ref().map_or(from, |b| b.next_seq);
+            let ReadRange { seqs: range, bytes } = range;
+            // The bytes bound the size of the store's disk reads too: the range's own, not more.
+            let read = me.store.read_direct(me.group, range.start, range.end, 2 * READ_AHEAD_MESSAGES, bytes.max(1));
+            let read_until = read.as_ref().map_or(range.start, |b| b.next_seq);
             // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
             let read = read.map(|b| decode_bodies(&queue, b.messages));
             let mut st = me.state.lock();
-            // Nothing read (not readable yet) or a failed read ends the chain: a later delivery
-            // starts another.
+            st.read_ahead.in_flight = st.read_ahead.in_flight.saturating_sub(1);
             let found = match read {
                 Ok(bodies) => {
                     let found = !bodies.is_empty();
@@ -775,47 +779,56 @@ impl QuorumReplica {
                     false
                 }
             };
-            if next.is_some() {
-                // The chain goes on in the task started above, which decides by these.
-                me.set_read_ahead_limits(&st);
-                return;
+            if read_until < range.end {
+                // The read stopped short (its byte or count cap, or records not readable yet): what
+                // is left of the range may be read again.
+                st.read_ahead.claimed_until = st.read_ahead.claimed_until.min(read_until);
             }
-            // Bodies before `read_until` are this task's or its predecessors' (still to be held):
-            // the chain reads on after them.
-            let from = read_until.max(st.read_ahead.delivered + 1);
-            match me.read_ahead_from(&st, from).filter(|_| found && !st.deleted) {
-                Some(from) => {
-                    drop(st);
-                    Self::read_ahead_task(rt, queue.clone(), from);
-                }
-                None => st.read_ahead.in_flight = false,
+            if found {
+                me.start_reads(&queue, &mut st);
             }
         });
     }
 
-    /// Sets the limits a read-ahead task decides by without the lock (`ReadAheadLimits`); returns
-    /// the window's end.
-    fn set_read_ahead_limits(&self, st: &ReplicaState) -> MsgId {
-        let window_end = st.bodies.range(st.read_ahead.delivered + 1..).nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
-        let limits = &self.read_ahead_limits;
-        limits.window_end.store(window_end, Ordering::Relaxed);
-        limits.room.store(st.body_mem + 2 * READ_AHEAD_BYTES as u64 <= BODY_BUDGET_BYTES, Ordering::Relaxed);
-        window_end
-    }
-
-    /// Where a read ahead starts, at or after `from`: the first of the `READ_AHEAD_WINDOW` bodies
-    /// after the last delivery that is only in the store (and readable), if the memory budget has
-    /// room for a read. Sets the limits for the reads under way.
-    fn read_ahead_from(&self, st: &ReplicaState, from: MsgId) -> Option<MsgId> {
-        let window_end = self.set_read_ahead_limits(st);
-        if st.body_mem + READ_AHEAD_BYTES as u64 > BODY_BUDGET_BYTES || from >= window_end {
+    /// The next read ahead: from the first body after the last delivery and the reads under way
+    /// that is only in the store (and readable), over `READ_AHEAD_MESSAGES` bodies or about
+    /// `READ_AHEAD_BYTES` of them, inside the window (`READ_AHEAD_WINDOW` bodies after the last
+    /// delivery). None if there is none, or the memory budget has no room for it beside the reads
+    /// under way; deliveries then look again only `LOOK_AGAIN_EVERY` bodies later.
+    fn next_read(&self, st: &mut ReplicaState) -> Option<ReadRange> {
+        let delivered = st.read_ahead.delivered;
+        let mut after = st.bodies.range(delivered + 1..);
+        // With fewer bodies than that after the last delivery, the next delivery looks again.
+        let look_again_at = after.clone().nth(LOOK_AGAIN_EVERY).map_or(delivered + 1, |(id, _)| *id);
+        let reserved = (st.read_ahead.in_flight as u64 + 1) * READ_AHEAD_BYTES as u64;
+        let window_end = after.nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
+        let from = (delivered + 1).max(st.read_ahead.claimed_until);
+        let found = if st.body_mem + reserved > BODY_BUDGET_BYTES || from >= window_end {
+            None
+        } else {
+            st.bodies.range(from..window_end).find(|(_, b)| b.message.is_none())
+        };
+        let first = match found {
+            Some((id, body)) => match body.record {
+                Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
+                _ => None,
+            },
+            None => None,
+        };
+        let Some(first) = first else {
+            st.read_ahead.look_again_at = look_again_at;
             return None;
+        };
+        let mut end = window_end;
+        let mut bytes = 0;
+        for (count, (id, body)) in st.bodies.range(first..window_end).enumerate() {
+            if count == READ_AHEAD_MESSAGES || bytes >= READ_AHEAD_BYTES as u64 {
+                end = *id;
+                break;
+            }
+            bytes += body.stored_bytes;
         }
-        let (id, body) = st.bodies.range(from..window_end).find(|(_, b)| b.message.is_none())?;
-        match body.record {
-            Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
-            _ => None,
-        }
+        Some(ReadRange { seqs: first..end, bytes: bytes as usize })
     }
 
     /// Hands the machine's deliveries to a consumer (or getter) of this node.
@@ -1595,7 +1608,7 @@ impl QuorumReplica {
         let consumers: Vec<Arc<Consumer>> = {
             let mut st = self.state.lock();
             let mut old = std::mem::replace(&mut *st, ReplicaState::new(queue_config(&queue.name, &queue.args)));
-            // A read-ahead chain under way ends by itself; another must not start beside it.
+            // Reads ahead under way end by themselves; no more may start beside them.
             st.read_ahead.in_flight = old.read_ahead.in_flight;
             // A basic.get waiting for its entry answers empty (the next one goes through a member).
             st.getters = std::mem::take(&mut old.getters);
