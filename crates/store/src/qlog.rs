@@ -34,6 +34,17 @@ const KEEP_ACTIVE_BELOW: u64 = 1 << 20;
 /// memory and in each checkpoint (at worst one per 512 KiB of backlog: 20,000 for 10 GB).
 const MIN_EXTENT: u64 = 512 << 10;
 
+/// A Raft group's log and state (`crate::is_raft_queue`) keep a run of any length as an extent, up to
+/// this many segments per queue, and are copied only past it. Their records stay live until a
+/// snapshot lets them go, bounded by the node's log budget (crates/cluster), and at 1,000 quorum
+/// queues they interleave in the WAL in runs of a record or a few: copied at every checkpoint, they
+/// were ~90% of the WAL written a second time (bench/cluster.py Q4: ~150 MB a checkpoint, 0.6-0.9 s
+/// of the writer's time during which no group commit was written). As extents the checkpoint
+/// spills nothing (8-17 ms), and the WAL between them is punched out once purged. The cap bounds
+/// memory and the checkpoint (at most 3 queues per group, ~56 bytes per extent) for groups whose
+/// short entries would each be an extent: in Q4 they hold ~10 each.
+const MAX_RAFT_EXTENTS: usize = 64;
+
 /// An enqueue whose seq is below its queue's next one: the store cannot keep it (see `QueueLog::admit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqRegression {
@@ -263,9 +274,10 @@ impl QueueLog {
     /// queue's records in one WAL segment with no other queue's message in between (acks and other
     /// non-message records may be) that spans at least `MIN_EXTENT` from its first to its last live
     /// record (the queue is behind: nothing consumed them) becomes an extent of that WAL segment, and
-    /// nothing is written: a backlog is written once. Elsewhere the live records are copied into the
-    /// queue's own files, so that a slow queue never keeps another queue's messages on disk. Returns
-    /// bytes written.
+    /// nothing is written: a backlog is written once. So does a Raft group's log or state run of any
+    /// length (`MAX_RAFT_EXTENTS`). Elsewhere the live records are copied into the queue's own
+    /// files, so that a slow queue never keeps another queue's messages on disk. Returns bytes
+    /// written.
     pub fn spill(&mut self, seg_size: u64) -> std::io::Result<u64> {
         let mut written = 0;
         while let Some(head) = self.tail.front() {
@@ -278,7 +290,8 @@ impl QueueLog {
                 let (a, b) = (&self.tail[first], &self.tail[last]);
                 let (start, end) = (a.wal.offset, b.wal.offset + b.record.len() as u64);
                 let (first_seq, end_seq, first_ts, last_ts) = (a.seq, b.seq + 1, a.timestamp_ms, b.timestamp_ms);
-                if end.saturating_sub(start) >= MIN_EXTENT {
+                let raft_extent = crate::is_raft_queue(self.id) && self.segments.len() < MAX_RAFT_EXTENTS;
+                if end.saturating_sub(start) >= MIN_EXTENT || raft_extent {
                     // Later copied records must go to a new file after this extent, in seq order.
                     self.flush()?;
                     self.active = None;
