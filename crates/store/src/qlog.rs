@@ -42,7 +42,7 @@ const MIN_EXTENT: u64 = 512 << 10;
 /// of the writer's time during which no group commit was written). As extents the checkpoint
 /// spills nothing (8-17 ms), and the WAL between them is punched out once purged. The cap bounds
 /// memory and the checkpoint (at most 3 queues per group, ~56 bytes per extent) for groups whose
-/// short entries would each be an extent: in Q4 they hold ~10 each.
+/// short entries would each be an extent: in Q4 they hold 2-31 each.
 const MAX_RAFT_EXTENTS: usize = 64;
 
 /// An enqueue whose seq is below its queue's next one: the store cannot keep it (see `QueueLog::admit`).
@@ -874,4 +874,3 @@ mod tests {
         assert!(log.admit(5, 10, 0).is_err(), "the same seq twice");
     }
 }
-

@@ -797,26 +797,21 @@ impl QuorumReplica {
     /// under way; deliveries then look again only `LOOK_AGAIN_EVERY` bodies later.
     fn next_read(&self, st: &mut ReplicaState) -> Option<ReadRange> {
         let delivered = st.read_ahead.delivered;
-        let mut after = st.bodies.range(delivered + 1..);
-        // With fewer bodies than that after the last delivery, the next delivery looks again.
-        let look_again_at = after.clone().nth(LOOK_AGAIN_EVERY).map_or(delivered + 1, |(id, _)| *id);
         let reserved = (st.read_ahead.in_flight as u64 + 1) * READ_AHEAD_BYTES as u64;
-        let window_end = after.nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
+        let window_end = st.bodies.range(delivered + 1..).nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
         let from = (delivered + 1).max(st.read_ahead.claimed_until);
         let found = if st.body_mem + reserved > BODY_BUDGET_BYTES || from >= window_end {
             None
         } else {
             st.bodies.range(from..window_end).find(|(_, b)| b.message.is_none())
         };
-        let first = match found {
-            Some((id, body)) => match body.record {
-                Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
-                _ => None,
-            },
-            None => None,
-        };
+        let first = found.and_then(|(id, body)| match body.record {
+            Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
+            _ => None,
+        });
         let Some(first) = first else {
-            st.read_ahead.look_again_at = look_again_at;
+            // With fewer bodies than that after the last delivery, the next delivery looks again.
+            st.read_ahead.look_again_at = st.bodies.range(delivered + 1..).nth(LOOK_AGAIN_EVERY).map_or(delivered + 1, |(id, _)| *id);
             return None;
         };
         let mut end = window_end;
