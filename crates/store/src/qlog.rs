@@ -168,6 +168,9 @@ pub(crate) struct QueueLog {
     pub id: u64,
     disk: Disk,
     dir: PathBuf,
+    /// `dir` was created (or found) since this log was opened: a new segment need not make it again
+    /// (a `mkdir` that fails with EEXIST cost ~0.2 ms; 1,000 Raft logs create segments often).
+    dir_made: bool,
     wal_dir: PathBuf,
     pub segments: BTreeMap<u64, QSeg>,
     /// Append handle of the newest segment.
@@ -206,6 +209,7 @@ impl QueueLog {
             id,
             disk: disk.clone(),
             dir: queue_dir(root, id),
+            dir_made: false,
             wal_dir: crate::segment::wal_dir(root),
             segments: BTreeMap::new(),
             active: None,
@@ -339,7 +343,10 @@ impl QueueLog {
     }
 
     fn create_segment(&mut self, first_seq: u64) -> std::io::Result<()> {
-        self.disk.create_dir_all(&self.dir)?;
+        if !self.dir_made {
+            self.disk.create_dir_all(&self.dir)?;
+            self.dir_made = true;
+        }
         let path = seg_path(&self.dir, first_seq);
         let mut f = Appender::create(&self.disk, &path)?;
         f.append(&format::encode_qseg_header(self.id, first_seq))?;
@@ -673,6 +680,7 @@ impl QueueLog {
         self.active = None;
         self.reader = None;
         self.segments.clear();
+        self.dir_made = false;
         if let Err(e) = self.disk.remove_dir_all(&self.dir) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 tracing::warn!(error = %e, queue = self.id, "could not remove a deleted queue's files");

@@ -821,11 +821,11 @@ impl Writer {
                     _ => covered.push((s, e)),
                 }
             }
-            if self.punched.get(&base) == Some(&covered) {
+            let before = self.punched.insert(base, covered.clone());
+            if before.as_ref() == Some(&covered) {
                 continue;
             }
-            self.reclaimer.submit(Job::Punch(segment::path(&self.shared.wal, base), covered.clone()));
-            self.punched.insert(base, covered);
+            self.reclaimer.submit(Job::Punch { path: segment::path(&self.shared.wal, base), covered, before });
         }
     }
 }
