@@ -91,15 +91,47 @@ pub enum FrameError {
     WriteFailed,
 }
 
+/// The bytes of a request frame before its payload: length, kind, id, rpc, group.
+const REQUEST_HEADER: usize = 4 + 18;
+
+/// A request frame whose payload is encoded straight after its header, with no copy of it
+/// (a replicated batch of entries is encoded once, into the frame that carries it).
+pub struct RequestFrame(BytesMut);
+
+impl RequestFrame {
+    /// Starts a frame; `payload_hint` is the payload's expected size (the buffer grows past it).
+    pub fn new(rpc: Rpc, group: GroupId, payload_hint: usize) -> RequestFrame {
+        let mut b = BytesMut::with_capacity(REQUEST_HEADER + payload_hint);
+        b.put_u32_le(0); // the length, set by `seal`
+        b.put_u8(REQUEST);
+        b.put_u64_le(0); // the request id, set by `seal`
+        b.put_u8(rpc as u8);
+        b.put_u64_le(group);
+        RequestFrame(b)
+    }
+
+    /// Where the payload is written.
+    pub fn payload(&mut self) -> &mut BytesMut {
+        &mut self.0
+    }
+
+    pub fn payload_len(&self) -> usize {
+        self.0.len() - REQUEST_HEADER
+    }
+
+    /// The frame as it is sent, as request `id`.
+    pub fn seal(mut self, id: u64) -> Bytes {
+        let body_len = (self.0.len() - 4) as u32;
+        self.0[0..4].copy_from_slice(&body_len.to_le_bytes());
+        self.0[5..13].copy_from_slice(&id.to_le_bytes());
+        self.0.freeze()
+    }
+}
+
 pub fn request(id: u64, rpc: Rpc, group: GroupId, payload: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(4 + 18 + payload.len());
-    b.put_u32_le((18 + payload.len()) as u32);
-    b.put_u8(REQUEST);
-    b.put_u64_le(id);
-    b.put_u8(rpc as u8);
-    b.put_u64_le(group);
-    b.put_slice(payload);
-    b.freeze()
+    let mut f = RequestFrame::new(rpc, group, payload.len());
+    f.payload().put_slice(payload);
+    f.seal(id)
 }
 
 pub fn response(id: u64, result: &Result<Bytes, String>) -> Bytes {
@@ -141,9 +173,15 @@ pub async fn read_body<R: AsyncRead + Unpin>(
         if n > limit {
             return Err(FrameError::TooLarge(n));
         }
-        let mut body = vec![0u8; n];
-        r.read_exact(&mut body).await?;
-        Ok(Bytes::from(body))
+        // Read into uninitialized capacity: zeroing the body first cost as much as a copy of it.
+        let mut body = BytesMut::with_capacity(n);
+        let mut rest = (&mut *r).take(n as u64);
+        while body.len() < n {
+            if rest.read_buf(&mut body).await? == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+        }
+        Ok(body.freeze())
     })
     .await
     .map_err(|_| FrameError::Silent(stall))??;
@@ -192,6 +230,17 @@ mod tests {
         match parse(f.slice(4..)).expect("parses") {
             Frame::Request { id, rpc, group, payload } => {
                 assert_eq!((id, rpc, group, &payload[..]), (7, Rpc::Vote, 42, &b"abc"[..]));
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut f = RequestFrame::new(Rpc::AppendEntries, 3, 0);
+        f.payload().put_slice(b"grown past the hint");
+        assert_eq!(f.payload_len(), 19);
+        let sealed = f.seal(11);
+        assert_eq!(sealed[..4], ((sealed.len() - 4) as u32).to_le_bytes());
+        match parse(sealed.slice(4..)).expect("parses") {
+            Frame::Request { id, rpc, group, payload } => {
+                assert_eq!((id, rpc, group, &payload[..]), (11, Rpc::AppendEntries, 3, &b"grown past the hint"[..]));
             }
             other => panic!("{other:?}"),
         }

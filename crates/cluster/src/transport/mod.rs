@@ -25,14 +25,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
 use parking_lot::{Mutex, RwLock};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 
 pub use frame::Rpc;
-use frame::{Frame, FrameError, MAX_FRAME};
+use frame::{Frame, FrameError, RequestFrame, MAX_FRAME};
 pub use handshake::LinkKind;
 
 use crate::types::{GroupId, NodeId};
@@ -47,6 +47,10 @@ const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
 const MAX_INFLIGHT_PER_CONNECTION: usize = 1024;
 /// Frames queued for one connection's writer; senders wait past it.
 const WRITE_QUEUE: usize = 4096;
+/// A connection's read buffer.
+const READ_BUFFER: usize = 64 << 10;
+/// Frames at least this large are written from their own buffer, not copied into the write buffer.
+const COPY_BELOW: usize = 16 << 10;
 /// Connections still in their handshake; more are closed at once.
 const MAX_HANDSHAKES: usize = 64;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -231,11 +235,18 @@ impl Transport {
         payload: &[u8],
         timeout: Duration,
     ) -> Result<Bytes, RpcError> {
+        let mut frame = RequestFrame::new(rpc, group, payload.len());
+        frame.payload().extend_from_slice(payload);
+        self.request_frame(peer, kind, frame, timeout).await
+    }
+
+    /// Sends a request whose payload the caller encoded into `frame`, and waits for its answer.
+    pub async fn request_frame(&self, peer: NodeId, kind: LinkKind, frame: RequestFrame, timeout: Duration) -> Result<Bytes, RpcError> {
         let conn = {
             let p = self.inner.peers.read().get(&peer).cloned();
             p.and_then(|p| p.slot(kind).lock().clone()).ok_or(RpcError::NotConnected(peer))?
         };
-        call(&conn, peer, rpc, group, payload, timeout).await
+        call(&conn, peer, frame, timeout).await
     }
 
     /// Closes the listener, every connection, and stops dialing.
@@ -251,14 +262,14 @@ impl Transport {
     }
 }
 
-async fn call(conn: &Conn, peer: NodeId, rpc: Rpc, group: GroupId, payload: &[u8], timeout: Duration) -> Result<Bytes, RpcError> {
-    if payload.len() + 18 > MAX_FRAME {
-        return Err(RpcError::TooLarge(payload.len()));
+async fn call(conn: &Conn, peer: NodeId, frame: RequestFrame, timeout: Duration) -> Result<Bytes, RpcError> {
+    if frame.payload_len() + 18 > MAX_FRAME {
+        return Err(RpcError::TooLarge(frame.payload_len()));
     }
     let id = conn.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = oneshot::channel();
     conn.pending.lock().insert(id, tx);
-    let frame = frame::request(id, rpc, group, payload);
+    let frame = frame.seal(id);
     let outcome = tokio::time::timeout(timeout, async {
         if conn.tx.send(frame).await.is_err() {
             return Err(RpcError::NotConnected(peer));
@@ -424,7 +435,9 @@ async fn dial_loop(inner: Arc<Inner>, peer: Arc<Peer>, kind: LinkKind) {
 /// Serves one authenticated connection until it closes. A peer connection replaces any older one
 /// of the same kind (the peer restarted or redialed).
 async fn run_conn(inner: Arc<Inner>, stream: TcpStream, peer: Option<Arc<Peer>>, kind: LinkKind) {
-    let (mut rd, wr) = stream.into_split();
+    let (rd, wr) = stream.into_split();
+    // Buffered: a frame's length and a small frame come in one system call, not two.
+    let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER, rd);
     let (tx, rx) = mpsc::channel(WRITE_QUEUE);
     let (close, closed) = watch::channel(false);
     let conn = Arc::new(Conn { tx, pending: Mutex::new(HashMap::new()), next_id: AtomicU64::new(1), close });
@@ -500,7 +513,10 @@ async fn run_conn(inner: Arc<Inner>, stream: TcpStream, peer: Option<Arc<Peer>>,
 /// Writes queued frames, many per system call, and a keepalive when idle. A write that makes no
 /// progress for [`STALL_TIMEOUT`] (the peer stopped reading) closes the connection.
 async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>, mut closed: watch::Receiver<bool>) {
-    let mut buf: Vec<u8> = Vec::with_capacity(64 << 10);
+    // Small frames are copied together; a large one (a batch of entries, a snapshot) is written from
+    // where it was encoded, as its own part of a vectored write.
+    let mut small = BytesMut::with_capacity(64 << 10);
+    let mut parts: Vec<Bytes> = Vec::new();
     loop {
         let first = tokio::select! {
             f = tokio::time::timeout(KEEPALIVE_EVERY, rx.recv()) => match f {
@@ -510,22 +526,56 @@ async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Recei
             },
             _ = stopped(&mut closed) => return,
         };
-        buf.clear();
-        buf.extend_from_slice(&first);
-        while buf.len() < (256 << 10) {
-            match rx.try_recv() {
-                Ok(f) => buf.extend_from_slice(&f),
-                Err(_) => break,
+        let mut queued = 0;
+        let mut next = Some(first);
+        while let Some(f) = next {
+            queued += f.len();
+            if f.len() < COPY_BELOW {
+                small.extend_from_slice(&f);
+            } else {
+                if !small.is_empty() {
+                    parts.push(small.split().freeze());
+                }
+                parts.push(f);
             }
+            next = if queued < (256 << 10) { rx.try_recv().ok() } else { None };
         }
-        match tokio::time::timeout(STALL_TIMEOUT, wr.write_all(&buf)).await {
+        if !small.is_empty() {
+            parts.push(small.split().freeze());
+        }
+        match tokio::time::timeout(STALL_TIMEOUT, write_parts(&mut wr, &mut parts)).await {
             Ok(Ok(())) => {}
             _ => return,
         }
-        if buf.capacity() > (1 << 20) {
-            buf = Vec::with_capacity(64 << 10);
+        parts.clear();
+        // Reuses its allocation, now that the parts that shared it are dropped.
+        small.reserve(64 << 10);
+    }
+}
+
+/// Writes every part, in order, with as few system calls as the socket allows.
+async fn write_parts(wr: &mut tokio::net::tcp::OwnedWriteHalf, parts: &mut [Bytes]) -> std::io::Result<()> {
+    const MAX_SLICES: usize = 64;
+    let mut first = 0;
+    while first < parts.len() {
+        let slices: Vec<std::io::IoSlice<'_>> = parts[first..].iter().take(MAX_SLICES).map(|p| std::io::IoSlice::new(p)).collect();
+        let mut n = wr.write_vectored(&slices).await?;
+        drop(slices);
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        while n > 0 {
+            let part = &mut parts[first];
+            if n >= part.len() {
+                n -= part.len();
+                first += 1;
+            } else {
+                part.advance(n);
+                n = 0;
+            }
         }
     }
+    Ok(())
 }
 
 /// Completes once the flag is set (or its sender is gone).

@@ -16,6 +16,7 @@ use openraft::raft::{
 };
 use openraft::{RPCTypes, Snapshot};
 
+use super::frame::RequestFrame;
 use super::wire::{self, Dec, DecodeError, Enc, Wire};
 use super::{LinkKind, Rpc, RpcError, Transport};
 use crate::types::{GroupId, NodeAddr, NodeId, TypeConfig, Vote};
@@ -127,10 +128,11 @@ impl<SD> GroupNetwork<SD> {
         req: &Req,
         timeout: Duration,
     ) -> Result<Resp, RPCError<TypeConfig>> {
-        let payload = wire::to_bytes(req);
+        let mut frame = RequestFrame::new(rpc, self.group, req.size_hint());
+        req.encode(&mut Enc(frame.payload()));
         let answer = self
             .transport
-            .request(self.target, link, rpc, self.group, &payload, timeout)
+            .request_frame(self.target, link, frame, timeout)
             .await
             .map_err(|e| self.rpc_error(action, e))?;
         wire::from_bytes(answer).map_err(|e| RPCError::Network(NetworkError::new(&e)))

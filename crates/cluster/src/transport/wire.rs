@@ -247,6 +247,10 @@ impl Dec {
 /// A message that travels between nodes: how it is written and read back.
 pub trait Wire: Sized {
     fn encode(&self, e: &mut Enc<'_>);
+    /// About how many bytes `encode` writes (the buffer is allocated once at this size).
+    fn size_hint(&self) -> usize {
+        64
+    }
     fn decode(d: &mut Dec) -> Result<Self, DecodeError>;
 }
 
@@ -266,6 +270,13 @@ pub fn from_bytes<T: Wire>(buf: Bytes) -> Result<T, DecodeError> {
 }
 
 impl Wire for AppendEntriesRequest<TypeConfig> {
+    fn size_hint(&self) -> usize {
+        let payload = |e: &Entry| match &e.payload {
+            EntryPayload::Normal(cmd) => cmd.0.len(),
+            _ => 64,
+        };
+        128 + self.entries.iter().map(|e| 32 + payload(e)).sum::<usize>()
+    }
     fn encode(&self, e: &mut Enc<'_>) {
         e.vote(&self.vote);
         e.opt_log_id(&self.prev_log_id);
