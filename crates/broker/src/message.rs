@@ -113,6 +113,34 @@ pub fn decode_stored(payload: &Bytes) -> Option<StoredMessage> {
     })
 }
 
+/// Whether a stored message has a per-message TTL (a valid `expiration` property), read without
+/// decoding the rest of it.
+pub fn stored_has_expiration(payload: &[u8]) -> bool {
+    let mut buf = payload;
+    if buf.remaining() < 1 + 8 {
+        return false;
+    }
+    let version = buf.get_u8();
+    buf.advance(8);
+    for _ in 0..2 {
+        let len = match version {
+            STORED_MESSAGE_VERSION if buf.remaining() >= 4 => buf.get_u32() as usize,
+            STORED_MESSAGE_VERSION_1 if buf.remaining() >= 1 => buf.get_u8() as usize,
+            _ => return false,
+        };
+        if buf.remaining() < len {
+            return false;
+        }
+        buf.advance(len);
+    }
+    if buf.remaining() < 4 {
+        return false;
+    }
+    let plen = buf.get_u32() as usize;
+    let Some(properties) = buf.get(..plen) else { return false };
+    warren_protocol::properties::PropertiesView::new(properties).is_ok_and(|v| v.expiration().and_then(parse_expiration).is_some())
+}
+
 fn get_string(buf: &mut Bytes) -> Option<String> {
     if buf.remaining() < 4 {
         return None;
@@ -173,6 +201,22 @@ mod tests {
         assert_eq!(back.message.properties, msg.properties);
         assert!(back.message.persistent);
         assert_eq!(back.message.expiration_ms, Some(500));
+        assert!(stored_has_expiration(&out_bytes(&msg)), "read without decoding, as decoded");
+        assert!(stored_has_expiration(&encode_v1(&msg, 0, 255)), "version 1 too");
+        let plain = message("ex", "rk");
+        assert!(!stored_has_expiration(&out_bytes(&plain)) && !stored_has_expiration(&encode_v1(&plain, 0, 255)));
+        // Cut anywhere: no TTL read (and no panic).
+        let whole = out_bytes(&msg);
+        for n in 0..whole.len() - msg.body.len() {
+            assert!(!stored_has_expiration(&whole[..n]), "{n}");
+        }
+    }
+
+    fn out_bytes(msg: &Message) -> Bytes {
+        let mut out = BytesMut::new();
+        encode_header(msg, None, &mut out);
+        out.extend_from_slice(&msg.body);
+        out.freeze()
     }
 
     fn message(exchange: &str, routing_key: &str) -> Message {

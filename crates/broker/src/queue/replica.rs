@@ -42,7 +42,7 @@ use super::{GetWait, Got, Queue};
 use crate::channel::{Channel, Consumer, Settle};
 use crate::deadletter::{DeadLetter, DeathReason};
 use crate::error::{BrokerError, Result};
-use crate::message::{decode_stored, MessageRef};
+use crate::message::{decode_stored, stored_has_expiration, MessageRef};
 use crate::publisher::{Publisher, PublisherSession};
 use crate::queue::Entry;
 use crate::queue_args::QueueArgs;
@@ -196,11 +196,29 @@ const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A live message on this replica: where its bytes are, and its body while it fits in memory.
 struct Body {
-    /// None: only in the store (the replica's bodies passed `BODY_BUDGET_BYTES`); read back to deliver.
-    /// Always Some while the record is `Unwritten`.
+    /// The message, decoded. None: either only in the store (the replica's bodies passed
+    /// `BODY_BUDGET_BYTES`), read back to deliver; or held as its entry's bytes (`Record::Unwritten`),
+    /// decoded only if it is delivered from this node. Every replica keeps every body, but a message
+    /// is delivered by one: decoding each on all three cost two allocations, and cache misses when
+    /// dropped, for nothing.
     message: Option<MessageRef>,
+    /// What this body adds to `ReplicaState::body_mem` (0 when not held).
+    mem: u64,
     stored_bytes: u64,
     record: Record,
+}
+
+impl Body {
+    /// A body as decoded (or not held: `message` None), counted at its message's size.
+    fn new(message: Option<MessageRef>, stored_bytes: u64, record: Record) -> Body {
+        let mem = message.as_ref().map_or(0, |m| m.memory_bytes() as u64);
+        Body { message, mem, stored_bytes, record }
+    }
+
+    /// In memory: decoded, or as its entry's bytes.
+    fn held(&self) -> bool {
+        self.message.is_some() || matches!(self.record, Record::Unwritten { .. })
+    }
 }
 
 /// Where a live message's bytes are on this node besides memory.
@@ -645,15 +663,12 @@ impl QuorumReplica {
         if msg_id < st.stored_until {
             return;
         }
-        let Some(stored) = decode_stored(&payload) else {
-            tracing::error!(queue = %queue.name, msg_id, "an enqueued message does not decode; not kept");
-            return;
-        };
-        if stored.message.expiration_ms.is_some() {
+        if stored_has_expiration(&payload) {
             self.saw_expiration.store(true, Ordering::Relaxed);
         }
         let stored_bytes = payload.len() as u64;
-        let memory = stored.message.memory_bytes() as u64;
+        // About what the decoded message would count (`Message::memory_bytes`).
+        let memory = stored_bytes + 128;
         let timestamp_ms = st.machine.now_ms();
         if st.body_mem + memory > BODY_BUDGET_BYTES {
             // Past the budget: into the store, after every body not written yet (records rise by
@@ -663,7 +678,7 @@ impl QuorumReplica {
                 Ok(ticket) => {
                     st.stored_until = msg_id + 1;
                     st.last_ticket = st.last_ticket.max(ticket);
-                    st.bodies.insert(msg_id, Body { message: None, stored_bytes, record: Record::Stored(ticket) });
+                    st.bodies.insert(msg_id, Body::new(None, stored_bytes, Record::Stored(ticket)));
                     return;
                 }
                 // Held then, over the budget, rather than left to a log a snapshot may purge.
@@ -672,7 +687,7 @@ impl QuorumReplica {
         }
         st.body_mem += memory;
         let record = Record::Unwritten { payload, timestamp_ms };
-        st.bodies.insert(msg_id, Body { message: Some(Arc::new(stored.message)), stored_bytes, record });
+        st.bodies.insert(msg_id, Body { message: None, mem: memory, stored_bytes, record });
     }
 
     /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
@@ -693,6 +708,10 @@ impl QuorumReplica {
         let ticket = self.store.append(&mut batch)?;
         let ReplicaState { bodies, stored_until, .. } = st;
         for (_, body) in bodies.range_mut(*stored_until..) {
+            // Held still: decoded now that its entry's bytes go.
+            if let (None, Record::Unwritten { payload, .. }) = (&body.message, &body.record) {
+                body.message = decode_stored(payload).map(|stored| Arc::new(stored.message));
+            }
             body.record = Record::Stored(ticket);
         }
         st.stored_until = last + 1;
@@ -706,7 +725,13 @@ impl QuorumReplica {
         let ticket = match st.bodies.get(&msg_id)? {
             Body { message: Some(m), .. } => return Some(m.clone()),
             Body { record: Record::Stored(ticket), .. } => *ticket,
-            Body { record: Record::Unwritten { .. }, .. } => return None, // never: unwritten ones are held
+            Body { record: Record::Unwritten { payload, .. }, .. } => {
+                let decoded = decode_stored(payload).map(|stored| Arc::new(stored.message));
+                if decoded.is_none() {
+                    tracing::error!(queue = %queue.name, msg_id, "a quorum queue's message does not decode; not delivered");
+                }
+                return decoded;
+            }
         };
         let store = &self.store;
         // A read (and, rarely, a wait for the store's writer to make the record readable) on the
@@ -803,7 +828,7 @@ impl QuorumReplica {
         let found = if st.body_mem + reserved > BODY_BUDGET_BYTES || from >= window_end {
             None
         } else {
-            st.bodies.range(from..window_end).find(|(_, b)| b.message.is_none())
+            st.bodies.range(from..window_end).find(|(_, b)| !b.held())
         };
         let first = found.and_then(|(id, body)| match body.record {
             Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
@@ -1084,7 +1109,7 @@ impl QuorumReplica {
                 }
                 let stored_bytes = r.payload.len() as u64;
                 let message = hold(&mut st, stored.message);
-                st.bodies.insert(r.msg_id, Body { message, stored_bytes, record: Record::Stored(ticket) });
+                st.bodies.insert(r.msg_id, Body::new(message, stored_bytes, Record::Stored(ticket)));
                 if let Some(f) = st.fetch.as_mut() {
                     f.messages += 1;
                     f.bytes += stored_bytes;
@@ -1198,7 +1223,7 @@ impl QuorumReplica {
                 match decode_stored(&m.payload) {
                     Some(stored) => {
                         let message = hold(&mut st, stored.message);
-                        st.bodies.insert(m.seq, Body { message, stored_bytes, record: Record::Stored(0) });
+                        st.bodies.insert(m.seq, Body::new(message, stored_bytes, Record::Stored(0)));
                     }
                     None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
                 }
@@ -1701,9 +1726,7 @@ fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     if let Record::Stored(_) = body.record {
         acks.ack(group, msg_id, body.stored_bytes);
     }
-    if let Some(m) = body.message {
-        st.body_mem = st.body_mem.saturating_sub(m.memory_bytes() as u64);
-    }
+    st.body_mem = st.body_mem.saturating_sub(body.mem);
 }
 
 /// A message returned before, as delivered: with the `x-delivery-count` header (failed deliveries so
@@ -1756,8 +1779,9 @@ fn take_bodies(st: &mut ReplicaState, bodies: Vec<(MsgId, MessageRef)>, wanted: 
         let wanted = Some(seq) == wanted || st.body_mem < BODY_BUDGET_BYTES;
         let ReplicaState { bodies, body_mem, .. } = st;
         match bodies.get_mut(&seq) {
-            Some(b) if wanted && b.message.is_none() => {
-                *body_mem += message.memory_bytes() as u64;
+            Some(b) if wanted && !b.held() => {
+                b.mem = message.memory_bytes() as u64;
+                *body_mem += b.mem;
                 b.message = Some(message);
             }
             _ => {}
