@@ -4,7 +4,8 @@
 //! delivered unchanged (exact round-trip of all 14 properties, no re-encoding on the hot
 //! path) and only parsed where a feature needs them (TTL, headers exchange, dead-lettering).
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// An immutable message, shared (`Arc`) by every queue it was routed to.
@@ -81,87 +82,69 @@ pub struct StoredMessage {
     pub expires_at_ms: Option<u64>,
 }
 
+/// Where the parts of a stored message are in its encoding (see the layout above); the body is
+/// everything after the properties.
+struct StoredLayout {
+    version: u8,
+    expires_at_ms: u64,
+    exchange: Range<usize>,
+    routing_key: Range<usize>,
+    properties: Range<usize>,
+}
+
+/// Reads a stored message's layout; `None` if it is malformed or of an unknown version.
+fn stored_layout(payload: &[u8]) -> Option<StoredLayout> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> Option<Range<usize>> {
+        let r = at..at.checked_add(n).filter(|end| *end <= payload.len())?;
+        at = r.end;
+        Some(r)
+    };
+    let version = payload[take(1)?.start];
+    let expires_at_ms = u64::from_be_bytes(payload[take(8)?].try_into().ok()?);
+    let mut names = [0..0, 0..0]; // exchange, routing key
+    for name in &mut names {
+        let len = match version {
+            STORED_MESSAGE_VERSION => u32::from_be_bytes(payload[take(4)?].try_into().ok()?) as usize,
+            STORED_MESSAGE_VERSION_1 => payload[take(1)?.start] as usize,
+            _ => return None,
+        };
+        *name = take(len)?;
+    }
+    let [exchange, routing_key] = names;
+    let plen = u32::from_be_bytes(payload[take(4)?].try_into().ok()?) as usize;
+    let properties = take(plen)?;
+    Some(StoredLayout { version, expires_at_ms, exchange, routing_key, properties })
+}
+
 /// Decodes a stored payload (version 2, or version 1 from older releases). Returns `None` for
 /// anything malformed: the store's CRC already guards against torn writes, so this only trips on a
 /// format bug, and the caller drops the record (and logs it).
 pub fn decode_stored(payload: &Bytes) -> Option<StoredMessage> {
-    let mut buf = payload.clone();
-    if buf.remaining() < 1 + 8 {
-        return None;
-    }
-    let version = buf.get_u8();
-    let expires = buf.get_u64();
-    let (exchange, routing_key) = match version {
-        STORED_MESSAGE_VERSION => (get_string(&mut buf)?, get_string(&mut buf)?),
-        STORED_MESSAGE_VERSION_1 => (get_short_v1(&mut buf)?, get_short_v1(&mut buf)?),
-        _ => return None,
+    let layout = stored_layout(payload)?;
+    let name = |r: Range<usize>| match layout.version {
+        STORED_MESSAGE_VERSION => String::from_utf8(payload[r].to_vec()).ok(),
+        // A version 1 name cut at 255 bytes may end inside a character.
+        _ => Some(String::from_utf8_lossy(&payload[r]).into_owned()),
     };
-    if buf.remaining() < 4 {
-        return None;
-    }
-    let plen = buf.get_u32() as usize;
-    if buf.remaining() < plen {
-        return None;
-    }
-    let properties = buf.split_to(plen);
+    let (exchange, routing_key) = (name(layout.exchange.clone())?, name(layout.routing_key.clone())?);
+    let properties = payload.slice(layout.properties.clone());
     let view = warren_protocol::properties::PropertiesView::new(&properties).ok()?;
     let persistent = view.delivery_mode() == Some(2);
     let expiration_ms = view.expiration().and_then(parse_expiration);
+    let body = payload.slice(layout.properties.end..);
     Some(StoredMessage {
-        message: Message { exchange, routing_key, properties, body: buf, persistent, expiration_ms },
-        expires_at_ms: if expires == 0 { None } else { Some(expires) },
+        message: Message { exchange, routing_key, properties, body, persistent, expiration_ms },
+        expires_at_ms: if layout.expires_at_ms == 0 { None } else { Some(layout.expires_at_ms) },
     })
 }
 
 /// Whether a stored message has a per-message TTL (a valid `expiration` property), read without
 /// decoding the rest of it.
 pub fn stored_has_expiration(payload: &[u8]) -> bool {
-    let mut buf = payload;
-    if buf.remaining() < 1 + 8 {
-        return false;
-    }
-    let version = buf.get_u8();
-    buf.advance(8);
-    for _ in 0..2 {
-        let len = match version {
-            STORED_MESSAGE_VERSION if buf.remaining() >= 4 => buf.get_u32() as usize,
-            STORED_MESSAGE_VERSION_1 if buf.remaining() >= 1 => buf.get_u8() as usize,
-            _ => return false,
-        };
-        if buf.remaining() < len {
-            return false;
-        }
-        buf.advance(len);
-    }
-    if buf.remaining() < 4 {
-        return false;
-    }
-    let plen = buf.get_u32() as usize;
-    let Some(properties) = buf.get(..plen) else { return false };
-    warren_protocol::properties::PropertiesView::new(properties).is_ok_and(|v| v.expiration().and_then(parse_expiration).is_some())
-}
-
-fn get_string(buf: &mut Bytes) -> Option<String> {
-    if buf.remaining() < 4 {
-        return None;
-    }
-    let len = buf.get_u32() as usize;
-    if buf.remaining() < len {
-        return None;
-    }
-    String::from_utf8(buf.split_to(len).to_vec()).ok()
-}
-
-/// A version 1 name: u8 length; a name cut at 255 bytes may end inside a character.
-fn get_short_v1(buf: &mut Bytes) -> Option<String> {
-    if buf.remaining() < 1 {
-        return None;
-    }
-    let len = buf.get_u8() as usize;
-    if buf.remaining() < len {
-        return None;
-    }
-    Some(String::from_utf8_lossy(&buf.split_to(len)).into_owned())
+    let Some(layout) = stored_layout(payload) else { return false };
+    warren_protocol::properties::PropertiesView::new(&payload[layout.properties])
+        .is_ok_and(|v| v.expiration().and_then(parse_expiration).is_some())
 }
 
 /// The `expiration` property is a string holding a non-negative integer of milliseconds.
