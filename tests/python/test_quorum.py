@@ -441,6 +441,35 @@ def test_a_consumer_drains_a_backlog_past_the_memory_budget_in_order_with_requeu
     assert ready(ch, name) == 0
 
 
+def test_a_consumer_with_credit_past_the_read_ahead_gets_every_body_once_in_order(broker, name):
+    """Prefetch 3,000 (the machine assigns 9,000 ahead) over 8 KB bodies: a delivery wants bodies
+    past what the read-ahead (8,192 bodies) has read, some of them in reads under way, which it
+    takes from those reads rather than reading them again. Every message arrives once, in order,
+    with its own body."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    pad = b"z" * 8000
+    bodies = [str(i).encode() + b":" + pad for i in range(12000)]  # ~96 MB: three times the budget
+    publish_confirmed(ch, name, bodies)
+    cons = conn.channel()
+    cons.basic_qos(prefetch_count=3000)
+    got = []
+
+    def on_message(c, method, props, body):
+        got.append(body)
+        if len(got) % 100 == 0:
+            c.basic_ack(method.delivery_tag, multiple=True)
+
+    cons.basic_consume(name, on_message)
+    deadline = time.time() + 90
+    while len(got) < len(bodies) and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    assert len(got) == len(bodies), f"{len(got)} of {len(bodies)} delivered"
+    assert got == bodies, "every message once, in order, bodies intact"
+    eventually(lambda: ready(ch, name) == 0)
+
+
 def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, name):
     """A replica holds at most 32 MiB of bodies; the rest stays in the store and is read back, in
     order, as it is delivered (also after a restart)."""
