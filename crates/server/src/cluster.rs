@@ -44,6 +44,9 @@ const MEMBERSHIP_CHECK_EVERY: Duration = Duration::from_secs(5);
 /// it stops: each group's leader moves this node's member elsewhere, and this node leaves the group
 /// (`quorum::follow_members`; a queue whose only member was this node keeps it, and stays here).
 const LEAVE_GROUPS_WAIT: Duration = Duration::from_secs(30);
+/// How long a node out of a group's membership may take to leave the group itself (it hears of the
+/// change through the group's log, a heartbeat later) before it stops anyway.
+const LEAVE_GRACE: Duration = Duration::from_secs(5);
 
 /// Completes once this node was taken out of the cluster (`warren ctl remove-node`, perhaps while
 /// it was down: `ClusterNode::is_out_of_cluster`) and no quorum queue's group still counts it as a
@@ -62,18 +65,29 @@ pub async fn removed_from_cluster(node: ClusterNode, groups: Arc<crate::quorum::
     }
     tracing::warn!(node_id = node.node_id(), "this node was removed from the cluster: stopping once its quorum queues' groups have let it go");
     let deadline = tokio::time::Instant::now() + LEAVE_GROUPS_WAIT;
-    // Groups that still count this node: on a node removed while it ran, those whose leader has not
-    // moved its member yet. A node removed while down runs its groups from its stale view, and
-    // their leaders have let it go already.
+    // Groups this node still runs: on a node removed while it ran, those whose leader has not moved
+    // its member yet, and those it has but this node has not left yet (`quorum::follow_members`
+    // cancels the group's consumers here, and what they held goes back, when it does). Stopping
+    // before that closed the consumers' connections instead of cancelling them (seen in CI:
+    // `test_remove_node_moves_its_members_to_another_node_and_loses_nothing`). A node removed while
+    // down runs its groups from its stale view and never hears it is out: such a group counts as
+    // let go `LEAVE_GRACE` after this node first found itself out of it.
     let mut holding = groups.member_of();
+    let mut out_since: std::collections::HashMap<GroupId, tokio::time::Instant> = std::collections::HashMap::new();
     while !holding.is_empty() {
         let running: HashSet<GroupId> = groups.member_of().into_iter().collect();
         let mut still = Vec::new();
         for group in holding.into_iter().filter(|g| running.contains(g)) {
-            if tokio::time::Instant::now() >= deadline {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
                 return;
             }
-            if !node.is_out_of_group(group).await {
+            let out = match out_since.get(&group) {
+                Some(since) => Some(*since),
+                None if node.is_out_of_group(group).await => Some(*out_since.entry(group).or_insert(now)),
+                None => None,
+            };
+            if out.is_none_or(|since| now < since + LEAVE_GRACE) {
                 still.push(group);
             }
         }
