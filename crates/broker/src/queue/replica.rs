@@ -801,8 +801,8 @@ impl QuorumReplica {
             let deadline = std::time::Instant::now() + READ_UNDER_WAY_WAIT;
             let mut reads = self.reads_done.lock();
             loop {
-                if let Some(i) = reads.iter().position(|r| r.seqs == seqs) {
-                    return Some(reads.swap_remove(i));
+                if let Some(done) = take_read_done(&mut reads, &seqs) {
+                    return Some(done);
                 }
                 if self.read_done.wait_until(&mut reads, deadline).timed_out() {
                     return None;
@@ -878,10 +878,7 @@ impl QuorumReplica {
             let mut st = me.state.lock();
             st.read_ahead.in_flight = st.read_ahead.in_flight.saturating_sub(1);
             st.read_ahead.under_way.retain(|r| *r != range);
-            let mine = {
-                let mut reads = me.reads_done.lock();
-                reads.iter().position(|r| r.seqs == range).map(|i| reads.swap_remove(i))
-            };
+            let mine = take_read_done(&mut me.reads_done.lock(), &range);
             // None: a delivery took the bodies already.
             if let Some(ReadDone { bodies: Some(bodies), .. }) = mine {
                 take_bodies(&mut st, bodies, &NOTHING_WANTED);
@@ -1853,6 +1850,11 @@ fn decode_bodies(queue: &Queue, messages: Vec<warren_store::StoredMessage>) -> V
         }
     }
     out
+}
+
+/// The read of `seqs` among the reads done, taken out of them.
+fn take_read_done(reads: &mut Vec<ReadDone>, seqs: &std::ops::Range<MsgId>) -> Option<ReadDone> {
+    reads.iter().position(|r| r.seqs == *seqs).map(|i| reads.swap_remove(i))
 }
 
 /// Holds bodies read back from the store, for messages still live and not held, while they fit in
