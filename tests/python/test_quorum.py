@@ -45,6 +45,25 @@ def ready(ch, queue):
     return ch.queue_declare(queue, passive=True).method.message_count
 
 
+SMALL_BODY_BUDGET = 32 << 20
+
+
+@pytest.fixture
+def small_body_budget(broker, monkeypatch):
+    """The broker restarted with a node budget for quorum bodies of 32 MiB (test-only
+    `WARREN_TEST_BODY_BUDGET_BYTES`; a quarter of the memory limit otherwise, gigabytes here), so
+    that backlogs of tens of MB are read back from the store."""
+    monkeypatch.setenv("WARREN_TEST_BODY_BUDGET_BYTES", str(SMALL_BODY_BUDGET))
+    broker.restart()
+    return broker
+
+
+def io_bytes(pid):
+    """The process's bytes read from and written to storage (`/proc/PID/io`)."""
+    fields = dict(line.split(": ") for line in open(f"/proc/{pid}/io").read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
 @pytest.mark.parametrize("flags,prop", [
     ({"durable": False}, "non-durable"),
     ({"durable": True, "exclusive": True}, "exclusive-owner"),
@@ -407,8 +426,8 @@ def test_busy_queues_give_their_logs_back_once_together_past_the_nodes_budget(br
         assert [b for b, _ in get_all(ch, n)] == [b"%d:" % i + pad for i in range(sent)]
 
 
-def test_a_consumer_drains_a_backlog_past_the_memory_budget_in_order_with_requeues(broker, name):
-    """Past the 32 MiB budget a consumer's bodies are read ahead from the store off the apply path:
+def test_a_consumer_drains_a_backlog_past_the_memory_budget_in_order_with_requeues(broker, small_body_budget, name):
+    """Past the node's budget (32 MiB here) a consumer's bodies are read ahead from the store off the apply path:
     every message arrives once with its own body, in order, and one sent back (basic.nack
     requeue) comes again with its body, while the read-ahead runs past it."""
     conn = broker.connection()
@@ -441,7 +460,7 @@ def test_a_consumer_drains_a_backlog_past_the_memory_budget_in_order_with_requeu
     assert ready(ch, name) == 0
 
 
-def test_a_consumer_with_credit_past_the_read_ahead_gets_every_body_once_in_order(broker, name):
+def test_a_consumer_with_credit_past_the_read_ahead_gets_every_body_once_in_order(broker, small_body_budget, name):
     """Prefetch 3,000 (the machine assigns 9,000 ahead) over 8 KB bodies: a delivery wants bodies
     past what the read-ahead (8,192 bodies) has read, some of them in reads under way, which it
     takes from those reads rather than reading them again. Every message arrives once, in order,
@@ -470,8 +489,8 @@ def test_a_consumer_with_credit_past_the_read_ahead_gets_every_body_once_in_orde
     eventually(lambda: ready(ch, name) == 0)
 
 
-def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, name):
-    """A replica holds at most 32 MiB of bodies; the rest stays in the store and is read back, in
+def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(broker, small_body_budget, name):
+    """A node's replicas hold bodies within its budget (32 MiB here); the rest stays in the store and is read back, in
     order, as it is delivered (also after a restart)."""
     conn = broker.connection()
     ch = conn.channel()
@@ -499,3 +518,67 @@ def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(bro
     while len(got) < 2000 and time.time() < deadline:
         conn.process_data_events(time_limit=0.1)
     assert got == bodies[1000:], "every message once, in order, bodies intact"
+
+
+def test_queues_share_the_nodes_budget_for_bodies(broker, small_body_budget, name):
+    """The budget is the node's, not each queue's: four queues of 12 MB each (each well under the
+    32 MiB budget) fill it together, and the node says so; what did not fit (~14 MB) is read back
+    from the disk as it is delivered. Every body comes back, in order, whether it was held or read
+    back from the store."""
+    conn = broker.connection()
+    ch = conn.channel()
+    names = [f"{name}-{i}" for i in range(4)]
+    pad = b"q" * 12000
+    bodies = [str(i).encode() + b":" + pad for i in range(1000)]  # 12 MB a queue
+    for n in names:
+        declare(ch, n)
+        publish_confirmed(ch, n, bodies)
+    assert "fill this node's budget" in broker.log_text()
+    read_before, _ = io_bytes(broker.proc.pid)
+    for n in names:
+        cons = conn.channel()
+        cons.basic_qos(prefetch_count=300)
+        got = []
+
+        def on_message(c, method, props, body):
+            got.append(body)
+            c.basic_ack(method.delivery_tag)
+
+        cons.basic_consume(n, on_message)
+        deadline = time.time() + 30
+        while len(got) < len(bodies) and time.time() < deadline:
+            conn.process_data_events(time_limit=0.1)
+        assert got == bodies, f"{n}: every message once, in order, bodies intact"
+        cons.close()
+    read, _ = io_bytes(broker.proc.pid)
+    assert read - read_before > 4 << 20, f"the drains read {(read - read_before) >> 20} MiB from the disk"
+
+
+def test_a_backlog_within_the_nodes_budget_is_delivered_from_memory(broker, name):
+    """A 64 MB backlog is past what one queue could hold before (32 MiB), but within the node's
+    budget (a quarter of the memory limit): it is delivered from memory, so the drain reads next
+    to nothing from the disk (the bodies read back bypass the page cache, so a read-back would
+    show in `/proc/PID/io`), and the node never says the budget is full."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare(ch, name)
+    pad = b"m" * 16000
+    bodies = [str(i).encode() + b":" + pad for i in range(4000)]  # ~64 MB
+    publish_confirmed(ch, name, bodies)
+    read_before, _ = io_bytes(broker.proc.pid)
+    cons = conn.channel()
+    cons.basic_qos(prefetch_count=500)
+    got = []
+
+    def on_message(c, method, props, body):
+        got.append(body)
+        c.basic_ack(method.delivery_tag)
+
+    cons.basic_consume(name, on_message)
+    deadline = time.time() + 60
+    while len(got) < len(bodies) and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    read, _ = io_bytes(broker.proc.pid)
+    assert got == bodies, "every message once, in order, bodies intact"
+    assert read - read_before < 4 << 20, f"the drain read {(read - read_before) >> 20} MiB from the disk"
+    assert "fill this node's budget" not in broker.log_text()

@@ -29,6 +29,9 @@ pub struct BrokerOptions {
     pub loopback_users: Vec<String>,
     /// `store.recovery_mode` also decides what opening the metadata log does about damage.
     pub store: StoreOptions,
+    /// The memory this node's quorum replicas may hold bodies in, together (`queue::body_memory`;
+    /// `DEFAULT_NODE_BODY_BYTES` where nothing else says).
+    pub quorum_body_bytes: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +112,7 @@ impl Broker {
             next_queue_id: next_queue_id.clone(),
             quorum: Arc::default(),
         });
+        broker.quorum.bodies().set_limit(opts.quorum_body_bytes);
         broker.add_user(&opts.default_user, &opts.default_pass, opts.loopback_users.contains(&opts.default_user));
         for name in opts.loopback_users.iter().filter(|u| **u != opts.default_user) {
             if let Some(u) = broker.users.write().get_mut(name) {
@@ -200,6 +204,11 @@ impl Broker {
                 VHost::new(name.to_string(), self.store.clone(), self.metadata.clone(), self.next_queue_id.clone(), self.quorum.clone())
             })
             .clone()
+    }
+
+    /// The node's budget for the bodies its quorum replicas hold (`queue::body_memory`).
+    pub fn quorum_bodies(&self) -> Arc<crate::queue::body_memory::NodeBodies> {
+        self.quorum.bodies().clone()
     }
 
     /// Sets the node's quorum host (the server's Raft runtime) and starts the group of every quorum

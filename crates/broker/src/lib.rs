@@ -27,6 +27,7 @@ pub mod routing;
 pub mod vhost;
 
 pub use broker::{Broker, BrokerOptions, User};
+pub use queue::body_memory::DEFAULT_NODE_BODY_BYTES;
 pub use channel::{AckWhenWritten, Channel, ClientSink, Consumer, Delivery, Settle};
 pub use consumers::ConsumerArgs;
 pub use error::{BrokerError, Scope};

@@ -41,6 +41,7 @@ fn setup(arguments: FieldTable) -> Setup {
         default_pass: "guest".into(),
         loopback_users: Vec::new(),
         store: StoreOptions::default(),
+        quorum_body_bytes: warren_broker::DEFAULT_NODE_BODY_BYTES,
     };
     let broker = Broker::open(dir.path(), opts).unwrap().0;
     let vhost = broker.vhost("/").unwrap();

@@ -25,6 +25,7 @@ fn open(dir: &Path) -> Arc<Broker> {
         default_pass: "guest".into(),
         loopback_users: vec![],
         store: Default::default(),
+        quorum_body_bytes: warren_broker::DEFAULT_NODE_BODY_BYTES,
     };
     Broker::open(dir, opts).expect("open").0
 }

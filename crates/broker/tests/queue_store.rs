@@ -24,6 +24,7 @@ fn open(dir: &Path) -> Arc<Broker> {
         default_pass: "guest".into(),
         loopback_users: Vec::new(),
         store: StoreOptions::default(),
+        quorum_body_bytes: warren_broker::DEFAULT_NODE_BODY_BYTES,
     };
     Broker::open(dir, opts).expect("open the broker").0
 }
@@ -320,6 +321,7 @@ fn open_behind(dir: &Path, apply_every_ms: u64) -> Arc<Broker> {
         default_pass: "guest".into(),
         loopback_users: Vec::new(),
         store: StoreOptions { sync: warren_store::SyncPolicy::IntervalMs(apply_every_ms), ..StoreOptions::default() },
+        quorum_body_bytes: warren_broker::DEFAULT_NODE_BODY_BYTES,
     };
     Broker::open(dir, opts).expect("open the broker").0
 }

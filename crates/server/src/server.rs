@@ -9,6 +9,7 @@ use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::watch;
 use crate::alarms::{self, AlarmState, Limits};
+use warren_broker::queue::body_memory::NodeBodies;
 use warren_broker::{Broker, BrokerOptions};
 use warren_store::{StoreOptions, SyncPolicy};
 
@@ -81,6 +82,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     // The real disk, unless a test asked for the power-loss simulator (`powercut`).
     let (disk, data_dir) = crate::powercut::disk(&config.data_dir)?;
     config.data_dir = data_dir;
+    let limits = Limits::from_config(&config);
     let (broker, report) = Broker::open_on(
         &config.data_dir,
         BrokerOptions {
@@ -89,6 +91,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
             default_pass: config.default_pass.clone(),
             loopback_users: config.loopback_users.clone(),
             store,
+            quorum_body_bytes: quorum_body_bytes(&limits),
         },
         disk,
     )?;
@@ -140,10 +143,10 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())
     })?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
+    let limits = Arc::new(parking_lot::Mutex::new(limits));
     let (alarm_tx, alarm_rx) = watch::channel(AlarmState::default());
     let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), broker.store().clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
-    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits, shutdown_rx.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits, broker.quorum_bodies(), shutdown_rx.clone()));
     let ctx = Arc::new(ServerContext {
         broker: broker.clone(),
         config: config.clone(),
@@ -237,7 +240,13 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
 }
 
 /// On SIGHUP, re-reads the configuration and applies what can change while running: the alarm limits.
-async fn reload_on_sighup(mut hup: Signal, reload: Reload, limits: Arc<parking_lot::Mutex<Limits>>, mut shutdown: watch::Receiver<bool>) {
+async fn reload_on_sighup(
+    mut hup: Signal,
+    reload: Reload,
+    limits: Arc<parking_lot::Mutex<Limits>>,
+    quorum_bodies: Arc<NodeBodies>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             _ = hup.recv() => {}
@@ -246,13 +255,23 @@ async fn reload_on_sighup(mut hup: Signal, reload: Reload, limits: Arc<parking_l
         match reload() {
             Ok(config) => {
                 let new = Limits::from_config(&config);
+                quorum_bodies.set_limit(quorum_body_bytes(&new));
                 tracing::info!(memory_limit = new.memory_bytes, disk_free_limit = new.disk_free_bytes,
+                    quorum_body_limit = quorum_bodies.limit(),
                     "configuration reloaded (SIGHUP): alarm limits applied; other changes need a restart");
                 *limits.lock() = new;
             }
             Err(e) => tracing::error!("configuration reload (SIGHUP) failed, keeping the current one: {e}"),
         }
     }
+}
+
+/// The memory this node's quorum replicas may hold message bodies in, together: a quarter of the
+/// memory alarm's limit, so that held bodies alone never raise it (`warren_broker::queue::body_memory`).
+/// Past it, bodies are only in the store and are read back to be delivered. Test-only:
+/// `WARREN_TEST_BODY_BUDGET_BYTES` (tests of reading back want a small budget).
+fn quorum_body_bytes(limits: &Limits) -> u64 {
+    std::env::var("WARREN_TEST_BODY_BUDGET_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(limits.memory_bytes / 4)
 }
 
 /// SIGTERM and SIGINT, which stop the server cleanly.

@@ -11,6 +11,7 @@
 //! the store (the "span": seqs `[span_from, next_seq)`), and the queue reads them back in order
 //! as the window drains. Ready messages = window, then span; every window seq is below `span_from`.
 
+pub mod body_memory;
 pub mod remote;
 pub mod replica;
 

@@ -16,7 +16,7 @@
 //!   once the machine says the message left (ack, dead-letter, drop). A body is written once per
 //!   node: as part of the Raft entry, which is in the node's store already. It is written again, as
 //!   the queue's own store record (seq = msg id), only if it is still live when it would otherwise
-//!   be lost or held beyond the memory budget: when the replica's bodies pass `BODY_BUDGET_BYTES`,
+//!   be lost or held beyond the memory budget: when the node's budget for bodies has no room (`body_memory`),
 //!   when the group takes a snapshot (after which the log before it may be purged), when a snapshot
 //!   from a peer is installed and when a peer asks for bodies. Those records are acked in the store
 //!   when the message leaves. Replayed entries (a restart) find the records written before
@@ -34,10 +34,11 @@
 //!   `ConsumerDown(this node)`, which returns what its consumers held before.
 //! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
 //!
-//! Memory is bounded whatever the backlog: a replica holds at most `BODY_BUDGET_BYTES` of bodies; the
-//! others are only in the store (as the queue's records) and are read back in batches as they are
+//! Memory is bounded whatever the backlog: the node's replicas together hold bodies within one budget
+//! (`body_memory::NodeBodies`, from the memory limit); the others are only in the store (as the queue's records) and are read back in batches as they are
 //! delivered.
 
+use super::body_memory::{BodyMemory, NodeBodies};
 use super::{GetWait, Got, Queue};
 use crate::channel::{Channel, Consumer, Settle};
 use crate::deadletter::{DeadLetter, DeathReason};
@@ -116,6 +117,8 @@ pub trait QuorumHost: Send + Sync {
 pub struct QuorumRuntime {
     host: RwLock<Option<Arc<dyn QuorumHost>>>,
     node: AtomicU64,
+    /// The memory all replicas of the node hold bodies in (see `body_memory`).
+    bodies: Arc<NodeBodies>,
 }
 
 impl QuorumRuntime {
@@ -131,6 +134,11 @@ impl QuorumRuntime {
     /// This node's id (0 until the server sets the host).
     pub(crate) fn node(&self) -> u64 {
         self.node.load(Ordering::Acquire)
+    }
+
+    /// The node's budget for the bodies its replicas hold, and what they hold.
+    pub fn bodies(&self) -> &Arc<NodeBodies> {
+        &self.bodies
     }
 }
 
@@ -161,9 +169,11 @@ const ASSIGN_AHEAD_FROM: u32 = 100;
 const ASSIGN_AHEAD_FACTOR: u32 = 3;
 /// The leader proposes a `Tick` (TTL, x-expires) at most this often.
 const TICK_EVERY_MS: u64 = 1000;
-/// Memory (`Message::memory_bytes`) of the bodies a replica holds; past it, new bodies stay only in the
-/// store and are read back, in batches, as they are delivered (as a classic queue's span).
-const BODY_BUDGET_BYTES: u64 = 32 << 20;
+/// What one append of `QuorumReplica::write_back` carries at most (about). A WAL segment takes
+/// appends until it passes its size, and a queue's records in one segment become one extent of it,
+/// which stays while any of them is live: a snapshot's write-back of 64 MB in one append made a
+/// 130 MB WAL segment, kept whole for the one old unacked message in it.
+const WRITE_BACK_BYTES: usize = 4 << 20;
 /// What one read-back asks the store for.
 const READ_BACK_MESSAGES: usize = 512;
 const READ_BACK_BYTES: usize = 4 << 20;
@@ -200,8 +210,8 @@ const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A live message on this replica: where its bytes are, and its body while it fits in memory.
 struct Body {
-    /// The message, decoded. None: either only in the store (the replica's bodies passed
-    /// `BODY_BUDGET_BYTES`), read back to deliver; or held as its entry's bytes (`Record::Unwritten`),
+    /// The message, decoded. None: either only in the store (the node's budget for bodies had no
+    /// room), read back to deliver; or held as its entry's bytes (`Record::Unwritten`),
     /// decoded only if it is delivered from this node. Every replica keeps every body, but a message
     /// is delivered by one: decoding each on all three cost two allocations, and cache misses when
     /// dropped, for nothing.
@@ -270,13 +280,13 @@ struct Getter {
 }
 
 impl ReplicaState {
-    fn new(config: QueueConfig) -> ReplicaState {
+    fn new(config: QueueConfig, node_bodies: Arc<NodeBodies>) -> ReplicaState {
         ReplicaState {
             machine: QuorumMachine::new(config),
             sessions: HashMap::new(),
             sessions_pruned_at: 16,
             bodies: BTreeMap::new(),
-            body_mem: 0,
+            body_mem: BodyMemory::new(node_bodies),
             stored_until: 0,
             last_ticket: 0,
             fetch: None,
@@ -296,8 +306,10 @@ struct ReplicaState {
     /// keeps a large backlog's inserts and removals on a few hot nodes (a hash table's were cache
     /// misses: 6% of a node's time publishing a backlog).
     bodies: BTreeMap<MsgId, Body>,
-    /// Memory of the bodies held in `bodies`.
-    body_mem: u64,
+    /// Memory (`Message::memory_bytes`) of the bodies held in `bodies`, within the node's budget:
+    /// past it, new bodies stay only in the store and are read back, in batches, as they are
+    /// delivered (as a classic queue's span).
+    body_mem: BodyMemory,
     /// Records from this msg id on are not in the store (replayed entries below it are): the bodies
     /// held from here on are exactly the `Unwritten` ones.
     stored_until: u64,
@@ -485,6 +497,7 @@ fn death_reason(reason: Reason) -> Option<DeathReason> {
 
 impl QuorumReplica {
     pub fn new(name: &str, group: u64, store: Store, args: &QueueArgs, runtime: Arc<QuorumRuntime>, recorded: Recorded) -> QuorumReplica {
+        let node_bodies = runtime.bodies.clone();
         QuorumReplica {
             group,
             store,
@@ -495,7 +508,7 @@ impl QuorumReplica {
             next_local: AtomicU64::new(1),
             own_session: rand::random::<u64>() | 1,
             own_seq: AtomicU64::new(1),
-            state: Mutex::new(ReplicaState::new(queue_config(name, args))),
+            state: Mutex::new(ReplicaState::new(queue_config(name, args), node_bodies)),
             saw_expiration: AtomicBool::new(false),
             proposals: Mutex::new(Proposals::new()),
             replicator: RwLock::new(None),
@@ -689,7 +702,7 @@ impl QuorumReplica {
         // About what the decoded message would count (`Message::memory_bytes`).
         let memory = stored_bytes + 128;
         let timestamp_ms = st.machine.now_ms();
-        if st.body_mem + memory > BODY_BUDGET_BYTES {
+        if !st.body_mem.fits(memory) {
             // Past the budget: into the store, after every body not written yet (records rise by
             // msg id), and read back when delivered.
             let written = self.write_back(st).and_then(|_| self.store.append_enqueue(self.group, msg_id, timestamp_ms, &[&payload]));
@@ -704,38 +717,43 @@ impl QuorumReplica {
                 Err(e) => tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's messages to the store; holding them in memory"),
             }
         }
-        st.body_mem += memory;
+        st.body_mem.add(memory);
         let record = Record::Unwritten { payload, timestamp_ms };
         st.bodies.insert(msg_id, Body { message: None, mem: memory, stored_bytes, record });
     }
 
     /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
-    /// `stored_until` on) as the queue's records, in msg id order, in one append. Called before
-    /// anything that would leave them only in memory: the log before a snapshot may be purged,
-    /// and a body past the memory budget is not held. Returns the ticket of the last record
-    /// written.
+    /// `stored_until` on) as the queue's records, in msg id order, in appends of about
+    /// `WRITE_BACK_BYTES`. Called before anything that would leave them only in memory: the log
+    /// before a snapshot may be purged, and a body past the memory budget is not held. Returns the
+    /// ticket of the last record written. After a failed append, the bodies before it are written.
     fn write_back(&self, st: &mut ReplicaState) -> std::result::Result<SyncTicket, warren_store::StoreError> {
-        let unwritten = || st.bodies.range(st.stored_until..).filter_map(|(id, b)| match &b.record {
-            Record::Unwritten { payload, timestamp_ms } => Some((*id, payload, *timestamp_ms)),
-            Record::Stored(_) => None,
-        });
-        let Some(last) = unwritten().last().map(|(id, _, _)| id) else { return Ok(st.last_ticket) };
-        let mut batch = Batch::new();
-        for (id, payload, timestamp_ms) in unwritten() {
-            batch.enqueue(self.group, id, timestamp_ms, &[payload]);
-        }
-        let ticket = self.store.append(&mut batch)?;
-        let ReplicaState { bodies, stored_until, .. } = st;
-        for (_, body) in bodies.range_mut(*stored_until..) {
-            // Held still: decoded now that its entry's bytes go.
-            if let (None, Record::Unwritten { payload, .. }) = (&body.message, &body.record) {
-                body.message = decode_stored(payload).map(|stored| Arc::new(stored.message));
+        loop {
+            let mut batch = Batch::new();
+            let mut bytes = 0;
+            let mut last = None;
+            for (id, body) in st.bodies.range(st.stored_until..) {
+                let Record::Unwritten { payload, timestamp_ms } = &body.record else { continue };
+                if bytes >= WRITE_BACK_BYTES {
+                    break;
+                }
+                batch.enqueue(self.group, *id, *timestamp_ms, &[payload]);
+                bytes += payload.len();
+                last = Some(*id);
             }
-            body.record = Record::Stored(ticket);
+            let Some(last) = last else { return Ok(st.last_ticket) };
+            let ticket = self.store.append(&mut batch)?;
+            let ReplicaState { bodies, stored_until, .. } = st;
+            for (_, body) in bodies.range_mut(*stored_until..=last) {
+                // Held still: decoded now that its entry's bytes go.
+                if let (None, Record::Unwritten { payload, .. }) = (&body.message, &body.record) {
+                    body.message = decode_stored(payload).map(|stored| Arc::new(stored.message));
+                }
+                body.record = Record::Stored(ticket);
+            }
+            st.stored_until = last + 1;
+            st.last_ticket = st.last_ticket.max(ticket);
         }
-        st.stored_until = last + 1;
-        st.last_ticket = st.last_ticket.max(ticket);
-        Ok(ticket)
     }
 
     /// A live message's body: held, or read back from the store with the bodies after it. Those up
@@ -765,7 +783,7 @@ impl QuorumReplica {
             }
         }
         let store = &self.store;
-        let over_budget = st.body_mem >= BODY_BUDGET_BYTES;
+        let over_budget = !st.body_mem.fits_read_back(1);
         // A read (and, rarely, a wait for the store's writer to make the record readable) on the
         // apply or dispatch path: as blocking work, off the runtime's other tasks.
         let read = crate::blocking::run(|| {
@@ -904,7 +922,7 @@ impl QuorumReplica {
         let reserved = (st.read_ahead.in_flight as u64 + 1) * READ_AHEAD_BYTES as u64;
         let window_end = st.bodies.range(delivered + 1..).nth(READ_AHEAD_WINDOW - 1).map_or(MsgId::MAX, |(id, _)| *id + 1);
         let from = (delivered + 1).max(st.read_ahead.claimed_until);
-        let found = if st.body_mem + reserved > BODY_BUDGET_BYTES || from >= window_end {
+        let found = if !st.body_mem.fits_read_back(reserved) || from >= window_end {
             None
         } else {
             st.bodies.range(from..window_end).find(|(_, b)| !b.held())
@@ -1707,7 +1725,7 @@ impl QuorumReplica {
     pub(super) fn leave_group(&self, queue: &Arc<Queue>) {
         let consumers: Vec<Arc<Consumer>> = {
             let mut st = self.state.lock();
-            let mut old = std::mem::replace(&mut *st, ReplicaState::new(queue_config(&queue.name, &queue.args)));
+            let mut old = std::mem::replace(&mut *st, ReplicaState::new(queue_config(&queue.name, &queue.args), self.runtime.bodies.clone()));
             // Reads ahead under way end by themselves; no more may start beside them.
             st.read_ahead.in_flight = old.read_ahead.in_flight;
             // A basic.get waiting for its entry answers empty (the next one goes through a member).
@@ -1739,7 +1757,7 @@ impl QuorumReplica {
             let mut st = self.state.lock();
             st.deleted = true;
             st.bodies.clear();
-            st.body_mem = 0;
+            st.body_mem.clear();
             st.checked_out.clear();
             st.getters.clear();
             let consumers: Vec<Arc<Consumer>> = st.consumers.drain().map(|(_, c)| c.consumer).collect();
@@ -1806,7 +1824,7 @@ fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     if let Record::Stored(_) = body.record {
         acks.ack(group, msg_id, body.stored_bytes);
     }
-    st.body_mem = st.body_mem.saturating_sub(body.mem);
+    st.body_mem.sub(body.mem);
 }
 
 /// A message returned before, as delivered: with the `x-delivery-count` header (failed deliveries so
@@ -1830,13 +1848,13 @@ fn with_delivery_count(message: &MessageRef, count: u32) -> MessageRef {
     })
 }
 
-/// A new live message's body, held in memory while the replica's bodies fit in `BODY_BUDGET_BYTES`.
+/// A new live message's body, held in memory while the node's budget has room for it.
 fn hold(st: &mut ReplicaState, message: crate::message::Message) -> Option<MessageRef> {
     let bytes = message.memory_bytes() as u64;
-    if st.body_mem + bytes > BODY_BUDGET_BYTES {
+    if !st.body_mem.fits(bytes) {
         return None;
     }
-    st.body_mem += bytes;
+    st.body_mem.add(bytes);
     Some(Arc::new(message))
 }
 
@@ -1861,12 +1879,13 @@ fn take_read_done(reads: &mut Vec<ReadDone>, seqs: &std::ops::Range<MsgId>) -> O
 /// the memory budget (`wanted`: held whatever the budget).
 fn take_bodies(st: &mut ReplicaState, bodies: Vec<(MsgId, MessageRef)>, wanted: &std::ops::RangeInclusive<MsgId>) {
     for (seq, message) in bodies {
-        let wanted = wanted.contains(&seq) || st.body_mem < BODY_BUDGET_BYTES;
+        let mem = message.memory_bytes() as u64;
+        let wanted = wanted.contains(&seq) || st.body_mem.fits_read_back(mem);
         let ReplicaState { bodies, body_mem, .. } = st;
         match bodies.get_mut(&seq) {
             Some(b) if wanted && !b.held() => {
-                b.mem = message.memory_bytes() as u64;
-                *body_mem += b.mem;
+                b.mem = mem;
+                body_mem.add(mem);
                 b.message = Some(message);
             }
             _ => {}
