@@ -288,6 +288,7 @@ impl ReplicaState {
             bodies: BTreeMap::new(),
             body_mem: BodyMemory::new(node_bodies),
             stored_until: 0,
+            store_only: 0,
             last_ticket: 0,
             fetch: None,
             consumers: HashMap::new(),
@@ -313,6 +314,10 @@ struct ReplicaState {
     /// Records from this msg id on are not in the store (replayed entries below it are): the bodies
     /// held from here on are exactly the `Unwritten` ones.
     stored_until: u64,
+    /// How many bodies are only in the store (not held): reads ahead look for them only while there
+    /// are some. Walking the read-ahead window for none cost 9% of a node draining a backlog held
+    /// in memory.
+    store_only: usize,
     /// The store append of the last record written (a peer's body fetch waits until it is readable).
     last_ticket: SyncTicket,
     /// A snapshot from a peer was installed and the bodies of its live messages are being fetched.
@@ -710,7 +715,7 @@ impl QuorumReplica {
                 Ok(ticket) => {
                     st.stored_until = msg_id + 1;
                     st.last_ticket = st.last_ticket.max(ticket);
-                    st.bodies.insert(msg_id, Body::new(None, stored_bytes, Record::Stored(ticket)));
+                    insert_body(st, msg_id, Body::new(None, stored_bytes, Record::Stored(ticket)));
                     return;
                 }
                 // Held then, over the budget, rather than left to a log a snapshot may purge.
@@ -719,7 +724,7 @@ impl QuorumReplica {
         }
         st.body_mem.add(memory);
         let record = Record::Unwritten { payload, timestamp_ms };
-        st.bodies.insert(msg_id, Body { message: None, mem: memory, stored_bytes, record });
+        insert_body(st, msg_id, Body { message: None, mem: memory, stored_bytes, record });
     }
 
     /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
@@ -743,11 +748,14 @@ impl QuorumReplica {
             }
             let Some(last) = last else { return Ok(st.last_ticket) };
             let ticket = self.store.append(&mut batch)?;
-            let ReplicaState { bodies, stored_until, .. } = st;
+            let ReplicaState { bodies, stored_until, store_only, .. } = st;
             for (_, body) in bodies.range_mut(*stored_until..=last) {
                 // Held still: decoded now that its entry's bytes go.
                 if let (None, Record::Unwritten { payload, .. }) = (&body.message, &body.record) {
                     body.message = decode_stored(payload).map(|stored| Arc::new(stored.message));
+                    if body.message.is_none() {
+                        *store_only += 1;
+                    }
                 }
                 body.record = Record::Stored(ticket);
             }
@@ -855,10 +863,10 @@ impl QuorumReplica {
     }
 
     /// Starts reads ahead while fewer than `READS_IN_FLIGHT` are under way and there is one to make
-    /// (`next_read`).
+    /// (`next_read`) among the bodies only in the store (`store_only`).
     fn start_reads(&self, queue: &Arc<Queue>, st: &mut ReplicaState) {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
-        while st.read_ahead.in_flight < READS_IN_FLIGHT && !st.deleted {
+        while st.store_only > 0 && st.read_ahead.in_flight < READS_IN_FLIGHT && !st.deleted {
             let Some(range) = self.next_read(st) else { return };
             st.read_ahead.in_flight += 1;
             st.read_ahead.claimed_until = range.seqs.end;
@@ -1207,7 +1215,7 @@ impl QuorumReplica {
                 }
                 let stored_bytes = r.payload.len() as u64;
                 let message = hold(&mut st, stored.message);
-                st.bodies.insert(r.msg_id, Body::new(message, stored_bytes, Record::Stored(ticket)));
+                insert_body(&mut st, r.msg_id, Body::new(message, stored_bytes, Record::Stored(ticket)));
                 if let Some(f) = st.fetch.as_mut() {
                     f.messages += 1;
                     f.bytes += stored_bytes;
@@ -1321,7 +1329,7 @@ impl QuorumReplica {
                 match decode_stored(&m.payload) {
                     Some(stored) => {
                         let message = hold(&mut st, stored.message);
-                        st.bodies.insert(m.seq, Body::new(message, stored_bytes, Record::Stored(0)));
+                        insert_body(&mut st, m.seq, Body::new(message, stored_bytes, Record::Stored(0)));
                     }
                     None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
                 }
@@ -1757,6 +1765,7 @@ impl QuorumReplica {
             let mut st = self.state.lock();
             st.deleted = true;
             st.bodies.clear();
+            st.store_only = 0;
             st.body_mem.clear();
             st.checked_out.clear();
             st.getters.clear();
@@ -1817,10 +1826,26 @@ fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, afte
     }
 }
 
+/// Adds a live message's body (counted in `store_only` if not held).
+fn insert_body(st: &mut ReplicaState, msg_id: MsgId, body: Body) {
+    if !body.held() {
+        st.store_only += 1;
+    }
+    if let Some(old) = st.bodies.insert(msg_id, body) {
+        if !old.held() {
+            st.store_only = st.store_only.saturating_sub(1);
+        }
+        st.body_mem.sub(old.mem);
+    }
+}
+
 /// A message left the queue: its body and store record go.
 fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     st.checked_out.remove(&msg_id);
     let Some(body) = st.bodies.remove(&msg_id) else { return };
+    if !body.held() {
+        st.store_only = st.store_only.saturating_sub(1);
+    }
     if let Record::Stored(_) = body.record {
         acks.ack(group, msg_id, body.stored_bytes);
     }
@@ -1881,11 +1906,12 @@ fn take_bodies(st: &mut ReplicaState, bodies: Vec<(MsgId, MessageRef)>, wanted: 
     for (seq, message) in bodies {
         let mem = message.memory_bytes() as u64;
         let wanted = wanted.contains(&seq) || st.body_mem.fits_read_back(mem);
-        let ReplicaState { bodies, body_mem, .. } = st;
+        let ReplicaState { bodies, body_mem, store_only, .. } = st;
         match bodies.get_mut(&seq) {
             Some(b) if wanted && !b.held() => {
                 b.mem = mem;
                 body_mem.add(mem);
+                *store_only = store_only.saturating_sub(1);
                 b.message = Some(message);
             }
             _ => {}
