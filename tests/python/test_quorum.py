@@ -58,6 +58,24 @@ def small_body_budget(broker, monkeypatch):
     return broker
 
 
+def consume_acking(conn, queue, count, prefetch, timeout):
+    """Consumes `count` bodies (or what came within `timeout` s) on a channel of its own, acking each."""
+    cons = conn.channel()
+    cons.basic_qos(prefetch_count=prefetch)
+    got = []
+
+    def on_message(c, method, props, body):
+        got.append(body)
+        c.basic_ack(method.delivery_tag)
+
+    cons.basic_consume(queue, on_message)
+    deadline = time.time() + timeout
+    while len(got) < count and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    cons.close()
+    return got
+
+
 def io_bytes(pid):
     """The process's bytes read from and written to storage (`/proc/PID/io`)."""
     fields = dict(line.split(": ") for line in open(f"/proc/{pid}/io").read().splitlines())
@@ -505,18 +523,7 @@ def test_a_backlog_larger_than_the_memory_budget_is_read_back_from_the_store(bro
     conn = broker.connection()
     ch = conn.channel()
     eventually(lambda: ready(ch, name) == 2000)
-    got = []
-    cons = conn.channel()
-    cons.basic_qos(prefetch_count=200)
-
-    def on_message(c, method, props, body):
-        got.append(body)
-        c.basic_ack(method.delivery_tag)
-
-    cons.basic_consume(name, on_message)
-    deadline = time.time() + 30
-    while len(got) < 2000 and time.time() < deadline:
-        conn.process_data_events(time_limit=0.1)
+    got = consume_acking(conn, name, 2000, prefetch=200, timeout=30)
     assert got == bodies[1000:], "every message once, in order, bodies intact"
 
 
@@ -536,20 +543,8 @@ def test_queues_share_the_nodes_budget_for_bodies(broker, small_body_budget, nam
     assert "fill this node's budget" in broker.log_text()
     read_before, _ = io_bytes(broker.proc.pid)
     for n in names:
-        cons = conn.channel()
-        cons.basic_qos(prefetch_count=300)
-        got = []
-
-        def on_message(c, method, props, body):
-            got.append(body)
-            c.basic_ack(method.delivery_tag)
-
-        cons.basic_consume(n, on_message)
-        deadline = time.time() + 30
-        while len(got) < len(bodies) and time.time() < deadline:
-            conn.process_data_events(time_limit=0.1)
+        got = consume_acking(conn, n, len(bodies), prefetch=300, timeout=30)
         assert got == bodies, f"{n}: every message once, in order, bodies intact"
-        cons.close()
     read, _ = io_bytes(broker.proc.pid)
     assert read - read_before > 4 << 20, f"the drains read {(read - read_before) >> 20} MiB from the disk"
 
@@ -566,18 +561,7 @@ def test_a_backlog_within_the_nodes_budget_is_delivered_from_memory(broker, name
     bodies = [str(i).encode() + b":" + pad for i in range(4000)]  # ~64 MB
     publish_confirmed(ch, name, bodies)
     read_before, _ = io_bytes(broker.proc.pid)
-    cons = conn.channel()
-    cons.basic_qos(prefetch_count=500)
-    got = []
-
-    def on_message(c, method, props, body):
-        got.append(body)
-        c.basic_ack(method.delivery_tag)
-
-    cons.basic_consume(name, on_message)
-    deadline = time.time() + 60
-    while len(got) < len(bodies) and time.time() < deadline:
-        conn.process_data_events(time_limit=0.1)
+    got = consume_acking(conn, name, len(bodies), prefetch=500, timeout=60)
     read, _ = io_bytes(broker.proc.pid)
     assert got == bodies, "every message once, in order, bodies intact"
     assert read - read_before < 4 << 20, f"the drain read {(read - read_before) >> 20} MiB from the disk"
