@@ -174,6 +174,12 @@ const TICK_EVERY_MS: u64 = 1000;
 /// which stays while any of them is live: a snapshot's write-back of 64 MB in one append made a
 /// 130 MB WAL segment, kept whole for the one old unacked message in it.
 const WRITE_BACK_BYTES: usize = 4 << 20;
+/// Bodies only in their Raft entries past this are written back, the oldest `WRITE_BACK_BYTES` at a
+/// time, as new ones come, rather than all at the group's next snapshot (every 64 MiB appended):
+/// held in memory within the node's budget, a backlog was written back 64 MB at once, and every
+/// confirm on the node waited behind it. Bodies consumed within this much of the newest are still
+/// written once, in their entries.
+const WRITE_BEHIND_BYTES: u64 = 16 << 20;
 /// What one read-back asks the store for.
 const READ_BACK_MESSAGES: usize = 512;
 const READ_BACK_BYTES: usize = 4 << 20;
@@ -289,6 +295,7 @@ impl ReplicaState {
             body_mem: BodyMemory::new(node_bodies),
             stored_until: 0,
             store_only: 0,
+            unwritten_bytes: 0,
             last_ticket: 0,
             fetch: None,
             consumers: HashMap::new(),
@@ -318,6 +325,8 @@ struct ReplicaState {
     /// are some. Walking the read-ahead window for none cost 9% of a node draining a backlog held
     /// in memory.
     store_only: usize,
+    /// Bytes of the bodies only in their Raft entries (`Record::Unwritten`).
+    unwritten_bytes: u64,
     /// The store append of the last record written (a peer's body fetch waits until it is readable).
     last_ticket: SyncTicket,
     /// A snapshot from a peer was installed and the bodies of its live messages are being fetched.
@@ -725,6 +734,11 @@ impl QuorumReplica {
         st.body_mem.add(memory);
         let record = Record::Unwritten { payload, timestamp_ms };
         insert_body(st, msg_id, Body { message: None, mem: memory, stored_bytes, record });
+        if st.unwritten_bytes > WRITE_BEHIND_BYTES {
+            if let Err(e) = self.write_back_some(st) {
+                tracing::error!(queue = %queue.name, error = %e, "could not write a quorum queue's messages to the store; the group's next snapshot tries again");
+            }
+        }
     }
 
     /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
@@ -733,35 +747,44 @@ impl QuorumReplica {
     /// before a snapshot may be purged, and a body past the memory budget is not held. Returns the
     /// ticket of the last record written. After a failed append, the bodies before it are written.
     fn write_back(&self, st: &mut ReplicaState) -> std::result::Result<SyncTicket, warren_store::StoreError> {
-        loop {
-            let mut batch = Batch::new();
-            let mut bytes = 0;
-            let mut last = None;
-            for (id, body) in st.bodies.range(st.stored_until..) {
-                let Record::Unwritten { payload, timestamp_ms } = &body.record else { continue };
-                if bytes >= WRITE_BACK_BYTES {
-                    break;
-                }
-                batch.enqueue(self.group, *id, *timestamp_ms, &[payload]);
-                bytes += payload.len();
-                last = Some(*id);
+        while self.write_back_some(st)? {}
+        Ok(st.last_ticket)
+    }
+
+    /// Writes the oldest bodies not in the store yet, about `WRITE_BACK_BYTES` of them, in one
+    /// append. Returns whether it wrote any.
+    fn write_back_some(&self, st: &mut ReplicaState) -> std::result::Result<bool, warren_store::StoreError> {
+        let mut batch = Batch::new();
+        let mut bytes = 0;
+        let mut last = None;
+        for (id, body) in st.bodies.range(st.stored_until..) {
+            let Record::Unwritten { payload, timestamp_ms } = &body.record else { continue };
+            if bytes >= WRITE_BACK_BYTES {
+                break;
             }
-            let Some(last) = last else { return Ok(st.last_ticket) };
-            let ticket = self.store.append(&mut batch)?;
-            let ReplicaState { bodies, stored_until, store_only, .. } = st;
-            for (_, body) in bodies.range_mut(*stored_until..=last) {
+            batch.enqueue(self.group, *id, *timestamp_ms, &[payload]);
+            bytes += payload.len();
+            last = Some(*id);
+        }
+        let Some(last) = last else { return Ok(false) };
+        let ticket = self.store.append(&mut batch)?;
+        let ReplicaState { bodies, stored_until, store_only, unwritten_bytes, .. } = st;
+        for (_, body) in bodies.range_mut(*stored_until..=last) {
+            if let Record::Unwritten { payload, .. } = &body.record {
+                *unwritten_bytes = unwritten_bytes.saturating_sub(payload.len() as u64);
                 // Held still: decoded now that its entry's bytes go.
-                if let (None, Record::Unwritten { payload, .. }) = (&body.message, &body.record) {
+                if body.message.is_none() {
                     body.message = decode_stored(payload).map(|stored| Arc::new(stored.message));
                     if body.message.is_none() {
                         *store_only += 1;
                     }
                 }
-                body.record = Record::Stored(ticket);
             }
-            st.stored_until = last + 1;
-            st.last_ticket = st.last_ticket.max(ticket);
+            body.record = Record::Stored(ticket);
         }
+        st.stored_until = last + 1;
+        st.last_ticket = st.last_ticket.max(ticket);
+        Ok(true)
     }
 
     /// A live message's body: held, or read back from the store with the bodies after it. Those up
@@ -1766,6 +1789,7 @@ impl QuorumReplica {
             st.deleted = true;
             st.bodies.clear();
             st.store_only = 0;
+            st.unwritten_bytes = 0;
             st.body_mem.clear();
             st.checked_out.clear();
             st.getters.clear();
@@ -1826,30 +1850,39 @@ fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, afte
     }
 }
 
-/// Adds a live message's body (counted in `store_only` if not held).
+/// Adds a live message's body (counted in `store_only` if not held, in `unwritten_bytes` if only in
+/// its entry).
 fn insert_body(st: &mut ReplicaState, msg_id: MsgId, body: Body) {
     if !body.held() {
         st.store_only += 1;
     }
-    if let Some(old) = st.bodies.insert(msg_id, body) {
-        if !old.held() {
-            st.store_only = st.store_only.saturating_sub(1);
-        }
-        st.body_mem.sub(old.mem);
+    if let Record::Unwritten { payload, .. } = &body.record {
+        st.unwritten_bytes += payload.len() as u64;
     }
+    if let Some(old) = st.bodies.insert(msg_id, body) {
+        let_go(st, &old);
+    }
+}
+
+/// Takes a body that left `bodies` out of the counts and the memory budget.
+fn let_go(st: &mut ReplicaState, body: &Body) {
+    if !body.held() {
+        st.store_only = st.store_only.saturating_sub(1);
+    }
+    if let Record::Unwritten { payload, .. } = &body.record {
+        st.unwritten_bytes = st.unwritten_bytes.saturating_sub(payload.len() as u64);
+    }
+    st.body_mem.sub(body.mem);
 }
 
 /// A message left the queue: its body and store record go.
 fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     st.checked_out.remove(&msg_id);
     let Some(body) = st.bodies.remove(&msg_id) else { return };
-    if !body.held() {
-        st.store_only = st.store_only.saturating_sub(1);
-    }
     if let Record::Stored(_) = body.record {
         acks.ack(group, msg_id, body.stored_bytes);
     }
-    st.body_mem.sub(body.mem);
+    let_go(st, &body);
 }
 
 /// A message returned before, as delivered: with the `x-delivery-count` header (failed deliveries so
