@@ -18,7 +18,8 @@
 //!   the queue's own store record (seq = msg id), only if it is still live when it would otherwise
 //!   be lost or held beyond the memory budget: when the node's budget for bodies has no room (`body_memory`),
 //!   when the group takes a snapshot (after which the log before it may be purged), when a snapshot
-//!   from a peer is installed and when a peer asks for bodies. Those records are acked in the store
+//!   from a peer is installed, when a peer asks for bodies, and the oldest first while more than
+//!   `WRITE_BEHIND_BYTES` are only in their entries (so a snapshot has little to write at once). Those records are acked in the store
 //!   when the message leaves. Replayed entries (a restart) find the records written before
 //!   (`stored_until`), their bodies loaded by [`Queue::restore`]; the others come back with the
 //!   replayed entries themselves.
