@@ -16,13 +16,13 @@
 //!   once the machine says the message left (ack, dead-letter, drop). A body is written once per
 //!   node: as part of the Raft entry, which is in the node's store already. It is written again, as
 //!   the queue's own store record (seq = msg id), only if it is still live when it would otherwise
-//!   be lost or held beyond the memory budget: when the node's budget for bodies has no room (`body_memory`),
-//!   when the group takes a snapshot (after which the log before it may be purged), when a snapshot
-//!   from a peer is installed, when a peer asks for bodies, and the oldest first while more than
-//!   `WRITE_BEHIND_BYTES` are only in their entries (so a snapshot has little to write at once). Those records are acked in the store
-//!   when the message leaves. Replayed entries (a restart) find the records written before
-//!   (`stored_until`), their bodies loaded by [`Queue::restore`]; the others come back with the
-//!   replayed entries themselves.
+//!   be lost or held beyond the memory budget: when the node's budget for bodies has no room
+//!   (`body_memory`), when the group takes a snapshot (after which the log before it may be
+//!   purged), when a snapshot from a peer is installed, when a peer asks for bodies, and the oldest
+//!   first while more than `WRITE_BEHIND_BYTES` are only in their entries (so a snapshot has little
+//!   to write at once). Those records are acked in the store when the message leaves. Replayed
+//!   entries (a restart) find the records written before (`stored_until`), their bodies loaded by
+//!   [`Queue::restore`]; the others come back with the replayed entries themselves.
 //! - Consumers: basic.consume proposes Attach; the machine assigns messages (deterministically, on
 //!   every replica) and the replica of the consumer's node hands the `Deliver` effects to the channel,
 //!   keeping what the channel cannot take yet (flow, room) in the consumer's backlog. Acks, nacks and
@@ -36,8 +36,8 @@
 //! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
 //!
 //! Memory is bounded whatever the backlog: the node's replicas together hold bodies within one budget
-//! (`body_memory::NodeBodies`, from the memory limit); the others are only in the store (as the queue's records) and are read back in batches as they are
-//! delivered.
+//! (`body_memory::NodeBodies`, from the memory limit); the others are only in the store (as the
+//! queue's records) and are read back in batches as they are delivered.
 
 use super::body_memory::{BodyMemory, NodeBodies};
 use super::{GetWait, Got, Queue};
