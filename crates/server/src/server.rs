@@ -239,7 +239,8 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     }
 }
 
-/// On SIGHUP, re-reads the configuration and applies what can change while running: the alarm limits.
+/// On SIGHUP, re-reads the configuration and applies what can change while running: the alarm limits
+/// and, derived from the memory limit, the quorum replicas' budget for bodies.
 async fn reload_on_sighup(
     mut hup: Signal,
     reload: Reload,

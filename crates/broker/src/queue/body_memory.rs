@@ -89,7 +89,8 @@ impl BodyMemory {
         BodyMemory { mine: 0, node }
     }
 
-    /// Whether a new body of `bytes` may be held: the node has room for it.
+    /// Whether a new body of `bytes` may be held: the node has room for it (if not, the log says
+    /// the budget is full, at most once a minute).
     pub fn fits(&self, bytes: u64) -> bool {
         let fits = self.node.has_room(bytes);
         if !fits {

@@ -732,7 +732,6 @@ impl QuorumReplica {
                 Err(e) => tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's messages to the store; holding them in memory"),
             }
         }
-        st.body_mem.add(memory);
         let record = Record::Unwritten { payload, timestamp_ms };
         insert_body(st, msg_id, Body { message: None, mem: memory, stored_bytes, record });
         if st.unwritten_bytes > WRITE_BEHIND_BYTES {
@@ -1238,7 +1237,7 @@ impl QuorumReplica {
                     self.saw_expiration.store(true, Ordering::Relaxed);
                 }
                 let stored_bytes = r.payload.len() as u64;
-                let message = hold(&mut st, stored.message);
+                let message = hold(&st, stored.message);
                 insert_body(&mut st, r.msg_id, Body::new(message, stored_bytes, Record::Stored(ticket)));
                 if let Some(f) = st.fetch.as_mut() {
                     f.messages += 1;
@@ -1352,7 +1351,7 @@ impl QuorumReplica {
                 let stored_bytes = m.payload.len() as u64;
                 match decode_stored(&m.payload) {
                     Some(stored) => {
-                        let message = hold(&mut st, stored.message);
+                        let message = hold(&st, stored.message);
                         insert_body(&mut st, m.seq, Body::new(message, stored_bytes, Record::Stored(0)));
                     }
                     None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
@@ -1851,9 +1850,10 @@ fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, afte
     }
 }
 
-/// Adds a live message's body (counted in `store_only` if not held, in `unwritten_bytes` if only in
-/// its entry).
+/// Adds a live message's body: its memory to the budget, and counted in `store_only` if not held, in
+/// `unwritten_bytes` if only in its entry (`let_go` takes it out of all three).
 fn insert_body(st: &mut ReplicaState, msg_id: MsgId, body: Body) {
+    st.body_mem.add(body.mem);
     if !body.held() {
         st.store_only += 1;
     }
@@ -1907,14 +1907,10 @@ fn with_delivery_count(message: &MessageRef, count: u32) -> MessageRef {
     })
 }
 
-/// A new live message's body, held in memory while the node's budget has room for it.
-fn hold(st: &mut ReplicaState, message: crate::message::Message) -> Option<MessageRef> {
-    let bytes = message.memory_bytes() as u64;
-    if !st.body_mem.fits(bytes) {
-        return None;
-    }
-    st.body_mem.add(bytes);
-    Some(Arc::new(message))
+/// A new live message's body, to be held in memory (`insert_body` counts it) while the node's budget
+/// has room for it.
+fn hold(st: &ReplicaState, message: crate::message::Message) -> Option<MessageRef> {
+    st.body_mem.fits(message.memory_bytes() as u64).then(|| Arc::new(message))
 }
 
 /// Decodes bodies read back from the store (unreadable ones are logged and left out).
