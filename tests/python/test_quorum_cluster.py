@@ -332,3 +332,42 @@ def test_basic_get_on_every_node_gets_the_message_followers_included(cluster):
             assert method is not None and body == b"only", f"basic.get on node {i}"
             ch.basic_nack(method.delivery_tag, requeue=True)
             c.close()
+
+
+def test_a_follower_applies_a_publish_into_a_quiet_group_at_once(cluster):
+    """A node's sweep looks at a group it leads whose log did not move only once a second
+    (`LEADER_RECHECK`), so its heartbeat after a move can come a second late. A follower must not
+    wait for it to apply a publish: openraft sends the new commit index to the followers as soon as
+    the leader commits. A consumer on a follower gets a message published into a group that was
+    quiet for two seconds within a fraction of that second, every time (a few ms here; up to
+    1.2 s if it had to wait for the sweep)."""
+    name = "qq-quiet-follower"
+    declare_on_one(cluster, name)
+    # The queue's group is the only one besides the metadata group (0).
+    leader = eventually(lambda: next((int(g["leader"]) for k, g in groups(cluster[1]).items() if k != 0 and g.get("leader")), None),
+                        timeout=10)
+    follower = next(i for i in cluster if i != leader)
+    consumer = cluster[follower].connection()
+    cch = consumer.channel()
+    got = []
+    cch.basic_consume(name, lambda ch, m, p, body: (got.append(time.monotonic()), ch.basic_ack(m.delivery_tag)))
+    publisher = cluster[leader].connection()
+    pch = publisher.channel()
+    pch.confirm_delivery()
+    lags = []
+    for i in range(5):
+        quiet_until = time.monotonic() + 2.0
+        while time.monotonic() < quiet_until:
+            consumer.process_data_events(time_limit=0.1)
+        before = len(got)
+        sent = time.monotonic()
+        pch.basic_publish("", name, f"m{i}".encode(), pika.BasicProperties(delivery_mode=2))
+        deadline = sent + 5
+        while len(got) == before and time.monotonic() < deadline:
+            consumer.process_data_events(time_limit=0.01)
+        assert len(got) > before, f"message {i} not delivered on follower {follower} within 5 s"
+        lags.append(got[-1] - sent)
+    publisher.close()
+    consumer.close()
+    print(f"publish on leader {leader} -> delivery on follower {follower}: " + " ".join(f"{x * 1000:.0f} ms" for x in lags))
+    assert max(lags) < 0.4, f"a follower waited for the sweep to apply a publish: {lags}"

@@ -12,8 +12,9 @@
 //! false`): at 1,000 groups its ticks and heartbeats alone kept a core busy. Instead one node task,
 //! [`SWEEP_EVERY`], looks at every group:
 //! - a group this node leads whose log or commit index moved since the last look gets one
-//!   heartbeat (so followers learn the commit index and apply); an idle group sends nothing; every
-//!   [`LEADER_REFRESH`] a leader heartbeats anyway (a backstop);
+//!   heartbeat (a backstop: openraft sends a new commit index to the followers itself); an idle
+//!   group sends nothing, and is looked at only every [`LEADER_RECHECK`]; every [`LEADER_REFRESH`]
+//!   a leader heartbeats anyway (a backstop);
 //! - a group with no leader, or whose leader's node the failure detector says is down, gets an
 //!   election from its live voters, one at a time: a per-group rank (rotating with the group id)
 //!   staggers them by [`ELECTION_STAGGER`], after [`LEADERLESS_GRACE`] when the leader is merely
@@ -469,7 +470,8 @@ struct NodeInner {
     /// and the term it campaigned in.
     deposed: parking_lot::Mutex<HashMap<GroupId, (NodeId, u64)>>,
     /// Bumped at every change the detector sees and every deposed leader: the sweep looks again
-    /// at once at the groups it follows (otherwise only every [`FOLLOWER_RECHECK`]).
+    /// at once at the groups it follows or leads quietly (otherwise only every
+    /// [`FOLLOWER_RECHECK`], [`LEADER_RECHECK`]).
     liveness_version: AtomicU64,
     detector: Detector,
     raft_config: Arc<openraft::Config>,
@@ -1349,8 +1351,8 @@ struct GroupTimer {
     preferred: Option<(Option<NodeId>, Instant)>,
     /// Since when this node leads the group, as the sweep first saw it (None: not leading).
     leading_since: Option<Instant>,
-    /// A follower of a live leader at the last look: not looked at again before then unless
-    /// `liveness_version` moved from the value kept here.
+    /// A follower of a live leader, or a leader of a group that did not move, at the last look:
+    /// not looked at again before then unless `liveness_version` moved from the value kept here.
     quiet_until: Option<(Instant, u64)>,
 }
 
@@ -1378,8 +1380,15 @@ const HANDBACKS_PER_SWEEP: u32 = 16;
 /// How often the sweep looks at a group whose leader is another live node (it has nothing to do
 /// there until that leader goes, which the detector or a vote request signals at once). Reading
 /// 1,000 groups' metrics five times a second was the largest part of an idle node's CPU (cold cache
-/// lines); leaders and leaderless groups are still looked at every sweep.
+/// lines); leaderless groups are still looked at every sweep.
 const FOLLOWER_RECHECK: Duration = Duration::from_secs(1);
+/// How often the sweep looks at a group this node leads whose log and commit index did not move
+/// since the last look and that has no transfer under way (a group that moves is looked at every
+/// sweep). Its first move after that is seen up to this late: openraft sends a new commit index to
+/// the followers itself (`ReplicateCommitted`), so the sweep's heartbeat after a move is a
+/// backstop, and a hand-back waits `REBALANCE_SETTLE` anyway. Reading 333 led groups' metrics five
+/// times a second was the largest part of an idle node's CPU.
+const LEADER_RECHECK: Duration = Duration::from_secs(1);
 
 impl ClusterNode {
     /// For a group this node leads: hands the leadership to the group's preferred member when it is
@@ -1523,6 +1532,9 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
                     h.heartbeat().await;
                 }
                 node.rebalance(group, h.as_ref(), t, now, &mut handbacks).await;
+                if !moved && t.transfer.is_none() {
+                    t.quiet_until = Some((now + LEADER_RECHECK, liveness));
+                }
                 continue;
             }
             t.transfer = None;
