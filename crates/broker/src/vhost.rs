@@ -21,6 +21,16 @@ use warren_protocol::field::FieldTable;
 use warren_protocol::properties::PropertiesView;
 use warren_store::{Store, SyncTicket};
 
+/// The queues the housekeeping tick walks ([`VHost::tick`]).
+struct TickLists {
+    /// Ticked every time (every 100 ms): classic queues expire messages and refill from the store.
+    classic: Vec<Arc<Queue>>,
+    /// Ticked once a second: what a quorum queue does on a tick is once a second at most anyway
+    /// (its leader proposes a Tick every second, a relay checks every 2 s), and ticking 1,000 of
+    /// them ten times a second, cold cache lines each, was a tenth of an idle node's CPU.
+    quorum: Vec<Arc<Queue>>,
+}
+
 /// What happened to a published message.
 #[derive(Clone, Default)]
 pub struct PublishOutcome {
@@ -61,6 +71,11 @@ pub struct VHost {
     pub name: String,
     exchanges: RwLock<HashMap<String, Arc<Exchange>>>,
     queues: RwLock<HashMap<String, Arc<Queue>>>,
+    /// `queues` as the housekeeping tick walks them, rebuilt after the set changed (`queues_changed`):
+    /// collecting 1,000 queues every 100 ms was ~10% of an idle node's CPU.
+    ticked: Mutex<Option<Arc<TickLists>>>,
+    /// The second (of `now_ms`) in which quorum queues were last ticked.
+    quorum_ticked_second: AtomicU64,
     /// Serialises changes to the topology, including their durable write to the metadata log.
     topology: Mutex<()>,
     store: Store,
@@ -101,6 +116,8 @@ impl VHost {
             name,
             exchanges: RwLock::new(HashMap::new()),
             queues: RwLock::new(HashMap::new()),
+            ticked: Mutex::new(None),
+            quorum_ticked_second: AtomicU64::new(0),
             topology: Mutex::new(()),
             store,
             metadata,
@@ -164,6 +181,13 @@ impl VHost {
 
     pub fn queues(&self) -> Vec<Arc<Queue>> {
         self.queues.read().values().cloned().collect()
+    }
+
+    /// A queue was added or removed: the tick's list is rebuilt at the next tick (a tick that
+    /// took the list before still walks the old one: a new queue waits a tick, a removed one,
+    /// marked deleted, does nothing when ticked).
+    fn queues_changed(&self) {
+        *self.ticked.lock() = None;
     }
 
     /// Looks a queue up for `connection_id`, refusing another connection's exclusive queue (405).
@@ -433,6 +457,7 @@ impl VHost {
         }
         // Every queue is bound to the default exchange by its name (routing does that directly).
         self.queues.write().insert(name.clone(), queue.clone());
+        self.queues_changed();
         Ok((name, 0, 0))
     }
 
@@ -611,6 +636,7 @@ impl VHost {
                 queues.remove(&queue.name);
             }
         }
+        self.queues_changed();
         let dest = Destination::Queue(queue.clone());
         for ex in self.exchanges() {
             ex.unbind_destination(&dest);
@@ -632,7 +658,6 @@ impl VHost {
         }
     }
 
-    /// Housekeeping: message TTL and queue expiry (`x-expires`).
     /// Writes what queues deferred (see `Queue::publish`); on shutdown.
     pub fn store_deferred(&self) {
         for q in self.queues() {
@@ -640,9 +665,21 @@ impl VHost {
         }
     }
 
+    /// Housekeeping (`Broker::tick`, every 100 ms): message TTL and queue expiry (`x-expires`),
+    /// classic queues every time, quorum queues once a second ([`TickLists`]).
     pub fn tick(&self, now_ms: u64) {
-        let queues = self.queues();
-        for q in queues {
+        let lists = self
+            .ticked
+            .lock()
+            .get_or_insert_with(|| {
+                let (quorum, classic) = self.queues().into_iter().partition(|q| q.is_quorum());
+                Arc::new(TickLists { classic, quorum })
+            })
+            .clone();
+        let second = now_ms / 1000;
+        let quorum_due = self.quorum_ticked_second.swap(second, Ordering::Relaxed) != second;
+        let quorum: &[Arc<Queue>] = if quorum_due { &lists.quorum } else { &[] };
+        for q in lists.classic.iter().chain(quorum) {
             if q.tick(now_ms) {
                 tracing::info!(queue = %q.name, vhost = %self.name, "deleting queue unused for longer than its x-expires");
                 self.delete_queue_unchecked(&q.name);
@@ -841,6 +878,7 @@ impl VHost {
         if args.queue_type == QueueType::Quorum {
             let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), crate::queue::replica::Recorded { members: def.members.clone(), leader: def.leader, members_changed: def.members_changed });
             self.queues.write().insert(name, queue.clone());
+            self.queues_changed();
             // Declared now (or applied from the metadata group): its group starts at once. At a
             // start, the server starts them all once it has set the quorum host (`Broker::set_quorum_host`).
             if let Some(host) = self.quorum.host() {
@@ -853,6 +891,7 @@ impl VHost {
             queue.set_home(home, self.quorum.clone());
         }
         self.queues.write().insert(name, queue.clone());
+        self.queues_changed();
         queue
     }
 

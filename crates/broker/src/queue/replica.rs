@@ -168,8 +168,10 @@ const ASSIGN_AHEAD_FROM: u32 = 100;
 /// (500,000 messages past the memory budget): 2x ~395k msg/s, 3x ~545k; 4x assigned faster than
 /// the read-ahead reads (deliveries then waited for reads on the apply path), ~400-520k.
 const ASSIGN_AHEAD_FACTOR: u32 = 3;
-/// The leader proposes a `Tick` (TTL, x-expires) at most this often.
-const TICK_EVERY_MS: u64 = 1000;
+/// The leader proposes a `Tick` (TTL, x-expires) at most this often. The vhost ticks quorum queues
+/// once a second (`VHost::tick`), give or take its own 100 ms tick: under 1 s, so that a tick a
+/// little early is not skipped, which would make it one every 2 s.
+const TICK_EVERY_MS: u64 = 800;
 /// What one append of `QuorumReplica::write_back` carries at most (about). A WAL segment takes
 /// appends until it passes its size, and a queue's records in one segment become one extent of it,
 /// which stays while any of them is live: a snapshot's write-back of 64 MB in one append made a
