@@ -74,7 +74,27 @@ impl GroupInner {
 
     /// What to ask of the group's Raft now; `pressed`: the node's logs are over their budget and
     /// this group is among those to give theirs back (see [`crate::RaftLogs::over_node_budget`]).
+    /// Remembers what it asked (a snapshot is not asked again before [`ASK_AGAIN_AFTER`], a purge
+    /// not again for the same snapshot).
     pub(crate) fn compaction(&mut self, now: Instant, pressed: bool) -> Compaction {
+        let (out, purge_for) = self.compaction_wanted(now, pressed);
+        if out.snapshot {
+            self.compaction.asked = Some((now, self.snapshot_index()));
+        }
+        if purge_for.is_some() {
+            self.compaction.purged_for = purge_for;
+        }
+        out
+    }
+
+    /// Whether [`GroupInner::compaction`] would ask or remember anything now (it does not remember).
+    pub(crate) fn wants_compaction(&self, now: Instant, pressed: bool) -> bool {
+        let (out, purge_for) = self.compaction_wanted(now, pressed);
+        out.snapshot || purge_for.is_some()
+    }
+
+    /// What [`GroupInner::compaction`] asks, and the (snapshot index, all) a purge is computed for.
+    fn compaction_wanted(&self, now: Instant, pressed: bool) -> (Compaction, Option<(u64, bool)>) {
         let snapshot = self.snapshot_index();
         let quiet = now.duration_since(self.compaction.last_append) >= QUIET_AFTER;
         let c = &self.compaction;
@@ -89,19 +109,16 @@ impl GroupInner {
         // Quiet or pressed: everything up to the snapshot goes.
         let all = quiet || pressed;
         let asked_recently = c.asked.is_some_and(|(at, s)| s == snapshot && now.duration_since(at) < ASK_AGAIN_AFTER);
-        let mut out = Compaction::default();
-        if due && applied_past_snapshot && !asked_recently {
-            out.snapshot = true;
-            self.compaction.asked = Some((now, snapshot));
-        }
+        let mut out = Compaction { snapshot: due && applied_past_snapshot && !asked_recently, purge_upto: None };
+        let mut purge_for = None;
         if let Some(s) = snapshot {
-            let done = self.compaction.purged_for.is_some_and(|(i, a)| i == s && (a || !all));
+            let done = c.purged_for.is_some_and(|(i, a)| i == s && (a || !all));
             if !done {
-                self.compaction.purged_for = Some((s, all));
+                purge_for = Some((s, all));
                 out.purge_upto = self.purge_point(s, if all { 0 } else { KEEP_BYTES });
             }
         }
-        out
+        (out, purge_for)
     }
 
     /// Recomputes the bytes of the unpurged entries (at a start).

@@ -214,6 +214,21 @@ impl RaftLogs {
         g.compaction(std::time::Instant::now(), pressed)
     }
 
+    /// The groups among the node's logs that [`RaftLogs::compaction`] would ask something of now
+    /// (this remembers nothing): the periodic caller asks only those, not every group every time.
+    pub fn wanting_compaction(&self, pressed: &[GroupId]) -> Vec<GroupId> {
+        let now = std::time::Instant::now();
+        let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
+        groups
+            .iter()
+            .filter(|g| {
+                let inner = g.inner.lock();
+                !inner.removed && inner.wants_compaction(now, pressed.contains(&g.id))
+            })
+            .map(|g| g.id)
+            .collect()
+    }
+
     /// The groups that must give their log back because the node's logs together keep more than
     /// [`compaction::NODE_LOG_BYTES`] of unpurged entries (test-only: `WARREN_TEST_NODE_LOG_BYTES`):
     /// the largest, until the others keep under three quarters of it. Empty while under.

@@ -215,7 +215,11 @@ pub(super) async fn run(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) 
             node.rebalance_pass().await;
         } else {
             // Automatic hand-back is the sweep's (`node::rebalance` on each group it leads); here
-            // only the transfers started by `warren ctl` are watched.
+            // only the transfers started by `warren ctl` are watched (usually none: then the
+            // groups are not walked).
+            if node.inner.rebalance.pending.lock().is_empty() {
+                continue;
+            }
             let groups = node.inner.groups.read().iter().map(|(g, h)| (*g, h.clone())).collect();
             node.retry_stuck_transfers(&groups).await;
         }
