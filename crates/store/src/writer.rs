@@ -405,6 +405,10 @@ pub(crate) fn fatal(what: &str, path: &std::path::Path, e: &dyn std::fmt::Displa
     }
     tracing::error!(error = %e, file = %path.display(), "{what} failed in the message store; aborting so \
         that nothing is confirmed on top of data that may not be on disk");
+    // Also straight to stderr: with no log subscriber (a test binary) or output capture, an abort
+    // would otherwise leave no word of its cause.
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "warren-store: {what} failed ({}): {e}; aborting", path.display());
     std::process::abort();
 }
 
