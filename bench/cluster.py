@@ -464,9 +464,25 @@ class RabbitCluster:
 
 # ---------------------------------------------------------------- one measured client run
 
+def written_bytes(pids):
+    """Bytes the processes `pids` sent to storage so far (`write_bytes` of /proc/PID/io: counted when
+    a page is dirtied or a direct write is issued, whether or not it has reached the disk yet)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                if line.startswith("write_bytes:"):
+                    total += int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return total
+
+
 def measured(broker, cmd, label, timeout):
-    """Runs `cmd` (a client), timing it and summing the CPU of every broker process over it."""
+    """Runs `cmd` (a client), timing it and summing the CPU and the bytes written of every broker
+    process over it."""
     pids = broker.pids()
+    written0 = written_bytes(pids)
     cpu0, t0 = single.cpu_ticks(pids), time.time()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -476,8 +492,10 @@ def measured(broker, cmd, label, timeout):
         text, code = text + f"\ntimed out after {timeout} s", -9
     wall = time.time() - t0
     cpu = single.cpu_ticks(pids) - cpu0
+    written = written_bytes(pids) - written0
     (OUT / f"{broker.name}-{label}.txt").write_text(" ".join(map(str, cmd)) + "\n" + text)
-    return text, code, {"broker_cpu_s": cpu, "wall_s": wall, "broker_cores": cpu / max(wall, 1e-9), "exit": code}
+    return text, code, {"broker_cpu_s": cpu, "wall_s": wall, "broker_cores": cpu / max(wall, 1e-9), "exit": code,
+                        "broker_written_bytes": written}
 
 
 def bench_cmd(uri, args, out):
@@ -948,6 +966,11 @@ def write_section(saved):
     took = [f"{x['Q4']['declare_s']:.1f} s on {name}" for name, x in (("Warren", W), ("RabbitMQ", R)) if x.get("Q4", {}).get("declare_s")]
     if took:
         lines += ["", f"Declaring Q4's {z['q4_queues']:,} queues one after the other took " + " and ".join(took) + "."]
+    wrote = [f"{name} {x['Q1']['broker_written_bytes'] / 1e6:,.0f} MB ({x['Q1']['broker_written_bytes'] / 3 / (z['backlog'] * 1000):.2f}× "
+             "the messages' bytes per node)" for name, x in (("Warren", W), ("RabbitMQ", R)) if x.get("Q1", {}).get("broker_written_bytes")]
+    if wrote:
+        lines += ["", f"Written to storage by the three nodes during Q1 ({z['backlog']:,} messages of 1 KB, `write_bytes` of "
+                  "/proc/PID/io while the row ran; what a snapshot or checkpoint writes later is not in it): " + ", ".join(wrote) + "."]
     lines += ["", "### Targets (issue 10)", ""]
     if W.get("queue_type", "quorum") != "quorum":
         lines.append(f"- not judged: Warren's rows ran on `{W['queue_type']}` queues (`--warren-queue-type`), not quorum queues.")
