@@ -165,6 +165,18 @@ mod tests {
             .collect()
     }
 
+    /// `compaction`, checking first that `wants_compaction` (what `RaftLogs::wanting_compaction`
+    /// asks, to pass over the groups that want nothing) agrees: it wants something exactly when
+    /// `compaction` then asks for something or remembers something new.
+    fn ask(g: &mut GroupInner, now: Instant, pressed: bool) -> Compaction {
+        let wants = g.wants_compaction(now, pressed);
+        let before = (g.compaction.asked, g.compaction.purged_for);
+        let out = g.compaction(now, pressed);
+        let acted = out != Compaction::default() || (g.compaction.asked, g.compaction.purged_for) != before;
+        assert_eq!(wants, acted, "wants_compaction said {wants}, compaction answered {out:?} (pressed: {pressed})");
+        out
+    }
+
     fn meta(index: u64) -> SnapshotMeta {
         SnapshotMeta { last_log_id: Some(LogId::new(LeaderId::new(1, 1), index)), last_membership: Default::default() }
     }
@@ -183,29 +195,29 @@ mod tests {
         let t0 = Instant::now();
         g.append(&store, lq, sq, 256, entries(0, 60)).unwrap();
         g.applied_below = 60;
-        assert_eq!(g.compaction(t0, false), Compaction::default(), "60 MiB: not yet");
+        assert_eq!(ask(&mut g, t0, false), Compaction::default(), "60 MiB: not yet");
         g.append(&store, lq, sq, 256, entries(60, 10)).unwrap();
         let t1 = Instant::now();
         g.save_snapshot(&store, sq, &meta(59), b"state").unwrap();
         g.compaction.since_snapshot += 64 << 20; // as if the snapshot were older
-        assert!(!g.compaction(t1, false).snapshot, "nothing applied since the snapshot: a new one could not cover more");
+        assert!(!ask(&mut g, t1, false).snapshot, "nothing applied since the snapshot: a new one could not cover more");
         g.applied_below = 70;
-        assert_eq!(g.compaction(t1, false), Compaction { snapshot: true, purge_upto: None });
-        assert_eq!(g.compaction(t1, false), Compaction::default(), "asked already");
+        assert_eq!(ask(&mut g, t1, false), Compaction { snapshot: true, purge_upto: None });
+        assert_eq!(ask(&mut g, t1, false), Compaction::default(), "asked already");
 
         g.save_snapshot(&store, sq, &meta(65), b"state").unwrap();
         assert_eq!(g.compaction.since_snapshot, 4 * (MIB as u64 + g.slots[0].len - MIB as u64));
         let kept = KEEP_BYTES / g.slots[0].len; // whole entries within 32 MiB
-        assert_eq!(g.compaction(t1, false), Compaction { snapshot: false, purge_upto: Some(65 - kept) });
-        assert_eq!(g.compaction(t1, false), Compaction::default(), "asked already");
+        assert_eq!(ask(&mut g, t1, false), Compaction { snapshot: false, purge_upto: Some(65 - kept) });
+        assert_eq!(ask(&mut g, t1, false), Compaction::default(), "asked already");
 
         let later = g.compaction.last_append + QUIET_AFTER + Duration::from_millis(1);
-        assert_eq!(g.compaction(later, false), Compaction { snapshot: true, purge_upto: Some(65) }, "quiet: all it covers goes");
+        assert_eq!(ask(&mut g, later, false), Compaction { snapshot: true, purge_upto: Some(65) }, "quiet: all it covers goes");
         g.purge(&store, lq, sq, LogId::new(LeaderId::new(1, 1), 65)).unwrap();
         g.save_snapshot(&store, sq, &meta(69), b"state").unwrap();
-        assert_eq!(g.compaction(later, false), Compaction { snapshot: false, purge_upto: Some(69) });
+        assert_eq!(ask(&mut g, later, false), Compaction { snapshot: false, purge_upto: Some(69) });
         g.purge(&store, lq, sq, LogId::new(LeaderId::new(1, 1), 69)).unwrap();
-        assert_eq!(g.compaction(later + ASK_AGAIN_AFTER, false), Compaction::default(), "nothing left to snapshot or purge");
+        assert_eq!(ask(&mut g, later + ASK_AGAIN_AFTER, false), Compaction::default(), "nothing left to snapshot or purge");
     }
 
     /// Over the node's budget, the groups keeping the most are pressed until the rest keep under
@@ -231,10 +243,10 @@ mod tests {
         let g = logs.group(3).unwrap();
         let mut g = g.inner.lock();
         let t = Instant::now();
-        assert_eq!(g.compaction(t, false), Compaction::default(), "6 MiB, busy: nothing of its own");
-        assert_eq!(g.compaction(t, true), Compaction { snapshot: true, purge_upto: None });
+        assert_eq!(ask(&mut g, t, false), Compaction::default(), "6 MiB, busy: nothing of its own");
+        assert_eq!(ask(&mut g, t, true), Compaction { snapshot: true, purge_upto: None });
         g.save_snapshot(&store, crate::log_store::RAFT_STATE | 3, &meta(5), b"state").unwrap();
-        assert_eq!(g.compaction(t, true), Compaction { snapshot: false, purge_upto: Some(5) }, "all it covers goes");
+        assert_eq!(ask(&mut g, t, true), Compaction { snapshot: false, purge_upto: Some(5) }, "all it covers goes");
         g.purge(&store, crate::log_store::RAFT_LOG | 3, crate::log_store::RAFT_STATE | 3, LogId::new(LeaderId::new(1, 1), 5)).unwrap();
         assert_eq!(g.compaction.log_bytes, 0);
         drop(g);
