@@ -517,7 +517,8 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
 /// How often a step toward a group's recorded members that keeps failing is logged as a warning.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// How often [`follow_members`] looks at every group (and at once when recorded members change).
+/// How often [`follow_members`] looks at the groups whose members were changed (and at once when
+/// recorded members change).
 const FOLLOW_EVERY: Duration = Duration::from_secs(1);
 
 /// In a cluster: keeps each group's members on this node to the recorded ones
