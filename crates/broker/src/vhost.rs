@@ -183,6 +183,12 @@ impl VHost {
         self.queues.read().values().cloned().collect()
     }
 
+    /// Adds `queue` to the vhost's queues under `name` (replacing one of that name).
+    fn insert_queue(&self, name: String, queue: Arc<Queue>) {
+        self.queues.write().insert(name, queue);
+        self.queues_changed();
+    }
+
     /// A queue was added or removed: the tick's list is rebuilt at the next tick (a tick that
     /// took the list before still walks the old one: a new queue waits a tick, a removed one,
     /// marked deleted, does nothing when ticked).
@@ -456,8 +462,7 @@ impl VHost {
             }
         }
         // Every queue is bound to the default exchange by its name (routing does that directly).
-        self.queues.write().insert(name.clone(), queue.clone());
-        self.queues_changed();
+        self.insert_queue(name.clone(), queue.clone());
         Ok((name, 0, 0))
     }
 
@@ -877,8 +882,7 @@ impl VHost {
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         if args.queue_type == QueueType::Quorum {
             let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), crate::queue::replica::Recorded { members: def.members.clone(), leader: def.leader, members_changed: def.members_changed });
-            self.queues.write().insert(name, queue.clone());
-            self.queues_changed();
+            self.insert_queue(name, queue.clone());
             // Declared now (or applied from the metadata group): its group starts at once. At a
             // start, the server starts them all once it has set the quorum host (`Broker::set_quorum_host`).
             if let Some(host) = self.quorum.host() {
@@ -890,8 +894,7 @@ impl VHost {
         if let Some(home) = home {
             queue.set_home(home, self.quorum.clone());
         }
-        self.queues.write().insert(name, queue.clone());
-        self.queues_changed();
+        self.insert_queue(name, queue.clone());
         queue
     }
 

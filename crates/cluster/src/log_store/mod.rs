@@ -218,14 +218,22 @@ impl RaftLogs {
     /// (this remembers nothing): the periodic caller asks only those, not every group every time.
     pub fn wanting_compaction(&self, pressed: &[GroupId]) -> Vec<GroupId> {
         let now = std::time::Instant::now();
+        self.each_group(|id, inner| inner.wants_compaction(now, pressed.contains(&id)).then_some(id))
+    }
+
+    /// What `f` makes of each group on the node that is not removed (None: nothing), each looked
+    /// at under its own lock, not under the map's.
+    fn each_group<T>(&self, mut f: impl FnMut(GroupId, &GroupInner) -> Option<T>) -> Vec<T> {
         let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
         groups
             .iter()
-            .filter(|g| {
+            .filter_map(|g| {
                 let inner = g.inner.lock();
-                !inner.removed && inner.wants_compaction(now, pressed.contains(&g.id))
+                if inner.removed {
+                    return None;
+                }
+                f(g.id, &inner)
             })
-            .map(|g| g.id)
             .collect()
     }
 
@@ -247,14 +255,7 @@ impl RaftLogs {
 
     /// (bytes of unpurged entries, group) of every group on the node.
     fn log_sizes(&self) -> Vec<(u64, GroupId)> {
-        let groups: Vec<Arc<Group>> = self.groups.lock().values().cloned().collect();
-        groups
-            .iter()
-            .filter_map(|g| {
-                let inner = g.inner.lock();
-                (!inner.removed).then_some((inner.compaction.log_bytes, g.id))
-            })
-            .collect()
+        self.each_group(|id, inner| Some((inner.compaction.log_bytes, id)))
     }
 
     fn over_budget(&self, budget: u64) -> Vec<GroupId> {
