@@ -6,6 +6,7 @@ metadata group carries it to the others. A node outside a queue's group (x-quoru
 below three) serves its consumers and basic.gets through a member, and moves them to another member
 when theirs dies. About 50 s."""
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -371,3 +372,93 @@ def test_a_follower_applies_a_publish_into_a_quiet_group_at_once(cluster):
     consumer.close()
     print(f"publish on leader {leader} -> delivery on follower {follower}: " + " ".join(f"{x * 1000:.0f} ms" for x in lags))
     assert max(lags) < 0.4, f"a follower waited for the sweep to apply a publish: {lags}"
+
+
+def queue_leader(cluster, ask=1):
+    """The leader of the only queue group (besides the metadata group, 0), as node `ask` sees it."""
+    return eventually(lambda: next((int(g["leader"]) for k, g in groups(cluster[ask]).items() if k != 0 and g.get("leader")), None),
+                      timeout=10)
+
+
+def stop_leader_then_kill_it_once_replaced(cluster, leader, meanwhile):
+    """SIGSTOPs the group's leader, runs `meanwhile` (which proposes through it: those proposals are
+    forwarded to a node that never answers, and end with their outcome unknown once the others see
+    it silent), waits until the two others have elected another leader, then kill -9s the stopped
+    one: what was forwarded to it is lost for good."""
+    others = [i for i in cluster if i != leader]
+    cluster[leader].proc.send_signal(signal.SIGSTOP)
+    try:
+        meanwhile()
+        eventually(lambda: queue_leader(cluster, ask=others[0]) in others, timeout=20, interval=0.2)
+    finally:
+        cluster[leader].kill9()
+    return others
+
+
+def test_a_consumer_whose_detach_was_lost_with_the_leader_takes_no_message_from_the_queue(cluster):
+    """A consumer on a follower is cancelled and its connection closed just as the group's leader
+    stops (SIGSTOP, then kill -9): the Detach was forwarded to the stopped leader and is lost, so
+    the group still counts the consumer, with its prefetch, on the follower. Messages published
+    after are assigned to it; the follower, which no longer has it, must give them back without
+    counting a failed delivery, and see that the consumer goes. Before, it returned each one
+    (Return: delivery count + 1) and the group assigned it to the same dead consumer again: after
+    `x-delivery-limit` (20) rounds, within a second, every confirmed message was dropped."""
+    name = "qq-lost-detach"
+    declare_on_one(cluster, name)
+    leader = queue_leader(cluster)
+    follower, other = [i for i in cluster if i != leader]
+    publish(cluster[follower], name, [b"before"])
+    c = cluster[follower].connection()
+    ch = c.channel()
+    ch.basic_qos(prefetch_count=100)
+    got = []
+    ch.basic_consume(name, lambda chan, m, p, body: (got.append(body), chan.basic_ack(m.delivery_tag)))
+    deadline = time.time() + 10
+    while not got and time.time() < deadline:
+        c.process_data_events(time_limit=0.1)
+    assert got == [b"before"]
+    c.process_data_events(time_limit=0.5)  # the ack's Settle is applied
+
+    def cancel_and_close():
+        ch.basic_cancel(ch.consumer_tags[0])
+        c.close()
+    stop_leader_then_kill_it_once_replaced(cluster, leader, cancel_and_close)
+
+    bodies = [f"m{i}".encode() for i in range(100)]
+    publish(cluster[other], name, bodies)
+    time.sleep(2)  # 20 rounds of assignment to the lost consumer take well under that
+    got = consume(cluster[follower], name, len(bodies), timeout=20)
+    assert sorted(got) == sorted(bodies), f"{len(bodies) - len(set(got) & set(bodies))} confirmed messages lost"
+
+
+def test_an_ack_lost_with_the_leader_does_not_stop_the_consumer(cluster):
+    """A consumer with prefetch 1 on a follower acks a message just as the group's leader stops
+    (SIGSTOP, then kill -9): the Settle, forwarded to the stopped leader, is lost. It is proposed
+    again through the new leader, so the consumer, still connected, gets the next message. Before,
+    the group went on counting the message as unacked: the consumer never got another one."""
+    name = "qq-lost-ack"
+    declare_on_one(cluster, name)
+    leader = queue_leader(cluster)
+    follower, other = [i for i in cluster if i != leader]
+    publish(cluster[follower], name, [b"first"])
+    c = cluster[follower].connection()
+    ch = c.channel()
+    ch.basic_qos(prefetch_count=1)
+    held = []
+    ch.basic_consume(name, lambda chan, m, p, body: held.append((m.delivery_tag, body)))
+    deadline = time.time() + 10
+    while not held and time.time() < deadline:
+        c.process_data_events(time_limit=0.1)
+    assert [b for _, b in held] == [b"first"]
+
+    def ack():
+        ch.basic_ack(held[0][0])
+        c.process_data_events(time_limit=0.2)  # the ack leaves the client
+    stop_leader_then_kill_it_once_replaced(cluster, leader, ack)
+
+    publish(cluster[other], name, [b"second"])
+    deadline = time.time() + 40
+    while len(held) < 2 and time.time() < deadline:
+        c.process_data_events(time_limit=0.1)
+    c.close()
+    assert [b for _, b in held] == [b"first", b"second"], "the consumer got the next message"
