@@ -554,9 +554,9 @@ impl Queue {
         }
     }
 
-    fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, waiters: Vec<replica::Waiter>) {
+    fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, entry: &[u8], waiters: Vec<replica::Waiter>) {
         if let Some(r) = &self.replica {
-            r.proposed(self, result, waiters);
+            r.proposed(self, result, entry, waiters);
         }
     }
 

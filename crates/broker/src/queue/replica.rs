@@ -33,6 +33,10 @@
 //! - A consumer's channel closing returns its unacked messages (Detach with return: redelivered, not
 //!   counted as failed deliveries); after a restart the first entry this node proposes is
 //!   `ConsumerDown(this node)`, which returns what its consumers held before.
+//! - An entry whose outcome is unknown (its leader stopped or was replaced before answering): its
+//!   acks, nacks, rejects and detaches are proposed again (`QuorumReplica::to_propose_again`);
+//!   what the group delivers to a consumer this node no longer has goes back with a detach
+//!   (`delivered_to_gone`), and such consumers are detached at a tick (`detach_gone_consumers`).
 //! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
 //!
 //! Memory is bounded whatever the backlog: the node's replicas together hold bodies within one budget
@@ -50,7 +54,7 @@ use crate::queue::Entry;
 use crate::queue_args::QueueArgs;
 use crate::quorum::bodies::{BodiesAnswer, BodiesRequest, BodyRecord, MAX_ANSWER_BYTES};
 use crate::quorum::{
-    run_ids, Attach, ConsumerId, Delivery, Effect, Encoder, MsgId, QueueConfig, QuorumMachine, Reason, Refusal,
+    run_ids, Attach, Command, ConsumerId, Delivery, Effect, Encoder, MsgId, QueueConfig, QuorumMachine, Reason, Refusal,
     Reply, SessionId, DEFAULT_DELIVERY_LIMIT, MAX_MESSAGES_PER_ENTRY,
 };
 use bytes::{Bytes, BytesMut};
@@ -216,6 +220,9 @@ const GET_APPLY_WAIT: Duration = Duration::from_secs(5);
 
 /// How long purge waits for its entry.
 const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How many times an ack or detach whose entry's outcome was unknown is proposed again (each try
+/// waits up to the replicator's timeout for a leader: 20 are ten minutes without a majority).
+const PROPOSE_AGAIN_TIMES: u32 = 20;
 
 /// A live message on this replica: where its bytes are, and its body while it fits in memory.
 struct Body {
@@ -305,6 +312,7 @@ impl ReplicaState {
             getters: HashMap::new(),
             checked_out: BTreeMap::new(),
             last_tick_ms: 0,
+            gone_at_last_tick: Vec::new(),
             deleted: false,
             read_ahead: ReadAhead::default(),
         }
@@ -344,6 +352,9 @@ struct ReplicaState {
     /// `sessions` is pruned of ended sessions when it grows past this.
     sessions_pruned_at: usize,
     last_tick_ms: u64,
+    /// Consumers of this node the group counted at the last tick although this node no longer has
+    /// them (`QuorumReplica::detach_gone_consumers`).
+    gone_at_last_tick: Vec<ConsumerId>,
     deleted: bool,
     read_ahead: ReadAhead,
 }
@@ -383,6 +394,9 @@ struct ReadRange {
 /// What a reply is for, per command of an entry.
 pub(super) enum Waiter {
     None,
+    /// A settlement or detach proposed again (the how-manieth time) after its entry's outcome was
+    /// unknown: see `QuorumReplica::to_propose_again`.
+    Again(u32),
     Enqueue { session: Option<Arc<PublisherSession>>, seqs: Vec<u64> },
     /// A transaction's settlements (tx.commit-ok waits for them).
     Settled { session: Arc<PublisherSession>, seq: u64 },
@@ -442,8 +456,8 @@ struct After {
     dead: Vec<DeadLetter>,
     /// Deliveries handed to no-ack consumers: settled in the next entry.
     settles: Vec<(ConsumerId, MsgId)>,
-    /// Deliveries to consumers gone from this node: returned.
-    returns: Vec<(ConsumerId, MsgId)>,
+    /// Deliveries to consumers gone from this node (see `delivered_to_gone`).
+    to_gone: Vec<ToGone>,
     discards: Vec<(ConsumerId, MsgId)>,
     /// basic.get consumers whose message goes back uncounted (no body here, or the channel closed).
     detaches: Vec<ConsumerId>,
@@ -454,6 +468,14 @@ struct After {
     /// basic.gets the leader took a message for, not applied here yet (`GET_APPLY_WAIT`).
     get_applies: Vec<u64>,
     expired: bool,
+}
+
+/// Messages the group delivered to a consumer of this node that is gone from it.
+struct ToGone {
+    consumer: ConsumerId,
+    /// Whether its channel still holds messages it delivered (cancelled, not closed).
+    client_holds: bool,
+    msgs: Vec<MsgId>,
 }
 
 /// Where a quorum queue's group runs, as recorded with its declaration (`QueueDef`).
@@ -1028,10 +1050,11 @@ impl QuorumReplica {
             return;
         }
         let Some(local) = consumers.get_mut(&consumer.local) else {
-            // Gone from this node. One of this process's consumers: its messages go back (a consumer of
-            // an earlier run of this node is ConsumerDown's). Settle-less redelivery, as RabbitMQ.
-            if consumer.local & !0xffff_ffff == self.incarnation && !settled {
-                after.returns.extend(msgs.iter().map(|d| (consumer, d.msg_id)));
+            // Gone from this node: see `delivered_to_gone`. (An earlier run's consumers are
+            // ConsumerDown's: a restart replays deliveries to them.)
+            if !settled && consumer.local & !0xffff_ffff == self.incarnation {
+                let client_holds = checked_out.values().any(|holder| *holder == consumer);
+                after.to_gone.push(ToGone { consumer, client_holds, msgs: msgs.iter().map(|d| d.msg_id).collect() });
             }
             return;
         };
@@ -1127,7 +1150,7 @@ impl QuorumReplica {
         for (local, _) in &reattach {
             tracing::info!(queue = %queue.name, consumer = local, "a consumer of this node was detached by another node (unreachable a while): attaching it again");
         }
-        if !after.settles.is_empty() || !after.returns.is_empty() || !after.discards.is_empty() || !after.detaches.is_empty() || !reattach.is_empty() {
+        if !after.settles.is_empty() || !after.to_gone.is_empty() || !after.discards.is_empty() || !after.detaches.is_empty() || !reattach.is_empty() {
             let mut p = self.proposals.lock();
             for (local, attach) in &reattach {
                 p.encoder.attach(attach);
@@ -1137,7 +1160,8 @@ impl QuorumReplica {
                 p.encoder.detach(c, true);
                 p.command(Waiter::None);
             }
-            for (list, kind) in [(&after.settles, Settle::Ack), (&after.returns, Settle::Reject { requeue: true }), (&after.discards, Settle::Reject { requeue: false })] {
+            delivered_to_gone(&mut p, std::mem::take(&mut after.to_gone));
+            for (list, kind) in [(&after.settles, Settle::Ack), (&after.discards, Settle::Reject { requeue: false })] {
                 push_settlements(&mut p, list.iter().copied(), kind);
             }
             self.flush(queue, &mut p);
@@ -1376,7 +1400,8 @@ impl QuorumReplica {
             p.in_flight += 1;
             p.pending_bytes = p.pending_bytes.saturating_sub(entry.len());
             let q = queue.clone();
-            replicator.propose(entry, Box::new(move |result| q.replica_proposed(result, waiters)));
+            let proposed = entry.clone();
+            replicator.propose(entry, Box::new(move |result| q.replica_proposed(result, &proposed, waiters)));
         }
         if p.pending_bytes < PENDING_PAUSE_BYTES {
             self.drained.notify_waiters();
@@ -1384,7 +1409,8 @@ impl QuorumReplica {
     }
 
     /// An entry's proposal ended: resolves what waited for its reply, proposes more.
-    pub(super) fn proposed(&self, queue: &Arc<Queue>, result: std::result::Result<Bytes, String>, waiters: Vec<Waiter>) {
+    pub(super) fn proposed(&self, queue: &Arc<Queue>, result: std::result::Result<Bytes, String>, entry: &[u8], waiters: Vec<Waiter>) {
+        let again = if result.is_err() { self.to_propose_again(queue, entry, &waiters) } else { Vec::new() };
         let replies = match &result {
             Ok(bytes) => match Reply::decode(bytes) {
                 Ok(Reply::Batch(replies)) => replies,
@@ -1404,7 +1430,7 @@ impl QuorumReplica {
         for waiter in waiters {
             let reply = replies.next();
             match waiter {
-                Waiter::None => {}
+                Waiter::None | Waiter::Again(_) => {}
                 Waiter::Enqueue { session: Some(session), seqs } => {
                     let rejected: &[u64] = match &reply {
                         Some(Reply::Enqueued { rejected, .. }) => rejected,
@@ -1465,9 +1491,52 @@ impl QuorumReplica {
         {
             let mut p = self.proposals.lock();
             p.in_flight -= 1;
+            for (command, attempt) in &again {
+                if p.encoder.push(command, &[]).is_ok() {
+                    p.command(Waiter::Again(*attempt));
+                }
+            }
             self.flush(queue, &mut p);
         }
         self.finish(queue, after);
+    }
+
+    /// The commands of an entry whose outcome is unknown (not committed in time, or sent to a
+    /// leader that went silent or was replaced: it may still be applied, or never) that must be
+    /// proposed again, with how many times they will have been: acks, nacks, rejects and detaches.
+    /// Lost, an ack left its message checked out to a consumer that goes on (a prefetch-1 consumer
+    /// then got nothing more), and a detach left a consumer this node no longer has counted by the
+    /// group, taking messages. They are safe twice: the group ignores a settlement of a message the
+    /// consumer no longer holds and a detach of a consumer it does not know. (A requeue applied
+    /// twice, the message delivered to the same consumer between, is a second redelivery.) Not
+    /// again: publishes (nacked: the client decides), Attach and Dequeue (their waiters deal with
+    /// it), ConsumerDown (this node's new consumers may be attached since), ticks and purges.
+    fn to_propose_again(&self, queue: &Queue, entry: &[u8], waiters: &[Waiter]) -> Vec<(Command, u32)> {
+        if self.state.lock().deleted {
+            return Vec::new();
+        }
+        let commands = match Command::decode(entry) {
+            Ok(Command::Batch(commands)) => commands,
+            Ok(one) => vec![one],
+            Err(_) => return Vec::new(),
+        };
+        let mut again = Vec::new();
+        for (command, waiter) in commands.into_iter().zip(waiters) {
+            let attempt = match waiter {
+                Waiter::Again(n) => n + 1,
+                _ => 1,
+            };
+            let settles = matches!(command, Command::Settle { .. } | Command::Return { .. } | Command::Discard { .. } | Command::Detach { .. });
+            if !settles {
+                continue;
+            }
+            if attempt > PROPOSE_AGAIN_TIMES {
+                tracing::error!(queue = %queue.name, "a quorum queue's ack or detach was not committed after {PROPOSE_AGAIN_TIMES} tries; given up (its consumer may hold messages until its channel closes)");
+                continue;
+            }
+            again.push((command, attempt));
+        }
+        again
     }
 
     // ---- the AMQP side --------------------------------------------------------------------
@@ -1731,8 +1800,10 @@ impl QuorumReplica {
         self.flush(queue, &mut p);
     }
 
-    /// Periodic: the leader proposes a Tick when messages or the queue can expire.
+    /// Periodic: the leader proposes a Tick when messages or the queue can expire; every replica
+    /// detaches the consumers of its node it no longer has.
     pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
+        self.detach_gone_consumers(queue);
         let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || self.saw_expiration.load(Ordering::Relaxed);
         if !expiring {
             return;
@@ -1747,6 +1818,47 @@ impl QuorumReplica {
         let mut p = self.proposals.lock();
         p.encoder.tick(now_ms);
         p.command(Waiter::None);
+        self.flush(queue, &mut p);
+    }
+
+    /// Consumers of this node the group still counts at two ticks in a row although this node no
+    /// longer has them, and whose channel holds none of their messages, are detached (what they
+    /// hold goes back, as acquired, not failed). Their detach was lost (sent to a leader that
+    /// stopped, and not committed when proposed again), or they are an earlier run's and this run's
+    /// ConsumerDown was lost. Without this, a lost consumer that is delivered nothing more keeps
+    /// the messages it held (whose acks were lost with it) until this node restarts. (Two ticks:
+    /// a detach proposed since the last one is not proposed twice. Twice is harmless, as is a
+    /// detach that arrives after the consumer is gone.)
+    fn detach_gone_consumers(&self, queue: &Arc<Queue>) {
+        let gone: Vec<ConsumerId> = {
+            let mut st = self.state.lock();
+            let node = self.node();
+            let st = &mut *st;
+            let mut gone: Vec<ConsumerId> = st
+                .machine
+                .consumers
+                .keys()
+                .filter(|c| c.node == node && !st.consumers.contains_key(&c.local) && !st.getters.contains_key(&c.local))
+                .copied()
+                .collect();
+            if !gone.is_empty() {
+                gone.retain(|c| !st.checked_out.values().any(|holder| holder == c));
+            }
+            let seen_before = std::mem::replace(&mut st.gone_at_last_tick, gone);
+            if st.deleted || seen_before.is_empty() {
+                return;
+            }
+            st.gone_at_last_tick.iter().filter(|c| seen_before.contains(c)).copied().collect()
+        };
+        if gone.is_empty() {
+            return;
+        }
+        let mut p = self.proposals.lock();
+        for c in gone {
+            tracing::info!(queue = %queue.name, consumer = c.local, "the group still counts a consumer this node no longer has: detaching it");
+            p.encoder.detach(c, true);
+            p.command(Waiter::None);
+        }
         self.flush(queue, &mut p);
     }
 
@@ -1952,6 +2064,29 @@ fn take_bodies(st: &mut ReplicaState, bodies: Vec<(MsgId, MessageRef)>, wanted: 
 }
 
 /// Adds settlements to the entry being built: one command per consumer and kind.
+/// Messages the group delivered to a consumer of this node that is gone from it: its cancel or
+/// its channel's close was proposed, and not applied yet, or lost (sent to a leader that stopped),
+/// or it is an earlier run's. They go back, and so does the consumer. Returned one by one
+/// (Return: delivery count + 1), a consumer whose detach was lost got them again at once: after
+/// `x-delivery-limit` rounds they were dropped. So: a consumer whose channel holds none of its
+/// messages is detached with them (Detach with return: back as acquired, not failed); one
+/// cancelled while its channel still holds some (which the client may still ack) is cancelled
+/// again (it takes nothing more) before these are returned.
+fn delivered_to_gone(p: &mut Proposals, to_gone: Vec<ToGone>) {
+    let mut detached: Vec<ConsumerId> = Vec::new();
+    for ToGone { consumer, client_holds, msgs } in to_gone {
+        if !detached.contains(&consumer) {
+            detached.push(consumer);
+            p.encoder.detach(consumer, !client_holds);
+            p.command(Waiter::None);
+        }
+        if client_holds {
+            p.encoder.return_(consumer, &msgs);
+            p.command(Waiter::None);
+        }
+    }
+}
+
 fn push_settlements(p: &mut Proposals, settled: impl Iterator<Item = (ConsumerId, MsgId)>, how: Settle) {
     let mut by_consumer: Vec<(ConsumerId, Vec<MsgId>)> = Vec::new();
     for (c, m) in settled {
