@@ -101,11 +101,15 @@ def _remove_namespace(name):
         if not run("ip", "netns", "pids", name, check=False).split():
             break
         time.sleep(0.05)
+    why = ""
     for _ in range(50):  # a deletion can fail while the kernel still tears down what ran inside
-        run("ip", "netns", "del", name, check=False)
+        p = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
         if name not in _namespaces():
             return
+        why = f"exit {p.returncode}: {p.stderr.strip()}"
         time.sleep(0.1)
+    pids = run("ip", "netns", "pids", name, check=False).split()
+    raise RuntimeError(f"network namespace {name} could not be deleted in 5 s (ip netns del: {why}; pids inside: {pids})")
 
 
 def remove_leftovers():

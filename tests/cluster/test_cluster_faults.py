@@ -1,7 +1,9 @@
 """Fault tests of issue 10 against a three-node Warren cluster and one quorum queue.
 
 Each test runs publishers with confirms and consumers with manual acks on every node (each
-reconnects to the next node when its own fails), does its fault REPEATS times (waiting after each
+reconnects to the next node when its own fails), and on every node a consumer that cancels and
+closes its connection every second or so and connects again (a fault loses some of those cancels,
+closes and acks on their way to the leader), does its fault REPEATS times (waiting after each
 heal until confirms flow again), drains the queue and asks the checker: nothing confirmed lost,
 nothing unexpected; duplicates and the longest pause in confirms per fault are printed.
 
@@ -41,7 +43,7 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False):
     the node that the test faults next. Waiting for it also checks that rebalancing happens."""
     targets = cluster.targets()
     rotations = [targets[i:] + targets[:i] for i in range(len(targets))]
-    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, arguments=QUORUM,
+    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, churning=rotations, arguments=QUORUM,
                     publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0)).start()
     try:
         work.wait_for_confirms(300, timeout=30)
@@ -171,7 +173,7 @@ def test_remove_node_under_load_then_losing_another_member(four_nodes, history):
     nemesis = Nemesis(cluster, history)
     targets = cluster.targets()
     rotations = [targets[i:] + targets[:i] for i in range(len(targets))]
-    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, arguments=QUORUM,
+    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, churning=rotations, arguments=QUORUM,
                     publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0)).start()
     removed = None
     try:

@@ -197,7 +197,8 @@ def test_namespaces_of_a_killed_run_are_removed_by_the_next_run(tmp_path):
     crashed.wait()
     assert f"wn{slot}-n1" in netns._namespaces(), "left behind"
     with netns.Topology():
-        assert not any(n.startswith(f"wn{slot}-") for n in netns._namespaces())
+        left = [n for n in netns._namespaces() if n.startswith(f"wn{slot}-")]
+        assert not left, f"the killed run's namespaces are still there: {left}"
     for _ in range(100):
         if not Path(f"/proc/{orphan}").exists():
             break

@@ -185,6 +185,10 @@ class Client:
                 + frame(FRAME_HEADER, 1, struct.pack(">HHQH", 60, 0, len(body), 0x1000) + b"\x02")
                 + frame(FRAME_BODY, 1, body))
 
+    def cancel(self, tag):
+        """basic.cancel with no-wait (deliveries may still arrive before anything else would)."""
+        self.send(method_frame(1, 60, 30, shortstr(tag) + b"\x01"))
+
     def ack(self, tag, multiple=True):
         self.send(method_frame(1, 60, 80, struct.pack(">QB", tag, 1 if multiple else 0)))
 
@@ -375,18 +379,23 @@ class Publisher(_Worker):
 class Consumer(_Worker):
     """Consumes with manual acks (prefetch `prefetch`, one multiple-ack per batch), recording every
     delivery. The ack goes out after the delivery is recorded, so a lost ack means a redelivery
-    (a duplicate), never a loss."""
+    (a duplicate), never a loss. With `session_seconds`, each connection ends after about that long
+    (basic.cancel, then connection.close with what arrived meanwhile unacked) and the consumer
+    connects again to the same node: the churn of short-lived consumers, whose cancels, closes and
+    acks a fault may lose on the way to the leader."""
 
     def __init__(self, name, targets, queue, history, *, arguments=None, prefetch=200, heartbeat=2,
-                 timeout=3.0, netns=None, durable=True):
+                 timeout=3.0, netns=None, durable=True, session_seconds=None):
         super().__init__(name, targets, queue, history, arguments, heartbeat, timeout, netns, durable)
         self.prefetch = prefetch
+        self.session_seconds = session_seconds
         self.delivered = 0
 
     def session(self, c, label):
         c.qos(self.prefetch)
         c.consume(self.queue, tag=self.name)
-        while not self.stopping:
+        ends = time.monotonic() + self.session_seconds if self.session_seconds else None
+        while not self.stopping and (ends is None or time.monotonic() < ends):
             last = None
             for ev in c.events(0.2):
                 if ev[0] == "deliver":
@@ -395,6 +404,9 @@ class Consumer(_Worker):
                     last = ev[1]
             if last is not None:
                 c.ack(last, multiple=True)
+        if ends is not None and not self.stopping:
+            c.cancel(self.name)
+            c.close()
 
 
 def drain(targets, queue, history, *, arguments=None, idle=1.0, timeout=60.0, heartbeat=2, netns=None,
@@ -444,16 +456,20 @@ def drain(targets, queue, history, *, arguments=None, idle=1.0, timeout=60.0, he
 class Workload:
     """Publishers and consumers on one queue, started together and stopped together.
 
-    `publishers` and `consumers` are lists of target lists (one per client, in the order each
-    client tries them)."""
+    `publishers`, `consumers` and `churning` (consumers that reconnect every second or so) are lists
+    of target lists (one per client, in the order each client tries them)."""
 
     def __init__(self, queue, history, publishers, consumers, *, arguments=None, durable=True,
-                 publisher_opts=None, consumer_opts=None):
+                 publisher_opts=None, consumer_opts=None, churning=None):
         self.queue, self.history = queue, history
         self.publishers = [Publisher(f"p{i}", t, queue, history, arguments=arguments, durable=durable,
                                      **(publisher_opts or {})) for i, t in enumerate(publishers)]
         self.consumers = [Consumer(f"c{i}", t, queue, history, arguments=arguments, durable=durable,
                                    **(consumer_opts or {})) for i, t in enumerate(consumers)]
+        # One more on each node whose connections last about a second each (see `Consumer`).
+        self.consumers += [Consumer(f"churn{i}", t, queue, history, arguments=arguments, durable=durable,
+                                    session_seconds=0.7 + 0.2 * i, **(consumer_opts or {}))
+                           for i, t in enumerate(churning or [])]
 
     def start(self):
         for w in self.publishers + self.consumers:
