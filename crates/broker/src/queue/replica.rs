@@ -394,9 +394,9 @@ struct ReadRange {
 /// What a reply is for, per command of an entry.
 pub(super) enum Waiter {
     None,
-    /// A settlement or detach proposed again (the how-manieth time) after its entry's outcome was
-    /// unknown: see `QuorumReplica::to_propose_again`.
-    Again(u32),
+    /// A settlement or detach proposed again (the `attempt`-th time) after its entry's outcome was
+    /// unknown (see `QuorumReplica::to_propose_again`), with the transaction that waits for it.
+    Again { attempt: u32, tx: Option<(Arc<PublisherSession>, u64)> },
     Enqueue { session: Option<Arc<PublisherSession>>, seqs: Vec<u64> },
     /// A transaction's settlements (tx.commit-ok waits for them).
     Settled { session: Arc<PublisherSession>, seq: u64 },
@@ -1410,7 +1410,7 @@ impl QuorumReplica {
 
     /// An entry's proposal ended: resolves what waited for its reply, proposes more.
     pub(super) fn proposed(&self, queue: &Arc<Queue>, result: std::result::Result<Bytes, String>, entry: &[u8], waiters: Vec<Waiter>) {
-        let again = if result.is_err() { self.to_propose_again(queue, entry, &waiters) } else { Vec::new() };
+        let mut again = if result.is_err() { self.to_propose_again(queue, entry, &waiters) } else { Vec::new() };
         let replies = match &result {
             Ok(bytes) => match Reply::decode(bytes) {
                 Ok(Reply::Batch(replies)) => replies,
@@ -1427,10 +1427,13 @@ impl QuorumReplica {
         };
         let mut after = After::default();
         let mut replies = replies.into_iter();
-        for waiter in waiters {
+        for (i, waiter) in waiters.into_iter().enumerate() {
             let reply = replies.next();
+            if again.get(i).is_some_and(Option::is_some) {
+                continue; // waits for its command proposed again
+            }
             match waiter {
-                Waiter::None | Waiter::Again(_) => {}
+                Waiter::None | Waiter::Again { tx: None, .. } => {}
                 Waiter::Enqueue { session: Some(session), seqs } => {
                     let rejected: &[u64] = match &reply {
                         Some(Reply::Enqueued { rejected, .. }) => rejected,
@@ -1442,7 +1445,7 @@ impl QuorumReplica {
                     session.resolved(self.group, seqs.iter().map(|s| (*s, rejected.contains(s))));
                 }
                 Waiter::Enqueue { session: None, .. } => {}
-                Waiter::Settled { session, seq } => {
+                Waiter::Settled { session, seq } | Waiter::Again { tx: Some((session, seq)), .. } => {
                     if reply.is_none() {
                         tracing::warn!(queue = %queue.name, "a transaction's settlements were not committed in time; tx.commit-ok goes out all the same");
                     }
@@ -1491,9 +1494,9 @@ impl QuorumReplica {
         {
             let mut p = self.proposals.lock();
             p.in_flight -= 1;
-            for (command, attempt) in &again {
-                if p.encoder.push(command, &[]).is_ok() {
-                    p.command(Waiter::Again(*attempt));
+            for (command, waiter) in again.drain(..).flatten() {
+                if p.encoder.push(&command, &[]).is_ok() {
+                    p.command(waiter);
                 }
             }
             self.flush(queue, &mut p);
@@ -1511,7 +1514,10 @@ impl QuorumReplica {
     /// twice, the message delivered to the same consumer between, is a second redelivery.) Not
     /// again: publishes (nacked: the client decides), Attach and Dequeue (their waiters deal with
     /// it), ConsumerDown (this node's new consumers may be attached since), ticks and purges.
-    fn to_propose_again(&self, queue: &Queue, entry: &[u8], waiters: &[Waiter]) -> Vec<(Command, u32)> {
+    ///
+    /// Returns, by the entry's commands (their waiters), those to propose again with their new
+    /// waiters (None: not again). A transaction's commit-ok waits for its settlements proposed again.
+    fn to_propose_again(&self, queue: &Queue, entry: &[u8], waiters: &[Waiter]) -> Vec<Option<(Command, Waiter)>> {
         if self.state.lock().deleted {
             return Vec::new();
         }
@@ -1520,21 +1526,24 @@ impl QuorumReplica {
             Ok(one) => vec![one],
             Err(_) => return Vec::new(),
         };
-        let mut again = Vec::new();
+        let mut again = Vec::with_capacity(waiters.len());
         for (command, waiter) in commands.into_iter().zip(waiters) {
-            let attempt = match waiter {
-                Waiter::Again(n) => n + 1,
-                _ => 1,
+            let (attempt, tx) = match waiter {
+                Waiter::Again { attempt, tx } => (attempt + 1, tx.clone()),
+                Waiter::Settled { session, seq } => (1, Some((session.clone(), *seq))),
+                _ => (1, None),
             };
             let settles = matches!(command, Command::Settle { .. } | Command::Return { .. } | Command::Discard { .. } | Command::Detach { .. });
             if !settles {
+                again.push(None);
                 continue;
             }
             if attempt > PROPOSE_AGAIN_TIMES {
                 tracing::error!(queue = %queue.name, "a quorum queue's ack or detach was not committed after {PROPOSE_AGAIN_TIMES} tries; given up (its consumer may hold messages until its channel closes)");
+                again.push(None);
                 continue;
             }
-            again.push((command, attempt));
+            again.push(Some((command, Waiter::Again { attempt, tx })));
         }
         again
     }
@@ -1921,7 +1930,7 @@ impl QuorumReplica {
         for w in waiting {
             match w {
                 Waiter::Enqueue { session: Some(session), seqs } => session.resolved(self.group, seqs.into_iter().map(|s| (s, true))),
-                Waiter::Settled { session, seq } => session.resolved(self.group, [(seq, false)]),
+                Waiter::Settled { session, seq } | Waiter::Again { tx: Some((session, seq)), .. } => session.resolved(self.group, [(seq, false)]),
                 _ => {}
             }
         }
