@@ -223,6 +223,9 @@ const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How many times an ack or detach whose entry's outcome was unknown is proposed again (each try
 /// waits up to the replicator's timeout for a leader: 20 are ten minutes without a majority).
 const PROPOSE_AGAIN_TIMES: u32 = 20;
+/// Ticks between detaches proposed again for a consumer of this node the group still counts
+/// (`QuorumReplica::detach_gone_consumers`).
+const DETACH_GONE_AGAIN_TICKS: u32 = 30;
 
 /// A live message on this replica: where its bytes are, and its body while it fits in memory.
 struct Body {
@@ -353,8 +356,8 @@ struct ReplicaState {
     sessions_pruned_at: usize,
     last_tick_ms: u64,
     /// Consumers of this node the group counted at the last tick although this node no longer has
-    /// them (`QuorumReplica::detach_gone_consumers`).
-    gone_at_last_tick: Vec<ConsumerId>,
+    /// them, with how many ticks in a row it did (`QuorumReplica::detach_gone_consumers`).
+    gone_at_last_tick: Vec<(ConsumerId, u32)>,
     deleted: bool,
     read_ahead: ReadAhead,
 }
@@ -1853,11 +1856,21 @@ impl QuorumReplica {
             if !gone.is_empty() {
                 gone.retain(|c| !st.checked_out.values().any(|holder| holder == c));
             }
-            let seen_before = std::mem::replace(&mut st.gone_at_last_tick, gone);
-            if st.deleted || seen_before.is_empty() {
+            let seen_before = std::mem::take(&mut st.gone_at_last_tick);
+            st.gone_at_last_tick = gone
+                .into_iter()
+                .map(|c| (c, seen_before.iter().find(|(g, _)| *g == c).map_or(1, |(_, ticks)| ticks + 1)))
+                .collect();
+            if st.deleted {
                 return;
             }
-            st.gone_at_last_tick.iter().filter(|c| seen_before.contains(c)).copied().collect()
+            // Proposed at the second tick, then every `DETACH_GONE_AGAIN_TICKS` while it lasts (no
+            // majority to commit it: one log line and one command a second per consumer is noise).
+            st.gone_at_last_tick
+                .iter()
+                .filter(|(_, ticks)| *ticks == 2 || (*ticks > 2 && ticks % DETACH_GONE_AGAIN_TICKS == 0))
+                .map(|(c, _)| *c)
+                .collect()
         };
         if gone.is_empty() {
             return;
