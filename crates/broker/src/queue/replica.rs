@@ -397,12 +397,11 @@ struct ReadRange {
 /// What a reply is for, per command of an entry.
 pub(super) enum Waiter {
     None,
-    /// A settlement or detach proposed again (the `attempt`-th time) after its entry's outcome was
-    /// unknown (see `QuorumReplica::to_propose_again`), with the transaction that waits for it.
-    Again { attempt: u32, tx: Option<(Arc<PublisherSession>, u64)> },
     Enqueue { session: Option<Arc<PublisherSession>>, seqs: Vec<u64> },
-    /// A transaction's settlements (tx.commit-ok waits for them).
-    Settled { session: Arc<PublisherSession>, seq: u64 },
+    /// Settlements or a detach waited for: by the transaction `tx` (its tx.commit-ok), or, proposed
+    /// again (`tries` times so far) after their entry's outcome was unknown, by nobody (see
+    /// `QuorumReplica::to_propose_again`).
+    Settled { tries: u32, tx: Option<(Arc<PublisherSession>, u64)> },
     Attach(u64),
     Get(u64),
     Purge(std::sync::mpsc::Sender<Option<u64>>),
@@ -1056,7 +1055,7 @@ impl QuorumReplica {
             // Gone from this node: see `delivered_to_gone`. (An earlier run's consumers are
             // ConsumerDown's: a restart replays deliveries to them.)
             if !settled && consumer.local & !0xffff_ffff == self.incarnation {
-                let client_holds = checked_out.values().any(|holder| *holder == consumer);
+                let client_holds = holds_any(checked_out, consumer);
                 after.to_gone.push(ToGone { consumer, client_holds, msgs: msgs.iter().map(|d| d.msg_id).collect() });
             }
             return;
@@ -1159,10 +1158,7 @@ impl QuorumReplica {
                 p.encoder.attach(attach);
                 p.command(Waiter::Attach(*local));
             }
-            for c in after.detaches.drain(..) {
-                p.encoder.detach(c, true);
-                p.command(Waiter::None);
-            }
+            detach_returning(&mut p, after.detaches.drain(..));
             delivered_to_gone(&mut p, std::mem::take(&mut after.to_gone));
             for (list, kind) in [(&after.settles, Settle::Ack), (&after.discards, Settle::Reject { requeue: false })] {
                 push_settlements(&mut p, list.iter().copied(), kind);
@@ -1436,7 +1432,7 @@ impl QuorumReplica {
                 continue; // waits for its command proposed again
             }
             match waiter {
-                Waiter::None | Waiter::Again { tx: None, .. } => {}
+                Waiter::None | Waiter::Settled { tx: None, .. } => {}
                 Waiter::Enqueue { session: Some(session), seqs } => {
                     let rejected: &[u64] = match &reply {
                         Some(Reply::Enqueued { rejected, .. }) => rejected,
@@ -1448,7 +1444,7 @@ impl QuorumReplica {
                     session.resolved(self.group, seqs.iter().map(|s| (*s, rejected.contains(s))));
                 }
                 Waiter::Enqueue { session: None, .. } => {}
-                Waiter::Settled { session, seq } | Waiter::Again { tx: Some((session, seq)), .. } => {
+                Waiter::Settled { tx: Some((session, seq)), .. } => {
                     if reply.is_none() {
                         tracing::warn!(queue = %queue.name, "a transaction's settlements were not committed in time; tx.commit-ok goes out all the same");
                     }
@@ -1532,8 +1528,7 @@ impl QuorumReplica {
         let mut again = Vec::with_capacity(waiters.len());
         for (command, waiter) in commands.into_iter().zip(waiters) {
             let (attempt, tx) = match waiter {
-                Waiter::Again { attempt, tx } => (attempt + 1, tx.clone()),
-                Waiter::Settled { session, seq } => (1, Some((session.clone(), *seq))),
+                Waiter::Settled { tries, tx } => (tries + 1, tx.clone()),
                 _ => (1, None),
             };
             let settles = matches!(command, Command::Settle { .. } | Command::Return { .. } | Command::Discard { .. } | Command::Detach { .. });
@@ -1546,7 +1541,7 @@ impl QuorumReplica {
                 again.push(None);
                 continue;
             }
-            again.push(Some((command, Waiter::Again { attempt, tx })));
+            again.push(Some((command, Waiter::Settled { tries: attempt, tx })));
         }
         again
     }
@@ -1729,7 +1724,7 @@ impl QuorumReplica {
             // The entry's reply (any of its commands': an entry applies whole) resolves it.
             publisher.session.sent(self.group, publisher.seq);
             if let Some(last) = p.waiters.last_mut() {
-                *last = Waiter::Settled { session: publisher.session.clone(), seq: publisher.seq };
+                *last = Waiter::Settled { tries: 0, tx: Some((publisher.session.clone(), publisher.seq)) };
             }
         }
         self.flush(queue, &mut p);
@@ -1805,10 +1800,7 @@ impl QuorumReplica {
             return;
         }
         let mut p = self.proposals.lock();
-        for c in gone {
-            p.encoder.detach(c, true);
-            p.command(Waiter::None);
-        }
+        detach_returning(&mut p, gone);
         self.flush(queue, &mut p);
     }
 
@@ -1854,7 +1846,7 @@ impl QuorumReplica {
                 .copied()
                 .collect();
             if !gone.is_empty() {
-                gone.retain(|c| !st.checked_out.values().any(|holder| holder == c));
+                gone.retain(|c| !holds_any(&st.checked_out, *c));
             }
             let seen_before = std::mem::take(&mut st.gone_at_last_tick);
             st.gone_at_last_tick = gone
@@ -1875,12 +1867,11 @@ impl QuorumReplica {
         if gone.is_empty() {
             return;
         }
-        let mut p = self.proposals.lock();
-        for c in gone {
+        for c in &gone {
             tracing::info!(queue = %queue.name, consumer = c.local, "the group still counts a consumer this node no longer has: detaching it");
-            p.encoder.detach(c, true);
-            p.command(Waiter::None);
         }
+        let mut p = self.proposals.lock();
+        detach_returning(&mut p, gone);
         self.flush(queue, &mut p);
     }
 
@@ -1943,7 +1934,7 @@ impl QuorumReplica {
         for w in waiting {
             match w {
                 Waiter::Enqueue { session: Some(session), seqs } => session.resolved(self.group, seqs.into_iter().map(|s| (s, true))),
-                Waiter::Settled { session, seq } | Waiter::Again { tx: Some((session, seq)), .. } => session.resolved(self.group, [(seq, false)]),
+                Waiter::Settled { tx: Some((session, seq)), .. } => session.resolved(self.group, [(seq, false)]),
                 _ => {}
             }
         }
@@ -2086,6 +2077,19 @@ fn take_bodies(st: &mut ReplicaState, bodies: Vec<(MsgId, MessageRef)>, wanted: 
 }
 
 /// Adds settlements to the entry being built: one command per consumer and kind.
+/// Detaches `consumers`, returning what they hold (as acquired, not failed deliveries).
+fn detach_returning(p: &mut Proposals, consumers: impl IntoIterator<Item = ConsumerId>) {
+    for c in consumers {
+        p.encoder.detach(c, true);
+        p.command(Waiter::None);
+    }
+}
+
+/// Whether a channel on this node holds a message delivered to `consumer` (`ReplicaState::checked_out`).
+fn holds_any(checked_out: &BTreeMap<MsgId, ConsumerId>, consumer: ConsumerId) -> bool {
+    checked_out.values().any(|holder| *holder == consumer)
+}
+
 /// Messages the group delivered to a consumer of this node that is gone from it: its cancel or
 /// its channel's close was proposed, and not applied yet, or lost (sent to a leader that stopped),
 /// or it is an earlier run's. They go back, and so does the consumer. Returned one by one
