@@ -506,7 +506,10 @@ impl QueueLog {
             let mut chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize, direct)?;
             // A chunk must hold at least one whole record: read again if the first one is longer.
             let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&chunk, 0)));
-            if first_len > chunk.len() as u64 && offset + first_len <= seg.len {
+            // (A length past the format's limit is damage, which the decode below reports: reading
+            // it would allocate whatever a damaged header says, up to 4 GiB.)
+            let plausible = first_len <= (RECORD_HEADER_SIZE + format::MAX_BODY_LEN) as u64;
+            if first_len > chunk.len() as u64 && plausible && offset + first_len <= seg.len {
                 chunk = self.pread(&seg, offset, first_len as usize, direct)?;
             }
             let mut pos = 0usize;
