@@ -14,8 +14,9 @@
 //! state     = version:u8 kind:u8 ...
 //!             kind 1 hard state: vote:opt<vote> committed:opt<log_id> purged:opt<log_id>
 //!             kind 2 snapshot:   last:opt<log_id> membership_at:opt<log_id> membership data (to the end)
-//!             kind 3 layout:     next_log_seq:u64 runs:u32 { first_index:u64 first_seq:u64 count:u64
-//!                                term:u64 leader:u64 bytes:u64 }
+//!             kind 3 layout:     next_log_seq:u64 runs:u32 { run } [retained:u32 { run }]
+//!                                (retained: only when there are some; a layout without it has none)
+//! run       = first_index:u64 first_seq:u64 count:u64 term:u64 leader:u64 bytes:u64
 //! log_id    = term:u64 leader:u64 index:u64
 //! vote      = term:u64 node:u64 committed:u8
 //! membership= configs:u32 { voters:u32 { node:u64 } } nodes:u32 { node:u64 cluster_addr:str amqp_addr:str }
@@ -92,6 +93,9 @@ pub enum StateRecord {
 pub struct Layout {
     pub next_log_seq: u64,
     pub runs: Vec<Run>,
+    /// Purged entries whose records are kept (the state machine still reads them), as runs (their
+    /// indexes are below the log's: runs need not follow each other).
+    pub retained: Vec<Run>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -194,20 +198,27 @@ pub fn encode_snapshot_head(meta: &SnapshotMeta) -> Vec<u8> {
 }
 
 pub fn encode_layout(layout: &Layout) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + 8 + 4 + layout.runs.len() * 48);
+    let mut out = Vec::with_capacity(2 + 8 + 8 + (layout.runs.len() + layout.retained.len()) * 48);
     out.push(VERSION);
     out.push(STATE_LAYOUT);
     put_u64(&mut out, layout.next_log_seq);
-    put_u32(&mut out, layout.runs.len());
-    for r in &layout.runs {
-        put_u64(&mut out, r.first_index);
-        put_u64(&mut out, r.first_seq);
-        put_u64(&mut out, r.count);
-        put_u64(&mut out, r.leader.term);
-        put_u64(&mut out, r.leader.node_id);
-        put_u64(&mut out, r.bytes);
+    put_runs(&mut out, &layout.runs);
+    if !layout.retained.is_empty() {
+        put_runs(&mut out, &layout.retained);
     }
     out
+}
+
+fn put_runs(out: &mut Vec<u8>, runs: &[Run]) {
+    put_u32(out, runs.len());
+    for r in runs {
+        put_u64(out, r.first_index);
+        put_u64(out, r.first_seq);
+        put_u64(out, r.count);
+        put_u64(out, r.leader.term);
+        put_u64(out, r.leader.node_id);
+        put_u64(out, r.bytes);
+    }
 }
 
 /// Decodes a `RAFT_STATE` record. A snapshot's data is a slice of `record` (no copy).
@@ -239,19 +250,10 @@ pub fn decode_state(record: &Bytes) -> Result<StateRecord, DecodeError> {
         }
         STATE_LAYOUT => {
             let next_log_seq = r.u64("layout next seq")?;
-            let n = r.count("layout runs", 48)?;
-            let mut runs = Vec::with_capacity(n);
-            for _ in 0..n {
-                let first_index = r.u64("run index")?;
-                let first_seq = r.u64("run seq")?;
-                let count = r.u64("run count")?;
-                let term = r.u64("run term")?;
-                let node = r.u64("run leader")?;
-                let bytes = r.u64("run bytes")?;
-                runs.push(Run { first_index, first_seq, count, leader: LeaderId::new(term, node), bytes });
-            }
+            let runs = r.runs("layout runs")?;
+            let retained = if r.at < r.buf.len() { r.runs("layout retained runs")? } else { Vec::new() };
             r.end()?;
-            Ok(StateRecord::Layout(Layout { next_log_seq, runs }))
+            Ok(StateRecord::Layout(Layout { next_log_seq, runs, retained }))
         }
         kind => Err(DecodeError::Kind { what: "state record", kind }),
     }
@@ -340,6 +342,21 @@ impl<'a> Reader<'a> {
         let mut a = [0u8; 8];
         a.copy_from_slice(b);
         Ok(u64::from_le_bytes(a))
+    }
+
+    fn runs(&mut self, what: &'static str) -> Result<Vec<Run>, DecodeError> {
+        let n = self.count(what, 48)?;
+        let mut runs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let first_index = self.u64("run index")?;
+            let first_seq = self.u64("run seq")?;
+            let count = self.u64("run count")?;
+            let term = self.u64("run term")?;
+            let node = self.u64("run leader")?;
+            let bytes = self.u64("run bytes")?;
+            runs.push(Run { first_index, first_seq, count, leader: LeaderId::new(term, node), bytes });
+        }
+        Ok(runs)
     }
 
     fn flag(&mut self, what: &'static str) -> Result<bool, DecodeError> {
@@ -481,6 +498,15 @@ mod tests {
                     Run { first_index: 5, first_seq: 10, count: 3, leader: LeaderId::new(1, 2), bytes: 300 },
                     Run { first_index: 8, first_seq: 20, count: 70, leader: LeaderId::new(2, 1), bytes: 7000 },
                 ],
+                retained: Vec::new(),
+            },
+            Layout {
+                next_log_seq: 120,
+                runs: vec![Run { first_index: 50, first_seq: 100, count: 20, leader: LeaderId::new(2, 1), bytes: 2000 }],
+                retained: vec![
+                    Run { first_index: 3, first_seq: 8, count: 1, leader: LeaderId::new(1, 2), bytes: 100 },
+                    Run { first_index: 30, first_seq: 70, count: 2, leader: LeaderId::new(2, 1), bytes: 200 },
+                ],
             },
         ] {
             let bytes = Bytes::from(encode_layout(&layout));
@@ -499,7 +525,8 @@ mod tests {
         ];
         let meta = SnapshotMeta { last_log_id: None, last_membership: StoredMembership::new(Some(log_id(2, 1, 7)), membership()) };
         samples.push(encode_snapshot_head(&meta));
-        samples.push(encode_layout(&Layout { next_log_seq: 9, runs: vec![Run { first_index: 1, first_seq: 2, count: 3, leader: LeaderId::new(4, 5), bytes: 6 }] }));
+        let run = Run { first_index: 1, first_seq: 2, count: 3, leader: LeaderId::new(4, 5), bytes: 6 };
+        samples.push(encode_layout(&Layout { next_log_seq: 9, runs: vec![run], retained: vec![run] }));
         for sample in samples {
             for len in 0..sample.len() {
                 let b = Bytes::copy_from_slice(&sample[..len]);

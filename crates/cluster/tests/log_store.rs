@@ -253,6 +253,73 @@ async fn a_restart_reads_only_the_entries_after_the_last_layout() {
     assert!(logs.recovery_stats().records_read <= 5, "{:?}", logs.recovery_stats());
 }
 
+/// A purge keeps the records of the entries the state machine pinned (the bodies of live messages
+/// only in them): readable by index until unpinned, across restarts; at a start the retained
+/// entries the machine does not pin again go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purge_keeps_pinned_entries_until_they_are_unpinned_and_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    // The store applies acks after their write: wait for the count to be reached.
+    let live = |store: &warren_store::Store, want: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let n = store.read(RAFT_LOG | 4, 0, 1000, usize::MAX).unwrap().messages.len();
+            if n == want || std::time::Instant::now() > deadline {
+                return n;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
+    {
+        let (store, logs) = open(dir.path());
+        let mut ls = logs.log_store(4).unwrap();
+        append_flushed(&mut ls, (0..20).map(|i| normal(4, 1, i)).collect()).await;
+        for i in [3, 4, 10, 17] {
+            logs.pin_entry(4, i).unwrap();
+        }
+        ls.purge(log_id(1, 1, 15)).await.unwrap();
+        for i in [3, 4, 10, 17] {
+            assert_eq!(logs.read_entry(4, i).unwrap(), Some(normal(4, 1, i)), "entry {i}");
+        }
+        assert_eq!(logs.read_entry(4, 5).unwrap(), None, "purged and not pinned");
+        assert_eq!(all_entries(&mut ls).await, (16..20).map(|i| normal(4, 1, i)).collect::<Vec<_>>(), "openraft sees the purge");
+        assert_eq!(live(&store, 3 + 4), 3 + 4);
+        logs.unpin_entry(4, 4).unwrap();
+        assert_eq!(logs.read_entry(4, 4).unwrap(), None);
+        assert_eq!(live(&store, 2 + 4), 2 + 4);
+        ls.save_vote(&Vote::new(1, 1)).await.unwrap();
+        store.close().unwrap();
+    }
+    {
+        let (store, logs) = open(dir.path());
+        assert_eq!(logs.recovery_stats().retained, 2);
+        let mut ls = logs.log_store(4).unwrap();
+        assert_eq!(ls.get_log_state().await.unwrap().last_purged_log_id, Some(log_id(1, 1, 15)));
+        for i in [3, 10] {
+            assert_eq!(logs.read_entry(4, i).unwrap(), Some(normal(4, 1, i)), "entry {i} after a restart");
+        }
+        // The machine reads entry 3 still, not 10.
+        logs.pin_entry(4, 3).unwrap();
+        assert_eq!(logs.release_unpinned(4).unwrap(), 1);
+        assert_eq!(logs.read_entry(4, 10).unwrap(), None);
+        assert_eq!(live(&store, 1 + 4), 1 + 4);
+        // A later purge keeps what is pinned and retained before.
+        logs.pin_entry(4, 18).unwrap();
+        ls.purge(log_id(1, 1, 19)).await.unwrap();
+        assert_eq!(live(&store, 2), 2);
+        ls.save_vote(&Vote::new(2, 1)).await.unwrap();
+        store.close().unwrap();
+    }
+    let (store, logs) = open(dir.path());
+    assert_eq!(logs.recovery_stats().retained, 2);
+    for i in [3, 18] {
+        assert_eq!(logs.read_entry(4, i).unwrap(), Some(normal(4, 1, i)), "entry {i} after a second restart");
+    }
+    assert_eq!(logs.release_unpinned(4).unwrap(), 2);
+    assert_eq!(live(&store, 0), 0);
+    assert_eq!(store.stats().seq_regressions, 0);
+}
+
 /// The state machine's stream of entries is read in chunks of a few MiB: every entry, in order,
 /// across chunk boundaries, the purged beginning and the missing end left out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@
 
 mod log_store_common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -93,6 +93,8 @@ struct Model {
     /// Per group: the truncation point not yet known durable.
     pending_truncation: BTreeMap<u64, u64>,
     votes: BTreeMap<u64, Vote>,
+    /// Per group: the entries pinned (as a state machine holding bodies in them would) and not unpinned.
+    pinned: BTreeMap<u64, BTreeSet<u64>>,
 }
 
 impl Model {
@@ -150,9 +152,13 @@ async fn workload(sim: &Arc<SimDisk>, logs: &RaftLogs, seed: u64, m: &mut Model)
         let ls = &mut stores[k];
         match rng.below(10) {
             0 if next[k] > purged_next[k] + 3 => {
-                // A new leader replaces the last entries.
-                term[k] += 1;
+                // A new leader replaces the last entries (never pinned ones: a machine pins
+                // entries it applied, which are committed).
                 let keep = next[k] - 1 - rng.below(2);
+                if m.pinned.get(&g).and_then(|p| p.last()).is_some_and(|&p| p >= keep) {
+                    continue;
+                }
+                term[k] += 1;
                 if ls.truncate_after(Some(log_id(term[k] - 1, 1, keep - 1))).await.is_err() {
                     return;
                 }
@@ -167,6 +173,19 @@ async fn workload(sim: &Arc<SimDisk>, logs: &RaftLogs, seed: u64, m: &mut Model)
                 }
                 m.all_durable();
                 m.votes.insert(g, vote);
+            }
+            3 if next[k] > purged_next[k] + 3 => {
+                let index = purged_next[k] + rng.below(next[k] - 3 - purged_next[k]);
+                logs.pin_entry(g, index).unwrap();
+                m.pinned.entry(g).or_default().insert(index);
+            }
+            4 if m.pinned.get(&g).is_some_and(|p| !p.is_empty()) => {
+                let pinned = &m.pinned[&g];
+                let index = *pinned.iter().nth(rng.below(pinned.len() as u64) as usize).unwrap();
+                if logs.unpin_entry(g, index).is_err() {
+                    return;
+                }
+                m.pinned.entry(g).or_default().remove(&index);
             }
             2 if next[k] > purged_next[k] + 4 => {
                 let upto = purged_next[k] + rng.below(next[k] - 3 - purged_next[k]);
@@ -222,6 +241,12 @@ async fn check(sim: &Arc<SimDisk>, dir: &Path, options: LogsOptions, m: &Model, 
             if *index >= purged_next && *index < maybe_truncated {
                 assert_eq!(by_index.get(index), Some(&e), "{what}: group {g}: durable entry {index} lost");
             }
+        }
+        // Pinned entries the purge let go of are retained: readable by index.
+        for index in m.pinned.get(&g).into_iter().flatten() {
+            let Some(e) = m.durable.get(&g).and_then(|d| d.get(index)) else { continue };
+            let got = logs.read_entry(g, *index).unwrap_or_else(|err| panic!("{what}: group {g}: pinned entry {index}: {err}"));
+            assert_eq!(got.as_ref(), Some(e), "{what}: group {g}: pinned entry {index} lost");
         }
         let last = state.last_log_id.map(|l: LogId| l.index);
         if let Some(vote) = m.votes.get(&g) {

@@ -5,7 +5,10 @@
 //! - group `g`'s entries are the records of store queue [`RAFT_LOG`]` | g`, one entry per record in
 //!   [`codec`](crate::codec)'s encoding, in append order. The store seq is a counter of the group's
 //!   appends, not the Raft index: a truncation acks the removed entries' records and the indexes are
-//!   appended again under new seqs. A purge acks the records up to the purged index.
+//!   appended again under new seqs. A purge acks the records up to the purged index, except those
+//!   of entries the state machine pinned ([`Group::pin`]: they hold the bodies of live messages,
+//!   which are written nowhere else): those are *retained*, readable by index
+//!   ([`Group::read_entry`]) until unpinned. Openraft sees them purged.
 //! - group `g`'s hard state (vote, committed and purged log ids), its latest snapshot and its
 //!   layout (where the entries are: runs of consecutive indexes and seqs) are records of store
 //!   queue [`RAFT_STATE`]` | g`: each record acks the record of its kind before it, in the same
@@ -20,8 +23,10 @@
 //! Recovery ([`RaftLogs::open`]) reads each group's state records (the latest of each kind wins),
 //! takes the entries the layout names without reading them, and reads the entry records appended
 //! after it: a record whose index is at or below one before it replaces it and
-//! everything after it (a truncation whose acks a crash lost), and records at or below the purged
-//! index are stale. Stale and superseded records are acked again.
+//! everything after it (a truncation whose acks a crash lost). Records at or below the purged
+//! index are retained (the layout names those a purge kept; others are ones whose ack a crash
+//! lost) until the state machine, restored, has pinned what it reads: [`Group::release_unpinned`]
+//! acks the rest. Stale and superseded records are acked again.
 //!
 //! ### To ensure correctness
 //! - A group's records are appended under its lock, so its seqs rise in append order; the WAL is one
@@ -36,7 +41,7 @@ mod compaction;
 mod flush;
 mod storage;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::sync::Arc;
 
@@ -59,6 +64,9 @@ pub const GROUP_ID_LIMIT: GroupId = RAFT_STATE;
 
 /// Reads of entries from the store ask for at most this many payload bytes at once.
 const READ_CHUNK_BYTES: usize = 4 << 20;
+
+/// How long a read of a retained entry waits for the store to make its record readable.
+const READABLE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// What opening the logs can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -98,6 +106,8 @@ pub struct RecoveryStats {
     pub groups: u64,
     /// Unpurged entries, in all groups.
     pub entries: u64,
+    /// Purged entries whose records were kept (see [`GroupInner::purge`]), in all groups.
+    pub retained: u64,
     /// Entry records read (the others are known from the groups' layout records).
     pub records_read: u64,
 }
@@ -199,6 +209,32 @@ impl RaftLogs {
         batch.drop_queue(RAFT_LOG | group);
         batch.drop_queue(RAFT_STATE | group);
         Ok(self.shared.store.append(&mut batch)?)
+    }
+
+    /// Group `group`'s state machine reads entry `index` after it is purged (see [`Group::pin`]).
+    pub fn pin_entry(&self, group: GroupId, index: u64) -> io::Result<()> {
+        self.existing(group)?.pin(index);
+        Ok(())
+    }
+
+    /// See [`Group::unpin`].
+    pub fn unpin_entry(&self, group: GroupId, index: u64) -> io::Result<()> {
+        self.existing(group)?.unpin(&self.shared.store, index)
+    }
+
+    /// See [`Group::release_unpinned`].
+    pub fn release_unpinned(&self, group: GroupId) -> io::Result<u64> {
+        self.existing(group)?.release_unpinned(&self.shared.store)
+    }
+
+    /// See [`Group::read_entry`].
+    pub fn read_entry(&self, group: GroupId, index: u64) -> io::Result<Option<Entry>> {
+        self.existing(group)?.read_entry(&self.shared.store, index)
+    }
+
+    /// Group `group`, if the node has its log (a removed group's handles fail).
+    fn existing(&self, group: GroupId) -> io::Result<Arc<Group>> {
+        self.groups.lock().get(&group).cloned().ok_or_else(gone)
     }
 
     /// What group `group`'s Raft should be asked now to keep its log small (by bytes and when
@@ -320,6 +356,13 @@ pub(crate) struct GroupInner {
     /// The Raft index of `slots[0]`.
     first_index: u64,
     slots: VecDeque<Slot>,
+    /// Entries the group's state machine still reads after they are purged (the bodies of live
+    /// messages only in them), by index: a purge keeps their records as `retained`.
+    pinned: BTreeSet<u64>,
+    /// Purged entries whose records are kept, by index: pinned when purged, or found below the
+    /// purged index at recovery (kept until the state machine has said which it reads, see
+    /// [`Group::release_unpinned`]).
+    retained: BTreeMap<u64, Slot>,
     /// Entries of the slots from index `cached_from` on, in order: appended, and not yet readable
     /// from the store or not yet applied here (see [`cache`]). (Appends are in ticket order, so the
     /// readable ones are a prefix.)
@@ -351,6 +394,8 @@ impl Group {
             inner: Mutex::new(GroupInner {
                 first_index: 0,
                 slots: VecDeque::new(),
+                pinned: BTreeSet::new(),
+                retained: BTreeMap::new(),
                 cached: EntryCache::new(budget),
                 applied_below: 0,
                 readers: cache::ReadMarks::default(),
@@ -431,7 +476,8 @@ impl Group {
                 // The layout names the entries appended before it: only those after it are read.
                 if let Some(layout) = layout.filter(|l| layout_fits(id, l, rec)) {
                     let mut covered = rec.first_seq;
-                    for run in &layout.runs {
+                    // Retained entries were appended before the log's (their indexes are lower).
+                    for run in layout.retained.iter().chain(&layout.runs) {
                         if run.first_seq > covered {
                             cleanup.ack_range(log_queue, covered, run.first_seq, 0);
                         }
@@ -448,6 +494,9 @@ impl Group {
                 }
                 let mut read = 0u64;
                 for_each_record(store, log_queue, from_seq, |seq, payload| {
+                    // A record below the purged index here was retained by a purge whose layout a
+                    // crash lost, or one whose ack it lost: kept as retained until the machine
+                    // says whether it reads it.
                     let log_id = codec::decode_entry_log_id(&payload).map_err(|error| LogStoreError::Corrupt { group: id, queue: log_queue, seq, error })?;
                     g.admit(id, log_id.index, seq, log_id.leader_id, payload.len() as u64, purged_next, &mut stale);
                     read += 1;
@@ -465,6 +514,7 @@ impl Group {
             g.count_log_bytes();
             stats.groups += 1;
             stats.entries += g.slots.len() as u64;
+            stats.retained += g.retained.len() as u64;
         }
         Ok(group)
     }
@@ -476,6 +526,24 @@ impl Group {
 fn layout_fits(group: GroupId, layout: &Layout, rec: &RecoveredQueue) -> bool {
     let mut entries = 0u64;
     let mut next: Option<(u64, u64)> = None;
+    // Retained runs: below the log's entries in index and seq, in order, each inside the queue's seqs.
+    let mut retained_next: Option<(u64, u64)> = None;
+    for r in &layout.retained {
+        let ordered = retained_next.is_none_or(|(index, seq)| r.first_index >= index && r.first_seq >= seq);
+        let end_seq = r.first_seq.checked_add(r.count);
+        let inside = r.first_seq >= rec.first_seq && end_seq.is_some_and(|e| e <= layout.next_log_seq);
+        let (Some(end_index), Some(end_seq), true, true) = (r.first_index.checked_add(r.count), end_seq, ordered, inside) else {
+            tracing::error!(group, "a Raft log layout record's retained entries do not fit the log; reading every record instead");
+            return false;
+        };
+        retained_next = Some((end_index, end_seq));
+    }
+    if let (Some((index, seq)), Some(first)) = (retained_next, layout.runs.first()) {
+        if first.first_index < index || first.first_seq < seq {
+            tracing::error!(group, "a Raft log layout record's retained entries overlap its log; reading every record instead");
+            return false;
+        }
+    }
     for r in &layout.runs {
         let ordered = next.is_none_or(|(index, seq)| r.first_index == index && r.first_seq >= seq);
         let end_seq = r.first_seq.checked_add(r.count);
@@ -523,6 +591,28 @@ fn put_state_record(batch: &mut Batch, state_queue: u64, next_state_seq: &mut u6
     }
 }
 
+/// Entries as runs: consecutive indexes and seqs, one leader.
+fn runs_of<'a>(slots: impl Iterator<Item = (u64, &'a Slot)>) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    for (index, slot) in slots {
+        match runs.last_mut() {
+            Some(r) if r.first_index + r.count == index && r.first_seq + r.count == slot.seq && r.leader == slot.leader => {
+                r.count += 1;
+                r.bytes += slot.len;
+            }
+            _ => runs.push(Run { first_index: index, first_seq: slot.seq, count: 1, leader: slot.leader, bytes: slot.len }),
+        }
+    }
+    runs
+}
+
+/// Acks `slots` (in seq order), consecutive seqs as one range.
+fn ack_slots<'a>(batch: &mut Batch, log_queue: u64, slots: impl Iterator<Item = &'a Slot>) {
+    for s in slots {
+        batch.ack_range(log_queue, s.seq, s.seq + 1, s.len);
+    }
+}
+
 fn gone() -> io::Error {
     io::Error::other("the group was removed")
 }
@@ -530,11 +620,14 @@ fn gone() -> io::Error {
 impl GroupInner {
     /// Recovery: takes entry `index` at `seq` into the log, or into `stale`. A record whose index is
     /// at or below one before it replaces that one and everything after it (a truncation whose acks
-    /// a crash lost); records at or below the purged index are stale.
+    /// a crash lost); records at or below the purged index are retained (a later one of the same
+    /// index replaces an earlier one) until the state machine says which it reads.
     #[allow(clippy::too_many_arguments)]
     fn admit(&mut self, group: GroupId, index: u64, seq: u64, leader: LeaderId, len: u64, purged_next: Option<u64>, stale: &mut Vec<(u64, u64)>) {
         if purged_next.is_some_and(|next| index < next) {
-            stale.push((seq, len));
+            if let Some(old) = self.retained.insert(index, Slot { seq, leader, len, ticket: 0 }) {
+                stale.push((old.seq, old.len));
+            }
             return;
         }
         if !self.slots.is_empty() && index < self.next_index() {
@@ -555,20 +648,12 @@ impl GroupInner {
         self.slots.push_back(Slot { seq, leader, len, ticket: 0 });
     }
 
-    /// The log as runs (consecutive indexes and seqs, one leader), `extra` slots appended after it.
+    /// The log as runs (consecutive indexes and seqs, one leader), `extra` slots appended after it,
+    /// and the retained entries.
     fn layout(&self, extra: &[Slot]) -> Layout {
-        let mut runs: Vec<Run> = Vec::new();
-        for (i, slot) in self.slots.iter().chain(extra).enumerate() {
-            let index = self.first_index + i as u64;
-            match runs.last_mut() {
-                Some(r) if r.first_seq + r.count == slot.seq && r.leader == slot.leader => {
-                    r.count += 1;
-                    r.bytes += slot.len;
-                }
-                _ => runs.push(Run { first_index: index, first_seq: slot.seq, count: 1, leader: slot.leader, bytes: slot.len }),
-            }
-        }
-        Layout { next_log_seq: self.next_log_seq + extra.len() as u64, runs }
+        let log = self.slots.iter().chain(extra).enumerate().map(|(i, slot)| (self.first_index + i as u64, slot));
+        let retained = self.retained.iter().map(|(index, slot)| (*index, slot));
+        Layout { next_log_seq: self.next_log_seq + extra.len() as u64, runs: runs_of(log), retained: runs_of(retained) }
     }
 
     /// Adds a layout record of the log (with `extra` slots about to be appended), superseding the
@@ -723,7 +808,8 @@ impl GroupInner {
     }
 
     /// Records `purged` as the last purged log id and acks the records up to it, in one batch (the
-    /// hard state first: if the acks are durable, so is the purged id that explains them).
+    /// hard state first: if the acks are durable, so is the purged id that explains them). The
+    /// records of pinned entries are kept (retained, named by the layout written with it).
     pub fn purge(&mut self, store: &Store, log_queue: u64, state_queue: u64, purged: LogId) -> io::Result<()> {
         if self.removed {
             return Err(gone());
@@ -733,9 +819,17 @@ impl GroupInner {
         }
         self.hard.purged = Some(purged);
         let remove = (purged.index + 1).saturating_sub(self.first_index).min(self.slots.len() as u64) as usize;
-        let removed: Vec<Slot> = self.slots.drain(..remove).collect();
+        let mut removed: Vec<Slot> = Vec::with_capacity(remove);
+        for (i, slot) in self.slots.drain(..remove).enumerate() {
+            self.compaction.log_bytes = self.compaction.log_bytes.saturating_sub(slot.len);
+            let index = self.first_index + i as u64;
+            if self.pinned.contains(&index) {
+                self.retained.insert(index, slot);
+            } else {
+                removed.push(slot);
+            }
+        }
         self.first_index += remove as u64;
-        self.compaction.log_bytes = self.compaction.log_bytes.saturating_sub(removed.iter().map(|s| s.len).sum());
         let cached_keep = (self.next_index() - self.cached_from().max(self.first_index)) as usize;
         while self.cached.len() > cached_keep {
             self.cached.pop_front();
@@ -744,13 +838,30 @@ impl GroupInner {
         batch.clear();
         self.put_hard(&mut batch, state_queue);
         self.put_layout(&mut batch, state_queue, &[]);
-        if let (Some(first), Some(last)) = (removed.first(), removed.last()) {
-            batch.ack_range(log_queue, first.seq, last.seq + 1, removed.iter().map(|s| s.len).sum());
-        }
+        ack_slots(&mut batch, log_queue, removed.iter());
         let appended = store.append(&mut batch);
         self.batch = batch;
         self.reset_first_index();
         appended.map(|_| ()).map_err(io::Error::other)
+    }
+
+    /// Acks the records of the retained entries `go`, after a layout without them (so that a start
+    /// does not take them for retained entries whose records are gone).
+    fn release_retained(&mut self, store: &Store, log_queue: u64, state_queue: u64, go: &[u64]) -> io::Result<u64> {
+        if self.removed {
+            return Err(gone());
+        }
+        let slots: Vec<Slot> = go.iter().filter_map(|i| self.retained.remove(i)).collect();
+        if slots.is_empty() {
+            return Ok(0);
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.clear();
+        self.put_layout(&mut batch, state_queue, &[]);
+        ack_slots(&mut batch, log_queue, slots.iter());
+        let appended = store.append(&mut batch);
+        self.batch = batch;
+        appended.map(|_| slots.len() as u64).map_err(io::Error::other)
     }
 
     /// Saves the hard state with `change` applied; returns the record's ticket.
@@ -842,6 +953,61 @@ impl Group {
         let mut g = self.inner.lock();
         g.applied_below = g.applied_below.max(index + 1);
         g.evict_readable(store);
+    }
+
+    /// The state machine reads entry `index` after it is purged (it holds the bodies of live
+    /// messages): a purge keeps its record until [`Group::unpin`]. Pin an entry when applying it,
+    /// before any snapshot that covers it.
+    pub fn pin(&self, index: u64) {
+        self.inner.lock().pinned.insert(index);
+    }
+
+    /// The state machine no longer reads entry `index`: its record goes if it was purged (retained).
+    pub fn unpin(&self, store: &Store, index: u64) -> io::Result<()> {
+        let mut g = self.inner.lock();
+        g.pinned.remove(&index);
+        if g.retained.contains_key(&index) {
+            g.release_retained(store, self.log_queue(), self.state_queue(), &[index])?;
+        }
+        Ok(())
+    }
+
+    /// The state machine has pinned every entry it reads (after its restore at a start): the
+    /// records of retained entries it did not pin go. Returns how many.
+    pub fn release_unpinned(&self, store: &Store) -> io::Result<u64> {
+        let mut g = self.inner.lock();
+        let go: Vec<u64> = g.retained.keys().copied().filter(|i| !g.pinned.contains(i)).collect();
+        g.release_retained(store, self.log_queue(), self.state_queue(), &go)
+    }
+
+    /// Entry `index`, purged and retained or in the log; None if the log has neither.
+    pub fn read_entry(&self, store: &Store, index: u64) -> io::Result<Option<Entry>> {
+        let retained = {
+            let g = self.inner.lock();
+            if g.removed {
+                return Err(gone());
+            }
+            g.retained.get(&index).map(|s| (s.seq, s.ticket, LogId::new(s.leader, index)))
+        };
+        let Some((seq, ticket, log_id)) = retained else {
+            return Ok(self.read(store, index, index + 1, usize::MAX)?.pop());
+        };
+        // Purged right after its append, the record may not be readable yet (its cached copy went).
+        let deadline = std::time::Instant::now() + READABLE_WAIT;
+        while !store.is_readable(ticket) {
+            if std::time::Instant::now() >= deadline {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, format!("group {}: log record {seq} is not readable yet", self.id)));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // A retained record is never acked while pinned; read outside the lock (it may be large).
+        let got = store.read(self.log_queue(), seq, 1, READ_CHUNK_BYTES).map_err(io::Error::other)?;
+        let Some(m) = got.messages.into_iter().next().filter(|m| m.seq == seq) else { return Err(missing(self.id, seq)) };
+        let entry = codec::decode_entry(&m.payload).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("group {} entry seq {seq}: {e}", self.id)))?;
+        if entry.log_id != log_id {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("group {}: record {seq} holds {} where {log_id} was written", self.id, entry.log_id)));
+        }
+        Ok(Some(entry))
     }
 
     /// Whether a read of `[start, end)` now would ask the store (rather than only memory).
