@@ -39,8 +39,8 @@ pub trait GroupMachine: Send + 'static {
     /// The whole state, as bytes `restore` takes back. Taken on the state machine's task, right
     /// after the last entry applied; once the snapshot is stored, the log up to that entry may be
     /// purged, so whatever the machine still needs from those entries (a quorum queue: the bodies of
-    /// its live messages) must be in the store before this returns. An error (the store refused a
-    /// write) fails the snapshot: nothing is purged.
+    /// its live messages) must be in the store or in entries it pinned ([`RaftLogs::pin_entry`])
+    /// before this returns. An error fails the snapshot: nothing is purged.
     fn snapshot(&self) -> Result<Bytes, String>;
 
     /// Replaces the whole state by a snapshot's. An error is bad bytes (a damaged or foreign
@@ -54,6 +54,11 @@ pub trait GroupMachine: Send + 'static {
     fn installed(&mut self) -> crate::transport::BoxFuture<Result<(), String>> {
         Box::pin(async { Ok(()) })
     }
+
+    /// At a start, after `restore` of this node's own stored snapshot: the machine pins the purged
+    /// entries it still reads ([`RaftLogs::pin_entry`]); the log lets the other retained ones go
+    /// once this returns. Default: nothing (every retained entry goes).
+    fn restored_at_start(&mut self) {}
 }
 
 /// What openraft sends and installs as a snapshot: the machine's bytes.
@@ -81,8 +86,15 @@ impl<M: GroupMachine> StateMachine<M> {
         let mut membership = StoredMembership::default();
         if let Some((meta, data)) = read_snapshot(&g, &shared).await.map_err(|e| store_error(group, e))? {
             machine.restore(&data).map_err(|e| store_error(group, io::Error::new(io::ErrorKind::InvalidData, format!("restoring the stored snapshot: {e}"))))?;
+            machine.restored_at_start();
             applied = meta.last_log_id;
             membership = meta.last_membership;
+        }
+        // Retained entries the machine did not pin again: read by nothing now.
+        match g.release_unpinned(&shared.store) {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(group, entries = n, "let go of retained Raft log entries nothing reads"),
+            Err(e) => tracing::warn!(group, error = %e, "could not let go of retained Raft log entries nothing reads"),
         }
         Ok(StateMachine { group: g, shared, machine: Arc::new(Mutex::new(machine)), applied, membership })
     }

@@ -63,11 +63,15 @@ impl GroupMachine for QueueMachine {
     }
 
     fn snapshot(&self) -> Result<Bytes, String> {
-        self.0.snapshot_replicated()
+        Ok(self.0.snapshot_replicated())
     }
 
     fn restore(&mut self, snapshot: &[u8]) -> Result<(), String> {
         self.0.restore_replicated(snapshot)
+    }
+
+    fn restored_at_start(&mut self) {
+        self.0.restored_at_start()
     }
 
     fn installed(&mut self) -> warren_cluster::transport::BoxFuture<Result<(), String>> {
@@ -163,13 +167,16 @@ pub struct Group {
     /// In a cluster: this node and the group's members (a node outside the group relays its
     /// consumers through one of them), kept to the recorded ones by [`follow_members`].
     members: Option<(ClusterNode, Relay)>,
+    /// The node's Raft logs and this group's id: the replica pins and reads entries there.
+    logs: Arc<RaftLogs>,
+    id: GroupId,
 }
 
 /// A group's recorded members, as the nodes outside it relay through them.
 type Relay = Arc<RwLock<BTreeSet<NodeId>>>;
 
 impl Group {
-    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, cluster: Option<(ClusterNode, GroupId, Relay)>) -> Group {
+    fn new(raft: watch::Receiver<Running>, runtime: tokio::runtime::Handle, logs: Arc<RaftLogs>, id: GroupId, cluster: Option<(ClusterNode, GroupId, Relay)>) -> Group {
         let (proposals, rx) = mpsc::unbounded_channel();
         let members = match cluster {
             None => {
@@ -181,7 +188,7 @@ impl Group {
                 Some((node, members))
             }
         };
-        Group { raft, proposals, runtime, members }
+        Group { raft, proposals, runtime, members, logs, id }
     }
 }
 
@@ -207,6 +214,25 @@ impl Replicator for Group {
         let start = (node.node_id() as usize) % members.len().max(1);
         let order = || members[start..].iter().chain(&members[..start]).copied().filter(|&m| Some(m) != avoid);
         order().find(|&m| node.is_reachable(m)).or_else(|| order().next()).or_else(|| members.first().copied())
+    }
+
+    fn pin_entry(&self, index: u64) -> Result<(), String> {
+        self.logs.pin_entry(self.id, index).map_err(|e| e.to_string())
+    }
+
+    fn unpin_entry(&self, index: u64) -> Result<(), String> {
+        self.logs.unpin_entry(self.id, index).map_err(|e| e.to_string())
+    }
+
+    fn read_entry(&self, index: u64) -> Result<Option<Bytes>, String> {
+        match self.logs.read_entry(self.id, index) {
+            Ok(Some(entry)) => match entry.payload {
+                warren_cluster::openraft::EntryPayload::Normal(Command(bytes)) => Ok(Some(bytes)),
+                _ => Ok(None),
+            },
+            Ok(None) => Ok(None),
+            Err(e) => Err(e.to_string()),
+        }
     }
 }
 
@@ -730,7 +756,7 @@ impl QuorumHost for QuorumGroups {
             self.following.reconfigured.lock().insert(group);
         }
         let cluster = self.cluster.as_ref().map(|(node, _)| (node.clone(), group, relay));
-        queue.attach_replicator(Arc::new(Group::new(rx, self.runtime.clone(), cluster)));
+        queue.attach_replicator(Arc::new(Group::new(rx, self.runtime.clone(), self.logs.clone(), group, cluster)));
         if !member {
             return;
         }

@@ -72,7 +72,7 @@ impl NodeBodies {
         tracing::info!(
             held_bytes = self.held(),
             limit_bytes = self.limit(),
-            "quorum queues' bodies fill this node's budget for them: new ones are written to the store and read back to be delivered"
+            "quorum queues' bodies fill this node's budget for them: new ones stay only in the store (in their Raft entries) and are read back to be delivered"
         );
     }
 }

@@ -473,12 +473,12 @@ impl Queue {
         }
     }
 
-    /// A quorum queue's state for a snapshot of its group (without message bodies; those of its
-    /// live messages are written to the store first). Err: the store refused them.
-    pub fn snapshot_replicated(&self) -> std::result::Result<bytes::Bytes, String> {
+    /// A quorum queue's state for a snapshot of its group (without message bodies: the entries
+    /// with those of its live messages are pinned in the log, which keeps them).
+    pub fn snapshot_replicated(&self) -> bytes::Bytes {
         match &self.replica {
-            Some(r) => r.snapshot(self),
-            None => Ok(bytes::Bytes::new()),
+            Some(r) => r.snapshot(),
+            None => bytes::Bytes::new(),
         }
     }
 
@@ -487,6 +487,14 @@ impl Queue {
         match &self.replica {
             Some(r) => r.restore_snapshot(snapshot),
             None => Err(format!("queue '{}' is not a quorum queue", self.name)),
+        }
+    }
+
+    /// At a start, a quorum queue's state was restored from this node's own snapshot
+    /// (`restore_replicated`): the bodies of its live messages that are in the log are found there.
+    pub fn restored_at_start(&self) {
+        if let Some(r) = &self.replica {
+            r.restored_at_start(self);
         }
     }
 
@@ -515,7 +523,7 @@ impl Queue {
     /// Answers a peer's body request from this node's store. Blocking: call it off the runtime.
     pub fn serve_bodies(&self, request: &[u8]) -> std::result::Result<bytes::Bytes, String> {
         match &self.replica {
-            Some(r) => r.serve_bodies(request),
+            Some(r) => r.serve_bodies(self, request),
             None => Err(format!("queue '{}' is not a quorum queue", self.name)),
         }
     }

@@ -12,17 +12,15 @@
 //!   The Enqueue's reply (after a majority has the entry and it is applied) resolves the pub seqs of
 //!   the connection's [`PublisherSession`]: the confirm goes out, or a basic.nack for a reject-publish
 //!   refusal or an entry not committed within the Replicator's timeout.
-//! - Applying: every replica keeps the entry's message bodies in memory to deliver, and frees them
-//!   once the machine says the message left (ack, dead-letter, drop). A body is written once per
-//!   node: as part of the Raft entry, which is in the node's store already. It is written again, as
-//!   the queue's own store record (seq = msg id), only if it is still live when it would otherwise
-//!   be lost or held beyond the memory budget: when the node's budget for bodies has no room
-//!   (`body_memory`), when the group takes a snapshot (after which the log before it may be
-//!   purged), when a snapshot from a peer is installed, when a peer asks for bodies, and the oldest
-//!   first while more than `WRITE_BEHIND_BYTES` are only in their entries (so a snapshot has little
-//!   to write at once). Those records are acked in the store when the message leaves. Replayed
-//!   entries (a restart) find the records written before (`stored_until`), their bodies loaded by
-//!   [`Queue::restore`]; the others come back with the replayed entries themselves.
+//! - Applying: every replica keeps the entry's message bodies in memory to deliver (within the
+//!   node's budget), and frees them once the machine says the message left (ack, dead-letter,
+//!   drop). A body is written once per node: as part of its Raft entry, which is in the node's
+//!   store already. The replica pins the entry in the log (`Replicator::pin_entry`) while any of its
+//!   bodies is live, so a snapshot's purge keeps the entry's record (retained) until the last one
+//!   leaves; past the memory budget, and after a restart, bodies are read back from their entries.
+//!   The queue's own store records (seq = msg id) hold only the bodies fetched from a peer with a
+//!   snapshot (and those an earlier version wrote); replayed entries (a restart) find those
+//!   (`stored_until`), loaded by [`Queue::restore`].
 //! - Consumers: basic.consume proposes Attach; the machine assigns messages (deterministically, on
 //!   every replica) and the replica of the consumer's node hands the `Deliver` effects to the channel,
 //!   keeping what the channel cannot take yet (flow, room) in the consumer's backlog. Acks, nacks and
@@ -40,8 +38,8 @@
 //! - Dead-lettering and TTL expiry ticks are the leader's (dead letters at most once).
 //!
 //! Memory is bounded whatever the backlog: the node's replicas together hold bodies within one budget
-//! (`body_memory::NodeBodies`, from the memory limit); the others are only in the store (as the
-//! queue's records) and are read back in batches as they are delivered.
+//! (`body_memory::NodeBodies`, from the memory limit); the others are only in the store (in their
+//! entries, or as the queue's records) and are read back in batches as they are delivered.
 
 use super::body_memory::{BodyMemory, NodeBodies};
 use super::{GetWait, Got, Queue};
@@ -87,6 +85,16 @@ pub trait Replicator: Send + Sync {
         let _ = avoid;
         None
     }
+    /// The replica reads bodies from entry `index` of this node's log after the log is purged:
+    /// the log keeps the entry's record until [`Replicator::unpin_entry`]. Called while applying
+    /// the entry (or at a start, for the restored snapshot's messages), so before any snapshot
+    /// that covers it.
+    fn pin_entry(&self, index: u64) -> std::result::Result<(), String>;
+    /// The replica no longer reads entry `index`: its record may go.
+    fn unpin_entry(&self, index: u64) -> std::result::Result<(), String>;
+    /// Entry `index` of this node's log (kept by a pin, or not purged yet): its command bytes.
+    /// None: the log has no such entry. Blocking (a store read).
+    fn read_entry(&self, index: u64) -> std::result::Result<Option<Bytes>, String>;
 }
 
 /// Starts and stops the Raft groups of quorum queues on this node (the server's cluster runtime).
@@ -176,17 +184,6 @@ const ASSIGN_AHEAD_FACTOR: u32 = 3;
 /// once a second (`VHost::tick`), give or take its own 100 ms tick: under 1 s, so that a tick a
 /// little early is not skipped, which would make it one every 2 s.
 const TICK_EVERY_MS: u64 = 800;
-/// What one append of `QuorumReplica::write_back` carries at most (about). A WAL segment takes
-/// appends until it passes its size, and a queue's records in one segment become one extent of it,
-/// which stays while any of them is live: a snapshot's write-back of 64 MB in one append made a
-/// 130 MB WAL segment, kept whole for the one old unacked message in it.
-const WRITE_BACK_BYTES: usize = 4 << 20;
-/// Bodies only in their Raft entries past this are written back, the oldest `WRITE_BACK_BYTES` at a
-/// time, as new ones come, rather than all at the group's next snapshot (every 64 MiB appended):
-/// held in memory within the node's budget, a backlog was written back 64 MB at once, and every
-/// confirm on the node waited behind it. Bodies consumed within this much of the newest are still
-/// written once, in their entries.
-const WRITE_BEHIND_BYTES: u64 = 16 << 20;
 /// What one read-back asks the store for.
 const READ_BACK_MESSAGES: usize = 512;
 const READ_BACK_BYTES: usize = 4 << 20;
@@ -212,6 +209,8 @@ const READ_AHEAD_BYTES: usize = 2 << 20;
 const READ_UNDER_WAY_WAIT: Duration = Duration::from_secs(2);
 /// `take_bodies` of a read ahead: no body is wanted now.
 const NOTHING_WANTED: std::ops::RangeInclusive<MsgId> = 1..=0;
+/// What one answer to a peer's body request carries at most (besides its bytes, `MAX_ANSWER_BYTES`).
+const SERVE_MAX_MESSAGES: usize = 16_384;
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
 /// How long a basic.get answered "taken" by the leader waits for this node to apply the entry that
@@ -229,8 +228,8 @@ const DETACH_GONE_AGAIN_TICKS: u32 = 30;
 
 /// A live message on this replica: where its bytes are, and its body while it fits in memory.
 struct Body {
-    /// The message, decoded. None: either only in the store (the node's budget for bodies had no
-    /// room), read back to deliver; or held as its entry's bytes (`Record::Unwritten`),
+    /// The message, decoded. None: either not held (the node's budget for bodies had no room), read
+    /// back from its record or entry to deliver; or held as its entry's bytes (`Record::InEntry`),
     /// decoded only if it is delivered from this node. Every replica keeps every body, but a message
     /// is delivered by one: decoding each on all three cost two allocations, and cache misses when
     /// dropped, for nothing.
@@ -250,19 +249,21 @@ impl Body {
 
     /// In memory: decoded, or as its entry's bytes.
     fn held(&self) -> bool {
-        self.message.is_some() || matches!(self.record, Record::Unwritten { .. })
+        self.message.is_some() || matches!(self.record, Record::InEntry { payload: Some(_) })
     }
 }
 
 /// Where a live message's bytes are on this node besides memory.
 enum Record {
-    /// The queue's own store record; the append's ticket (readable once the store's readable
-    /// watermark passes it).
+    /// The queue's own store record (a body fetched from a peer with a snapshot, or written by a
+    /// version before bodies stayed in their entries); the append's ticket (readable once the
+    /// store's readable watermark passes it).
     Stored(SyncTicket),
-    /// Only in its Raft entry (durable in the store, and replayed at a start until a snapshot lets
-    /// the log go): written as a record by [`QuorumReplica::write_back`] before that can happen.
-    /// The store encoding (a slice of the entry) and the time of the apply.
-    Unwritten { payload: Bytes, timestamp_ms: u64 },
+    /// In its Raft entry (index `msg_id >> 16`), in this node's store already: the replica pins the
+    /// entry, so the log keeps its record after a snapshot lets the log go (retained), until the
+    /// entry's last live body leaves (`ReplicaState::entry_bodies`). The store encoding (a slice of
+    /// the entry) while held in memory; None: read back from the entry to deliver.
+    InEntry { payload: Option<Bytes> },
 }
 
 /// The bodies of a snapshot's live messages, being fetched from a peer (see [`crate::quorum::bodies`]).
@@ -308,7 +309,8 @@ impl ReplicaState {
             body_mem: BodyMemory::new(node_bodies),
             stored_until: 0,
             store_only: 0,
-            unwritten_bytes: 0,
+            entry_bodies: BTreeMap::new(),
+            log: None,
             last_ticket: 0,
             fetch: None,
             consumers: HashMap::new(),
@@ -332,15 +334,18 @@ struct ReplicaState {
     /// past it, new bodies stay only in the store and are read back, in batches, as they are
     /// delivered (as a classic queue's span).
     body_mem: BodyMemory,
-    /// Records from this msg id on are not in the store (replayed entries below it are): the bodies
-    /// held from here on are exactly the `Unwritten` ones.
+    /// The queue's store records are all below this msg id (replayed entries below it have theirs):
+    /// the bodies from here on are `InEntry`.
     stored_until: u64,
     /// How many bodies are only in the store (not held): reads ahead look for them only while there
     /// are some. Walking the read-ahead window for none cost 9% of a node draining a backlog held
     /// in memory.
     store_only: usize,
-    /// Bytes of the bodies only in their Raft entries (`Record::Unwritten`).
-    unwritten_bytes: u64,
+    /// How many live bodies are `InEntry`, per entry index: an entry is pinned in the log while it
+    /// has some (`insert_body`, `let_go`).
+    entry_bodies: BTreeMap<u64, u32>,
+    /// The group's replicator, once attached: the log the entries are pinned and read in.
+    log: Option<Arc<dyn Replicator>>,
     /// The store append of the last record written (a peer's body fetch waits until it is readable).
     last_ticket: SyncTicket,
     /// A snapshot from a peer was installed and the bodies of its live messages are being fetched.
@@ -388,10 +393,12 @@ struct ReadDone {
     bodies: Option<Vec<(MsgId, MessageRef)>>,
 }
 
-/// One read ahead: the msg ids it reads and their payload bytes.
+/// One read ahead: the msg ids it reads and their payload bytes; from the entries (the ids of the
+/// bodies to read), or from the queue's store records (None).
 struct ReadRange {
     seqs: std::ops::Range<MsgId>,
     bytes: usize,
+    from_entries: Option<Vec<MsgId>>,
 }
 
 /// What a reply is for, per command of an entry.
@@ -646,6 +653,7 @@ impl QuorumReplica {
         let mut first = Encoder::new();
         first.consumer_down(self.node());
         p.sealed.push_front((first.finish(), vec![Waiter::None]));
+        self.state.lock().log = Some(replicator.clone());
         *self.replicator.write() = Some(replicator);
         self.flush(queue, &mut p);
     }
@@ -680,7 +688,7 @@ impl QuorumReplica {
                     tracing::error!(queue = %queue.name, msg_id, "an enqueue names bytes outside its entry; message not kept");
                     return;
                 }
-                self.keep_body(queue, st, msg_id, entry.slice(payload));
+                self.keep_body(st, msg_id, entry.slice(payload));
             }
             Effect::Deliver { consumer, settled, msgs } => {
                 if consumer.node == self.node() && !st.deleted {
@@ -728,11 +736,11 @@ impl QuorumReplica {
         }
     }
 
-    /// Keeps a message's body for delivery: held in memory (its bytes are in the entry, in the
-    /// store already), or, past the memory budget, written to this node's store as the queue's
-    /// record to be read back when delivered. Nothing for a replayed entry's message whose record
-    /// was written before a restart (loaded at the start, if still live).
-    fn keep_body(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId, payload: Bytes) {
+    /// Keeps a message's body for delivery: in its entry, in this node's store already (pinned, so
+    /// that the log keeps it), held in memory while the node's budget has room and read back from
+    /// the entry past it. Nothing for a replayed entry's message whose record was written before a
+    /// restart (loaded at the start, if still live).
+    fn keep_body(&self, st: &mut ReplicaState, msg_id: MsgId, payload: Bytes) {
         if msg_id < st.stored_until {
             return;
         }
@@ -742,75 +750,8 @@ impl QuorumReplica {
         let stored_bytes = payload.len() as u64;
         // About what the decoded message would count (`Message::memory_bytes`).
         let memory = stored_bytes + 128;
-        let timestamp_ms = st.machine.now_ms();
-        if !st.body_mem.fits(memory) {
-            // Past the budget: into the store, after every body not written yet (records rise by
-            // msg id), and read back when delivered.
-            let written = self.write_back(st).and_then(|_| self.store.append_enqueue(self.group, msg_id, timestamp_ms, &[&payload]));
-            match written {
-                Ok(ticket) => {
-                    st.stored_until = msg_id + 1;
-                    st.last_ticket = st.last_ticket.max(ticket);
-                    insert_body(st, msg_id, Body::new(None, stored_bytes, Record::Stored(ticket)));
-                    return;
-                }
-                // Held then, over the budget, rather than left to a log a snapshot may purge.
-                Err(e) => tracing::error!(queue = %queue.name, msg_id, error = %e, "could not write a quorum queue's messages to the store; holding them in memory"),
-            }
-        }
-        let record = Record::Unwritten { payload, timestamp_ms };
-        insert_body(st, msg_id, Body { message: None, mem: memory, stored_bytes, record });
-        if st.unwritten_bytes > WRITE_BEHIND_BYTES {
-            if let Err(e) = self.write_back_some(st) {
-                tracing::error!(queue = %queue.name, error = %e, "could not write a quorum queue's messages to the store; the group's next snapshot tries again");
-            }
-        }
-    }
-
-    /// Writes every body not in the store yet (`Record::Unwritten`: they are the bodies from
-    /// `stored_until` on) as the queue's records, in msg id order, in appends of about
-    /// `WRITE_BACK_BYTES`. Called before anything that would leave them only in memory: the log
-    /// before a snapshot may be purged, and a body past the memory budget is not held. Returns the
-    /// ticket of the last record written. After a failed append, the bodies before it are written.
-    fn write_back(&self, st: &mut ReplicaState) -> std::result::Result<SyncTicket, warren_store::StoreError> {
-        while self.write_back_some(st)? {}
-        Ok(st.last_ticket)
-    }
-
-    /// Writes the oldest bodies not in the store yet, about `WRITE_BACK_BYTES` of them, in one
-    /// append. Returns whether it wrote any.
-    fn write_back_some(&self, st: &mut ReplicaState) -> std::result::Result<bool, warren_store::StoreError> {
-        let mut batch = Batch::new();
-        let mut bytes = 0;
-        let mut last = None;
-        for (id, body) in st.bodies.range(st.stored_until..) {
-            let Record::Unwritten { payload, timestamp_ms } = &body.record else { continue };
-            if bytes >= WRITE_BACK_BYTES {
-                break;
-            }
-            batch.enqueue(self.group, *id, *timestamp_ms, &[payload]);
-            bytes += payload.len();
-            last = Some(*id);
-        }
-        let Some(last) = last else { return Ok(false) };
-        let ticket = self.store.append(&mut batch)?;
-        let ReplicaState { bodies, stored_until, store_only, unwritten_bytes, .. } = st;
-        for (_, body) in bodies.range_mut(*stored_until..=last) {
-            if let Record::Unwritten { payload, .. } = &body.record {
-                *unwritten_bytes = unwritten_bytes.saturating_sub(payload.len() as u64);
-                // Held still: decoded now that its entry's bytes go.
-                if body.message.is_none() {
-                    body.message = decode_stored(payload).map(|stored| Arc::new(stored.message));
-                    if body.message.is_none() {
-                        *store_only += 1;
-                    }
-                }
-            }
-            body.record = Record::Stored(ticket);
-        }
-        st.stored_until = last + 1;
-        st.last_ticket = st.last_ticket.max(ticket);
-        Ok(true)
+        let (payload, mem) = if st.body_mem.fits(memory) { (Some(payload), memory) } else { (None, 0) };
+        insert_body(st, msg_id, Body { message: None, mem, stored_bytes, record: Record::InEntry { payload } });
     }
 
     /// A live message's body: held, or read back from the store with the bodies after it. Those up
@@ -824,14 +765,15 @@ impl QuorumReplica {
     fn message_of(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId, through: MsgId) -> Option<MessageRef> {
         let ticket = match st.bodies.get(&msg_id)? {
             Body { message: Some(m), .. } => return Some(m.clone()),
-            Body { record: Record::Stored(ticket), .. } => *ticket,
-            Body { record: Record::Unwritten { payload, .. }, .. } => {
+            Body { record: Record::InEntry { payload: Some(payload) }, .. } => {
                 let decoded = decode_stored(payload).map(|stored| Arc::new(stored.message));
                 if decoded.is_none() {
                     tracing::error!(queue = %queue.name, msg_id, "a quorum queue's message does not decode; not delivered");
                 }
                 return decoded;
             }
+            Body { record: Record::Stored(ticket), .. } => Some(*ticket),
+            Body { record: Record::InEntry { payload: None }, .. } => None,
         };
         let wanted = msg_id..=through.max(msg_id);
         if self.from_reads_under_way(queue, st, msg_id, &wanted) {
@@ -839,8 +781,17 @@ impl QuorumReplica {
                 return Some(m);
             }
         }
-        let store = &self.store;
         let over_budget = !st.body_mem.fits_read_back(1);
+        let Some(ticket) = ticket else {
+            // From the entries, the bodies not held after it too (up to `through` only past the budget).
+            let upto = if over_budget { *wanted.end() } else { MsgId::MAX };
+            let ids = not_held_in_entries(st, msg_id..=upto, READ_BACK_MESSAGES);
+            let log = st.log.clone();
+            let bodies = crate::blocking::run(|| read_from_entries(queue, log.as_deref(), &ids));
+            take_bodies(st, bodies, &wanted);
+            return st.bodies.get(&msg_id)?.message.clone();
+        };
+        let store = &self.store;
         // A read (and, rarely, a wait for the store's writer to make the record readable) on the
         // apply or dispatch path: as blocking work, off the runtime's other tasks.
         let read = crate::blocking::run(|| {
@@ -934,12 +885,20 @@ impl QuorumReplica {
     fn read_ahead_task(rt: &tokio::runtime::Handle, queue: Arc<Queue>, range: ReadRange) {
         rt.spawn_blocking(move || {
             let Some(me) = &queue.replica else { return };
-            let ReadRange { seqs: range, bytes } = range;
-            // The bytes bound the size of the store's disk reads too: the range's own, not more.
-            let read = me.store.read_direct(me.group, range.start, range.end, 2 * READ_AHEAD_MESSAGES, bytes.max(1));
-            let read_until = read.as_ref().map_or(range.start, |b| b.next_seq);
-            // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
-            let read = read.map(|b| decode_bodies(&queue, b.messages));
+            let ReadRange { seqs: range, bytes, from_entries } = range;
+            let (read, read_until) = match from_entries {
+                Some(ids) => {
+                    let log = me.replicator.read().clone();
+                    (Ok(read_from_entries(&queue, log.as_deref(), &ids)), range.end)
+                }
+                None => {
+                    // The bytes bound the size of the store's disk reads too: the range's own, not more.
+                    let read = me.store.read_direct(me.group, range.start, range.end, 2 * READ_AHEAD_MESSAGES, bytes.max(1));
+                    let read_until = read.as_ref().map_or(range.start, |b| b.next_seq);
+                    // Decoded before the lock: the apply path and the consumers' dispatch wait for it.
+                    (read.map(|b| decode_bodies(&queue, b.messages)), read_until)
+                }
+            };
             let found = match &read {
                 Ok(bodies) => !bodies.is_empty(),
                 Err(e) => {
@@ -985,24 +944,31 @@ impl QuorumReplica {
             st.bodies.range(from..window_end).find(|(_, b)| !b.held())
         };
         let first = found.and_then(|(id, body)| match body.record {
-            Record::Stored(ticket) if self.store.is_readable(ticket) => Some(*id),
+            Record::Stored(ticket) if self.store.is_readable(ticket) => Some((*id, false)),
+            Record::InEntry { payload: None } => Some((*id, true)),
             _ => None,
         });
-        let Some(first) = first else {
+        let Some((first, in_entries)) = first else {
             // With fewer bodies than that after the last delivery, the next delivery looks again.
             st.read_ahead.look_again_at = st.bodies.range(delivered + 1..).nth(LOOK_AGAIN_EVERY).map_or(delivered + 1, |(id, _)| *id);
             return None;
         };
         let mut end = window_end;
         let mut bytes = 0;
+        let mut ids = Vec::new();
+        // One kind of read: from the entries, or from the records.
         for (count, (id, body)) in st.bodies.range(first..window_end).enumerate() {
-            if count == READ_AHEAD_MESSAGES || bytes >= READ_AHEAD_BYTES as u64 {
+            let in_entry = matches!(body.record, Record::InEntry { .. });
+            if count == READ_AHEAD_MESSAGES || bytes >= READ_AHEAD_BYTES as u64 || in_entry != in_entries {
                 end = *id;
                 break;
             }
             bytes += body.stored_bytes;
+            if in_entries && !body.held() {
+                ids.push(*id);
+            }
         }
-        Some(ReadRange { seqs: first..end, bytes: bytes as usize })
+        Some(ReadRange { seqs: first..end, bytes: bytes as usize, from_entries: in_entries.then_some(ids) })
     }
 
     /// Hands the machine's deliveries to a consumer (or getter) of this node.
@@ -1183,12 +1149,10 @@ impl QuorumReplica {
     }
 
     /// The machine's state for a snapshot (no bodies). The log up to here may be purged once the
-    /// snapshot is stored (it is, after this, in the same ordered store): the bodies of live messages
-    /// only in the log are written as the queue's records first.
-    pub(super) fn snapshot(&self, queue: &Queue) -> std::result::Result<Bytes, String> {
-        let mut st = self.state.lock();
-        self.write_back(&mut st).map_err(|e| format!("quorum queue '{}': writing its live messages to the store: {e}", queue.name))?;
-        Ok(st.machine.snapshot())
+    /// snapshot is stored: the entries with the bodies of live messages are pinned (`keep_body`),
+    /// so the log keeps them.
+    pub(super) fn snapshot(&self) -> Bytes {
+        self.state.lock().machine.snapshot()
     }
 
     /// Replaces the machine's state by a snapshot's.
@@ -1196,12 +1160,27 @@ impl QuorumReplica {
         self.state.lock().machine.restore(snapshot).map_err(|e| e.to_string())
     }
 
+    /// At a start, the machine was restored from this node's own snapshot: the live messages it
+    /// lists whose bodies were not loaded from the queue's records (`restore_bodies`) are in their
+    /// entries, which this node applied before the snapshot. Those entries are pinned now (the log
+    /// lets the retained ones nobody pins go after this) and the bodies read back when delivered.
+    pub(super) fn restored_at_start(&self, queue: &Queue) {
+        let mut st = self.state.lock();
+        let missing: Vec<MsgId> = st.machine.live_ids().into_iter().filter(|id| *id >= st.stored_until && !st.bodies.contains_key(id)).collect();
+        if !missing.is_empty() {
+            tracing::debug!(queue = %queue.name, messages = missing.len(), "a quorum queue's bodies are read from its log when delivered");
+        }
+        for id in missing {
+            insert_body(&mut st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
+        }
+    }
+
     /// A snapshot from a peer was installed (`restore_snapshot`): bodies of messages it no longer
     /// lists go, and the first request for the bodies of its live messages this node lacks is
     /// returned (None: nothing to fetch). Those bodies must be in the store before any later entry
     /// applies (records rise by msg id): the caller fetches them ([`QuorumReplica::bodies_fetched`])
-    /// before returning to the group. The live bodies this node held only from its log are written
-    /// to the store first (the log before the snapshot goes). Err: the store refused them.
+    /// before returning to the group. The live bodies this node has in its own entries stay there
+    /// (pinned: the log keeps them when it goes up to the snapshot).
     pub(super) fn snapshot_installed(&self, queue: &Arc<Queue>) -> std::result::Result<Option<Bytes>, String> {
         let mut after = After::default();
         let request = {
@@ -1209,11 +1188,6 @@ impl QuorumReplica {
             let gone: Vec<MsgId> = st.bodies.keys().copied().filter(|id| !st.machine.is_live(*id)).collect();
             for id in gone {
                 forget(&mut st, self.group, id, &mut after.acks);
-            }
-            if let Err(e) = self.write_back(&mut st) {
-                drop(st);
-                self.finish(queue, after);
-                return Err(format!("quorum queue '{}': writing its live messages to the store: {e}", queue.name));
             }
             let ReplicaState { machine, checked_out, .. } = &mut *st;
             checked_out.retain(|id, _| machine.is_live(*id));
@@ -1244,9 +1218,6 @@ impl QuorumReplica {
                 return Ok(None);
             }
             let Some(until) = st.fetch.as_ref().map(|f| f.until) else { return Ok(None) };
-            // Nothing applies during a fetch, so this writes nothing; it keeps the records in msg
-            // id order whatever came before.
-            self.write_back(&mut st).map_err(|e| e.to_string())?;
             for r in answer.records {
                 // Already stored here (an earlier answer), or no longer live.
                 if r.msg_id < st.stored_until || !st.machine.is_live(r.msg_id) || st.bodies.contains_key(&r.msg_id) {
@@ -1309,51 +1280,76 @@ impl QuorumReplica {
         Ok(next)
     }
 
-    /// A peer asks for this replica's stored records of live messages (it installed a snapshot).
-    /// Blocking (store reads, a short wait for the store's writer): called off the runtime.
-    pub(super) fn serve_bodies(&self, request: &[u8]) -> std::result::Result<Bytes, String> {
+    /// A peer asks for the bodies of this replica's live messages (it installed a snapshot): from
+    /// memory, the queue's records and the entries they are in. Blocking (store reads, a short wait
+    /// for the store's writer): called off the runtime.
+    pub(super) fn serve_bodies(&self, queue: &Queue, request: &[u8]) -> std::result::Result<Bytes, String> {
         let request = BodiesRequest::decode(request).map_err(|e| format!("bad body request: {e}"))?;
-        let (applied_until, ticket) = {
-            let mut st = self.state.lock();
+        let max_bytes = (request.max_bytes as usize).clamp(1, MAX_ANSWER_BYTES);
+        // Where each live body of the range is, about `max_bytes` of them: read after the lock.
+        let (applied_until, ticket, now_ms, plan, mut next) = {
+            let st = self.state.lock();
             if st.fetch.is_some() {
                 return Err("this replica is itself fetching the bodies of a snapshot".to_string());
             }
-            // The answer is read from the store: the bodies held only from the log go there first.
-            let ticket = self.write_back(&mut st).map_err(|e| format!("could not write the bodies to the store: {e}"))?;
-            (st.machine.last_index().map_or(0, |i| (i + 1) << 16), ticket)
+            let mut plan: Vec<(MsgId, Option<Bytes>, bool)> = Vec::new();
+            let mut bytes = 0u64;
+            let mut next = request.until;
+            for (id, body) in st.bodies.range(request.from..request.until) {
+                if bytes >= max_bytes as u64 || plan.len() >= SERVE_MAX_MESSAGES {
+                    next = *id;
+                    break;
+                }
+                bytes += body.stored_bytes;
+                plan.push(match &body.record {
+                    Record::InEntry { payload } => (*id, payload.clone(), true),
+                    Record::Stored(_) => (*id, None, false),
+                });
+            }
+            (st.machine.last_index().map_or(0, |i| (i + 1) << 16), st.last_ticket, st.machine.now_ms(), plan, next)
         };
         if applied_until < request.until {
             return Err(format!("this replica has applied less of the log ({applied_until:#x}) than asked ({:#x})", request.until));
         }
         let deadline = std::time::Instant::now() + READABLE_WAIT;
-        while !self.store.is_readable(ticket) {
+        while plan.iter().any(|(_, _, in_entry)| !in_entry) && !self.store.is_readable(ticket) {
             if std::time::Instant::now() >= deadline {
                 return Err("the store has not made the records readable yet".to_string());
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        let max_bytes = (request.max_bytes as usize).clamp(1, MAX_ANSWER_BYTES);
-        let mut answer = BodiesAnswer { records: Vec::new(), next: request.from, complete: false };
-        let mut bytes = 0usize;
-        while bytes < max_bytes {
-            let batch = self.store.read(self.group, answer.next, READ_BACK_MESSAGES, max_bytes - bytes).map_err(|e| e.to_string())?;
-            let progressed = batch.next_seq > answer.next || !batch.messages.is_empty();
-            for m in batch.messages {
-                if m.seq >= request.until {
-                    answer.complete = true;
-                    break;
-                }
-                bytes += m.payload.len();
-                answer.next = m.seq + 1;
-                answer.records.push(BodyRecord { msg_id: m.seq, timestamp_ms: m.timestamp_ms, payload: m.payload });
-            }
-            answer.next = answer.next.max(batch.next_seq.min(request.until));
-            if answer.complete || !progressed || answer.next >= request.until {
-                answer.complete = true;
+        let from_log: Vec<MsgId> = plan.iter().filter(|(_, held, in_entry)| *in_entry && held.is_none()).map(|(id, ..)| *id).collect();
+        let log = self.replicator.read().clone();
+        let mut from_log = payloads_from_entries(queue, log.as_deref(), &from_log).into_iter().peekable();
+        let mut from_store: VecDeque<warren_store::StoredMessage> = VecDeque::new();
+        let mut records = Vec::with_capacity(plan.len());
+        let mut bytes = 0;
+        for (id, held, in_entry) in plan {
+            // Bodies restored at a start are counted at 0 bytes in the plan: the cap is on what is read.
+            if bytes >= max_bytes {
+                next = id;
                 break;
             }
+            let payload = match (held, in_entry) {
+                (Some(p), _) => Some(p),
+                (None, true) => from_log.next_if(|(i, _)| *i == id).map(|(_, p)| p),
+                (None, false) => {
+                    while from_store.front().is_some_and(|m| m.seq < id) {
+                        from_store.pop_front();
+                    }
+                    if from_store.is_empty() {
+                        from_store.extend(self.store.read(self.group, id, READ_BACK_MESSAGES, READ_BACK_BYTES).map_err(|e| e.to_string())?.messages);
+                    }
+                    from_store.front().filter(|m| m.seq == id).map(|m| m.payload.clone())
+                }
+            };
+            // None: the message left since (its record acked, its entry let go).
+            if let Some(payload) = payload {
+                bytes += payload.len();
+                records.push(BodyRecord { msg_id: id, timestamp_ms: now_ms, payload });
+            }
         }
-        Ok(answer.encode())
+        Ok(BodiesAnswer { records, next, complete: next >= request.until }.encode())
     }
 
     /// At a start: loads what the store holds for this queue (the bodies of its live messages).
@@ -1886,6 +1882,7 @@ impl QuorumReplica {
             let mut old = std::mem::replace(&mut *st, ReplicaState::new(queue_config(&queue.name, &queue.args), self.runtime.bodies.clone()));
             // Reads ahead under way end by themselves; no more may start beside them.
             st.read_ahead.in_flight = old.read_ahead.in_flight;
+            st.log = old.log.take();
             // A basic.get waiting for its entry answers empty (the next one goes through a member).
             st.getters = std::mem::take(&mut old.getters);
             for g in st.getters.values_mut() {
@@ -1916,7 +1913,7 @@ impl QuorumReplica {
             st.deleted = true;
             st.bodies.clear();
             st.store_only = 0;
-            st.unwritten_bytes = 0;
+            st.entry_bodies.clear();
             st.body_mem.clear();
             st.checked_out.clear();
             st.getters.clear();
@@ -1977,28 +1974,51 @@ fn hand_to_channel(local: &mut LocalConsumer, id: ConsumerId, entry: Entry, afte
     }
 }
 
-/// Adds a live message's body: its memory to the budget, and counted in `store_only` if not held, in
-/// `unwritten_bytes` if only in its entry (`let_go` takes it out of all three).
+/// Adds a live message's body: its memory to the budget, counted in `store_only` if not held, and
+/// in its entry's count if in its entry, which is pinned in the log with the first (`let_go` takes
+/// it out of all three).
 fn insert_body(st: &mut ReplicaState, msg_id: MsgId, body: Body) {
     st.body_mem.add(body.mem);
     if !body.held() {
         st.store_only += 1;
     }
-    if let Record::Unwritten { payload, .. } = &body.record {
-        st.unwritten_bytes += payload.len() as u64;
+    if let Record::InEntry { .. } = body.record {
+        let index = msg_id >> 16;
+        let count = st.entry_bodies.entry(index).or_insert(0);
+        *count += 1;
+        if *count == 1 {
+            match &st.log {
+                Some(log) => {
+                    if let Err(e) = log.pin_entry(index) {
+                        tracing::error!(index, error = %e, "could not pin a quorum queue's entry in the log: its bodies may go with its next snapshot");
+                    }
+                }
+                None => tracing::error!(index, "a quorum queue keeps bodies in its log before its group is attached"),
+            }
+        }
     }
     if let Some(old) = st.bodies.insert(msg_id, body) {
-        let_go(st, &old);
+        let_go(st, msg_id, &old);
     }
 }
 
-/// Takes a body that left `bodies` out of the counts and the memory budget.
-fn let_go(st: &mut ReplicaState, body: &Body) {
+/// Takes the body of `msg_id` that left `bodies` out of the counts and the memory budget; the last
+/// of its entry unpins the entry.
+fn let_go(st: &mut ReplicaState, msg_id: MsgId, body: &Body) {
     if !body.held() {
         st.store_only = st.store_only.saturating_sub(1);
     }
-    if let Record::Unwritten { payload, .. } = &body.record {
-        st.unwritten_bytes = st.unwritten_bytes.saturating_sub(payload.len() as u64);
+    if let Record::InEntry { .. } = body.record {
+        let index = msg_id >> 16;
+        if let Some(count) = st.entry_bodies.get_mut(&index) {
+            *count -= 1;
+            if *count == 0 {
+                st.entry_bodies.remove(&index);
+                if let Some(Err(e)) = st.log.as_ref().map(|log| log.unpin_entry(index)) {
+                    tracing::error!(index, error = %e, "could not let a quorum queue's entry go from the log");
+                }
+            }
+        }
     }
     st.body_mem.sub(body.mem);
 }
@@ -2010,7 +2030,7 @@ fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     if let Record::Stored(_) = body.record {
         acks.ack(group, msg_id, body.stored_bytes);
     }
-    let_go(st, &body);
+    let_go(st, msg_id, &body);
 }
 
 /// A message returned before, as delivered: with the `x-delivery-count` header (failed deliveries so
@@ -2047,6 +2067,68 @@ fn decode_bodies(queue: &Queue, messages: Vec<warren_store::StoredMessage>) -> V
         match decode_stored(&m.payload) {
             Some(stored) => out.push((m.seq, Arc::new(stored.message))),
             None => tracing::error!(queue = %queue.name, seq = m.seq, "unreadable message in the store"),
+        }
+    }
+    out
+}
+
+/// The ids of the bodies in `ids` that are only in their entries and not held, at most `max`.
+fn not_held_in_entries(st: &ReplicaState, ids: std::ops::RangeInclusive<MsgId>, max: usize) -> Vec<MsgId> {
+    st.bodies.range(ids).filter(|(_, b)| matches!(b.record, Record::InEntry { payload: None })).take(max).map(|(id, _)| *id).collect()
+}
+
+/// Reads the bodies of `ids` (in id order) from their entries in this node's log, decoded.
+fn read_from_entries(queue: &Queue, log: Option<&dyn Replicator>, ids: &[MsgId]) -> Vec<(MsgId, MessageRef)> {
+    let mut out = Vec::with_capacity(ids.len());
+    for (id, payload) in payloads_from_entries(queue, log, ids) {
+        match decode_stored(&payload) {
+            Some(stored) => out.push((id, Arc::new(stored.message))),
+            None => tracing::error!(queue = %queue.name, msg_id = id, "a quorum queue's message does not decode"),
+        }
+    }
+    out
+}
+
+/// Reads the bodies of `ids` (in id order) from their entries in this node's log, an entry once
+/// for all its ids: their store encodings (copied out of the entries). Bodies that cannot be read are
+/// logged and left out (the log has no such entry any more when the message left meanwhile).
+fn payloads_from_entries(queue: &Queue, log: Option<&dyn Replicator>, ids: &[MsgId]) -> Vec<(MsgId, Bytes)> {
+    let mut out = Vec::with_capacity(ids.len());
+    let Some(log) = log else {
+        tracing::error!(queue = %queue.name, "a quorum queue's bodies are in its log, but its group is not attached; not read");
+        return out;
+    };
+    let mut at = 0;
+    while at < ids.len() {
+        let index = ids[at] >> 16;
+        let in_entry = ids[at..].iter().take_while(|id| *id >> 16 == index).count();
+        let wanted = &ids[at..at + in_entry];
+        at += in_entry;
+        let entry = match log.read_entry(index) {
+            Ok(Some(entry)) => entry,
+            Ok(None) => {
+                tracing::debug!(queue = %queue.name, index, "an entry with a quorum queue's bodies is not in the log (its messages left)");
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(queue = %queue.name, index, error = %e, "could not read a quorum queue's bodies from its log");
+                continue;
+            }
+        };
+        let payloads = match Command::enqueued_payloads(&entry) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::error!(queue = %queue.name, index, error = %e, "an entry with a quorum queue's bodies does not decode");
+                continue;
+            }
+        };
+        for &id in wanted {
+            match payloads.get((id & 0xffff) as usize).filter(|r| r.end <= entry.len()) {
+                // A copy: a slice would keep the whole entry (up to megabytes) in memory for as
+                // long as the body is held, and the memory budget counts only the body.
+                Some(r) => out.push((id, Bytes::copy_from_slice(&entry[r.clone()]))),
+                None => tracing::error!(queue = %queue.name, msg_id = id, "a quorum queue's message is not in its entry"),
+            }
         }
     }
     out

@@ -152,6 +152,23 @@ impl Command {
         Ok(cmd)
     }
 
+    /// The messages an entry enqueues, in the order the machine numbers them (`msg_id(index, i)`
+    /// is the i-th): where each one's payload (its store encoding) is in `entry`. Every message is
+    /// numbered, whether the machine accepted it or not.
+    pub fn enqueued_payloads(entry: &[u8]) -> Result<Vec<Range<usize>>, DecodeError> {
+        let enqueues = match Command::decode(entry)? {
+            Command::Batch(cmds) => cmds,
+            cmd => vec![cmd],
+        };
+        Ok(enqueues
+            .into_iter()
+            .flat_map(|c| match c {
+                Command::Enqueue { msgs, .. } => msgs.into_iter().map(|m| m.payload).collect(),
+                _ => Vec::new(),
+            })
+            .collect())
+    }
+
     /// Encodes this command alone as an entry (for enqueues, `src` holds the payload ranges).
     pub fn encode(&self, src: &[u8]) -> Result<Bytes, EncodeError> {
         let mut e = Encoder::new();

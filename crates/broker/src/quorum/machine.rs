@@ -379,6 +379,17 @@ impl QuorumMachine {
         self.consumers.get(&consumer).map(|c| c.checked_out.keys().copied().collect()).unwrap_or_default()
     }
 
+    /// Every live message (ready or checked out), in id order.
+    pub fn live_ids(&self) -> Vec<MsgId> {
+        let mut ids: Vec<MsgId> = self.ready.returned.keys().copied().collect();
+        ids.extend(self.consumers.values().flat_map(|c| c.checked_out.keys().copied()));
+        for run in &self.ready.fresh {
+            ids.extend((0..run.count as u64).map(|k| run.first + k * run.step()));
+        }
+        ids.sort_unstable();
+        ids
+    }
+
     /// Whether `id` is a live message: ready, or checked out to a consumer.
     pub fn is_live(&self, id: MsgId) -> bool {
         if self.ready.returned.contains_key(&id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id)) {
