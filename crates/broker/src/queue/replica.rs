@@ -1162,11 +1162,13 @@ impl QuorumReplica {
 
     /// At a start, the machine was restored from this node's own snapshot: the live messages it
     /// lists whose bodies were not loaded from the queue's records (`restore_bodies`) are in their
-    /// entries, which this node applied before the snapshot. Those entries are pinned now (the log
-    /// lets the retained ones nobody pins go after this) and the bodies read back when delivered.
+    /// entries, which this node applied before the snapshot (also below `stored_until`: bodies this
+    /// node had in its entries when it installed a snapshot were not fetched as records). Those
+    /// entries are pinned now (the log lets the retained ones nobody pins go after this) and the
+    /// bodies read back when delivered.
     pub(super) fn restored_at_start(&self, queue: &Queue) {
         let mut st = self.state.lock();
-        let missing: Vec<MsgId> = st.machine.live_ids().into_iter().filter(|id| *id >= st.stored_until && !st.bodies.contains_key(id)).collect();
+        let missing: Vec<MsgId> = st.machine.live_ids().into_iter().filter(|id| !st.bodies.contains_key(id)).collect();
         if !missing.is_empty() {
             tracing::debug!(queue = %queue.name, messages = missing.len(), "a quorum queue's bodies are read from its log when delivered");
         }
