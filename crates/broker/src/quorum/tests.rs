@@ -902,3 +902,39 @@ fn is_live_names_ready_checked_out_and_returned_messages_only() {
         assert_eq!(restored.is_live(*id), q.m.is_live(*id));
     }
 }
+
+/// A body is read back from its entry by its place (`msg_id & 0xffff`, `Command::enqueued_payloads`):
+/// that place must be the one the machine numbered it with, across an entry's sessions, around
+/// duplicates and refused publishes (numbered too) and other commands in between.
+#[test]
+fn enqueued_payloads_give_each_stored_message_its_own_bytes() {
+    const S2: SessionId = SessionId { node: 2, channel: 3 };
+    let mut q = Q::new(QueueConfig { max_length: Some(6), overflow: Overflow::RejectPublish, ..QueueConfig::default() });
+    q.publish(S1, 1, 1..=2, None);
+    let mut e = Encoder::new();
+    e.begin_enqueue(S1, 2);
+    for s in [2, 3, 4] {
+        e.message(s, 10, None, format!("s1 {s}").as_bytes()).unwrap(); // 2: a duplicate
+    }
+    e.settle(C2, &[12345]);
+    e.begin_enqueue(S2, 2);
+    for s in [1, 2, 3] {
+        e.message(s, 10, None, format!("s2 {s}").as_bytes()).unwrap(); // 3: past max-length, refused
+    }
+    let entry = e.finish();
+    let (effects, _) = q.m.apply(100, &entry);
+    let places = Command::enqueued_payloads(&entry).unwrap();
+    let stored: Vec<(MsgId, std::ops::Range<usize>)> = effects
+        .into_iter()
+        .filter_map(|e| match e {
+            Effect::Store { msg_id, payload } => Some((msg_id, payload)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(stored.len(), 4, "s1 3, s1 4, s2 1, s2 2");
+    for (msg_id, payload) in stored {
+        assert_eq!(msg_id >> 16, 100);
+        assert_eq!(places[(msg_id & 0xffff) as usize], payload, "message {msg_id:#x}");
+    }
+    assert_eq!(&entry[places[5].clone()], b"s2 3", "a refused message has its place too");
+}
