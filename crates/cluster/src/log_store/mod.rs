@@ -1003,11 +1003,7 @@ impl Group {
         // A retained record is never acked while pinned; read outside the lock (it may be large).
         let got = store.read(self.log_queue(), seq, 1, READ_CHUNK_BYTES).map_err(io::Error::other)?;
         let Some(m) = got.messages.into_iter().next().filter(|m| m.seq == seq) else { return Err(missing(self.id, seq)) };
-        let entry = codec::decode_entry(&m.payload).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("group {} entry seq {seq}: {e}", self.id)))?;
-        if entry.log_id != log_id {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("group {}: record {seq} holds {} where {log_id} was written", self.id, entry.log_id)));
-        }
-        Ok(Some(entry))
+        decode_record(self.id, seq, log_id, &m.payload).map(Some)
     }
 
     /// Whether a read of `[start, end)` now would ask the store (rather than only memory).
@@ -1046,10 +1042,7 @@ impl Group {
                 if m.seq > seq {
                     return Err(missing(self.id, seq));
                 }
-                let entry = codec::decode_entry(&m.payload).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("group {} entry seq {seq}: {e}", self.id)))?;
-                if entry.log_id != log_id {
-                    return Err(io::Error::new(io::ErrorKind::InvalidData, format!("group {}: record {seq} holds {} where {log_id} was written", self.id, entry.log_id)));
-                }
+                let entry = decode_record(self.id, seq, log_id, &m.payload)?;
                 bytes += m.payload.len();
                 out.push(entry);
                 want.next();
@@ -1061,6 +1054,15 @@ impl Group {
         out.extend(plan.cached);
         Ok(out)
     }
+}
+
+/// The entry in record `seq` of group `group`'s log, which must be the one `log_id` names.
+fn decode_record(group: GroupId, seq: u64, log_id: LogId, payload: &Bytes) -> io::Result<Entry> {
+    let entry = codec::decode_entry(payload).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, format!("group {group} entry seq {seq}: {e}")))?;
+    if entry.log_id != log_id {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, format!("group {group}: record {seq} holds {} where {log_id} was written", entry.log_id)));
+    }
+    Ok(entry)
 }
 
 fn missing(group: GroupId, seq: u64) -> io::Error {
