@@ -118,8 +118,8 @@ impl PublisherSession {
             if !refused.is_empty() {
                 st.refused.extend(refused);
                 st.refused.sort_unstable();
-                // Refusals nobody takes (a transaction's publishes: tx.commit-ok is sent all the same)
-                // must not pile up: the oldest go.
+                // Refusals nobody takes (a confirm dropped with its closed channel) must not pile
+                // up: the oldest go.
                 if st.refused.len() > MAX_REFUSED {
                     let extra = st.refused.len() - MAX_REFUSED;
                     st.refused.drain(..extra);
@@ -179,6 +179,22 @@ impl PublisherSession {
         }
         refused
     }
+
+    /// How many operations numbered `first..=last` some queue refused (a transaction's: its
+    /// tx.commit then fails); forgets them.
+    pub fn take_refused_in(&self, first: u64, last: u64) -> usize {
+        if !self.any_refused.load(Ordering::Acquire) || first > last {
+            return 0;
+        }
+        let mut st = self.state.lock();
+        let from = st.refused.partition_point(|s| *s < first);
+        let to = st.refused.partition_point(|s| *s <= last);
+        st.refused.drain(from..to);
+        if st.refused.is_empty() {
+            self.any_refused.store(false, Ordering::Release);
+        }
+        to - from
+    }
 }
 
 #[cfg(test)]
@@ -193,6 +209,20 @@ mod tests {
     fn session() -> PublisherSession {
         let sink: Weak<NoSink> = Weak::new();
         PublisherSession::new(sink)
+    }
+
+    #[test]
+    fn the_refusals_of_a_range_are_counted_and_forgotten_and_no_others() {
+        let s = session();
+        let seqs: Vec<u64> = (0..6).map(|_| s.next_seq()).collect();
+        for &q in &seqs {
+            s.sent(7, q);
+        }
+        s.resolved(7, seqs.iter().map(|&q| (q, q % 2 == 0)));
+        assert_eq!(s.take_refused_in(seqs[0], seqs[3]), 2, "seqs 2 and 4 of 1..=4 were refused");
+        assert_eq!(s.take_refused_in(seqs[0], seqs[3]), 0, "taken once");
+        assert!(s.take_refused(seqs[5]), "a refusal outside the range is left for its confirm");
+        assert_eq!(s.take_refused_in(seqs[4], seqs[3]), 0, "an empty range");
     }
 
     #[test]

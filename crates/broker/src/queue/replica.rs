@@ -295,6 +295,11 @@ struct Getter {
     channel: Weak<Channel>,
     connection: u64,
     number: u16,
+    /// basic.get with no-ack: the message is still taken as for an acking getter (held by the
+    /// group until settled), then settled once get-ok is handed to the channel. A get answered
+    /// empty (the Dequeue not applied here in time, or its outcome unknown) may still be applied
+    /// later: its message then goes back (`delivered_to_gone`) instead of being consumed unsent.
+    no_ack: bool,
     /// Some(true): get-ok sent; Some(false): get-empty to send.
     done: Option<bool>,
 }
@@ -996,8 +1001,10 @@ impl QuorumReplica {
             match (entries.swap_remove(0), channel) {
                 (Some(entry), Some(channel)) => {
                     let remaining = machine.ready_count().min(u32::MAX as u64) as u32;
-                    if channel.deliver_get(queue, entry, settled, remaining).is_none() {
+                    if channel.deliver_get(queue, entry, settled || getter.no_ack, remaining).is_none() {
                         checked_out.insert(d.msg_id, consumer);
+                    } else if !settled {
+                        after.settles.push((consumer, d.msg_id));
                     }
                     getter.done = Some(true);
                 }
@@ -1443,10 +1450,11 @@ impl QuorumReplica {
                 }
                 Waiter::Enqueue { session: None, .. } => {}
                 Waiter::Settled { tx: Some((session, seq)), .. } => {
+                    // Not committed (and not proposed again, or given up on): the commit fails.
                     if reply.is_none() {
-                        tracing::warn!(queue = %queue.name, "a transaction's settlements were not committed in time; tx.commit-ok goes out all the same");
+                        tracing::warn!(queue = %queue.name, "a transaction's settlements were not committed in time; its tx.commit fails");
                     }
-                    session.resolved(self.group, [(seq, false)]);
+                    session.resolved(self.group, [(seq, reply.is_none())]);
                 }
                 Waiter::Attach(local) => {
                     let mut st = self.state.lock();
@@ -1548,11 +1556,17 @@ impl QuorumReplica {
 
     /// A message routed to this queue: it joins the next entry.
     pub(super) fn publish(&self, queue: &Arc<Queue>, message: &MessageRef, stored_header: &[u8], now_ms: u64, publisher: Option<Publisher>) -> Result<super::Enqueued> {
+        let mut p = self.proposals.lock();
+        // The machine drops a publish whose seq is at or below its session's last as a re-sent
+        // duplicate, so a session's seqs must enter entries in rising order. A connection's session
+        // numbers its publishes on its one reader task; the node's own session (publishes without
+        // confirms, dead letters) is shared by every connection, so its seq is taken under the
+        // proposals lock, where the message also joins the entry: taken before it, two connections
+        // could add their numbers out of order and the lower one was dropped on every replica.
         let (session, seq, tracked) = match publisher {
             Some(p) => (SessionId { node: self.node(), channel: p.session.id }, p.seq, Some(p.session)),
             None => (SessionId { node: self.node(), channel: self.own_session }, self.own_seq.fetch_add(1, Ordering::Relaxed), None),
         };
-        let mut p = self.proposals.lock();
         {
             let mut st = self.state.lock();
             if st.deleted {
@@ -1746,11 +1760,12 @@ impl QuorumReplica {
                 return Got::Empty;
             }
             let local = self.new_local_id();
-            st.getters.insert(local, Getter { channel: channel.weak(), connection: channel.connection_id, number: channel.number, done: None });
+            st.getters.insert(local, Getter { channel: channel.weak(), connection: channel.connection_id, number: channel.number, no_ack, done: None });
             local
         };
         let mut p = self.proposals.lock();
-        p.encoder.dequeue(self.consumer_id(local), no_ack);
+        // Never a settling Dequeue, even for no-ack: see `Getter::no_ack`.
+        p.encoder.dequeue(self.consumer_id(local), false);
         p.command(Waiter::Get(local));
         self.flush(queue, &mut p);
         Got::Later(GetWait::Replicated(local))

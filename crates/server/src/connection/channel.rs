@@ -483,17 +483,20 @@ impl ChannelHandler {
             return Err(BrokerError::precondition_failed("channel is not transactional").into());
         };
         self.tx_bytes = 0;
-        let (mut last_ticket, mut last_seq) = (None, 0);
+        let (mut last_ticket, mut first_seq, mut last_seq, mut refused_now) = (None, u64::MAX, 0, 0);
         for op in ops {
             let ticket = match op {
                 TxOp::Publish { exchange, mandatory, message } => {
-                    let (ticket, seq) = self.route(conn, &exchange, mandatory, message)?;
-                    last_seq = last_seq.max(seq);
-                    ticket
+                    let routed = self.route(conn, &exchange, mandatory, message)?;
+                    first_seq = first_seq.min(routed.seq);
+                    last_seq = last_seq.max(routed.seq);
+                    refused_now += usize::from(routed.rejected);
+                    routed.ticket
                 }
                 TxOp::Settle { delivery_tag, multiple, how } => {
                     // Quorum queues resolve this seq once their group applied the settlement.
                     let seq = conn.session.next_seq();
+                    first_seq = first_seq.min(seq);
                     last_seq = last_seq.max(seq);
                     let publisher = warren_broker::Publisher { session: &conn.session, seq };
                     self.channel.settle_for(delivery_tag, multiple, how, Some(publisher))?
@@ -502,14 +505,24 @@ impl ChannelHandler {
             last_ticket = last_ticket.max(ticket);
         }
         // commit-ok once everything the transaction published, and the acks of what it settled, are on
-        // disk (classic queues) or applied by their groups (quorum queues).
+        // disk (classic queues) or applied by their groups (quorum queues); if any of it was refused
+        // (a full queue, no majority in time, a home node down), the commit fails instead.
         conn.outbox.push(Outgoing::WhenDurable {
             channel: self.number,
             ticket: last_ticket,
             seq: last_seq,
-            action: DurableAction::Method(Method::TxCommitOk(TxCommitOk {})),
+            action: DurableAction::TxCommit { first_seq: first_seq.min(last_seq), refused_now },
         });
         Ok(())
+    }
+
+    /// The writer found that work of this channel's last tx.commit was not done: the commit fails
+    /// with a channel error (never commit-ok), as RabbitMQ fails a commit it cannot carry out.
+    pub fn commit_failed(&mut self, text: String, conn: &ConnectionShared) {
+        if self.closing || self.tx.is_none() {
+            return;
+        }
+        self.fail(BrokerError::precondition_failed(text), c::CLASS_TX, 20, conn);
     }
 
     pub fn handle_header(&mut self, header: ContentHeader, conn: &ConnectionShared) -> Result<(), ConnError> {
@@ -708,7 +721,7 @@ impl ChannelHandler {
     /// Publishes into the vhost; queues basic.return and the confirm as needed. Returns the
     /// store ticket the message must reach to be durable, and its pub seq in the connection's publisher
     /// session (0 when nothing waits for it), which quorum queues resolve once applied.
-    fn route(&mut self, conn: &ConnectionShared, exchange: &str, mandatory: bool, message: Message) -> Result<(Option<u64>, u64), Failure> {
+    fn route(&mut self, conn: &ConnectionShared, exchange: &str, mandatory: bool, message: Message) -> Result<Routed, Failure> {
         let returned = mandatory.then(|| (message.exchange.clone(), message.routing_key.clone(), message.properties.clone(), message.body.clone()));
         let waits = self.confirm || self.tx.is_some();
         let seq = if waits { conn.session.next_seq() } else { 0 };
@@ -733,6 +746,14 @@ impl ChannelHandler {
             let ticket = if outcome.rejected { None } else { outcome.ticket };
             conn.outbox.push(Outgoing::WhenDurable { channel: self.number, ticket, seq, action });
         }
-        Ok((outcome.ticket, seq))
+        Ok(Routed { ticket: outcome.ticket, seq, rejected: outcome.rejected })
     }
+}
+
+/// A routed publish: the store ticket it waits for, its publisher-session seq (0: none), and
+/// whether a queue refused it at once.
+struct Routed {
+    ticket: Option<u64>,
+    seq: u64,
+    rejected: bool,
 }

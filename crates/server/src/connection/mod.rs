@@ -411,7 +411,17 @@ impl Connection {
                 _ = shutdown.changed() => return Ended::Error(forced()),
                 _ = alarms.changed(), if publisher => {}
                 _ = ack_check.tick() => self.check_ack_timeouts(),
+                _ = outbox.until_commit_failed() => self.fail_commits(),
                 _ = outbox.until_writer_stopped() => return Ended::Error(ConnError::Gone),
+            }
+        }
+    }
+
+    /// Closes the channels whose tx.commit the writer found failed (`Outbox::fail_commit`).
+    fn fail_commits(&mut self) {
+        for (number, text) in self.shared.outbox.take_failed_commits() {
+            if let Some(ch) = self.channels.get_mut(&number) {
+                ch.commit_failed(text, &self.shared);
             }
         }
     }

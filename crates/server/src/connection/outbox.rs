@@ -44,7 +44,10 @@ pub enum Outgoing {
 pub enum DurableAction {
     Ack { delivery_tag: u64 },
     Nack { delivery_tag: u64 },
-    Method(Method),
+    /// tx.commit-ok, unless an operation of the transaction (session seqs `first_seq..=seq`) was
+    /// refused by a queue, or `refused_now` publishes were refused as they were routed: then the
+    /// reader fails the commit (`Outbox::fail_commit`).
+    TxCommit { first_seq: u64, refused_now: usize },
 }
 
 /// What a method frame is counted as (most are far smaller; names are at most 255 bytes).
@@ -93,6 +96,10 @@ pub struct Outbox {
     writer_stopped: AtomicBool,
     /// Where the store acks of written no-ack deliveries go (`Delivery::ack_when_written`).
     store: Store,
+    /// Channels whose tx.commit the writer found failed, with why: the reader closes them.
+    failed_commits: Mutex<Vec<(u16, String)>>,
+    /// Wakes the reader: a commit failed.
+    commit_failed: Notify,
 }
 
 impl Outbox {
@@ -107,7 +114,26 @@ impl Outbox {
             reader_wake: Notify::new(),
             writer_stopped: AtomicBool::new(false),
             store,
+            failed_commits: Mutex::new(Vec::new()),
+            commit_failed: Notify::new(),
         }
+    }
+
+    /// The writer found that `channel`'s tx.commit cannot be answered commit-ok (`text` says why):
+    /// the reader, which owns the channel's state, closes it with a channel error.
+    pub fn fail_commit(&self, channel: u16, text: String) {
+        self.failed_commits.lock().push((channel, text));
+        self.commit_failed.notify_one();
+    }
+
+    /// Returns once a commit failed (see `fail_commit`).
+    pub async fn until_commit_failed(&self) {
+        self.commit_failed.notified().await;
+    }
+
+    /// The failed commits not handled yet.
+    pub fn take_failed_commits(&self) -> Vec<(u16, String)> {
+        std::mem::take(&mut *self.failed_commits.lock())
     }
 
     /// Appends the store acks of no-ack deliveries that were written to the socket (or that never will

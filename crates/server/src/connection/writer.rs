@@ -18,7 +18,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::sync::watch;
 use warren_broker::{Delivery, PublisherSession};
 use warren_protocol::frame;
-use warren_protocol::method::{BasicCancel, BasicNack, Method};
+use warren_protocol::method::{BasicCancel, BasicNack, Method, TxCommitOk};
 use warren_store::{Batch, SyncTicket};
 
 pub struct WriterConfig {
@@ -134,7 +134,8 @@ async fn write_loop(
                     // Confirms are per channel incarnation: what is not durable now is never sent.
                     if let Some(mut queue) = pending.remove(&channel) {
                         cost += queue.len() * CONFIRM_COST;
-                        write_ready_confirms(&mut out.buf, channel, &mut queue, *durable.borrow(), session);
+                        // The channel ends: a failed commit is not failed again (nobody waits for it).
+                        write_ready_confirms(&mut out.buf, channel, &mut queue, *durable.borrow(), session, None);
                     }
                     frame::write_method(&mut out.buf, channel, &method);
                 }
@@ -144,7 +145,7 @@ async fn write_loop(
         let on_disk = *durable.borrow_and_update();
         for (channel, queue) in pending.iter_mut() {
             let before = queue.len();
-            write_ready_confirms(&mut out.buf, *channel, queue, on_disk, session);
+            write_ready_confirms(&mut out.buf, *channel, queue, on_disk, session, Some(outbox));
             cost += (before - queue.len()) * CONFIRM_COST;
         }
         pending.retain(|_, q| !q.is_empty());
@@ -222,8 +223,16 @@ fn write_delivery(out: &mut OutFrames, d: Delivery, frame_max: u32, cancel_notif
 
 /// Emits, in order, every pending confirm whose ticket is on disk and whose quorum-queue operations
 /// are resolved; consecutive acks are coalesced into one `basic.ack multiple=true`; an ack a quorum
-/// queue refused (reject-publish, no majority in time) is a `basic.nack`.
-fn write_ready_confirms(buf: &mut BytesMut, channel: u16, queue: &mut VecDeque<PendingDurable>, on_disk: u64, session: &PublisherSession) {
+/// queue refused (reject-publish, no majority in time) is a `basic.nack`. A tx.commit any of whose
+/// operations was refused is handed to the reader to fail (`fails_commits`; None: the channel ends).
+fn write_ready_confirms(
+    buf: &mut BytesMut,
+    channel: u16,
+    queue: &mut VecDeque<PendingDurable>,
+    on_disk: u64,
+    session: &PublisherSession,
+    fails_commits: Option<&Outbox>,
+) {
     let mut run: Option<(u64, u32)> = None; // (last tag, count) of consecutive acks
     let flush = |buf: &mut BytesMut, run: &mut Option<(u64, u32)>| {
         if let Some((tag, count)) = run.take() {
@@ -252,9 +261,21 @@ fn write_ready_confirms(buf: &mut BytesMut, channel: u16, queue: &mut VecDeque<P
                 let m = Method::BasicNack(BasicNack { delivery_tag, multiple: false, requeue: false });
                 frame::write_method(buf, channel, &m);
             }
-            DurableAction::Method(m) => {
+            DurableAction::TxCommit { first_seq, refused_now } => {
                 flush(buf, &mut run);
-                frame::write_method(buf, channel, &m);
+                let refused = refused_now + if p.seq != 0 { session.take_refused_in(first_seq, p.seq) } else { 0 };
+                if refused == 0 {
+                    frame::write_method(buf, channel, &Method::TxCommitOk(TxCommitOk {}));
+                } else if let Some(outbox) = fails_commits {
+                    outbox.fail_commit(
+                        channel,
+                        format!(
+                            "partial tx completion: {refused} operation(s) of the transaction were refused (a full \
+                             queue with reject-publish, no majority of a quorum queue, a home node down, or an ack \
+                             not committed); publish again on a new channel"
+                        ),
+                    );
+                }
             }
         }
     }

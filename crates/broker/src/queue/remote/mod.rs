@@ -72,6 +72,17 @@ struct Pending {
     messages: Vec<(Bytes, Option<(Arc<PublisherSession>, u64)>)>,
     bytes: usize,
     in_flight: bool,
+    /// The queue's id, which publishers wait on (set by the first publish).
+    queue_id: u64,
+}
+
+impl Drop for Pending {
+    /// The queue's handle is gone (deleted, or its home changed): what still waits to be forwarded
+    /// never will be, so its publishers are nacked now rather than waiting for ever.
+    fn drop(&mut self) {
+        let waiters: Vec<_> = self.messages.drain(..).map(|(_, w)| w).collect();
+        resolve(self.queue_id, waiters, None);
+    }
 }
 
 impl RemoteHome {
@@ -159,6 +170,7 @@ impl RemoteHome {
         });
         let slow_publishers = {
             let mut p = self.pending.lock();
+            p.queue_id = queue.id;
             p.bytes += encoded.len();
             p.messages.push((encoded, waiter));
             p.bytes >= PAUSE_BYTES
@@ -191,6 +203,7 @@ impl RemoteHome {
         };
         self.drained.notify_waiters();
         let weak = Arc::downgrade(queue);
+        let queue_id = queue.id;
         self.request(
             &request,
             Box::new(move |answer| match weak.upgrade() {
@@ -199,7 +212,8 @@ impl RemoteHome {
                         remote.answered(&queue, waiters, answer);
                     }
                 }
-                None => resolve(0, waiters, None),
+                // Publishers wait on the queue's id: resolved under it, or their confirms stall.
+                None => resolve(queue_id, waiters, None),
             }),
         );
     }
