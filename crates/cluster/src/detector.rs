@@ -1,7 +1,8 @@
-//! The node-level failure detector: every [`PING_EVERY`] each peer is pinged on the control link.
-//! A peer is **down** as soon as its control link is gone (a killed process's socket closes at
-//! once) or after [`DOWN_AFTER`] without an answer (a stopped or cut-off node); it is **up** again
-//! at its first answer. Transitions are reported to the node, which then starts elections in the
+//! The node-level failure detector: every [`PING_EVERY`] each peer is pinged on the control link,
+//! and at once when that link closes. A peer is **down** as soon as its control link is gone (a
+//! killed process's socket closes at once: down *by a closed link*, see [`Detector::closed_down`])
+//! or after [`DOWN_AFTER`] without an answer (a stopped or cut-off node); it is **up** again at its
+//! first answer. Transitions are reported to the node, which then starts elections in the
 //! groups the dead node led (see `node`), so failover does not wait for each group's own election
 //! timeout while idle groups send nothing extra.
 
@@ -27,11 +28,14 @@ struct Health {
     last_ok: Option<Instant>,
     /// When watching began: a peer never heard from counts as down only [`DOWN_AFTER`] later.
     since: Instant,
+    /// Down because its link closed or could not be opened (its process is gone), not because it
+    /// fell silent (stopped, or cut off by the network).
+    closed: bool,
 }
 
 impl Health {
     fn new() -> Health {
-        Health { up: false, up_since: None, last_ok: None, since: Instant::now() }
+        Health { up: false, up_since: None, last_ok: None, since: Instant::now(), closed: false }
     }
 }
 
@@ -67,6 +71,13 @@ impl Detector {
         self.health.lock().get(&peer).is_some_and(|h| !h.up && (h.last_ok.is_some() || h.since.elapsed() >= DOWN_AFTER))
     }
 
+    /// Whether the peer is down because its link closed (its process died: the kernel closed its
+    /// sockets), not merely silent. Such a leader cannot be serving anyone, so its followers may
+    /// elect without waiting out its lease (see `node`'s sweep).
+    pub fn closed_down(&self, peer: NodeId) -> bool {
+        self.health.lock().get(&peer).is_some_and(|h| !h.up && h.last_ok.is_some() && h.closed)
+    }
+
     /// Pings `peer` until `stop` is set, calling `on_change` at each transition.
     pub async fn watch(
         &self,
@@ -81,6 +92,8 @@ impl Detector {
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
+                // A ping now finds the link gone: down at once, not at the next tick.
+                _ = transport.control_link_closed(peer) => {}
                 _ = stop.wait_for(|s| *s) => return,
             }
             let answer = tokio::select! {
@@ -105,6 +118,7 @@ impl Detector {
                     }
                     (true, false, true) => {
                         h.up = false;
+                        h.closed = gone;
                         Some(Change::Down(peer))
                     }
                     _ => None,

@@ -103,6 +103,8 @@ pub const PROPOSE_TIMEOUT: Duration = Duration::from_secs(10);
 const PEER_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// How often a forwarded command's wait looks at the target's health and the group's leader.
 const FORWARD_CHECK_EVERY: Duration = Duration::from_millis(50);
+/// How long a voter asked for a vote waits for its leader's answer to a ping (see `link_closed`).
+const VOTE_PING_TIMEOUT: Duration = Duration::from_millis(100);
 /// Timeout of a peer's answer to a status request.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -254,7 +256,9 @@ trait GroupHandle: Send + Sync + 'static {
     fn transfer_leader_rpc(&self, req: TransferLeaderRequest<TypeConfig>) -> BoxFuture<Result<TransferLeaderResponse<TypeConfig>, String>>;
     fn write(&self, cmd: Command) -> BoxFuture<WriteOutcome>;
     fn metrics(&self) -> RaftMetrics<TypeConfig>;
-    fn elect(&self) -> BoxFuture<()>;
+    /// Starts an election: with a pre-vote first (`pre_vote`), or at once (the leader's process
+    /// is known dead: its lease, which a pre-vote respects, would only delay the failover).
+    fn elect(&self, pre_vote: bool) -> BoxFuture<()>;
     /// openraft's `initialize`; a group that already has state (`NotAllowed`) is fine.
     fn initialize(&self, nodes: BTreeMap<NodeId, NodeAddr>) -> BoxFuture<Result<(), String>>;
     fn heartbeat(&self) -> BoxFuture<()>;
@@ -361,13 +365,13 @@ where
         self.metrics.borrow_watched().clone()
     }
 
-    fn elect(&self) -> BoxFuture<()> {
+    fn elect(&self, pre_vote: bool) -> BoxFuture<()> {
         let raft = self.raft.clone();
         Box::pin(async move {
-            // Pre-vote first: a node that cannot win (its log is behind, the others still hear
-            // the leader, it is cut off) leaves every term as it is, so it neither disturbs a
-            // live leader when it comes back nor outbids the voter that can win.
-            let _ = raft.trigger().elect(true).await;
+            // Pre-vote first, as a rule: a node that cannot win (its log is behind, the others
+            // still hear the leader, it is cut off) leaves every term as it is, so it neither
+            // disturbs a live leader when it comes back nor outbids the voter that can win.
+            let _ = raft.trigger().elect(pre_vote).await;
         })
     }
 
@@ -473,6 +477,8 @@ struct NodeInner {
     /// at once at the groups it follows or leads quietly (otherwise only every
     /// [`FOLLOWER_RECHECK`], [`LEADER_RECHECK`]).
     liveness_version: AtomicU64,
+    /// Wakes the sweep before its tick: a node went down, and the groups it led elect now.
+    sweep_now: Arc<tokio::sync::Notify>,
     detector: Detector,
     raft_config: Arc<openraft::Config>,
     /// Leadership transfers under watch and rebalancing (`node::rebalance`).
@@ -659,6 +665,7 @@ impl ClusterNode {
             pending_init: parking_lot::Mutex::new(HashMap::new()),
             deposed: parking_lot::Mutex::new(HashMap::new()),
             liveness_version: AtomicU64::new(0),
+            sweep_now: Arc::new(tokio::sync::Notify::new()),
             detector: Detector::default(),
             raft_config,
             rebalance: rebalance::Rebalancer::default(),
@@ -695,6 +702,7 @@ impl ClusterNode {
                         }
                         Change::Down(p) => {
                             tracing::warn!(peer = p, "cluster node down: the groups it led elect new leaders");
+                            inner.sweep_now.notify_one();
                         }
                     }
                 })
@@ -990,6 +998,13 @@ impl ClusterNode {
         }
         deposed.remove(&group);
         false
+    }
+
+    /// Whether `peer`'s control link is closed now (a ping cannot be sent, or is lost with its
+    /// connection). A ping that merely goes unanswered for a moment says nothing: false.
+    async fn link_closed(&self, peer: NodeId) -> bool {
+        let ping = self.inner.transport.request(peer, LinkKind::Control, Rpc::Ping, 0, b"", VOTE_PING_TIMEOUT);
+        matches!(ping.await, Err(RpcError::NotConnected(_)) | Err(RpcError::Lost(_)))
     }
 
     /// This node's rank among the live voters of `group` for an election (0 goes first), and
@@ -1291,10 +1306,16 @@ impl ClusterNode {
                     // though its node answers. The sweep elects as for a leader that is down.
                     self.inner.deposed.lock().insert(group, (candidate, req.vote.leader_id.term));
                     self.inner.liveness_version.fetch_add(1, Ordering::Release);
-                } else if rpc == Rpc::Vote && leader.is_some_and(|l| self.leader_gone(group, l)) {
-                    // The leader this node follows is down (as the detector says): grant despite
-                    // the leader lease, as for a leadership transfer.
-                    req.leadership_transfer = true;
+                } else if rpc == Rpc::Vote && !req.leadership_transfer {
+                    if let Some(l) = leader {
+                        // The leader this node follows is down (as the detector says, or as a ping
+                        // finds its link closed: the candidate may have seen the dead process's
+                        // socket close a moment before this node did): grant despite the leader
+                        // lease, as for a leadership transfer.
+                        if self.leader_gone(group, l) || self.link_closed(l).await {
+                            req.leadership_transfer = true;
+                        }
+                    }
                 }
                 Ok(wire::to_bytes(&h.vote(req, rpc == Rpc::PreVote).await?))
             }
@@ -1458,9 +1479,11 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
     let mut last_learnt: Option<Instant> = None;
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let Some(sweep_now) = node.upgrade().map(|inner| inner.sweep_now.clone()) else { return };
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            _ = sweep_now.notified() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
         let Some(inner) = node.upgrade() else { return };
@@ -1558,8 +1581,13 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             let retry_ok = t.last_election.is_none_or(|at| now.duration_since(at) >= ELECTION_RETRY + stagger);
             if now >= due && retry_ok {
                 t.last_election = Some(now);
-                tracing::debug!(group, rank, ?leader, leader_down, "electing");
-                h.elect().await;
+                // The leader's process is dead (its links closed): the first candidate skips the
+                // pre-vote, which its own lease on the dead leader would refuse for up to
+                // LEADER_LEASE; the voters grant it as a transfer (see `serve`). A leader merely
+                // silent (stopped, cut off) may be alive: pre-vote as usual.
+                let at_once = rank == 0 && leader.is_some_and(|l| l != me && node.inner.detector.closed_down(l));
+                tracing::debug!(group, rank, ?leader, leader_down, at_once, "electing");
+                h.elect(!at_once).await;
             }
         }
     }

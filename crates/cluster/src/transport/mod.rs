@@ -116,6 +116,9 @@ struct Peer {
     amqp_addr: Mutex<String>,
     control: Mutex<Option<Arc<Conn>>>,
     bulk: Mutex<Option<Arc<Conn>>>,
+    /// Woken when a control connection to the peer ends (a killed process's socket closes at
+    /// once): the failure detector pings it then instead of at its next tick.
+    control_closed: tokio::sync::Notify,
 }
 
 impl Peer {
@@ -195,6 +198,7 @@ impl Transport {
             amqp_addr: Mutex::new(String::new()),
             control: Mutex::new(None),
             bulk: Mutex::new(None),
+            control_closed: tokio::sync::Notify::new(),
         });
         peers.insert(id, peer.clone());
         if id > self.inner.me {
@@ -220,6 +224,15 @@ impl Transport {
     }
 
     /// Whether a link to the peer is up now.
+    /// Returns when a control connection to `peer` ends (at once if one ended since the last call).
+    pub async fn control_link_closed(&self, peer: NodeId) {
+        let p = self.inner.peers.read().get(&peer).cloned();
+        match p {
+            Some(p) => p.control_closed.notified().await,
+            None => std::future::pending().await,
+        }
+    }
+
     pub fn connected(&self, peer: NodeId, kind: LinkKind) -> bool {
         let p = self.inner.peers.read().get(&peer).cloned();
         p.is_some_and(|p| p.slot(kind).lock().is_some())
@@ -501,9 +514,16 @@ async fn run_conn(inner: Arc<Inner>, stream: TcpStream, peer: Option<Arc<Peer>>,
     conn.close();
     writer.abort();
     if let Some(p) = &peer {
-        let mut slot = p.slot(kind).lock();
-        if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) {
-            *slot = None;
+        let was_current = {
+            let mut slot = p.slot(kind).lock();
+            let current = slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn));
+            if current {
+                *slot = None;
+            }
+            current
+        };
+        if was_current && kind == LinkKind::Control {
+            p.control_closed.notify_one();
         }
     }
     // Waiters see their sender dropped: `RpcError::Lost`.
