@@ -24,6 +24,22 @@ from netns import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("WARREN_BIN", str(ROOT / "target" / "release" / "warren"))
+
+
+@functools.lru_cache(maxsize=None)
+def _python_conftest():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("warren_python_conftest_bin", ROOT / "tests" / "python" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _python_conftest_binary_for(env):
+    """tests/python/conftest.py's `binary_for` (the hooks build when a WARREN_TEST_* switch is set);
+    WARREN_BIN, when set, for any other start."""
+    chosen = _python_conftest().binary_for(env)
+    return BIN if chosen == _python_conftest().BIN else chosen
 AMQP_PORT = 5672
 CLUSTER_PORT = 25672
 READY_LINE = b"accepting AMQP 0-9-1 connections on"
@@ -89,7 +105,7 @@ class Node:
         return (repr(self), self.host, self.port)
 
     def command(self):
-        cmd = [BIN, "server", "--bind", self.host, "--amqp-port", str(self.port),
+        cmd = [_python_conftest_binary_for({**os.environ, **self.extra_env}), "server", "--bind", self.host, "--amqp-port", str(self.port),
                "--http-port", str(15672), "--data-dir", str(self.data_dir)]
         if self.peers:
             cmd += ["--node-id", str(self.id), "--cluster-addr", f"{self.host}:{self.cluster_port}",

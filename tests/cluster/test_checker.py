@@ -44,3 +44,32 @@ def test_longest_pause_per_fault_window():
     h.ended = h.started + 5.0
     (pause,) = check(h).pauses
     assert (round(pause.longest, 6), round(pause.resumed_after_heal, 6)) == (2.0, 0.5)
+
+
+def test_a_message_without_confirm_sent_while_healthy_must_arrive():
+    """Healthy: before the first fault (less the grace before it) and from the recovery after the
+    heal. What was sent in the fault, or just before it, may be missing."""
+    h = History()
+    t0 = h.started
+    sends = {"early": 1.0, "just-before": 9.5, "during": 12.0, "healed-not-recovered": 15.5, "recovered": 17.0}
+    for i, t in sends.items():
+        h.plain([i])
+        h.plain_sent[i] = (t0 + t, None)
+    with h.fault("kill") as f:
+        f.start = t0 + 10.0
+    f.healed = t0 + 15.0
+    h.recoveries = [t0 + 16.0]
+    h.ended = t0 + 20.0
+    report = check(h)
+    assert sorted(report.lost_while_healthy) == ["early", "recovered"] and not report.valid
+    for i in ("early", "recovered"):
+        h.receive(i)
+    assert check(h).valid
+
+
+def test_lost_confirmed_messages_are_allowed_only_for_cut_off_no_ack_gets():
+    h = history_of(["a", "b"], ["a", "b"], [])
+    h.tolerate_no_ack_get()
+    assert not check(h).valid, "two lost, one no-ack get cut off"
+    h.tolerate_no_ack_get()
+    assert check(h).valid

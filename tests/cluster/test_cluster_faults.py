@@ -3,9 +3,13 @@
 Each test runs publishers with confirms and consumers with manual acks on every node (each
 reconnects to the next node when its own fails), and on every node a consumer that cancels and
 closes its connection every second or so and connects again (a fault loses some of those cancels,
-closes and acks on their way to the leader), does its fault REPEATS times (waiting after each
-heal until confirms flow again), drains the queue and asks the checker: nothing confirmed lost,
-nothing unexpected; duplicates and the longest pause in confirms per fault are printed.
+closes and acks on their way to the leader), a publisher without confirms, a transactional
+publisher (10 messages a commit: a commit-ok confirms them) and basic.get consumers with and
+without acks (each node's, so most of the time on a follower). It does its fault REPEATS times
+(waiting after each heal until confirms flow again), drains the queue and asks the checker:
+nothing confirmed or committed lost, nothing published without confirms lost while the cluster
+was healthy, nothing unexpected; duplicates and the longest pause in confirms per fault are
+printed.
 
 A test skipped (`not_yet`) until the cluster passes it: remove its marker once it passes 3 times
 in a row (the `cluster` fixture also skips while `warren server` has no `--peers`); set
@@ -44,7 +48,8 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False):
     targets = cluster.targets()
     rotations = [targets[i:] + targets[:i] for i in range(len(targets))]
     work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, churning=rotations, arguments=QUORUM,
-                    publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0)).start()
+                    publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0),
+                    plain=rotations, tx=rotations, getters=rotations, no_ack_getters=rotations).start()
     try:
         work.wait_for_confirms(300, timeout=30)
         home = cluster.leader(QUEUE) if rebalanced else None
@@ -53,6 +58,7 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False):
                 wait_for_leader(cluster, home, timeout=20)
             fault(r)
             work.wait_for_confirms(300, timeout=30)  # service is back after the heal
+            history.recovered()  # healthy again: what is published without confirms from now on must arrive
     finally:
         work.stop()
         write_timeline(history, cluster.base_dir / "timeline.txt")  # next to the node logs

@@ -185,6 +185,44 @@ class Client:
                 + frame(FRAME_HEADER, 1, struct.pack(">HHQH", 60, 0, len(body), 0x1000) + b"\x02")
                 + frame(FRAME_BODY, 1, body))
 
+    def tx_select(self):
+        self.rpc(method_frame(1, 90, 10, b""), (90, 11))
+
+    def tx_commit(self, timeout=None):
+        """tx.commit; returns once commit-ok came (raises AmqpError if the broker failed the commit)."""
+        self.rpc(method_frame(1, 90, 20, b""), (90, 21), timeout=timeout)
+
+    def get(self, queue, no_ack, timeout=None):
+        """basic.get: (delivery tag, body), or None for get-empty."""
+        self.send(method_frame(1, 60, 70, struct.pack(">H", 0) + shortstr(queue) + (b"\x01" if no_ack else b"\x00")))
+        deadline = time.monotonic() + (timeout or self.timeout)
+        tag, size, parts = None, None, []
+        while True:
+            f = self._next_frame(deadline)
+            if f is None:
+                raise socket.timeout(f"no answer to basic.get within {timeout or self.timeout}s")
+            kind, _, payload = f
+            if kind == FRAME_HEARTBEAT:
+                continue
+            self._closing(kind, payload)
+            if kind == FRAME_METHOD:
+                cm = struct.unpack_from(">HH", payload)
+                if cm == (60, 72):
+                    return None
+                if cm != (60, 71):
+                    raise AmqpError(f"unexpected method {cm} after basic.get")
+                tag = struct.unpack_from(">Q", payload, 4)[0]
+            elif kind == FRAME_HEADER and tag is not None:
+                size = struct.unpack_from(">Q", payload, 4)[0]
+                if size == 0:
+                    return tag, b""
+            elif kind == FRAME_BODY and tag is not None:
+                parts.append(payload)
+                if sum(map(len, parts)) >= size:
+                    return tag, b"".join(parts)
+            else:
+                raise AmqpError(f"unexpected frame kind {kind} after basic.get")
+
     def cancel(self, tag):
         """basic.cancel with no-wait (deliveries may still arrive before anything else would)."""
         self.send(method_frame(1, 60, 30, shortstr(tag) + b"\x01"))
@@ -376,6 +414,91 @@ class Publisher(_Worker):
                 raise Stalled(f"{len(unconfirmed)} unconfirmed, none confirmed for {self.stall_timeout}s")
 
 
+class PlainPublisher(_Worker):
+    """Publishes persistent messages "<name>/<seq> ..." without confirms at `rate` per second,
+    recording each id with the time it was sent (`History.plain`). Nothing tells it whether a
+    message was taken, so the checker holds it only to what was sent while the cluster was healthy
+    (see `checker.check`): those must all arrive."""
+
+    def __init__(self, name, targets, queue, history, *, arguments=None, size=64, rate=300, heartbeat=2,
+                 timeout=3.0, netns=None, durable=True):
+        super().__init__(name, targets, queue, history, arguments, heartbeat, timeout, netns, durable)
+        self.size, self.rate = size, rate
+        self.seq = 0
+
+    def session(self, c, label):
+        started, sent = time.monotonic(), 0
+        while not self.stopping:
+            room = int((time.monotonic() - started) * self.rate) - sent
+            if room > 0:
+                ids = [f"{self.name}/{self.seq + k}" for k in range(room)]
+                self.seq += room
+                data = b"".join(c.publish_frames(self.queue, (i + " ").encode().ljust(self.size, b"x")) for i in ids)
+                c.send(data)
+                self.history.plain(ids, label)
+                sent += room
+            for _ in c.events(0.02):
+                pass  # nothing is expected; heartbeats and errors are handled by `events`
+
+
+class TxPublisher(_Worker):
+    """Publishes in transactions of `batch` persistent messages: every id of a transaction whose
+    tx.commit-ok came is confirmed (a commit-ok is a promise, as a confirm is); a failed or
+    unanswered commit leaves them indeterminate."""
+
+    def __init__(self, name, targets, queue, history, *, arguments=None, batch=10, size=64, pause=0.02,
+                 heartbeat=2, timeout=3.0, netns=None, durable=True):
+        super().__init__(name, targets, queue, history, arguments, heartbeat, timeout, netns, durable)
+        self.batch, self.size, self.pause = batch, size, pause
+        self.seq = 0
+        self.committed = 0
+
+    def session(self, c, label):
+        c.tx_select()
+        while not self.stopping:
+            ids = [f"{self.name}/{self.seq + k}" for k in range(self.batch)]
+            self.seq += self.batch
+            self.history.attempt(ids)
+            c.send(b"".join(c.publish_frames(self.queue, (i + " ").encode().ljust(self.size, b"x")) for i in ids))
+            c.tx_commit(timeout=40)  # past the broker's own proposal timeout (30 s)
+            self.history.confirm(ids, label)
+            self.committed += 1
+            time.sleep(self.pause)
+
+
+class Getter(_Worker):
+    """basic.get in a loop, with manual acks (each message acked after it is recorded) or no-ack.
+    A no-ack get answered while the connection fails may lose its message on the way (the protocol
+    allows it: no-ack is at most once), so each failure with a no-ack get outstanding is counted
+    (`History.tolerate_no_ack_get`), and the checker allows that many lost messages."""
+
+    def __init__(self, name, targets, queue, history, *, arguments=None, no_ack=False, pause=0.05,
+                 heartbeat=2, timeout=3.0, netns=None, durable=True):
+        super().__init__(name, targets, queue, history, arguments, heartbeat, timeout, netns, durable)
+        self.no_ack, self.pause = no_ack, pause
+        self.got = 0
+        self._outstanding = False
+
+    def session(self, c, label):
+        try:
+            while not self.stopping:
+                self._outstanding = self.no_ack
+                got = c.get(self.queue, self.no_ack, timeout=10)
+                self._outstanding = False
+                if got is None:
+                    time.sleep(self.pause)
+                    continue
+                tag, body = got
+                self.history.receive(message_id(body), label)
+                self.got += 1
+                if not self.no_ack:
+                    c.ack(tag, multiple=False)
+        finally:
+            if self._outstanding:
+                self.history.tolerate_no_ack_get()
+                self._outstanding = False
+
+
 class Consumer(_Worker):
     """Consumes with manual acks (prefetch `prefetch`, one multiple-ack per batch), recording every
     delivery. The ack goes out after the delivery is recorded, so a lost ack means a redelivery
@@ -460,7 +583,8 @@ class Workload:
     of target lists (one per client, in the order each client tries them)."""
 
     def __init__(self, queue, history, publishers, consumers, *, arguments=None, durable=True,
-                 publisher_opts=None, consumer_opts=None, churning=None):
+                 publisher_opts=None, consumer_opts=None, churning=None, plain=None, tx=None, getters=None,
+                 no_ack_getters=None):
         self.queue, self.history = queue, history
         self.publishers = [Publisher(f"p{i}", t, queue, history, arguments=arguments, durable=durable,
                                      **(publisher_opts or {})) for i, t in enumerate(publishers)]
@@ -470,6 +594,16 @@ class Workload:
         self.consumers += [Consumer(f"churn{i}", t, queue, history, arguments=arguments, durable=durable,
                                     session_seconds=0.7 + 0.2 * i, **(consumer_opts or {}))
                            for i, t in enumerate(churning or [])]
+        # Publishers without confirms and transactional ones (stopped with the publishers), and
+        # basic.get consumers with and without acks (stopped with the consumers).
+        self.publishers += [PlainPublisher(f"plain{i}", t, queue, history, arguments=arguments, durable=durable)
+                            for i, t in enumerate(plain or [])]
+        self.publishers += [TxPublisher(f"tx{i}", t, queue, history, arguments=arguments, durable=durable)
+                            for i, t in enumerate(tx or [])]
+        self.consumers += [Getter(f"get{i}", t, queue, history, arguments=arguments, durable=durable)
+                           for i, t in enumerate(getters or [])]
+        self.consumers += [Getter(f"getnoack{i}", t, queue, history, arguments=arguments, durable=durable, no_ack=True)
+                           for i, t in enumerate(no_ack_getters or [])]
 
     def start(self):
         for w in self.publishers + self.consumers:
@@ -477,7 +611,7 @@ class Workload:
         return self
 
     def confirmed(self):
-        return sum(p.confirmed for p in self.publishers)
+        return sum(p.confirmed for p in self.publishers if isinstance(p, Publisher))
 
     def wait_for_confirms(self, n, timeout=20):
         """Waits until at least `n` more messages are confirmed than when called."""

@@ -18,6 +18,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("WARREN_BIN", str(ROOT / "target" / "release" / "warren"))
+# The same broker built with the `test-hooks` feature (`make test` builds it): the only build that
+# reads the WARREN_TEST_* switches (a slow fsync, the power-loss simulator, small budgets).
+HOOKS_BIN = os.environ.get("WARREN_HOOKS_BIN", str(ROOT / "target" / "release" / "warren-hooks"))
+
+
+def binary_for(env):
+    """The binary to start with environment `env`: the hooks build if a test switch is set."""
+    if any(k.startswith("WARREN_TEST_") and k != "WARREN_TEST_EXTERNAL_URL" and v for k, v in env.items()):
+        if not Path(HOOKS_BIN).exists():
+            pytest.skip(f"{HOOKS_BIN} is not built (`make test` builds it: cargo build --release -p warren-server --features test-hooks)")
+        return HOOKS_BIN
+    return BIN
 EXTERNAL = os.environ.get("WARREN_TEST_EXTERNAL_URL")
 
 
@@ -98,6 +110,7 @@ class Broker:
         self.log_path = log_path
         self.proc = None
         self.extra_args = []
+        self.bin = None  # None: `binary_for` the environment
 
     @property
     def url(self):
@@ -106,7 +119,7 @@ class Broker:
     def start(self):
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [BIN, "server", "--amqp-port", str(self.port), "--http-port", str(self.http_port),
+            [self.bin or binary_for(os.environ), "server", "--amqp-port", str(self.port), "--http-port", str(self.http_port),
              "--data-dir", str(self.data_dir), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT,
         )

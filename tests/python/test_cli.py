@@ -166,3 +166,33 @@ def test_server_keeps_serving_when_its_log_pipe_is_closed(tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+@pytest.mark.needs_process
+def test_the_release_binary_reads_no_test_switch(tmp_path, monkeypatch):
+    """Test switches (here a 3 s fsync and the power-loss simulator, which turns fsync off) exist
+    only in the `test-hooks` build the suites use: the release binary ignores them and says nothing
+    of them, the hooks build announces both (so this test can fail)."""
+    from conftest import BIN, HOOKS_BIN, Broker
+    monkeypatch.setenv("WARREN_TEST_FSYNC_DELAY_MS", "3000")
+    monkeypatch.setenv("WARREN_TEST_SIMULATED_DISK", "1")
+    logs = {}
+    for label, binary in (("release", BIN), ("hooks", HOOKS_BIN)):
+        if label == "hooks" and not os.path.exists(HOOKS_BIN):
+            pytest.skip(f"{HOOKS_BIN} is not built")
+        b = Broker(tmp_path / label, tmp_path / f"{label}.log")
+        b.bin = binary
+        b.start()
+        try:
+            c = b.connection()
+            ch = c.channel()
+            ch.confirm_delivery()
+            ch.queue_declare("switches", durable=True)
+            ch.basic_publish("", "switches", b"x", pika.BasicProperties(delivery_mode=2))
+            c.close()
+        finally:
+            b.proc.kill()
+            b.proc.wait(10)
+        logs[label] = b.log_text()
+    assert "WARREN_TEST_" not in logs["release"], logs["release"][-2000:]
+    assert "WARREN_TEST_FSYNC_DELAY_MS is set" in logs["hooks"] and "WARREN_TEST_SIMULATED_DISK is set" in logs["hooks"]

@@ -142,7 +142,7 @@ pub fn group_config() -> openraft::Config {
 /// through a snapshot without writing thousands of entries.
 fn snapshot_policy() -> openraft::Config {
     let default = openraft::Config::default();
-    match std::env::var("WARREN_TEST_SNAPSHOT_EVERY").ok().and_then(|v| v.parse::<u64>().ok()).filter(|n| *n > 0) {
+    match warren_store::test_hooks::var("WARREN_TEST_SNAPSHOT_EVERY").and_then(|v| v.parse::<u64>().ok()).filter(|n| *n > 0) {
         Some(n) => openraft::Config {
             snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(n),
             max_in_snapshot_log_to_keep: n / 5,

@@ -27,11 +27,11 @@ pub const ENV: &str = "WARREN_TEST_SIMULATED_DISK";
 /// it (then SIGUSR2 cuts the power, see the module docs), else the real one. Returns the data
 /// directory to use (made absolute: the simulator models the paths under it).
 pub fn disk(data_dir: &Path) -> Result<(Disk, PathBuf), String> {
-    let loss = match std::env::var(ENV).as_deref() {
-        Err(_) | Ok("") | Ok("0") => return Ok((Disk::real(), data_dir.to_path_buf())),
-        Ok("1") | Ok("unsynced") => Loss::Unsynced,
-        Ok("torn") => Loss::Torn { seed: rand::random() },
-        Ok(other) => return Err(format!("{ENV}={other}: expected 1 (or unsynced), torn or 0")),
+    let loss = match warren_store::test_hooks::var(ENV).as_deref() {
+        None | Some("") | Some("0") => return Ok((Disk::real(), data_dir.to_path_buf())),
+        Some("1") | Some("unsynced") => Loss::Unsynced,
+        Some("torn") => Loss::Torn { seed: rand::random() },
+        Some(other) => return Err(format!("{ENV}={other}: expected 1 (or unsynced), torn or 0")),
     };
     let root = std::path::absolute(data_dir).map_err(|e| format!("{ENV}: {}: {e}", data_dir.display()))?;
     warren_store::create_dir_durably(&root).map_err(|e| format!("cannot create data directory {}: {e}", root.display()))?;

@@ -272,7 +272,7 @@ async fn reload_on_sighup(
 /// Past it, bodies are only in the store and are read back to be delivered. Test-only:
 /// `WARREN_TEST_BODY_BUDGET_BYTES` (tests of reading back want a small budget).
 fn quorum_body_bytes(limits: &Limits) -> u64 {
-    std::env::var("WARREN_TEST_BODY_BUDGET_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(limits.memory_bytes / 4)
+    warren_store::test_hooks::var("WARREN_TEST_BODY_BUDGET_BYTES").and_then(|v| v.parse().ok()).unwrap_or(limits.memory_bytes / 4)
 }
 
 /// SIGTERM and SIGINT, which stop the server cleanly.

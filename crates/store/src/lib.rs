@@ -29,6 +29,7 @@ mod reclaim;
 mod recovery;
 mod segment;
 pub mod sim;
+pub mod test_hooks;
 mod space;
 mod store;
 mod writer;

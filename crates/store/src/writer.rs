@@ -376,7 +376,7 @@ impl Shared {
 
 /// The test-only fsync delay from the environment (`FSYNC_DELAY_ENV`), announced loudly when set.
 fn fsync_delay_for_tests() -> Option<Duration> {
-    let ms: u64 = std::env::var(FSYNC_DELAY_ENV).ok()?.trim().parse().ok().filter(|ms| *ms > 0)?;
+    let ms: u64 = crate::test_hooks::var(FSYNC_DELAY_ENV)?.trim().parse().ok().filter(|ms| *ms > 0)?;
     tracing::warn!(delay_ms = ms, "{FSYNC_DELAY_ENV} is set: every fsync of the message store is delayed (a test-only fault hook)");
     Some(Duration::from_millis(ms))
 }

@@ -279,7 +279,7 @@ impl RaftLogs {
     pub fn over_node_budget(&self) -> Vec<GroupId> {
         static BUDGET: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
         let budget = *BUDGET.get_or_init(|| {
-            std::env::var("WARREN_TEST_NODE_LOG_BYTES").ok().and_then(|v| v.parse().ok()).unwrap_or(compaction::NODE_LOG_BYTES)
+            warren_store::test_hooks::var("WARREN_TEST_NODE_LOG_BYTES").and_then(|v| v.parse().ok()).unwrap_or(compaction::NODE_LOG_BYTES)
         });
         self.over_budget(budget)
     }
