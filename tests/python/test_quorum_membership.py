@@ -144,6 +144,29 @@ def test_grow_refuses_a_node_outside_the_cluster(cluster):
     assert out.returncode != 0 and "not a member of the cluster" in out.stderr, (out.stdout, out.stderr)
 
 
+def test_remove_node_refuses_to_strand_the_classic_queues_homed_there(cluster):
+    """A durable classic queue declared through node 3 lives there only (its home). `remove-node 3`
+    would strand its messages, every other node still routing to it: it is refused, naming the
+    queue, and nothing changes. Once the queue is deleted, the same command is no longer refused
+    for it. Before, remove-node went ahead and said nothing of them."""
+    c = cluster[3].connection()
+    ch = c.channel()
+    ch.queue_declare("cq-on-3", durable=True)
+    ch.confirm_delivery()
+    ch.basic_publish("", "cq-on-3", b"only-on-3", pika.BasicProperties(delivery_mode=2))
+    c.close()
+    known_everywhere(cluster.values(), ["cq-on-3"], timeout=10)
+    out = ctl(cluster[1], "remove-node", "3", timeout=30)
+    assert out.returncode != 0, out.stdout
+    assert "cq-on-3" in out.stderr and "classic queue" in out.stderr, out.stderr
+    c = cluster[1].connection()
+    assert c.channel().queue_declare("cq-on-3", passive=True).method.message_count == 1
+    c.channel().queue_delete("cq-on-3")
+    c.close()
+    out = ctl(cluster[1], "remove-node", "3", timeout=30)
+    assert "classic queue" not in out.stderr and out.returncode == 0, (out.stdout, out.stderr)
+
+
 def test_acks_on_a_node_that_joined_after_relaying_a_consumer_stick(cluster):
     """A node outside a two-member group relays its consumers through a member; after `grow` it
     holds a replica, and its new consumers take deliveries from it. Their acks must reach the

@@ -299,6 +299,21 @@ impl Broker {
         out
     }
 
+    /// The durable classic queues homed on `node` (vhost, name): only that node holds their messages.
+    pub fn classic_queues_homed_on(&self, node: u64) -> Vec<(String, String)> {
+        self.metadata.catch_up();
+        let state = self.metadata.state();
+        let mut out = Vec::new();
+        for vhost in state.vhost_names() {
+            for q in state.vhost(&vhost).queues {
+                if q.members.is_none() && q.home == Some(node) {
+                    out.push((vhost.clone(), q.name));
+                }
+            }
+        }
+        out
+    }
+
     /// Records other members for quorum queues' groups (`warren ctl remove-node`, `grow`), through
     /// the metadata group: `(vhost, name, queue id, members)` each. Blocks the caller (run it off
     /// the runtime's workers) until this node has applied them.

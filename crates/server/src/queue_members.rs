@@ -41,6 +41,9 @@ impl QueueMembers for QueueMembersAdmin {
             let broker = broker.upgrade().ok_or("the node is stopping")?;
             // Off the runtime's workers: the read barrier and the commits wait for the group.
             tokio::task::spawn_blocking(move || {
+                if let MembersChange::Remove(gone) = change {
+                    refuse_stranding(gone, broker.classic_queues_homed_on(gone))?;
+                }
                 let (changes, summary) = plan(change, &cluster, broker.quorum_members())?;
                 if !changes.is_empty() {
                     broker.set_quorum_members(changes)?;
@@ -55,6 +58,25 @@ impl QueueMembers for QueueMembersAdmin {
     fn follows_recorded(&self, group: GroupId) -> bool {
         self.groups.upgrade().is_some_and(|g| g.follows_recorded(group))
     }
+}
+
+/// `remove-node` of a node that is the home of classic queues is refused: their messages are only
+/// there (a classic queue is not replicated), so removing the node would strand them, with every
+/// other node still routing to a queue no node serves. Delete them first, or move their messages
+/// to a quorum queue.
+fn refuse_stranding(gone: NodeId, homed: Vec<(String, String)>) -> Result<(), String> {
+    if homed.is_empty() {
+        return Ok(());
+    }
+    let named: Vec<String> = homed.iter().take(10).map(|(vhost, name)| format!("'{name}' (vhost '{vhost}')")).collect();
+    let more = if homed.len() > 10 { format!(" and {} more", homed.len() - 10) } else { String::new() };
+    Err(format!(
+        "node {gone} is the home of {} classic queue(s): {}{more}. A classic queue's messages live only on its home \
+         node, so removing it would strand them; delete those queues (or move their messages to a quorum queue) \
+         first, then remove the node",
+        homed.len(),
+        named.join(", ")
+    ))
 }
 
 /// The queues whose members change, with their new members, and what that is, in words.

@@ -1352,10 +1352,19 @@ impl QuorumReplica {
                     from_store.front().filter(|m| m.seq == id).map(|m| m.payload.clone())
                 }
             };
-            // None: the message left since (its record acked, its entry let go).
-            if let Some(payload) = payload {
-                bytes += payload.len();
-                records.push(BodyRecord { msg_id: id, timestamp_ms: now_ms, payload });
+            match payload {
+                Some(payload) => {
+                    bytes += payload.len();
+                    records.push(BodyRecord { msg_id: id, timestamp_ms: now_ms, payload });
+                }
+                // The message left since it was planned (its record acked, its entry let go): the
+                // asking node applies that later too. Still live, it is a body this replica cannot
+                // read: an answer without it would leave the asking node without it for good, so
+                // the request fails, and that node asks another member.
+                None if self.state.lock().machine.is_live(id) => {
+                    return Err(format!("this replica cannot read the body of live message {id:#x}"));
+                }
+                None => {}
             }
         }
         Ok(BodiesAnswer { records, next, complete: next >= request.until }.encode())

@@ -134,10 +134,14 @@ impl ClusterNode {
         }
     }
 
-    /// The group's membership as this node knows it (None: the group does not run here).
+    /// The group's last *committed* membership as this node knows it (None: the group does not run
+    /// here). Not the effective one: a leader may have appended a configuration without a node and
+    /// lose its leadership before committing it, and the next leader's joint configuration may still
+    /// need that node; a node that left on the strength of it (`is_out_of`) would take a voter away
+    /// from a group that counts on it.
     pub fn group_membership(&self, group: GroupId) -> Option<GroupMembership> {
         let m = self.handle(group)?.metrics();
-        let membership = m.membership_config.membership();
+        let membership = m.committed_membership_config.membership();
         Some(GroupMembership {
             leader: m.state == ServerState::Leader,
             uniform: membership.get_joint_config().len() == 1,
@@ -146,7 +150,7 @@ impl ClusterNode {
     }
 
     /// Whether this node is out of the group for good: the group's leader, asked among `members`,
-    /// has a uniform configuration without it. Its own view cannot say: the leader stops sending
+    /// has committed a uniform configuration without it. Its own view cannot say: the leader stops sending
     /// to a node as soon as it appends the configuration without it, so the node may never hear
     /// of the change.
     pub async fn is_out_of(&self, group: GroupId, members: &BTreeSet<NodeId>) -> bool {
