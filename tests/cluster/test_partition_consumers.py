@@ -68,8 +68,12 @@ def test_a_consumer_on_a_node_cut_off_a_while_is_served_again_after_the_heal(clu
     publisher.confirm_select()
     confirms = []
     publish(publisher, [f"before/{i}" for i in range(20)])
-    pump(publisher, 1.0, confirms)
-    pump(consumer, 1.0, got)
+    # Commits through a follower and the consumer's Attach: waited for, not timed.
+    end = time.monotonic() + 15
+    while len(confirmed_tags(confirms)) < 20 and time.monotonic() < end:
+        pump(publisher, 0.2, confirms)
+    while len(delivered(got)) < 20 and time.monotonic() < end:
+        pump(consumer, 0.2, got)
     assert len(confirmed_tags(confirms)) == 20
     assert sorted(delivered(got)) == sorted(f"before/{i}" for i in range(20)), "the consumer works before the cut"
     for e in got:

@@ -10,8 +10,8 @@ would take them as already there and ack. The restarted leader would then apply 
 messages that no other node has (found by the kill -9-of-the-leader fault test: p0/1804 was
 entry (term 7, node 1, index 201) on node 1 and another entry with that id on nodes 2 and 3).
 
-Made deterministic here with the test-only fsync delay: the leader's store writes one batch and
-then sleeps before its fsync, so what arrives meanwhile stays in memory, unwritten, while the
+Made deterministic here with the test-only fsync delay (set once the node leads): the leader's
+store writes one batch and then sleeps before its fsync, so what arrives meanwhile stays in memory, unwritten, while the
 followers write, fsync and ack it. With openraft's setting on it fails every time (50 confirmed
 messages missing). With it off it was opt-in for a while: a node whose every fsync takes 8 s
 slowed elections down and some runs timed out before the case was made. Since elections
@@ -113,12 +113,18 @@ def test_a_leader_restarted_without_its_unwritten_entries_does_not_reuse_their_l
     # then, it loses entries that are committed and confirmed. (A round where its writer happened
     # to write them before the kill proves nothing: it is done again.)
     confirmed = []
+    # The delay is read from a file at each fsync: the slow node is made the leader first, at disk
+    # speed (restarted, the others replace it at once; a follower whose fsyncs take 8 s could not
+    # catch up within the leader's append timeout to take the leadership back), then slowed down.
+    delay_file = slow.data_dir.parent / "fsync-delay-ms"
     for round_ in range(5):
-        slow.extra_env = {"WARREN_TEST_FSYNC_DELAY_MS": "8000"}
+        delay_file.unlink(missing_ok=True)
+        slow.extra_env = {"WARREN_TEST_FSYNC_DELAY_MS": f"file:{delay_file}"}
         slow.restart()
         lead_from(cluster, group, slow)
         for n in others:
             cluster.wait_caught_up(n.id)
+        delay_file.write_text("8000")
         pub = Client(others[0].host, others[0].port, timeout=10)
         pub.declare(QUEUE, QUORUM)
         # A new leader commits nothing until its own vote is fsynced (twice 8 s here): wait for

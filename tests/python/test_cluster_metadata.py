@@ -118,6 +118,17 @@ def test_a_restarted_node_gets_the_topology_back_with_what_it_missed(cluster):
     declare_topology(c1, "while-away")
     c1.queue_delete("deleted-while-away")
     n2.start()
+
+    def caught_up():
+        ch = channel(n2)
+        try:
+            ch.queue_declare("while-away", passive=True)
+            return True
+        finally:
+            if ch.connection.is_open:
+                ch.connection.close()
+    # A lookup miss waits only a few seconds for the restarted node to catch up: wait for it here.
+    eventually(caught_up, timeout=15)
     c2 = channel(n2)
     for name in ("before", "while-away"):
         c2.queue_declare(name, passive=True)

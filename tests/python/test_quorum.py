@@ -142,10 +142,16 @@ def test_a_large_prefetch_is_enforced_though_the_machine_assigns_ahead(conn, ch,
         while time.time() < deadline:
             conn.process_data_events(time_limit=0.1)
 
-    settle_for(1.5)
+    def pump_until(n):
+        # Wait for the deliveries (the Attach and the ack are commits), then a while more: a
+        # surplus past the prefetch would show then.
+        eventually(lambda: conn.process_data_events(time_limit=0.1) or len(held) >= n, timeout=15)
+        settle_for(0.5)
+
+    pump_until(100)
     assert len(held) == 100, f"{len(held)} unacked deliveries with prefetch 100"
     cons.basic_ack(held[-1][0], multiple=True)
-    settle_for(1.5)
+    pump_until(200)
     assert len(held) == 200, f"{len(held)} deliveries after acking the first 100"
     assert [b for _, b in held] == [str(i).encode() for i in range(200)], "in order, each once"
     cons.close()
@@ -238,8 +244,10 @@ def test_purge_and_delete(conn, ch, name):
     cons = conn.channel()
     cons.add_on_cancel_callback(lambda frame: cancelled.append(frame))
     cons.basic_qos(prefetch_count=1)
-    cons.basic_consume(name, lambda *a: None)
-    conn.process_data_events(time_limit=0.3)
+    delivered = []
+    cons.basic_consume(name, lambda *a: delivered.append(a))
+    # consume-ok comes before the Attach is committed: wait for the delivery, not for a time.
+    eventually(lambda: conn.process_data_events(time_limit=0.05) or delivered)
     assert ch.queue_delete(name).method.message_count == 2, "the one delivered is not ready"
     eventually(lambda: conn.process_data_events(time_limit=0.05) or cancelled)
     with pytest.raises(ChannelClosedByBroker) as e:

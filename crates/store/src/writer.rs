@@ -374,18 +374,37 @@ impl Shared {
     }
 }
 
-/// The test-only fsync delay from the environment (`FSYNC_DELAY_ENV`), announced loudly when set.
-fn fsync_delay_for_tests() -> Option<Duration> {
-    let ms: u64 = crate::test_hooks::var(FSYNC_DELAY_ENV)?.trim().parse().ok().filter(|ms| *ms > 0)?;
-    tracing::warn!(delay_ms = ms, "{FSYNC_DELAY_ENV} is set: every fsync of the message store is delayed (a test-only fault hook)");
-    Some(Duration::from_millis(ms))
+/// The test-only fsync delay from the environment (`FSYNC_DELAY_ENV`), announced loudly when set:
+/// `<ms>`, or `file:<path>`: the milliseconds written in that file at each fsync (none while it
+/// does not exist), so a test can slow a node's disk down once the node is where it wants it.
+fn fsync_delay_for_tests() -> Option<FsyncDelay> {
+    let value = crate::test_hooks::var(FSYNC_DELAY_ENV)?;
+    let delay = match value.trim().strip_prefix("file:") {
+        Some(path) => FsyncDelay::FromFile(path.into()),
+        None => FsyncDelay::Fixed(Duration::from_millis(value.trim().parse().ok().filter(|ms| *ms > 0)?)),
+    };
+    tracing::warn!(?delay, "{FSYNC_DELAY_ENV} is set: every fsync of the message store is delayed (a test-only fault hook)");
+    Some(delay)
+}
+
+/// See `fsync_delay_for_tests`.
+#[derive(Debug)]
+enum FsyncDelay {
+    Fixed(Duration),
+    FromFile(std::path::PathBuf),
 }
 
 impl Writer {
     fn delay_fsync(&self) {
-        if let Some(d) = self.fsync_delay {
-            std::thread::sleep(d);
-        }
+        let d = match &self.fsync_delay {
+            None => return,
+            Some(FsyncDelay::Fixed(d)) => *d,
+            Some(FsyncDelay::FromFile(path)) => match std::fs::read_to_string(path).ok().and_then(|s| s.trim().parse().ok()) {
+                Some(ms) => Duration::from_millis(ms),
+                None => return,
+            },
+        };
+        std::thread::sleep(d);
     }
 }
 
@@ -462,7 +481,7 @@ pub(crate) struct Writer {
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
     /// The test-only fsync delay (`FSYNC_DELAY_ENV`).
-    fsync_delay: Option<Duration>,
+    fsync_delay: Option<FsyncDelay>,
 }
 
 impl Writer {
