@@ -1,6 +1,7 @@
 """Every message accounted for, not only the confirmed ones: quorum queues under several
 connections at once, on a healthy standalone node and through a follower of a three-node cluster;
-a transaction whose publishes a queue refused; basic.gets on followers. Each test here failed before the fix it covers (issue 32).
+a transaction whose publishes a queue refused; basic.gets on followers, one of them answered
+empty by a follower that applies it late. Each test here failed before the fix it covers (issue 32).
 
 A message is lost when it is published on a healthy broker (no alarm, no limit, no fault) and never
 reaches a consumer, whether or not its publisher asked for a confirm. About 60 s."""
@@ -194,6 +195,39 @@ def test_a_tx_commit_of_an_unrefused_transaction_on_a_quorum_queue_is_ok(broker,
     ch.tx_commit()
     assert message_count(broker, name) == 990
     c.close()
+
+
+def test_a_no_ack_get_a_slow_follower_answers_empty_takes_no_message(cluster, monkeypatch):
+    """Node 2 applies its own basic.gets 7 s late (test hook, hooks build): the leader (node 1)
+    takes a message for a no-ack get on node 2 and answers, node 2 gives up waiting for its own
+    apply after 5 s and answers get-empty. Before the fix its Dequeue, applied 2 s later, consumed
+    the message on every replica though nobody received it. Now it goes back to the queue."""
+    name = "qq-slow-get"
+    monkeypatch.setenv("WARREN_TEST_GET_APPLY_DELAY_MS", "7000")
+    cluster[2].kill9()
+    cluster[2].start()
+    monkeypatch.delenv("WARREN_TEST_GET_APPLY_DELAY_MS")
+    declare_led_by_node_1(cluster, name)
+    c = cluster[1].connection()
+    ch = c.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("", name, b"the-one", pika.BasicProperties(delivery_mode=2))
+    c.close()
+    eventually(lambda: message_count(cluster[2], name) == 1, timeout=30)
+
+    c = cluster[2].connection()
+    method, _, _ = c.channel().basic_get(name, auto_ack=True)
+    c.close()
+    assert method is None, "node 2 answered from its own apply, which the hook delays 7 s: no case made"
+
+    def back():
+        c = cluster[1].connection()
+        try:
+            m, _, b = c.channel().basic_get(name, auto_ack=True)
+            return b if m is not None else None
+        finally:
+            c.close()
+    assert eventually(back, timeout=30) == b"the-one", "a get answered empty consumed the message"
 
 
 def test_an_acked_get_on_a_follower_still_works(cluster):

@@ -3,6 +3,7 @@
 
 pub mod codec;
 pub mod detector;
+pub mod group;
 pub mod log_store;
 pub mod machine;
 pub mod node;
@@ -10,8 +11,8 @@ pub mod single_voter;
 pub mod transport;
 pub mod types;
 
+pub use group::GroupRaft;
 pub use node::{ClusterNode, ClusterStatus, NodeConfig, ProposeError};
-pub use openraft;
 pub use types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADATA_GROUP};
 pub use log_store::{Compaction, LogStore, LogStoreError, LogsOptions, RaftLogs, RecoveryStats, RAFT_LOG, RAFT_STATE};
 pub use machine::{GroupMachine, GroupSnapshot, SnapshotData, StateMachine};

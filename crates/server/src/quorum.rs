@@ -25,7 +25,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, watch};
-use warren_cluster::openraft::impls::ProgressResponder;
 use warren_broker::queue::replica::{ProposeDone, QuorumHost, Replicator};
 use warren_broker::queue_args::LeaderLocator;
 use warren_broker::Queue;
@@ -33,7 +32,7 @@ use std::collections::BTreeSet;
 use std::sync::Weak;
 use warren_cluster::machine::StateMachine;
 use warren_cluster::node::MembersStep;
-use warren_cluster::{start_single_voter, ClusterNode, Command, GroupId, GroupMachine, NodeAddr, NodeId, RaftLogs};
+use warren_cluster::{start_single_voter, ClusterNode, Command, GroupId, GroupMachine, GroupRaft, NodeAddr, NodeId, RaftLogs};
 
 /// How long a proposal may wait for its commit and apply before its publishers are nacked.
 pub const QUORUM_TIMEOUT: Duration = Duration::from_secs(30);
@@ -41,7 +40,7 @@ pub const QUORUM_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a (re)started single-voter group may take to lead (replaying its log first).
 const LEAD_WITHIN: Duration = Duration::from_secs(60);
 
-type QueueRaft = warren_cluster::types::Raft<StateMachine<QueueMachine>>;
+type QueueRaft = GroupRaft<StateMachine<QueueMachine>>;
 
 /// A quorum queue as its group's state machine. In a cluster it also knows where to fetch the
 /// bodies a snapshot from the leader does not carry.
@@ -59,6 +58,13 @@ struct BodyPeers {
 
 impl GroupMachine for QueueMachine {
     fn apply(&mut self, index: u64, command: &Bytes) -> Bytes {
+        if let Some(delay) = get_apply_delay_for_tests() {
+            // Test-only: this node applies its own basic.gets late (after the leader answered
+            // them and past the getter's wait), as a slow follower would.
+            if self.0.has_own_dequeue(command) {
+                std::thread::sleep(delay);
+            }
+        }
         self.0.apply_replicated(index, command)
     }
 
@@ -85,6 +91,17 @@ impl GroupMachine for QueueMachine {
             }
         })
     }
+}
+
+/// Test-only (`WARREN_TEST_GET_APPLY_DELAY_MS`, test-hooks builds): how late this node applies the
+/// entries with its own basic.gets (`Dequeue`), blocking its apply meanwhile.
+fn get_apply_delay_for_tests() -> Option<Duration> {
+    static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
+    *DELAY.get_or_init(|| {
+        let ms: u64 = warren_store::test_hooks::var("WARREN_TEST_GET_APPLY_DELAY_MS")?.trim().parse().ok().filter(|ms| *ms > 0)?;
+        tracing::warn!(delay_ms = ms, "WARREN_TEST_GET_APPLY_DELAY_MS is set: this node applies its own basic.gets late (a test-only hook)");
+        Some(Duration::from_millis(ms))
+    })
 }
 
 /// What one body request may take.
@@ -225,14 +242,7 @@ impl Replicator for Group {
     }
 
     fn read_entry(&self, index: u64) -> Result<Option<Bytes>, String> {
-        match self.logs.read_entry(self.id, index) {
-            Ok(Some(entry)) => match entry.payload {
-                warren_cluster::openraft::EntryPayload::Normal(Command(bytes)) => Ok(Some(bytes)),
-                _ => Ok(None),
-            },
-            Ok(None) => Ok(None),
-            Err(e) => Err(e.to_string()),
-        }
+        self.logs.read_command(self.id, index).map_err(|e| e.to_string())
     }
 }
 
@@ -267,18 +277,16 @@ async fn submit_in_order(mut raft: watch::Receiver<Running>, mut proposals: mpsc
                 continue;
             }
         };
-        // The commit notice is not used, but its receiver must live until then (openraft warns otherwise).
-        let (responder, committed, reply) = ProgressResponder::new();
-        if let Err(e) = group.client_write_ff(Command(entry), Some(responder)).await {
-            done(Err(e.to_string()));
-            continue;
-        }
+        let reply = match group.submit(entry).await {
+            Ok(reply) => reply,
+            Err(e) => {
+                done(Err(e));
+                continue;
+            }
+        };
         tokio::spawn(async move {
-            let _committed = committed;
             let result = match tokio::time::timeout_at(deadline, reply).await {
-                Ok(Ok(Ok(written))) => Ok(written.data.0),
-                Ok(Ok(Err(e))) => Err(e.to_string()),
-                Ok(Err(_)) => Err("the queue's Raft group stopped before applying the entry".to_string()),
+                Ok(result) => result,
                 Err(_) => Err(format!("not committed within {} s", QUORUM_TIMEOUT.as_secs())),
             };
             done(result);
@@ -455,7 +463,7 @@ impl QuorumGroups {
             let started = async {
                 let machine = StateMachine::open(&logs, group, QueueMachine(queue, Some(peers))).await.map_err(|e| e.to_string())?;
                 let log_store = logs.log_store(group).map_err(|e| e.to_string())?;
-                node.start_group(group, &init, preferred, log_store, machine).await.map_err(|e| e.to_string())
+                node.start_group(group, &init, preferred, log_store, machine).await.map(GroupRaft::from).map_err(|e| e.to_string())
             };
             match runtime.block_on(started) {
                 Ok(raft) => {
@@ -530,11 +538,11 @@ async fn compact_logs(groups: Weak<QuorumGroups>) {
             let wanted = groups.logs.compaction(group, pressed.contains(&group));
             if wanted.snapshot {
                 tracing::debug!(group, "asking for a snapshot of the group's log");
-                let _ = tokio::time::timeout(COMPACT_EVERY, raft.trigger().snapshot()).await;
+                let _ = tokio::time::timeout(COMPACT_EVERY, raft.snapshot()).await;
             }
             if let Some(upto) = wanted.purge_upto {
                 tracing::debug!(group, upto, "asking for the group's log to be purged");
-                let _ = tokio::time::timeout(COMPACT_EVERY, raft.trigger().purge_log(upto)).await;
+                let _ = tokio::time::timeout(COMPACT_EVERY, raft.purge_log(upto)).await;
             }
         }
     }
@@ -771,7 +779,7 @@ impl QuorumHost for QuorumGroups {
         let (logs, node, addr) = (self.logs.clone(), self.node, self.addr.clone());
         self.runtime.spawn(async move {
             let name = queue.name.clone();
-            match start_single_voter(&logs, group, node, addr, QueueMachine(queue, None), None, LEAD_WITHIN).await {
+            match start_single_voter(&logs, group, node, addr, QueueMachine(queue, None), None, LEAD_WITHIN).await.map(GroupRaft::from) {
                 Ok(raft) => {
                     tracing::debug!(queue = %name, group, "quorum queue's group leads on this node");
                     let mut stopped = false;

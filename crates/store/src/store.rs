@@ -219,6 +219,12 @@ impl Store {
         self.inner.shared.applied_pos() >= ticket
     }
 
+    /// Blocks the calling (non-async) thread until what the batch of `ticket` enqueued is readable,
+    /// at most `timeout`; whether it is. (Run it off the async runtime's workers.)
+    pub fn wait_readable(&self, ticket: SyncTicket, timeout: std::time::Duration) -> bool {
+        self.inner.shared.wait_applied(ticket, timeout)
+    }
+
     /// Blocks the calling (non-async) thread until `ticket` is durable. For tests and shutdown.
     /// Fails with `Closed` if the writer stopped before the ticket became durable.
     pub fn wait_durable(&self, ticket: SyncTicket) -> Result<(), StoreError> {

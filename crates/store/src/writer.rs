@@ -181,6 +181,9 @@ pub(crate) struct Shared {
     /// Position up to which records were applied to the queue logs: what [`crate::Store::read`] sees.
     /// Trails `durable_tx` by the time the writer takes to apply a group after its fsync.
     applied_tx: watch::Sender<u64>,
+    /// With `applied_cv`: threads blocked in [`Shared::wait_applied`] (woken at each apply).
+    applied_wait: Mutex<()>,
+    applied_cv: Condvar,
     pub logs: QueueLogs,
     pub counters: Counters,
 }
@@ -234,6 +237,8 @@ impl Shared {
             durable_cv: Condvar::new(),
             durable_tx: watch::Sender::new(start.pos),
             applied_tx: watch::Sender::new(start.pos),
+            applied_wait: Mutex::new(()),
+            applied_cv: Condvar::new(),
             logs,
             counters: Counters::default(),
         }
@@ -363,6 +368,26 @@ impl Shared {
         *self.applied_tx.borrow()
     }
 
+    /// Blocks the calling (non-async) thread until `pos` is applied (readable), at most `timeout`;
+    /// whether it is. A writer that stopped makes everything "applied" (readers read what is there).
+    pub fn wait_applied(&self, pos: u64, timeout: std::time::Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.applied_wait.lock();
+        while self.applied_pos() < pos {
+            if self.applied_cv.wait_until(&mut guard, deadline).timed_out() {
+                return self.applied_pos() >= pos;
+            }
+        }
+        true
+    }
+
+    /// `applied_tx` moved: wakes the threads in `wait_applied` (under its lock: none misses it).
+    fn applied(&self, pos: u64) {
+        self.applied_tx.send_replace(pos);
+        let _guard = self.applied_wait.lock();
+        self.applied_cv.notify_all();
+    }
+
     pub fn durable_pos(&self) -> u64 {
         self.durable.lock().pos
     }
@@ -447,7 +472,7 @@ impl Drop for StopGuard<'_> {
         self.0.durable.lock().writer_stopped = true;
         self.0.durable_cv.notify_all();
         // Nothing more becomes readable either: readers waiting for a ticket go on (and read what is there).
-        self.0.applied_tx.send_replace(u64::MAX);
+        self.0.applied(u64::MAX);
     }
 }
 
@@ -582,7 +607,7 @@ impl Writer {
                         self.apply(group);
                     }
                     self.applied = pos;
-                    self.shared.applied_tx.send_replace(pos);
+                    self.shared.applied(pos);
                 }
             }
             let quiet_due = self.last_checkpoint.elapsed() >= self.shared.checkpoint_idle

@@ -800,10 +800,7 @@ impl QuorumReplica {
         // A read (and, rarely, a wait for the store's writer to make the record readable) on the
         // apply or dispatch path: as blocking work, off the runtime's other tasks.
         let read = crate::blocking::run(|| {
-            let deadline = std::time::Instant::now() + READABLE_WAIT;
-            while !store.is_readable(ticket) && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            store.wait_readable(ticket, READABLE_WAIT);
             if over_budget {
                 store.read_direct(self.group, msg_id, *wanted.end() + 1, READ_BACK_MESSAGES, READ_BACK_BYTES)
             } else {
@@ -1320,12 +1317,8 @@ impl QuorumReplica {
         if applied_until < request.until {
             return Err(format!("this replica has applied less of the log ({applied_until:#x}) than asked ({:#x})", request.until));
         }
-        let deadline = std::time::Instant::now() + READABLE_WAIT;
-        while plan.iter().any(|(_, _, in_entry)| !in_entry) && !self.store.is_readable(ticket) {
-            if std::time::Instant::now() >= deadline {
-                return Err("the store has not made the records readable yet".to_string());
-            }
-            std::thread::sleep(Duration::from_millis(1));
+        if plan.iter().any(|(_, _, in_entry)| !in_entry) && !self.store.wait_readable(ticket, READABLE_WAIT) {
+            return Err("the store has not made the records readable yet".to_string());
         }
         let from_log: Vec<MsgId> = plan.iter().filter(|(_, held, in_entry)| *in_entry && held.is_none()).map(|(id, ..)| *id).collect();
         let log = self.replicator.read().clone();
@@ -1749,6 +1742,17 @@ impl QuorumReplica {
             }
         }
         self.flush(queue, &mut p);
+    }
+
+    /// Whether `entry` holds a Dequeue of one of this node's getters.
+    pub(super) fn has_own_dequeue(&self, entry: &[u8]) -> bool {
+        let node = self.node();
+        let own = |c: &Command| matches!(c, Command::Dequeue { consumer, .. } if consumer.node == node);
+        match Command::decode(entry) {
+            Ok(Command::Batch(commands)) => commands.iter().any(own),
+            Ok(one) => own(&one),
+            Err(_) => false,
+        }
     }
 
     /// basic.get: proposes a Dequeue and asks the connection to wait; called again once it is

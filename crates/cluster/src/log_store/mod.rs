@@ -232,6 +232,15 @@ impl RaftLogs {
         self.existing(group)?.read_entry(&self.shared.store, index)
     }
 
+    /// The command of entry `index` of group `group` (None: no such entry, or not a command:
+    /// a blank or membership entry).
+    pub fn read_command(&self, group: GroupId, index: u64) -> io::Result<Option<bytes::Bytes>> {
+        Ok(self.read_entry(group, index)?.and_then(|entry| match entry.payload {
+            openraft::EntryPayload::Normal(crate::types::Command(bytes)) => Some(bytes),
+            _ => None,
+        }))
+    }
+
     /// Group `group`, if the node has its log (a removed group's handles fail).
     fn existing(&self, group: GroupId) -> io::Result<Arc<Group>> {
         self.groups.lock().get(&group).cloned().ok_or_else(gone)
@@ -993,12 +1002,8 @@ impl Group {
             return Ok(self.read(store, index, index + 1, usize::MAX)?.pop());
         };
         // Purged right after its append, the record may not be readable yet (its cached copy went).
-        let deadline = std::time::Instant::now() + READABLE_WAIT;
-        while !store.is_readable(ticket) {
-            if std::time::Instant::now() >= deadline {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, format!("group {}: log record {seq} is not readable yet", self.id)));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
+        if !store.wait_readable(ticket, READABLE_WAIT) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("group {}: log record {seq} is not readable yet", self.id)));
         }
         // A retained record is never acked while pinned; read outside the lock (it may be large).
         let got = store.read(self.log_queue(), seq, 1, READ_CHUNK_BYTES).map_err(io::Error::other)?;
