@@ -12,6 +12,7 @@ import pika
 import pytest
 
 from conftest import eventually, three_node_cluster
+from test_quorum_cluster import declare_on_one
 
 pytestmark = [pytest.mark.warren_only]
 
@@ -129,28 +130,11 @@ def cluster(tmp_path):
     yield from three_node_cluster(tmp_path, SECRET)
 
 
-def declare_led_by_node_1(cluster, name, **args):
-    c = cluster[1].connection()
-    c.channel().queue_declare(name, durable=True, arguments={**QUORUM, **args})
-    c.close()
-
-    def everywhere():
-        for b in cluster.values():
-            c = b.connection()
-            try:
-                c.channel().queue_declare(name, passive=True)
-            finally:
-                if c.is_open:
-                    c.close()
-        return True
-    eventually(everywhere, timeout=60)
-
-
 def test_sixteen_connections_through_a_follower_lose_nothing(cluster):
     """The same through node 2, a follower (the queue's group is led by node 1, where it was
     declared): every publish is forwarded to the leader; consumed on node 3."""
     name = "qq-accounting"
-    declare_led_by_node_1(cluster, name)
+    declare_on_one(cluster, name)
     every_message_arrives(cluster[2], cluster[3], name)
 
 
@@ -207,7 +191,7 @@ def test_a_no_ack_get_a_slow_follower_answers_empty_takes_no_message(cluster, mo
     cluster[2].kill9()
     cluster[2].start()
     monkeypatch.delenv("WARREN_TEST_GET_APPLY_DELAY_MS")
-    declare_led_by_node_1(cluster, name)
+    declare_on_one(cluster, name)
     c = cluster[1].connection()
     ch = c.channel()
     ch.confirm_delivery()
@@ -233,7 +217,7 @@ def test_a_no_ack_get_a_slow_follower_answers_empty_takes_no_message(cluster, mo
 def test_an_acked_get_on_a_follower_still_works(cluster):
     """basic.get with and without no-ack on followers: each message once, the acked one settled."""
     name = "qq-gets"
-    declare_led_by_node_1(cluster, name)
+    declare_on_one(cluster, name)
     c = cluster[1].connection()
     ch = c.channel()
     ch.confirm_delivery()

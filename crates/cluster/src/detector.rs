@@ -75,7 +75,7 @@ impl Detector {
     /// sockets), not merely silent. Such a leader cannot be serving anyone, so its followers may
     /// elect without waiting out its lease (see `node`'s sweep).
     pub fn closed_down(&self, peer: NodeId) -> bool {
-        self.health.lock().get(&peer).is_some_and(|h| !h.up && h.last_ok.is_some() && h.closed)
+        self.health.lock().get(&peer).is_some_and(|h| !h.up && h.closed)
     }
 
     /// Pings `peer` until `stop` is set, calling `on_change` at each transition.

@@ -97,11 +97,7 @@ impl GroupMachine for QueueMachine {
 /// entries with its own basic.gets (`Dequeue`), blocking its apply meanwhile.
 fn get_apply_delay_for_tests() -> Option<Duration> {
     static DELAY: std::sync::OnceLock<Option<Duration>> = std::sync::OnceLock::new();
-    *DELAY.get_or_init(|| {
-        let ms: u64 = warren_store::test_hooks::var("WARREN_TEST_GET_APPLY_DELAY_MS")?.trim().parse().ok().filter(|ms| *ms > 0)?;
-        tracing::warn!(delay_ms = ms, "WARREN_TEST_GET_APPLY_DELAY_MS is set: this node applies its own basic.gets late (a test-only hook)");
-        Some(Duration::from_millis(ms))
-    })
+    *DELAY.get_or_init(|| warren_store::test_hooks::millis("WARREN_TEST_GET_APPLY_DELAY_MS", "this node applies its own basic.gets late"))
 }
 
 /// What one body request may take.

@@ -89,9 +89,7 @@ impl Drop for Reclaimer {
 }
 
 fn remove_delay_for_tests() -> Option<std::time::Duration> {
-    let ms: u64 = crate::test_hooks::var(REMOVE_DELAY_ENV)?.trim().parse().ok().filter(|ms| *ms > 0)?;
-    tracing::warn!(delay_ms = ms, "{REMOVE_DELAY_ENV} is set: the store's WAL segment deletions are delayed (a test-only hook)");
-    Some(std::time::Duration::from_millis(ms))
+    crate::test_hooks::millis(REMOVE_DELAY_ENV, "the store's WAL segment deletions are delayed")
 }
 
 fn run(shared: &Shared, job: Job) {

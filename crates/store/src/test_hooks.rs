@@ -15,3 +15,11 @@ pub fn var(name: &str) -> Option<String> {
         None
     }
 }
+
+/// Test switch `name` as a number of milliseconds (None: unset, not a number, or 0), announced
+/// loudly (`what` it does) when set.
+pub fn millis(name: &str, what: &str) -> Option<std::time::Duration> {
+    let ms: u64 = var(name)?.trim().parse().ok().filter(|ms| *ms > 0)?;
+    tracing::warn!(delay_ms = ms, "{name} is set: {what} (a test-only hook)");
+    Some(std::time::Duration::from_millis(ms))
+}

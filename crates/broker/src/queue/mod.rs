@@ -465,13 +465,13 @@ impl Queue {
         }
     }
 
-    /// Applies a committed entry of a quorum queue's group; returns the reply for its proposer.
     /// Whether `entry` holds a basic.get (`Dequeue`) of one of this node's getters (for a test hook
     /// that delays its apply here, see the server's `QueueMachine::apply`).
     pub fn has_own_dequeue(&self, entry: &[u8]) -> bool {
         self.replica.as_ref().is_some_and(|r| r.has_own_dequeue(entry))
     }
 
+    /// Applies a committed entry of a quorum queue's group; returns the reply for its proposer.
     pub fn apply_replicated(self: &Arc<Self>, index: u64, entry: &bytes::Bytes) -> bytes::Bytes {
         match &self.replica {
             Some(r) => r.apply(self, index, entry),
