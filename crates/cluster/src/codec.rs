@@ -15,7 +15,11 @@
 //!             kind 1 hard state: vote:opt<vote> committed:opt<log_id> purged:opt<log_id>
 //!             kind 2 snapshot:   last:opt<log_id> membership_at:opt<log_id> membership data (to the end)
 //!             kind 3 layout:     next_log_seq:u64 runs:u32 { run } [retained:u32 { run }]
-//!                                (retained: only when there are some; a layout without it has none)
+//!                                (written before retained records existed: its retained runs, none
+//!                                when absent, are the whole retained set as of this record)
+//!             kind 4 log layout: next_log_seq:u64 runs:u32 { run }
+//!             kind 5 retained:   reset:u8 added:u32 { run } released:u32 { index:u64 }
+//!                                (a change to the retained set; reset: the set is `added` alone)
 //! run       = first_index:u64 first_seq:u64 count:u64 term:u64 leader:u64 bytes:u64
 //! log_id    = term:u64 leader:u64 index:u64
 //! vote      = term:u64 node:u64 committed:u8
@@ -48,7 +52,9 @@ const ENTRY_MEMBERSHIP: u8 = 2;
 
 const STATE_HARD: u8 = 1;
 const STATE_SNAPSHOT: u8 = 2;
-const STATE_LAYOUT: u8 = 3;
+const STATE_LAYOUT_WITH_RETAINED: u8 = 3;
+const STATE_LOG_LAYOUT: u8 = 4;
+const STATE_RETAINED: u8 = 5;
 
 /// The committed leader id of a log id: (term, node).
 pub type LeaderId = crate::types::CommittedLeaderId;
@@ -85,6 +91,8 @@ pub enum StateRecord {
     Snapshot { meta: SnapshotMeta, data: Bytes },
     /// Where the log's entries are: recovery reads only the records appended after it.
     Layout(Layout),
+    /// A change to the set of retained entries (purged entries whose records are kept).
+    Retained(RetainedChange),
 }
 
 /// The group's log as runs of entries with consecutive indexes and store seqs and one leader, as
@@ -93,9 +101,23 @@ pub enum StateRecord {
 pub struct Layout {
     pub next_log_seq: u64,
     pub runs: Vec<Run>,
-    /// Purged entries whose records are kept (the state machine still reads them), as runs (their
-    /// indexes are below the log's: runs need not follow each other).
-    pub retained: Vec<Run>,
+    /// Only in layouts written before [`RetainedChange`] records existed (and by tests of reading
+    /// them): every purged entry whose record is kept, as runs (their indexes are below the log's:
+    /// runs need not follow each other). Such a record also resets the retained set.
+    pub retained: Option<Vec<Run>>,
+}
+
+/// A change to a group's retained entries (purged entries whose records are kept because the state
+/// machine still reads them). Written as the set changes, so a change costs its own size whatever
+/// the set's: the log store writes the whole set (`reset`) once the changes since the last one
+/// outweigh it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RetainedChange {
+    /// The set is `added` alone (the changes before this record no longer count).
+    pub reset: bool,
+    pub added: Vec<Run>,
+    /// Indexes that left the set.
+    pub released: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,13 +220,27 @@ pub fn encode_snapshot_head(meta: &SnapshotMeta) -> Vec<u8> {
 }
 
 pub fn encode_layout(layout: &Layout) -> Vec<u8> {
-    let mut out = Vec::with_capacity(2 + 8 + 8 + (layout.runs.len() + layout.retained.len()) * 48);
+    let retained = layout.retained.as_ref().map_or(0, Vec::len);
+    let mut out = Vec::with_capacity(2 + 8 + 8 + (layout.runs.len() + retained) * 48);
     out.push(VERSION);
-    out.push(STATE_LAYOUT);
+    out.push(if layout.retained.is_some() { STATE_LAYOUT_WITH_RETAINED } else { STATE_LOG_LAYOUT });
     put_u64(&mut out, layout.next_log_seq);
     put_runs(&mut out, &layout.runs);
-    if !layout.retained.is_empty() {
-        put_runs(&mut out, &layout.retained);
+    if let Some(retained) = layout.retained.as_ref().filter(|r| !r.is_empty()) {
+        put_runs(&mut out, retained);
+    }
+    out
+}
+
+pub fn encode_retained(change: &RetainedChange) -> Vec<u8> {
+    let mut out = Vec::with_capacity(2 + 1 + 4 + change.added.len() * 48 + 4 + change.released.len() * 8);
+    out.push(VERSION);
+    out.push(STATE_RETAINED);
+    out.push(change.reset as u8);
+    put_runs(&mut out, &change.added);
+    put_u32(&mut out, change.released.len());
+    for index in &change.released {
+        put_u64(&mut out, *index);
     }
     out
 }
@@ -248,12 +284,29 @@ pub fn decode_state(record: &Bytes) -> Result<StateRecord, DecodeError> {
             let meta = SnapshotMeta { last_log_id, last_membership: StoredMembership::new(membership_at, membership) };
             Ok(StateRecord::Snapshot { meta, data })
         }
-        STATE_LAYOUT => {
+        STATE_LAYOUT_WITH_RETAINED => {
             let next_log_seq = r.u64("layout next seq")?;
             let runs = r.runs("layout runs")?;
             let retained = if r.at < r.buf.len() { r.runs("layout retained runs")? } else { Vec::new() };
             r.end()?;
-            Ok(StateRecord::Layout(Layout { next_log_seq, runs, retained }))
+            Ok(StateRecord::Layout(Layout { next_log_seq, runs, retained: Some(retained) }))
+        }
+        STATE_LOG_LAYOUT => {
+            let next_log_seq = r.u64("layout next seq")?;
+            let runs = r.runs("layout runs")?;
+            r.end()?;
+            Ok(StateRecord::Layout(Layout { next_log_seq, runs, retained: None }))
+        }
+        STATE_RETAINED => {
+            let reset = r.flag("retained reset")?;
+            let added = r.runs("retained runs")?;
+            let n = r.count("released indexes", 8)?;
+            let mut released = Vec::with_capacity(n);
+            for _ in 0..n {
+                released.push(r.u64("released index")?);
+            }
+            r.end()?;
+            Ok(StateRecord::Retained(RetainedChange { reset, added, released }))
         }
         kind => Err(DecodeError::Kind { what: "state record", kind }),
     }
@@ -498,19 +551,28 @@ mod tests {
                     Run { first_index: 5, first_seq: 10, count: 3, leader: LeaderId::new(1, 2), bytes: 300 },
                     Run { first_index: 8, first_seq: 20, count: 70, leader: LeaderId::new(2, 1), bytes: 7000 },
                 ],
-                retained: Vec::new(),
+                retained: None,
             },
+            Layout { next_log_seq: 7, runs: Vec::new(), retained: Some(Vec::new()) },
             Layout {
                 next_log_seq: 120,
                 runs: vec![Run { first_index: 50, first_seq: 100, count: 20, leader: LeaderId::new(2, 1), bytes: 2000 }],
-                retained: vec![
+                retained: Some(vec![
                     Run { first_index: 3, first_seq: 8, count: 1, leader: LeaderId::new(1, 2), bytes: 100 },
                     Run { first_index: 30, first_seq: 70, count: 2, leader: LeaderId::new(2, 1), bytes: 200 },
-                ],
+                ]),
             },
         ] {
             let bytes = Bytes::from(encode_layout(&layout));
             assert_eq!(decode_state(&bytes).unwrap(), StateRecord::Layout(layout));
+        }
+        for change in [
+            RetainedChange::default(),
+            RetainedChange { reset: true, added: vec![Run { first_index: 3, first_seq: 8, count: 4, leader: LeaderId::new(1, 2), bytes: 400 }], released: Vec::new() },
+            RetainedChange { reset: false, added: Vec::new(), released: vec![3, 9, 1 << 40] },
+        ] {
+            let bytes = Bytes::from(encode_retained(&change));
+            assert_eq!(decode_state(&bytes).unwrap(), StateRecord::Retained(change));
         }
     }
 
@@ -526,7 +588,9 @@ mod tests {
         let meta = SnapshotMeta { last_log_id: None, last_membership: StoredMembership::new(Some(log_id(2, 1, 7)), membership()) };
         samples.push(encode_snapshot_head(&meta));
         let run = Run { first_index: 1, first_seq: 2, count: 3, leader: LeaderId::new(4, 5), bytes: 6 };
-        samples.push(encode_layout(&Layout { next_log_seq: 9, runs: vec![run], retained: vec![run] }));
+        samples.push(encode_layout(&Layout { next_log_seq: 9, runs: vec![run], retained: Some(vec![run]) }));
+        samples.push(encode_layout(&Layout { next_log_seq: 9, runs: vec![run], retained: None }));
+        samples.push(encode_retained(&RetainedChange { reset: true, added: vec![run], released: vec![7, 8] }));
         for sample in samples {
             for len in 0..sample.len() {
                 let b = Bytes::copy_from_slice(&sample[..len]);

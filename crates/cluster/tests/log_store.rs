@@ -370,3 +370,107 @@ fn flush_reports_survive_the_runtime_that_started_them() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     assert_eq!(rt.block_on(all_entries(&mut ls)).len(), 3);
 }
+
+/// Bytes the store writes for one settle (an appended entry and the unpin of a retained one), with
+/// `retained` entries retained, every other one so that no two form a run.
+async fn bytes_per_settle(retained: u64) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, logs) = open(dir.path());
+    let mut ls = logs.log_store(5).unwrap();
+    let total = retained * 2;
+    let mut index = 0;
+    while index < total {
+        let n = (total - index).min(4096);
+        append_unflushed(&mut ls, (index..index + n).map(|i| normal(5, 1, i)).collect()).await;
+        index += n;
+    }
+    for i in (0..total).step_by(2) {
+        logs.pin_entry(5, i).unwrap();
+    }
+    ls.purge(log_id(1, 1, total - 1)).await.unwrap();
+    append_flushed(&mut ls, vec![normal(5, 1, total)]).await;
+    let before = store.stats().bytes_written;
+    let settles = 512u64;
+    for k in 0..settles {
+        append_unflushed(&mut ls, vec![normal(5, 1, total + 1 + k)]).await;
+        logs.unpin_entry(5, k * 2).unwrap();
+    }
+    append_flushed(&mut ls, vec![normal(5, 1, total + 1 + settles)]).await;
+    let per = (store.stats().bytes_written - before) as f64 / settles as f64;
+    ls.save_vote(&Vote::new(1, 1)).await.unwrap();
+    store.close().unwrap();
+    // A start finds the retained set those records describe, without reading the entries.
+    let (store, logs) = open(dir.path());
+    let stats = logs.recovery_stats();
+    assert_eq!(stats.retained, retained - settles);
+    assert!(stats.records_read < 1024, "{} records read at the start", stats.records_read);
+    assert_eq!(logs.read_entry(5, 0).unwrap(), None, "released");
+    assert_eq!(logs.read_entry(5, (settles - 1) * 2).unwrap(), None, "released");
+    let kept = settles * 2;
+    assert_eq!(logs.read_entry(5, kept).unwrap(), Some(normal(5, 1, kept)), "retained");
+    assert_eq!(logs.read_entry(5, total - 2).unwrap(), Some(normal(5, 1, total - 2)), "retained");
+    assert_eq!(logs.read_entry(5, total - 1).unwrap(), None, "never pinned");
+    assert_eq!(store.stats().seq_regressions, 0);
+    store.close().unwrap();
+    per
+}
+
+/// A settle writes the same few bytes however many entries are retained (item 8 of issue 32: each
+/// unpin used to rewrite a record naming every retained entry, megabytes each with 100k retained).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settle_writes_as_much_with_a_million_entries_retained_as_with_a_thousand() {
+    let small = bytes_per_settle(1_000).await;
+    let large = bytes_per_settle(1_000_000).await;
+    println!("bytes written per settle: {small:.0} with 1k retained, {large:.0} with 1M retained");
+    assert!(large < small * 1.5 + 64.0, "{large:.0} bytes per settle with 1M retained, {small:.0} with 1k");
+    assert!(large < 1024.0, "{large:.0} bytes per settle");
+}
+
+/// Changes to the retained set, with whole sets written in between (every so many changes), come
+/// back exactly after a restart; what was released is gone from the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retained_set_after_many_changes_and_resets_survives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let pinned: Vec<u64> = (0..800).step_by(2).collect();
+    // Released in a scattered order; ten stay.
+    let mut released: Vec<u64> = pinned.iter().copied().filter(|i| i % 80 != 0).collect();
+    released.sort_by_key(|i| (i * 7919) % 1009);
+    let kept: Vec<u64> = pinned.iter().copied().filter(|i| i % 80 == 0).collect();
+    {
+        let (store, logs) = open(dir.path());
+        let mut ls = logs.log_store(6).unwrap();
+        append_flushed(&mut ls, (0..800).map(|i| normal(6, 1, i)).collect()).await;
+        for i in &pinned[..200] {
+            logs.pin_entry(6, *i).unwrap();
+        }
+        ls.purge(log_id(1, 1, 399)).await.unwrap();
+        for i in &pinned[200..] {
+            logs.pin_entry(6, *i).unwrap();
+        }
+        ls.purge(log_id(1, 1, 799)).await.unwrap();
+        for i in &released {
+            logs.unpin_entry(6, *i).unwrap();
+        }
+        append_flushed(&mut ls, vec![normal(6, 1, 800)]).await;
+        ls.save_vote(&Vote::new(1, 1)).await.unwrap();
+        store.close().unwrap();
+    }
+    let (store, logs) = open(dir.path());
+    assert_eq!(logs.recovery_stats().retained, kept.len() as u64);
+    for i in &kept {
+        assert_eq!(logs.read_entry(6, *i).unwrap(), Some(normal(6, 1, *i)), "entry {i}");
+    }
+    for i in released.iter().take(50) {
+        assert_eq!(logs.read_entry(6, *i).unwrap(), None, "entry {i} was released");
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let live = store.read(RAFT_LOG | 6, 0, 10_000, usize::MAX).unwrap().messages.len();
+        if live == kept.len() + 1 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{live} records live, want {}", kept.len() + 1);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(store.stats().seq_regressions, 0);
+}

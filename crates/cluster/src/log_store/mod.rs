@@ -13,15 +13,19 @@
 //!   layout (where the entries are: runs of consecutive indexes and seqs) are records of store
 //!   queue [`RAFT_STATE`]` | g`: each record acks the record of its kind before it, in the same
 //!   batch. A layout goes with every `layout_every`th appended entry (after them) and with every
-//!   truncation and purge (before their acks).
+//!   truncation and purge (before their acks). The retained entries are named by records of the
+//!   same queue, one per change (a purge's kept runs, an unpin's index) until the changes outweigh
+//!   the whole set, which is then written as one reset record: an unpin costs the same bytes however
+//!   many entries are retained.
 //!
 //! In memory, per group: for each unpurged entry its store seq and log id (the index is its place),
 //! the entries appended but not yet readable from the store (see [`Store::readable`]) or not yet
 //! applied by this node (within a budget, see [`cache`]), the hard state and the stored snapshot's
 //! metadata. Other entries are read back from the store.
 //!
-//! Recovery ([`RaftLogs::open`]) reads each group's state records (the latest of each kind wins),
-//! takes the entries the layout names without reading them, and reads the entry records appended
+//! Recovery ([`RaftLogs::open`]) reads each group's state records (the latest of each kind wins;
+//! retained changes apply from the latest reset on), takes the entries the layout and the retained
+//! set name without reading them, and reads the entry records appended
 //! after it: a record whose index is at or below one before it replaces it and
 //! everything after it (a truncation whose acks a crash lost). Records at or below the purged
 //! index are retained (the layout names those a purge kept; others are ones whose ack a crash
@@ -49,7 +53,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use warren_store::{Batch, RecoveredQueue, Store, StoreError, SyncTicket};
 
-use crate::codec::{self, DecodeError, HardState, Layout, LeaderId, Run, SnapshotMeta, StateRecord};
+use crate::codec::{self, DecodeError, HardState, Layout, LeaderId, RetainedChange, Run, SnapshotMeta, StateRecord};
 use crate::types::{Entry, GroupId, LogId, Vote};
 use cache::{CacheBudget, EntryCache};
 use compaction::CompactionState;
@@ -388,6 +392,10 @@ pub(crate) struct GroupInner {
     /// The live layout record, and the entries appended since it was written.
     layout_record: Option<(u64, u64)>,
     appends_since_layout: u64,
+    /// The live records of changes to `retained` (seq, payload bytes), oldest first: the last
+    /// reset and the changes after it. Their bytes, to know when a reset costs less than they do.
+    retained_records: Vec<(u64, u64)>,
+    retained_records_bytes: u64,
     pub snapshot: Option<StoredSnapshot>,
     /// Reused for every append of the group (keeps its allocations).
     batch: Batch,
@@ -414,6 +422,8 @@ impl Group {
                 hard_record: None,
                 layout_record: None,
                 appends_since_layout: 0,
+                retained_records: Vec::new(),
+                retained_records_bytes: 0,
                 snapshot: None,
                 batch: Batch::new(),
                 head: Vec::new(),
@@ -447,19 +457,49 @@ impl Group {
             let state_queue = RAFT_STATE | id;
             let log_queue = RAFT_LOG | id;
             let mut layout: Option<Layout> = None;
+            // The retained entries the state records name (a reset and the changes after it).
+            let mut named_retained: BTreeMap<u64, Slot> = BTreeMap::new();
+            // Retained records in an older form, or not named by any: rewrite the set once open.
+            let mut rewrite_retained = false;
             if let Some(rec) = state {
                 g.next_state_seq = rec.next_seq;
                 let mut hard: Option<(u64, u64, HardState)> = None;
                 let mut snap: Option<StoredSnapshot> = None;
                 let mut lay: Option<(u64, u64, Layout)> = None;
+                let mut retained_records: Vec<(u64, u64)> = Vec::new();
                 for_each_record(store, state_queue, rec.first_seq, |seq, payload| {
                     let len = payload.len() as u64;
-                    // Of each kind the latest record wins; one superseded by a record whose ack a
-                    // crash lost is acked again.
+                    // Of each kind the latest record wins (changes to the retained set count from
+                    // the latest reset on); one superseded by a record whose ack a crash lost is
+                    // acked again.
                     let old = match codec::decode_state(&payload) {
                         Ok(StateRecord::Hard(h)) => hard.replace((seq, len, h)).map(|(s, l, _)| (s, l)),
                         Ok(StateRecord::Snapshot { meta, .. }) => snap.replace(StoredSnapshot { seq, len, ticket: 0, meta }).map(|o| (o.seq, o.len)),
-                        Ok(StateRecord::Layout(l)) => lay.replace((seq, len, l)).map(|(s, l, _)| (s, l)),
+                        Ok(StateRecord::Layout(mut l)) => {
+                            if let Some(runs) = l.retained.take() {
+                                for (seq, len) in retained_records.drain(..) {
+                                    cleanup.ack(state_queue, seq, len);
+                                }
+                                named_retained.clear();
+                                add_runs(&mut named_retained, &runs);
+                                rewrite_retained = true;
+                            }
+                            lay.replace((seq, len, l)).map(|(s, l, _)| (s, l))
+                        }
+                        Ok(StateRecord::Retained(change)) => {
+                            if change.reset {
+                                for (seq, len) in retained_records.drain(..) {
+                                    cleanup.ack(state_queue, seq, len);
+                                }
+                                named_retained.clear();
+                            }
+                            add_runs(&mut named_retained, &change.added);
+                            for index in &change.released {
+                                named_retained.remove(index);
+                            }
+                            retained_records.push((seq, len));
+                            None
+                        }
                         Err(error) => return Err(LogStoreError::Corrupt { group: id, queue: state_queue, seq, error }),
                     };
                     if let Some((seq, len)) = old {
@@ -476,32 +516,45 @@ impl Group {
                     g.layout_record = Some((seq, len));
                     layout = Some(l);
                 }
+                g.retained_records_bytes = retained_records.iter().map(|r| r.1).sum();
+                g.retained_records = retained_records;
             }
             if let Some(rec) = log {
                 g.next_log_seq = rec.next_seq;
                 let purged_next = g.hard.purged.map(|p| p.index + 1);
                 let mut stale: Vec<(u64, u64)> = Vec::new();
                 let mut from_seq = rec.first_seq;
-                // The layout names the entries appended before it: only those after it are read.
-                if let Some(layout) = layout.filter(|l| layout_fits(id, l, rec)) {
-                    let mut covered = rec.first_seq;
-                    // Retained entries were appended before the log's (their indexes are lower).
-                    for run in layout.retained.iter().chain(&layout.runs) {
-                        if run.first_seq > covered {
-                            cleanup.ack_range(log_queue, covered, run.first_seq, 0);
-                        }
+                // The layout and the retained set name the entries appended before the layout:
+                // only those after it are read.
+                let named = layout.as_ref().and_then(|l| named_records(id, l, &named_retained, purged_next, rec).map(|spans| (l, spans)));
+                if let Some((layout, spans)) = named {
+                    for (index, slot) in std::mem::take(&mut named_retained) {
+                        g.admit(id, index, slot.seq, slot.leader, slot.len, purged_next, &mut stale);
+                    }
+                    for run in &layout.runs {
                         let share = run.bytes / run.count.max(1);
                         for k in 0..run.count {
                             g.admit(id, run.first_index + k, run.first_seq + k, run.leader, share, purged_next, &mut stale);
                         }
-                        covered = run.first_seq + run.count;
+                    }
+                    // Records in between that neither names were acked before a crash lost the ack.
+                    let mut covered = rec.first_seq;
+                    for (first_seq, count) in spans {
+                        if first_seq > covered {
+                            cleanup.ack_range(log_queue, covered, first_seq, 0);
+                        }
+                        covered = first_seq + count;
                     }
                     if layout.next_log_seq > covered {
                         cleanup.ack_range(log_queue, covered, layout.next_log_seq, 0);
                     }
                     from_seq = layout.next_log_seq;
+                } else if !named_retained.is_empty() || !g.retained_records.is_empty() {
+                    // Every record is read: the retained set is rebuilt from them.
+                    rewrite_retained = true;
                 }
                 let mut read = 0u64;
+                let retained_before = g.retained.len();
                 for_each_record(store, log_queue, from_seq, |seq, payload| {
                     // A record below the purged index here was retained by a purge whose layout a
                     // crash lost, or one whose ack it lost: kept as retained until the machine
@@ -511,12 +564,21 @@ impl Group {
                     read += 1;
                     Ok(())
                 })?;
+                if g.retained.len() != retained_before {
+                    rewrite_retained = true;
+                }
                 // A layout soon, so that the next start reads little.
                 g.appends_since_layout = read;
                 stats.records_read += read;
                 for (seq, len) in stale {
                     cleanup.ack(log_queue, seq, len);
                 }
+            }
+            if rewrite_retained {
+                // The whole set, then a layout after it: the next start finds every retained entry
+                // named, in the current form.
+                g.put_retained(cleanup, state_queue, Vec::new(), Vec::new(), true);
+                g.put_layout(cleanup, state_queue, &[]);
             }
             g.reset_first_index();
             g.count_since_snapshot();
@@ -529,46 +591,63 @@ impl Group {
     }
 }
 
-/// Whether a layout record can be trusted to describe the log queue `rec` (it always does unless
-/// damage was skipped or the record was forged): runs in index and seq order, inside the queue's
-/// seqs, no more entries than the queue holds live records.
-fn layout_fits(group: GroupId, layout: &Layout, rec: &RecoveredQueue) -> bool {
-    let mut entries = 0u64;
+/// The records a layout and the retained set name, as (first seq, count) in seq order, if they can
+/// be trusted to describe the log queue `rec` (they always can unless damage was skipped or a
+/// record was forged): runs in index and seq order, retained entries purged and below the log's,
+/// every named record inside the queue's seqs and named once, no more of them than it holds.
+fn named_records(group: GroupId, layout: &Layout, retained: &BTreeMap<u64, Slot>, purged_next: Option<u64>, rec: &RecoveredQueue) -> Option<Vec<(u64, u64)>> {
     let mut next: Option<(u64, u64)> = None;
-    // Retained runs: below the log's entries in index and seq, in order, each inside the queue's seqs.
-    let mut retained_next: Option<(u64, u64)> = None;
-    for r in &layout.retained {
-        let ordered = retained_next.is_none_or(|(index, seq)| r.first_index >= index && r.first_seq >= seq);
-        let end_seq = r.first_seq.checked_add(r.count);
-        let inside = r.first_seq >= rec.first_seq && end_seq.is_some_and(|e| e <= layout.next_log_seq);
-        let (Some(end_index), Some(end_seq), true, true) = (r.first_index.checked_add(r.count), end_seq, ordered, inside) else {
-            tracing::error!(group, "a Raft log layout record's retained entries do not fit the log; reading every record instead");
-            return false;
-        };
-        retained_next = Some((end_index, end_seq));
-    }
-    if let (Some((index, seq)), Some(first)) = (retained_next, layout.runs.first()) {
-        if first.first_index < index || first.first_seq < seq {
-            tracing::error!(group, "a Raft log layout record's retained entries overlap its log; reading every record instead");
-            return false;
-        }
-    }
+    let mut spans: Vec<(u64, u64)> = Vec::with_capacity(layout.runs.len() + retained.len());
     for r in &layout.runs {
         let ordered = next.is_none_or(|(index, seq)| r.first_index == index && r.first_seq >= seq);
         let end_seq = r.first_seq.checked_add(r.count);
         let inside = r.first_seq >= rec.first_seq && end_seq.is_some_and(|e| e <= layout.next_log_seq);
         if !ordered || !inside || r.first_index.checked_add(r.count).is_none() {
             tracing::error!(group, "a Raft log layout record does not fit the log; reading every record instead");
-            return false;
+            return None;
         }
-        entries += r.count;
+        spans.push((r.first_seq, r.count));
         next = Some((r.first_index + r.count, r.first_seq + r.count));
+    }
+    let log_from = layout.runs.first().map(|r| r.first_index);
+    for (index, slot) in retained {
+        let purged = purged_next.is_some_and(|n| *index < n) && log_from.is_none_or(|f| *index < f);
+        if !purged || slot.seq < rec.first_seq || slot.seq >= layout.next_log_seq {
+            tracing::error!(group, index, "a Raft log's retained entry does not fit the log; reading every record instead");
+            return None;
+        }
+        spans.push((slot.seq, 1));
+    }
+    spans.sort_unstable();
+    // Consecutive seqs as one span; an overlap means a record named twice.
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(spans.len());
+    let mut entries = 0u64;
+    for (seq, count) in spans {
+        entries += count;
+        match merged.last_mut() {
+            Some((first, n)) if *first + *n > seq => {
+                tracing::error!(group, seq, "a Raft log record is named twice; reading every record instead");
+                return None;
+            }
+            Some((first, n)) if *first + *n == seq => *n += count,
+            _ => merged.push((seq, count)),
+        }
     }
     if entries > rec.live_count || layout.next_log_seq > rec.next_seq {
         tracing::error!(group, entries, live = rec.live_count, "a Raft log layout record names more entries than the log holds; reading every record instead");
-        return false;
+        return None;
     }
-    true
+    Some(merged)
+}
+
+/// Adds the entries of `runs` to a retained set.
+fn add_runs(set: &mut BTreeMap<u64, Slot>, runs: &[Run]) {
+    for run in runs {
+        let share = run.bytes / run.count.max(1);
+        for k in 0..run.count {
+            set.insert(run.first_index.saturating_add(k), Slot { seq: run.first_seq.saturating_add(k), leader: run.leader, len: share, ticket: 0 });
+        }
+    }
 }
 
 /// Calls `f(seq, payload)` for every live record of `queue` from `from_seq` on, in seq order.
@@ -615,6 +694,21 @@ fn runs_of<'a>(slots: impl Iterator<Item = (u64, &'a Slot)>) -> Vec<Run> {
     runs
 }
 
+/// Runs in index order, merged where one continues the one before it.
+fn merge_runs(runs: Vec<Run>) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::with_capacity(runs.len());
+    for run in runs {
+        match out.last_mut() {
+            Some(r) if r.first_index + r.count == run.first_index && r.first_seq + r.count == run.first_seq && r.leader == run.leader => {
+                r.count += run.count;
+                r.bytes += run.bytes;
+            }
+            _ => out.push(run),
+        }
+    }
+    out
+}
+
 /// Acks `slots` (in seq order), consecutive seqs as one range.
 fn ack_slots<'a>(batch: &mut Batch, log_queue: u64, slots: impl Iterator<Item = &'a Slot>) {
     for s in slots {
@@ -635,7 +729,9 @@ impl GroupInner {
     fn admit(&mut self, group: GroupId, index: u64, seq: u64, leader: LeaderId, len: u64, purged_next: Option<u64>, stale: &mut Vec<(u64, u64)>) {
         if purged_next.is_some_and(|next| index < next) {
             if let Some(old) = self.retained.insert(index, Slot { seq, leader, len, ticket: 0 }) {
-                stale.push((old.seq, old.len));
+                if old.seq != seq {
+                    stale.push((old.seq, old.len));
+                }
             }
             return;
         }
@@ -657,12 +753,49 @@ impl GroupInner {
         self.slots.push_back(Slot { seq, leader, len, ticket: 0 });
     }
 
-    /// The log as runs (consecutive indexes and seqs, one leader), `extra` slots appended after it,
-    /// and the retained entries.
+    /// The log as runs (consecutive indexes and seqs, one leader), `extra` slots appended after it.
+    /// (The retained entries are named by their own records: see [`GroupInner::put_retained`].)
     fn layout(&self, extra: &[Slot]) -> Layout {
         let log = self.slots.iter().chain(extra).enumerate().map(|(i, slot)| (self.first_index + i as u64, slot));
-        let retained = self.retained.iter().map(|(index, slot)| (*index, slot));
-        Layout { next_log_seq: self.next_log_seq + extra.len() as u64, runs: runs_of(log), retained: runs_of(retained) }
+        Layout { next_log_seq: self.next_log_seq + extra.len() as u64, runs: runs_of(log), retained: None }
+    }
+
+    /// Adds a record of a change to the retained set (already made to `retained`) to `batch`: the
+    /// change alone, or the whole set (`reset`, and always once the changes since the last whole set
+    /// outweigh it: a change costs its own size, amortized, whatever the set's), superseding the
+    /// records before it. An empty set needs no record. Put it before a layout that follows the
+    /// change and before the acks of released records: if they are durable, so is it.
+    fn put_retained(&mut self, batch: &mut Batch, state_queue: u64, added: Vec<Run>, released: Vec<u64>, mut reset: bool) {
+        const CHANGE_HEAD: u64 = 2 + 1 + 4 + 4;
+        let change = CHANGE_HEAD + added.len() as u64 * 48 + released.len() as u64 * 8;
+        // At most one run per entry: a bound on the whole set's size without building it.
+        let whole = CHANGE_HEAD + self.retained.len() as u64 * 48;
+        // Whole sets once the records reach twice the set's size: a reset is paid for by at least
+        // as many bytes of changes before it.
+        reset |= self.retained_records_bytes + change > 2 * whole.max(2048);
+        if !reset {
+            let record = codec::encode_retained(&RetainedChange { reset, added, released });
+            let seq = self.next_state_seq;
+            self.next_state_seq += 1;
+            batch.enqueue(state_queue, seq, 0, &[&record]);
+            self.retained_records.push((seq, record.len() as u64));
+            self.retained_records_bytes += record.len() as u64;
+            return;
+        }
+        for (seq, len) in self.retained_records.drain(..) {
+            batch.ack(state_queue, seq, len);
+        }
+        self.retained_records_bytes = 0;
+        if self.retained.is_empty() {
+            return;
+        }
+        let whole = runs_of(self.retained.iter().map(|(index, slot)| (*index, slot)));
+        let record = codec::encode_retained(&RetainedChange { reset: true, added: whole, released: Vec::new() });
+        let seq = self.next_state_seq;
+        self.next_state_seq += 1;
+        batch.enqueue(state_queue, seq, 0, &[&record]);
+        self.retained_records.push((seq, record.len() as u64));
+        self.retained_records_bytes = record.len() as u64;
     }
 
     /// Adds a layout record of the log (with `extra` slots about to be appended), superseding the
@@ -829,15 +962,18 @@ impl GroupInner {
         self.hard.purged = Some(purged);
         let remove = (purged.index + 1).saturating_sub(self.first_index).min(self.slots.len() as u64) as usize;
         let mut removed: Vec<Slot> = Vec::with_capacity(remove);
+        let mut kept: Vec<Run> = Vec::new();
         for (i, slot) in self.slots.drain(..remove).enumerate() {
             self.compaction.log_bytes = self.compaction.log_bytes.saturating_sub(slot.len);
             let index = self.first_index + i as u64;
             if self.pinned.contains(&index) {
+                kept.extend(runs_of(std::iter::once((index, &slot))));
                 self.retained.insert(index, slot);
             } else {
                 removed.push(slot);
             }
         }
+        let kept = merge_runs(kept);
         self.first_index += remove as u64;
         let cached_keep = (self.next_index() - self.cached_from().max(self.first_index)) as usize;
         while self.cached.len() > cached_keep {
@@ -846,6 +982,9 @@ impl GroupInner {
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear();
         self.put_hard(&mut batch, state_queue);
+        if !kept.is_empty() {
+            self.put_retained(&mut batch, state_queue, kept, Vec::new(), false);
+        }
         self.put_layout(&mut batch, state_queue, &[]);
         ack_slots(&mut batch, log_queue, removed.iter());
         let appended = store.append(&mut batch);
@@ -854,19 +993,26 @@ impl GroupInner {
         appended.map(|_| ()).map_err(io::Error::other)
     }
 
-    /// Acks the records of the retained entries `go`, after a layout without them (so that a start
-    /// does not take them for retained entries whose records are gone).
+    /// Acks the records of the retained entries `go`, after a record of their release (so that a
+    /// start does not take them for retained entries whose records are gone).
     fn release_retained(&mut self, store: &Store, log_queue: u64, state_queue: u64, go: &[u64]) -> io::Result<u64> {
         if self.removed {
             return Err(gone());
         }
-        let slots: Vec<Slot> = go.iter().filter_map(|i| self.retained.remove(i)).collect();
+        let mut released = Vec::with_capacity(go.len());
+        let mut slots = Vec::with_capacity(go.len());
+        for index in go {
+            if let Some(slot) = self.retained.remove(index) {
+                released.push(*index);
+                slots.push(slot);
+            }
+        }
         if slots.is_empty() {
             return Ok(0);
         }
         let mut batch = std::mem::take(&mut self.batch);
         batch.clear();
-        self.put_layout(&mut batch, state_queue, &[]);
+        self.put_retained(&mut batch, state_queue, Vec::new(), released, false);
         ack_slots(&mut batch, log_queue, slots.iter());
         let appended = store.append(&mut batch);
         self.batch = batch;
@@ -1143,6 +1289,55 @@ mod tests {
         assert!(g.reads_store(&store, 9, 10), "the slow stream ended: nothing held");
         assert_eq!(logs.shared.cache_budget.bytes(), 0);
         assert_eq!(g.read(&store, 0, 10, usize::MAX).unwrap(), entries(0, 10, 100));
+    }
+
+    /// A data directory written before retained records existed names its retained entries in
+    /// its layout: a start takes them from there, and rewrites them in the current form.
+    #[tokio::test]
+    async fn retained_entries_named_by_an_older_layout_survive_two_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let open = || {
+            let (store, recovery) = Store::open(dir.path(), StoreOptions::default()).unwrap();
+            let logs = RaftLogs::open(store.clone(), &recovery.queues).unwrap();
+            (store, logs)
+        };
+        {
+            let (store, logs) = open();
+            let g = logs.group(9).unwrap();
+            let mut inner = g.inner.lock();
+            let ticket = inner.append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 50)).unwrap();
+            inner.pinned.extend([2, 5]);
+            inner.purge(&store, g.log_queue(), g.state_queue(), LogId::new(LeaderId::new(1, 1), 7)).unwrap();
+            // The older form: the layout names the retained entries, no retained record does.
+            let mut batch = Batch::new();
+            let mut layout = inner.layout(&[]);
+            layout.retained = Some(runs_of(inner.retained.iter().map(|(i, s)| (*i, s))));
+            let record = codec::encode_layout(&layout);
+            let mut live = inner.layout_record;
+            put_state_record(&mut batch, g.state_queue(), &mut inner.next_state_seq, &mut live, &record);
+            for (seq, len) in inner.retained_records.drain(..) {
+                batch.ack(g.state_queue(), seq, len);
+            }
+            let done = store.append(&mut batch).unwrap();
+            drop(inner);
+            logs.shared.durable(ticket.max(done)).await.unwrap();
+            store.close().unwrap();
+        }
+        for start in 0..2 {
+            let (store, logs) = open();
+            assert_eq!(logs.recovery_stats().retained, 2, "start {start}");
+            for i in [2, 5] {
+                assert_eq!(logs.read_entry(9, i).unwrap(), Some(entries(i, 1, 50).remove(0)), "start {start}: entry {i}");
+            }
+            let g = logs.group(9).unwrap();
+            let inner = g.inner.lock();
+            assert_eq!(inner.retained_records.len(), 1, "start {start}: one record names the set");
+            assert_eq!(inner.slots.len(), 2, "start {start}: entries 8 and 9 are the log");
+            drop(inner);
+            let ticket = g.inner.lock().save_hard(&store, g.state_queue(), |_| {}).unwrap();
+            logs.shared.durable(ticket).await.unwrap();
+            store.close().unwrap();
+        }
     }
 
     /// A group that never applies (a follower that never learns the commit) keeps at most its
