@@ -1304,23 +1304,24 @@ mod tests {
         {
             let (store, logs) = open();
             let g = logs.group(9).unwrap();
-            let mut inner = g.inner.lock();
-            let ticket = inner.append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 50)).unwrap();
-            inner.pinned.extend([2, 5]);
-            inner.purge(&store, g.log_queue(), g.state_queue(), LogId::new(LeaderId::new(1, 1), 7)).unwrap();
-            // The older form: the layout names the retained entries, no retained record does.
-            let mut batch = Batch::new();
-            let mut layout = inner.layout(&[]);
-            layout.retained = Some(runs_of(inner.retained.iter().map(|(i, s)| (*i, s))));
-            let record = codec::encode_layout(&layout);
-            let mut live = inner.layout_record;
-            put_state_record(&mut batch, g.state_queue(), &mut inner.next_state_seq, &mut live, &record);
-            for (seq, len) in inner.retained_records.drain(..) {
-                batch.ack(g.state_queue(), seq, len);
-            }
-            let done = store.append(&mut batch).unwrap();
-            drop(inner);
-            logs.shared.durable(ticket.max(done)).await.unwrap();
+            let done = {
+                let mut inner = g.inner.lock();
+                let ticket = inner.append(&store, g.log_queue(), g.state_queue(), 256, entries(0, 10, 50)).unwrap();
+                inner.pinned.extend([2, 5]);
+                inner.purge(&store, g.log_queue(), g.state_queue(), LogId::new(LeaderId::new(1, 1), 7)).unwrap();
+                // The older form: the layout names the retained entries, no retained record does.
+                let mut batch = Batch::new();
+                let mut layout = inner.layout(&[]);
+                layout.retained = Some(runs_of(inner.retained.iter().map(|(i, s)| (*i, s))));
+                let record = codec::encode_layout(&layout);
+                let mut live = inner.layout_record;
+                put_state_record(&mut batch, g.state_queue(), &mut inner.next_state_seq, &mut live, &record);
+                for (seq, len) in inner.retained_records.drain(..) {
+                    batch.ack(g.state_queue(), seq, len);
+                }
+                ticket.max(store.append(&mut batch).unwrap())
+            };
+            logs.shared.durable(done).await.unwrap();
             store.close().unwrap();
         }
         for start in 0..2 {
@@ -1330,10 +1331,11 @@ mod tests {
                 assert_eq!(logs.read_entry(9, i).unwrap(), Some(entries(i, 1, 50).remove(0)), "start {start}: entry {i}");
             }
             let g = logs.group(9).unwrap();
-            let inner = g.inner.lock();
-            assert_eq!(inner.retained_records.len(), 1, "start {start}: one record names the set");
-            assert_eq!(inner.slots.len(), 2, "start {start}: entries 8 and 9 are the log");
-            drop(inner);
+            {
+                let inner = g.inner.lock();
+                assert_eq!(inner.retained_records.len(), 1, "start {start}: one record names the set");
+                assert_eq!(inner.slots.len(), 2, "start {start}: entries 8 and 9 are the log");
+            }
             let ticket = g.inner.lock().save_hard(&store, g.state_queue(), |_| {}).unwrap();
             logs.shared.durable(ticket).await.unwrap();
             store.close().unwrap();
