@@ -598,3 +598,39 @@ def test_a_backlog_within_the_nodes_budget_is_delivered_from_memory(broker, name
     assert got == bodies, "every message once, in order, bodies intact"
     assert read - read_before < 4 << 20, f"the drain read {(read - read_before) >> 20} MiB from the disk"
     assert "fill this node's budget" not in broker.log_text()
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_held_messages_keep_their_own_bytes_on_disk_not_the_segments_they_were_written_in(broker, name, queue_type):
+    """Twelve messages each taken and held unacked while the 40 MB published after it are consumed:
+    the disk keeps about their bytes, not the 32 MiB WAL segment (quorum: Raft log extent; classic:
+    backlog extent) each one was written in (issue 32, item 10: eight held messages kept 126 MB). At
+    checkpoints a sparse segment's live records are copied out and the segment goes. What stays
+    besides: the WAL being written, each queue's newest segment, the broker's state. A kill -9
+    after brings back the twelve, and only them."""
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(name, durable=True, arguments={"x-queue-type": queue_type})
+    holder = conn.channel()
+    pad = b"z" * 65536
+    held = []
+    for round in range(12):
+        body = b"held-%d" % round
+        publish_confirmed(ch, name, [body])
+        method, _, got = holder.basic_get(name)
+        assert got == body
+        held.append(body)
+        publish_confirmed(ch, name, [b"%d:%d:" % (round, i) + pad for i in range(640)])  # ~40 MB
+        for i in range(640):
+            m, _, got = ch.basic_get(name)
+            assert got == b"%d:%d:" % (round, i) + pad
+            ch.basic_ack(m.delivery_tag)
+    # 32 MiB of WAL being written, 32 MiB for the newest segment of the queue (an extent of the WAL
+    # segment before), 16 MiB of queue segment, 8 MB of state and snapshots.
+    bound = 88e6
+    eventually(lambda: disk_bytes(broker.data_dir) < bound, timeout=60)
+    broker.kill9()
+    broker.start()
+    ch = broker.connection().channel()
+    eventually(lambda: ready(ch, name) == len(held))
+    assert get_all(ch, name) == [(body, True) for body in held]

@@ -45,6 +45,38 @@ const MIN_EXTENT: u64 = 512 << 10;
 /// short entries would each be an extent: in Q4 they hold 2-31 each.
 const MAX_RAFT_EXTENTS: usize = 64;
 
+/// A segment spanning at least this many bytes is rewritten at a checkpoint (its live records copied
+/// out, the segment let go) once at most `COMPACT_LIVE_PERCENT` of it is live: one message held while
+/// those written with it are consumed must not keep the extent or file it is in (eight held messages
+/// kept 126 MB: eight WAL segments). Seqs below the queue's consumed prefix do not count as holes,
+/// so a backlog being consumed from its front is never copied: its segments go whole.
+const COMPACT_MIN_SPAN: u64 = 64 << 10;
+/// Live share (by count, then by bytes read) at or below which a segment is rewritten: disk held stays
+/// within ~1.25x the live bytes (plus the newest segment, never rewritten), and a record is copied
+/// at most about 4 bytes per byte freed.
+const COMPACT_LIVE_PERCENT: u64 = 80;
+/// Bytes of segments one checkpoint reads to rewrite them, at most (on the writer thread; the rest
+/// waits for the next checkpoint).
+pub(crate) const COMPACT_READ_BUDGET: u64 = 64 << 20;
+
+/// What a checkpoint's rewrite of sparse segments did.
+#[derive(Debug, Default)]
+pub(crate) struct Compacted {
+    pub bytes_written: u64,
+    /// The queue's own files that were rewritten: deleted once the checkpoint naming their
+    /// replacements is durable (the last one still names them).
+    pub obsolete: Vec<PathBuf>,
+}
+
+/// A segment's live records, read for a rewrite.
+struct LiveRecords {
+    /// The records, as they are stored (header, enqueue and payload).
+    bytes: Vec<u8>,
+    first_seq: u64,
+    first_ts: u64,
+    last_ts: u64,
+}
+
 /// An enqueue whose seq is below its queue's next one: the store cannot keep it (see `QueueLog::admit`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqRegression {
@@ -201,6 +233,9 @@ pub(crate) struct QueueLog {
     reader: Option<SegReader>,
     /// Where the next in-order read starts: (seq, segment, file offset).
     cursor: Option<(u64, u64, u64)>,
+    /// Segments read for a rewrite and found not sparse enough by bytes: (first seq → gone count
+    /// then), not read again until more of them is gone.
+    compact_judged: HashMap<u64, u64>,
 }
 
 impl QueueLog {
@@ -226,6 +261,7 @@ impl QueueLog {
             last_enqueue_ms: 0,
             reader: None,
             cursor: None,
+            compact_judged: HashMap::new(),
         }
     }
 
@@ -321,6 +357,109 @@ impl QueueLog {
         }
         self.file_next_seq = self.next_seq;
         Ok(written)
+    }
+
+    /// Checkpoint, after `spill`: rewrites sparse segments (see `COMPACT_LIVE_PERCENT`) but the
+    /// newest, reading at most `budget` bytes of them. A rewritten segment's live records go, in
+    /// order and with their seqs, to a new file of the queue's own named by the segment's first seq
+    /// (an extent) or its first live seq (an own file, whose name the last checkpoint still uses:
+    /// the new file must not overwrite it; one whose first record is live is left as it is). The
+    /// checkpoint's `syncfs` makes the new files durable before the checkpoint names them; a crash
+    /// before it leaves them as files no checkpoint names, which a start deletes.
+    pub fn compact(&mut self, now_ms: u64, seg_size: u64, budget: &mut u64) -> std::io::Result<Compacted> {
+        // (Own files are at most `seg_size`: with small ones, a smaller span is worth it.)
+        let min_span = COMPACT_MIN_SPAN.min(seg_size / 2);
+        let mut out = Compacted::default();
+        let floor = self.gone.floor();
+        let newest = self.segments.keys().next_back().copied();
+        let candidates: Vec<QSeg> = self.segments.values().filter(|s| Some(s.first_seq) != newest).copied().collect();
+        self.compact_judged.retain(|first, _| candidates.iter().any(|s| s.first_seq == *first));
+        for seg in candidates {
+            let span = seg.len.saturating_sub(seg.start);
+            let retained = self.retention_ms > 0 && seg.last_ts.saturating_add(self.retention_ms) > now_ms;
+            let from = seg.first_seq.max(floor);
+            if *budget == 0 || span < min_span || retained || from >= seg.end_seq {
+                continue;
+            }
+            let total = seg.end_seq - from;
+            let gone = self.gone.count_in(from, seg.end_seq);
+            let live = total - gone.min(total);
+            if live == 0 || live * 100 > total * COMPACT_LIVE_PERCENT || self.compact_judged.get(&seg.first_seq) == Some(&gone) {
+                continue; // all gone (garbage collection's), dense, or judged already
+            }
+            *budget = budget.saturating_sub(span);
+            let Some(found) = self.live_records(&seg)? else { continue };
+            let key = if seg.wal.is_some() { seg.first_seq } else { found.first_seq };
+            let sparse = found.bytes.len() as u64 * 100 <= span * COMPACT_LIVE_PERCENT;
+            if !sparse || (seg.wal.is_none() && key == seg.first_seq) || found.bytes.is_empty() {
+                self.compact_judged.insert(seg.first_seq, gone);
+                continue;
+            }
+            if !self.dir_made {
+                self.disk.create_dir_all(&self.dir)?;
+                self.dir_made = true;
+            }
+            let mut file = Appender::create(&self.disk, &seg_path(&self.dir, key))?;
+            let mut bytes = format::encode_qseg_header(self.id, key).to_vec();
+            bytes.extend_from_slice(&found.bytes);
+            file.append(&bytes)?;
+            let len = bytes.len() as u64;
+            out.bytes_written += len;
+            if seg.wal.is_none() {
+                out.obsolete.push(seg_path(&self.dir, seg.first_seq));
+            }
+            self.forget_segment(&seg);
+            let replacement = QSeg { first_seq: key, start: HEADER_SIZE as u64, len, end_seq: seg.end_seq, first_ts: found.first_ts, last_ts: found.last_ts, wal: None };
+            self.segments.insert(key, replacement);
+            self.dirty = true;
+        }
+        Ok(out)
+    }
+
+    /// The live records of `seg`, read whole; `None` if it holds damage (left for a read to find
+    /// and report).
+    fn live_records(&mut self, seg: &QSeg) -> std::io::Result<Option<LiveRecords>> {
+        let mut out = LiveRecords { bytes: Vec::new(), first_seq: seg.end_seq, first_ts: 0, last_ts: 0 };
+        let mut own_next = seg.first_seq;
+        let mut offset = seg.start;
+        while offset < seg.len {
+            let chunk = self.pread(seg, offset, (seg.len - offset).min(4 << 20) as usize, false)?;
+            let mut pos = 0usize;
+            while pos < chunk.len() {
+                match format::decode_record(&chunk[pos..]) {
+                    Ok((Record::Enqueue { queue, seq, timestamp_ms, .. }, n)) if queue == self.id && seq < seg.end_seq => {
+                        if seq >= own_next && !self.gone.contains(seq) {
+                            if out.bytes.is_empty() {
+                                out.first_seq = seq;
+                                out.first_ts = timestamp_ms;
+                            }
+                            out.last_ts = out.last_ts.max(timestamp_ms);
+                            out.bytes.extend_from_slice(&chunk[pos..pos + n]);
+                        }
+                        own_next = own_next.max(seq + 1);
+                        pos += n;
+                    }
+                    Ok((_, n)) => pos += n,
+                    Err(format::Damage::LengthPastEof { .. } | format::Damage::RecordHeaderTruncated { .. }) if pos > 0 => break,
+                    Err(_) => return Ok(None),
+                }
+            }
+            if pos == 0 {
+                return Ok(None);
+            }
+            offset += pos as u64;
+        }
+        Ok(Some(out))
+    }
+
+    /// Takes `seg` out of the segments (its file, if it is one, stays): reads no longer go to it.
+    fn forget_segment(&mut self, seg: &QSeg) {
+        self.segments.remove(&seg.first_seq);
+        if self.reader.as_ref().is_some_and(|r| r.file_of == SegFile::of(seg)) {
+            self.reader = None;
+        }
+        self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
+        self.compact_judged.remove(&seg.first_seq);
     }
 
     /// This queue's extents: (WAL segment base, start offset, end offset).
@@ -456,11 +595,7 @@ impl QueueLog {
             }
             freed = seg.len;
         }
-        self.segments.remove(&seg.first_seq);
-        if self.reader.as_ref().is_some_and(|r| r.file_of == SegFile::of(&seg)) {
-            self.reader = None;
-        }
-        self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
+        self.forget_segment(seg);
         self.dirty = true;
         Some(freed)
     }

@@ -782,11 +782,20 @@ impl Writer {
         let mut queues = Vec::new();
         let mut spilled = 0;
         let mut extents: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
+        let mut compact_budget = crate::qlog::COMPACT_READ_BUDGET;
+        let mut obsolete = Vec::new();
         for log in shared.logs.all() {
             let mut log = log.lock();
             match log.spill(shared.queue_segment_size) {
                 Ok(n) => spilled += n,
                 Err(e) => fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, log.id), &e),
+            }
+            match log.compact(now, shared.queue_segment_size, &mut compact_budget) {
+                Ok(c) => {
+                    spilled += c.bytes_written;
+                    obsolete.extend(c.obsolete);
+                }
+                Err(e) => fatal("rewriting a sparse queue segment", &crate::qlog::queue_dir(&shared.dir, log.id), &e),
             }
             let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
@@ -824,6 +833,15 @@ impl Writer {
             fatal("writing the checkpoint", &shared.dir.join(checkpoint::FILE), &e);
         }
         shared.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+        // Rewritten segments' files: the checkpoint just written no longer names them (one left by a
+        // failed deletion or a crash here is deleted at the next start, as a file no checkpoint names).
+        for path in obsolete {
+            let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            match shared.disk.remove_file(&path) {
+                Ok(()) => shared.counters.note_freed(len, 1),
+                Err(e) => tracing::warn!(error = %e, file = %path.display(), "could not delete a rewritten queue segment; it goes at the next start"),
+            }
+        }
         self.last_checkpoint_pos = self.applied;
         self.last_checkpoint = Instant::now();
         // WAL segments that end at or before the checkpoint are no longer needed, unless a queue's extent
