@@ -71,7 +71,7 @@ mod rebalance;
 pub use members::{GroupMembership, MembersStep, CATCH_UP_LAG};
 
 use crate::detector::{Change, Detector};
-use crate::transport::raft::{GroupNetworkFactory, SnapshotMessage, SnapshotWire};
+use crate::transport::raft::{GroupNetworkFactory, SnapshotChunk, SnapshotMessage, SnapshotWire, SNAPSHOT_CHUNK};
 use crate::transport::wire::{self, Dec, DecodeError, Enc, Wire};
 use crate::transport::{BoxFuture, Handler, LinkKind, Rpc, RpcError, Transport, TransportConfig};
 use crate::types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADATA_GROUP};
@@ -486,6 +486,8 @@ struct NodeInner {
     stop: watch::Sender<bool>,
     /// Answers `Rpc::Bodies` (the server's quorum queues).
     body_source: RwLock<Option<BodySource>>,
+    /// Snapshots arriving in pieces (`Rpc::SnapshotChunk`), by group: one at a time per group.
+    snapshot_parts: parking_lot::Mutex<HashMap<GroupId, PartialSnapshot>>,
     /// Answers `Rpc::Classic` (the server's classic queues).
     classic_service: RwLock<Option<ClassicService>>,
     /// Records quorum queues' members (the server's broker, through the metadata group).
@@ -671,6 +673,7 @@ impl ClusterNode {
             rebalance: rebalance::Rebalancer::default(),
             stop,
             body_source: RwLock::new(None),
+            snapshot_parts: parking_lot::Mutex::new(HashMap::new()),
             classic_service: RwLock::new(None),
             queue_members: RwLock::new(None),
         });
@@ -828,6 +831,7 @@ impl ClusterNode {
     pub async fn stop_group(&self, group: GroupId) -> Result<(), NodeError> {
         let h = self.inner.groups.write().remove(&group).ok_or(NodeError::NoGroup(group))?;
         self.inner.groups_version.fetch_add(1, Ordering::Release);
+        self.inner.snapshot_parts.lock().remove(&group);
         h.shutdown().await;
         Ok(())
     }
@@ -1241,6 +1245,49 @@ impl ClusterNode {
 
 const NO_GROUP: &str = "no such group on this node";
 
+/// The largest snapshot taken in pieces (the store keeps a snapshot as one record, at most 1 GiB).
+const MAX_SNAPSHOT_BYTES: u64 = 1 << 30;
+
+/// A snapshot arriving in pieces: the ones so far.
+struct PartialSnapshot {
+    /// Which snapshot: the last log id it covers.
+    last_log_id: Option<crate::types::LogId>,
+    vote: crate::types::Vote,
+    total: u64,
+    data: bytes::BytesMut,
+}
+
+impl ClusterNode {
+    /// Adds a piece of a snapshot of `group`; returns the whole snapshot with its last piece. A
+    /// first piece starts over (a new leader's, or a retry's); one out of order is refused, and
+    /// the sender starts again from the first.
+    fn snapshot_chunk(&self, group: GroupId, chunk: SnapshotChunk) -> Result<Option<SnapshotMessage>, String> {
+        if chunk.total > MAX_SNAPSHOT_BYTES {
+            return Err(format!("group {group}: a snapshot of {} bytes is over the {MAX_SNAPSHOT_BYTES} this node takes", chunk.total));
+        }
+        let mut parts = self.inner.snapshot_parts.lock();
+        if chunk.offset == 0 {
+            // Grown as pieces come, not taken at once on the first piece's word.
+            let data = bytes::BytesMut::with_capacity((chunk.total as usize).min(4 * SNAPSHOT_CHUNK));
+            parts.insert(group, PartialSnapshot { last_log_id: chunk.meta.last_log_id, vote: chunk.vote, total: chunk.total, data });
+        }
+        let Some(part) = parts.get_mut(&group) else {
+            return Err(format!("group {group}: a snapshot piece at {} without its beginning; send it again from the start", chunk.offset));
+        };
+        let fits = chunk.offset.checked_add(chunk.data.len() as u64).is_some_and(|end| end <= part.total);
+        if part.last_log_id != chunk.meta.last_log_id || part.vote != chunk.vote || part.total != chunk.total || part.data.len() as u64 != chunk.offset || !fits {
+            // (The pieces so far stay: this one may be a deposed leader's, late.)
+            return Err(format!("group {group}: a snapshot piece out of order (at {}); send it again from the start", chunk.offset));
+        }
+        part.data.extend_from_slice(&chunk.data);
+        if (part.data.len() as u64) < part.total {
+            return Ok(None);
+        }
+        let Some(part) = parts.remove(&group) else { return Ok(None) };
+        Ok(Some(SnapshotMessage { vote: part.vote, meta: chunk.meta, data: part.data.freeze() }))
+    }
+}
+
 /// The transport's handler: a weak reference, so a node that is dropped is not kept alive by its
 /// own transport.
 struct NodeHandler(Weak<NodeInner>);
@@ -1322,6 +1369,13 @@ impl ClusterNode {
             Rpc::Snapshot => {
                 let msg: SnapshotMessage = decode(payload)?;
                 Ok(wire::to_bytes(&h.install_snapshot(msg).await?))
+            }
+            Rpc::SnapshotChunk => {
+                let chunk: SnapshotChunk = decode(payload)?;
+                match self.snapshot_chunk(group, chunk)? {
+                    Some(msg) => Ok(wire::to_bytes(&h.install_snapshot(msg).await?)),
+                    None => Ok(Bytes::new()),
+                }
             }
             Rpc::TransferLeader => {
                 let req: TransferLeaderRequest<TypeConfig> = decode(payload)?;

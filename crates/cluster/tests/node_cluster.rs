@@ -32,6 +32,10 @@ fn test_raft_config() -> openraft::Config {
 }
 
 async fn start_node(id: NodeId, dir: &Path, ports: &[(NodeId, u16)], groups: &[u64]) -> TestNode {
+    start_node_with(id, dir, ports, groups, test_raft_config()).await
+}
+
+async fn start_node_with(id: NodeId, dir: &Path, ports: &[(NodeId, u16)], groups: &[u64], raft: openraft::Config) -> TestNode {
     let opts = StoreOptions { segment_size: 1 << 20, ..StoreOptions::default() };
     let (store, recovery) = Store::open(dir, opts).expect("store opens");
     let logs: Arc<RaftLogs> = RaftLogs::open(store.clone(), &recovery.queues).expect("raft logs open");
@@ -42,7 +46,7 @@ async fn start_node(id: NodeId, dir: &Path, ports: &[(NodeId, u16)], groups: &[u
         peers: ports.iter().map(|(i, p)| (*i, format!("127.0.0.1:{p}"))).collect(),
         secret: b"test-cluster-secret".to_vec(),
         amqp_addr: format!("127.0.0.1:{}", 5000 + id),
-        raft: test_raft_config(),
+        raft,
     })
     .await
     .expect("node starts");
@@ -308,6 +312,41 @@ async fn followers_propose_through_a_leader_that_wins_again_after_all_three_rest
     // proposals looped until their timeout).
     assert!(re_elected > 0, "after every full restart another node led: the old leader was taken for gone");
     for n in nodes {
+        stop_node(n).await;
+    }
+}
+
+/// A snapshot larger than a frame (64 MiB) still reaches a node that is behind the leader's purged
+/// log: it travels in chunks (issue 32, item 9: before, the frame was refused and the node never
+/// caught up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_larger_than_a_frame_reaches_a_late_node() {
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let groups = [METADATA_GROUP];
+    let raft = openraft::Config {
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(30),
+        max_in_snapshot_log_to_keep: 0,
+        purge_batch_size: 1,
+        ..test_raft_config()
+    };
+    let n1 = start_node_with(1, &d[0], &ports, &groups, raft.clone()).await;
+    let n2 = start_node_with(2, &d[1], &ports, &groups, raft.clone()).await;
+    agreed_leader(&[&n1, &n2], METADATA_GROUP, Duration::from_secs(15)).await.expect("two of three elect a leader");
+    // 90 commands of 1 MiB: the machine's snapshot (every command) is ~90 MiB.
+    let mut want = Vec::new();
+    for i in 0..90u32 {
+        let mut c = vec![(i % 251) as u8; 1 << 20];
+        c[..4].copy_from_slice(&i.to_le_bytes());
+        let c = Bytes::from(c);
+        n1.node.propose(METADATA_GROUP, Command(c.clone()), Duration::from_secs(20)).await.expect("commit with two of three");
+        want.push(c);
+    }
+    let n3 = start_node_with(3, &d[2], &ports, &groups, raft).await;
+    let caught_up = wait_applied(&n3, &want, Duration::from_secs(60)).await;
+    assert!(caught_up, "the late node has {} of {} commands", n3.machine.commands().len(), want.len());
+    for n in [n1, n2, n3] {
         stop_node(n).await;
     }
 }

@@ -41,6 +41,9 @@ pub enum Rpc {
     /// Requests about classic queues (`warren_broker::queue::remote::wire`): opaque bytes to the
     /// cluster, served by the node's classic service (`ClusterNode::set_classic_service`).
     Classic = 11,
+    /// One piece of a snapshot larger than [`SNAPSHOT_CHUNK`](super::raft::SNAPSHOT_CHUNK), in order;
+    /// the last one installs it (see `transport::raft::SnapshotChunk`).
+    SnapshotChunk = 12,
 }
 
 impl Rpc {
@@ -57,6 +60,7 @@ impl Rpc {
             9 => Rpc::Admin,
             10 => Rpc::Bodies,
             11 => Rpc::Classic,
+            12 => Rpc::SnapshotChunk,
             _ => return None,
         })
     }

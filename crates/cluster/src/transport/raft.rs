@@ -21,7 +21,12 @@ use super::wire::{self, Dec, DecodeError, Enc, Wire};
 use super::{LinkKind, Rpc, RpcError, Transport};
 use crate::types::{GroupId, NodeAddr, NodeId, TypeConfig, Vote};
 
-/// A state machine's snapshot data as it travels: whole, in one frame.
+/// A snapshot at most this large travels whole, in one frame ([`Rpc::Snapshot`]); a larger one in
+/// pieces of this size ([`Rpc::SnapshotChunk`]), so a snapshot is not bounded by the frame limit
+/// (64 MiB: a quorum queue with millions of messages has a larger one).
+pub const SNAPSHOT_CHUNK: usize = 16 << 20;
+
+/// A state machine's snapshot data as it travels.
 pub trait SnapshotWire: Sized + Send + 'static {
     fn to_wire(&self) -> Bytes;
     fn from_wire(bytes: Bytes) -> Result<Self, String>;
@@ -69,6 +74,30 @@ impl Wire for SnapshotMessage {
     }
     fn decode(d: &mut Dec) -> Result<Self, DecodeError> {
         Ok(SnapshotMessage { vote: d.vote()?, meta: d.snapshot_meta()?, data: d.bytes()? })
+    }
+}
+
+/// What [`Rpc::SnapshotChunk`] carries: the bytes of `[offset, offset + data.len())` of a snapshot
+/// of `total` bytes. The receiver collects the pieces of one snapshot (its id), in order, and
+/// installs it with the last one, whose answer is the install's; the others are answered empty.
+pub struct SnapshotChunk {
+    pub vote: Vote,
+    pub meta: wire::SnapshotMeta,
+    pub offset: u64,
+    pub total: u64,
+    pub data: Bytes,
+}
+
+impl Wire for SnapshotChunk {
+    fn encode(&self, e: &mut Enc<'_>) {
+        e.vote(&self.vote);
+        e.snapshot_meta(&self.meta);
+        e.u64(self.offset);
+        e.u64(self.total);
+        e.bytes(&self.data);
+    }
+    fn decode(d: &mut Dec) -> Result<Self, DecodeError> {
+        Ok(SnapshotChunk { vote: d.vote()?, meta: d.snapshot_meta()?, offset: d.u64()?, total: d.u64()?, data: d.bytes()? })
     }
 }
 
@@ -173,22 +202,42 @@ impl<SD: SnapshotWire> RaftNetworkV2<TypeConfig> for GroupNetwork<SD> {
         cancel: impl Future<Output = ReplicationClosed> + Send + 'static,
         option: RPCOption,
     ) -> Result<SnapshotResponse<TypeConfig>, StreamingError<TypeConfig>> {
-        let msg = SnapshotMessage { vote, meta: snapshot.meta.clone(), data: snapshot.snapshot.to_wire() };
-        let mut buf = BytesMut::with_capacity(64 + msg.data.len());
-        msg.encode(&mut Enc(&mut buf));
+        let data = snapshot.snapshot.to_wire();
         let timeout = option.hard_ttl();
-        let send = self.transport.request(self.target, LinkKind::Bulk, Rpc::Snapshot, self.group, &buf, timeout);
-        let answer = tokio::select! {
-            a = send => a,
-            closed = cancel => return Err(StreamingError::Closed(closed)),
-        };
-        let answer = answer.map_err(|e| match self.rpc_error(RPCTypes::InstallSnapshot, e) {
-            RPCError::Timeout(t) => StreamingError::Timeout(t),
-            RPCError::Unreachable(u) => StreamingError::Unreachable(u),
-            RPCError::Network(n) => StreamingError::Network(n),
-            RPCError::RemoteError(r) => StreamingError::Network(NetworkError::new(&r)),
-        })?;
-        wire::from_bytes(answer).map_err(|e| StreamingError::Network(NetworkError::new(&e)))
+        let mut cancel = std::pin::pin!(cancel);
+        let total = data.len();
+        let mut offset = 0usize;
+        loop {
+            // Whole when it fits one piece (the RPC every version understands), else in pieces.
+            let end = (offset + SNAPSHOT_CHUNK).min(total);
+            let (rpc, mut buf) = if total <= SNAPSHOT_CHUNK {
+                let msg = SnapshotMessage { vote, meta: snapshot.meta.clone(), data: data.clone() };
+                let mut buf = BytesMut::with_capacity(64 + total);
+                msg.encode(&mut Enc(&mut buf));
+                (Rpc::Snapshot, buf)
+            } else {
+                let msg = SnapshotChunk { vote, meta: snapshot.meta.clone(), offset: offset as u64, total: total as u64, data: data.slice(offset..end) };
+                let mut buf = BytesMut::with_capacity(128 + end - offset);
+                msg.encode(&mut Enc(&mut buf));
+                (Rpc::SnapshotChunk, buf)
+            };
+            let send = self.transport.request(self.target, LinkKind::Bulk, rpc, self.group, &buf, timeout);
+            let answer = tokio::select! {
+                a = send => a,
+                closed = &mut cancel => return Err(StreamingError::Closed(closed)),
+            };
+            buf.clear();
+            let answer = answer.map_err(|e| match self.rpc_error(RPCTypes::InstallSnapshot, e) {
+                RPCError::Timeout(t) => StreamingError::Timeout(t),
+                RPCError::Unreachable(u) => StreamingError::Unreachable(u),
+                RPCError::Network(n) => StreamingError::Network(n),
+                RPCError::RemoteError(r) => StreamingError::Network(NetworkError::new(&r)),
+            })?;
+            if end >= total {
+                return wire::from_bytes(answer).map_err(|e| StreamingError::Network(NetworkError::new(&e)));
+            }
+            offset = end;
+        }
     }
 
     async fn transfer_leader(
