@@ -142,6 +142,41 @@ def test_a_node_back_through_a_snapshot_delivers_every_confirmed_message(cluster
     eventually(lambda: all(ready_count(b, name) == 0 for b in cluster.values()), timeout=20)
 
 
+@pytest.fixture
+def cluster_unreadable_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARREN_TEST_SNAPSHOT_EVERY", "40")
+    monkeypatch.setenv("WARREN_TEST_UNREADABLE_BODIES_ONCE", "1")
+    yield from three_node_cluster(tmp_path, SECRET)
+
+
+def test_a_peer_that_cannot_read_a_live_body_fails_the_fetch_and_another_serves_it(cluster_unreadable_once):
+    """Issue 32, item 4: every node answers its first body request as if it could not read any of
+    its bodies (a test hook: as if a pinned entry were lost). The returning node must not take that
+    answer as complete (it would never deliver those messages): the request fails, it asks the
+    other member, then the first again, until every body is here."""
+    cluster = cluster_unreadable_once
+    name = "qq-unreadable"
+    declare_everywhere(cluster, name)
+    cluster[3].kill9()
+    during = [f"during-{i}-".encode() + b"u" * (i % 5 * 200) for i in range(400)]
+    publish_in_parallel(cluster[1], name, during)
+    time.sleep(1)
+    late = [f"late-{i}".encode() for i in range(100)]
+    publish_in_parallel(cluster[1], name, late)
+    time.sleep(1)
+    cluster[3].start()
+    eventually(lambda: "fetched the bodies" in cluster[3].log_text(), timeout=60)
+    served = [i for i in (1, 2) if "answered a body request as if no body were readable" in cluster[i].log_text()]
+    assert served, "no peer answered the way the hook makes it: the test did not test anything"
+    confirmed = during + late
+    got = consume_all(cluster[3], name, len(confirmed))
+    missing = set(confirmed) - set(got)
+    assert not missing, f"{len(missing)} confirmed messages never delivered through the returning node, e.g. {[m[:12] for m in sorted(missing)[:5]]}"
+    assert "discarding it" not in cluster[3].log_text()
+    assert "trying another" in cluster[3].log_text()
+    eventually(lambda: all(ready_count(b, name) == 0 for b in cluster.values()), timeout=20)
+
+
 def rss_kb(proc):
     with open(f"/proc/{proc.pid}/status") as f:
         for line in f:

@@ -1326,6 +1326,10 @@ impl QuorumReplica {
         let mut from_store: VecDeque<warren_store::StoredMessage> = VecDeque::new();
         let mut records = Vec::with_capacity(plan.len());
         let mut bytes = 0;
+        let unreadable = !plan.is_empty() && unreadable_once_for_tests();
+        if unreadable {
+            tracing::warn!(queue = %queue.name, "answered a body request as if no body were readable (WARREN_TEST_UNREADABLE_BODIES_ONCE)");
+        }
         for (id, held, in_entry) in plan {
             // Bodies restored at a start are counted at 0 bytes in the plan: the cap is on what is read.
             if bytes >= max_bytes {
@@ -1333,6 +1337,7 @@ impl QuorumReplica {
                 break;
             }
             let payload = match (held, in_entry) {
+                _ if unreadable => None,
                 (Some(p), _) => Some(p),
                 (None, true) => from_log.next_if(|(i, _)| *i == id).map(|(_, p)| p),
                 (None, false) => {
@@ -2241,4 +2246,20 @@ fn push_settlements(p: &mut Proposals, settled: impl Iterator<Item = (ConsumerId
         }
         p.command(Waiter::None);
     }
+}
+
+/// Test-only (`WARREN_TEST_UNREADABLE_BODIES_ONCE=1`, test-hooks builds): true for the first body
+/// request with bodies in it that this node serves: it finds none of them readable (as if a pinned
+/// entry were lost), so a test shows that the asking node gets them from another member instead
+/// of going on without them.
+fn unreadable_once_for_tests() -> bool {
+    static ARMED: std::sync::OnceLock<std::sync::atomic::AtomicBool> = std::sync::OnceLock::new();
+    let armed = ARMED.get_or_init(|| {
+        let on = warren_store::test_hooks::var("WARREN_TEST_UNREADABLE_BODIES_ONCE").is_some_and(|v| v == "1");
+        if on {
+            tracing::warn!("WARREN_TEST_UNREADABLE_BODIES_ONCE is set: the first body request served finds no body readable (a test-only hook)");
+        }
+        std::sync::atomic::AtomicBool::new(on)
+    });
+    armed.swap(false, Ordering::Relaxed)
 }
