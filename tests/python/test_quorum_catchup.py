@@ -10,15 +10,17 @@ node past the leader's log. About 15 s. The large-backlog variant (memory stays 
 returning node fetches hundreds of MB) is opt-in: WARREN_CATCHUP_BIG=1 (about 15 s; the backlog is
 WARREN_CATCHUP_MESSAGES messages of WARREN_CATCHUP_SIZE bytes, default 4000 of 64 KiB).
 """
+import json
 import os
 import re
+import subprocess
 import threading
 import time
 
 import pika
 import pytest
 
-from conftest import eventually, three_node_cluster
+from conftest import BIN, eventually, three_node_cluster
 
 pytestmark = [pytest.mark.warren_only]
 
@@ -213,3 +215,48 @@ def test_a_node_back_after_a_long_outage_fetches_a_large_backlog_with_bounded_me
     missing = set(bodies) - set(got)
     assert not missing, f"{len(missing)} confirmed messages never delivered through the returning node"
     assert "discarding it" not in cluster[3].log_text()
+
+
+@pytest.fixture
+def plain_cluster(tmp_path):
+    """Three nodes with the production snapshot policy (no test switch: the release binary)."""
+    yield from three_node_cluster(tmp_path, SECRET)
+
+
+def bench(node, tmp_path, tag, *args):
+    """`warren bench` against `node`; returns its JSON summary."""
+    out = tmp_path / f"{tag}.json"
+    subprocess.run(
+        [BIN, "bench", "--uri", node.url, "--queue", "qq-ten-million", "--predeclared", "--progress-every", "30",
+         "--json", str(out), *args],
+        check=True, timeout=1800,
+    )
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(os.environ.get("WARREN_CATCHUP_TEN_MILLION") != "1", reason="opt-in: WARREN_CATCHUP_TEN_MILLION=1 (several minutes)")
+def test_a_node_back_after_ten_million_messages_catches_up_and_delivers_them_all(plain_cluster, tmp_path):
+    """Issue 32, item 9: a follower down while 10,000,000 persistent messages (WARREN_CATCHUP_MESSAGES)
+    were confirmed comes back through a snapshot larger than one frame chunk and the fetch of every
+    body, then delivers every one of them through itself."""
+    cluster = plain_cluster
+    count = int(os.environ.get("WARREN_CATCHUP_MESSAGES", "10000000"))
+    producers = 4
+    declare_everywhere(cluster, "qq-ten-million")
+    cluster[3].kill9()
+    start = time.time()
+    sent = bench(cluster[1], tmp_path, "publish", "--producers", str(producers), "--consumers", "0",
+                 "--pmessages", str(count // producers), "--size", "16", "--persistent", "--confirm", "2000")
+    assert sent["confirmed"] == count, sent
+    print(f"published {count} in {time.time() - start:.0f} s")
+    start = time.time()
+    cluster[3].start()
+    eventually(lambda: "fetched the bodies" in cluster[3].log_text(), timeout=1800, interval=1)
+    m = re.search(r"fetched the bodies.*", re.sub(r"\x1b\[[0-9;]*m", "", cluster[3].log_text()))
+    print(f"node 3 caught up in {time.time() - start:.0f} s: {m.group(0) if m else ''}")
+    start = time.time()
+    got = bench(cluster[3], tmp_path, "consume", "--producers", "0", "--consumers", "2", "--cmessages", str(count // 2),
+                "--prefetch", "2000", "--multi-ack-every", "200")
+    print(f"consumed {got['consumed']} through node 3 in {time.time() - start:.0f} s")
+    assert got["consumed"] == count, got
+    eventually(lambda: all(ready_count(b, "qq-ten-million") == 0 for b in cluster.values()), timeout=120)

@@ -276,6 +276,7 @@ impl Store {
     }
 
     fn read_from(&self, queue: u64, seqs: std::ops::Range<u64>, max_count: usize, max_bytes: usize, direct: bool) -> Result<ReadBatch, StoreError> {
+        crate::test_hooks::wait_while_reads_held();
         let Some(log) = self.inner.shared.logs.get(queue) else {
             return Ok(ReadBatch { next_seq: seqs.start, ..Default::default() });
         };

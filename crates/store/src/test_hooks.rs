@@ -23,3 +23,50 @@ pub fn millis(name: &str, what: &str) -> Option<std::time::Duration> {
     tracing::warn!(delay_ms = ms, "{name} is set: {what} (a test-only hook)");
     Some(std::time::Duration::from_millis(ms))
 }
+
+/// Whether this build reads test switches (tests that need one skip themselves otherwise).
+pub fn enabled() -> bool {
+    cfg!(feature = "test-hooks")
+}
+
+#[cfg(feature = "test-hooks")]
+static READS_HELD: parking_lot::Mutex<(bool, usize)> = parking_lot::Mutex::new((false, 0));
+#[cfg(feature = "test-hooks")]
+static READS_RELEASED: parking_lot::Condvar = parking_lot::Condvar::new();
+
+/// Test-only (test-hooks builds; elsewhere nothing): while held, every `Store::read` waits at its
+/// start, so that a test can show what does not wait for a slow read.
+pub fn hold_reads(held: bool) {
+    #[cfg(feature = "test-hooks")]
+    {
+        READS_HELD.lock().0 = held;
+        READS_RELEASED.notify_all();
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = held;
+}
+
+/// How many reads wait in [`hold_reads`] now.
+pub fn reads_waiting() -> usize {
+    #[cfg(feature = "test-hooks")]
+    {
+        READS_HELD.lock().1
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    0
+}
+
+pub(crate) fn wait_while_reads_held() {
+    #[cfg(feature = "test-hooks")]
+    {
+        let mut held = READS_HELD.lock();
+        if !held.0 {
+            return;
+        }
+        held.1 += 1;
+        while held.0 {
+            READS_RELEASED.wait(&mut held);
+        }
+        held.1 -= 1;
+    }
+}

@@ -397,6 +397,9 @@ pub(crate) struct GroupInner {
     retained_records: Vec<(u64, u64)>,
     retained_records_bytes: u64,
     pub snapshot: Option<StoredSnapshot>,
+    /// Bumped by every truncation and purge: a read planned under the lock and done after it is
+    /// still what the log holds if this has not changed meanwhile.
+    generation: u64,
     /// Reused for every append of the group (keeps its allocations).
     batch: Batch,
     head: Vec<u8>,
@@ -425,6 +428,7 @@ impl Group {
                 retained_records: Vec::new(),
                 retained_records_bytes: 0,
                 snapshot: None,
+                generation: 0,
                 batch: Batch::new(),
                 head: Vec::new(),
                 removed: false,
@@ -931,6 +935,7 @@ impl GroupInner {
         if keep >= self.slots.len() {
             return Ok(());
         }
+        self.generation += 1;
         let drop_cached = (self.next_index() - keep_below).min(self.cached.len() as u64) as usize;
         self.cached.truncate(self.cached.len() - drop_cached);
         let removed: Vec<Slot> = self.slots.drain(keep..).collect();
@@ -960,6 +965,7 @@ impl GroupInner {
             return Ok(());
         }
         self.hard.purged = Some(purged);
+        self.generation += 1;
         let remove = (purged.index + 1).saturating_sub(self.first_index).min(self.slots.len() as u64) as usize;
         let mut removed: Vec<Slot> = Vec::with_capacity(remove);
         let mut kept: Vec<Run> = Vec::new();
@@ -1168,13 +1174,38 @@ impl Group {
     /// end are left out, nothing in between is. At most about `max_bytes` are read from the store
     /// (at least one entry), unless `max_bytes` is `usize::MAX`.
     pub fn read(&self, store: &Store, start: u64, end: u64, max_bytes: usize) -> io::Result<Vec<Entry>> {
-        // Reading under the group's lock makes the read atomic with respect to truncation and
-        // purge (openraft's contract); store reads of a recent tail come from memory.
+        // Planned under the group's lock, read from the store after it (a read may be slow: with
+        // the lock held, appends, the state machine's pins and other readers of the group would
+        // wait for it), then checked: no truncation or purge came in between (openraft's contract:
+        // a read is atomic with respect to them), else planned and read again. After a few
+        // retries (purges keep coming) the read is done under the lock.
+        for _ in 0..3 {
+            let (plan, generation) = {
+                let mut g = self.inner.lock();
+                if g.removed {
+                    return Err(gone());
+                }
+                (g.plan_read(store, start, end), g.generation)
+            };
+            let read = self.read_planned(store, plan, max_bytes);
+            let g = self.inner.lock();
+            if g.removed {
+                return Err(gone());
+            }
+            if g.generation == generation {
+                return read;
+            }
+        }
         let mut g = self.inner.lock();
         if g.removed {
             return Err(gone());
         }
         let plan = g.plan_read(store, start, end);
+        self.read_planned(store, plan, max_bytes)
+    }
+
+    /// Reads what `plan` names from the store, then its entries from memory.
+    fn read_planned(&self, store: &Store, plan: ReadPlan, max_bytes: usize) -> io::Result<Vec<Entry>> {
         let mut out = Vec::with_capacity(plan.from_store.len() + plan.cached.len());
         let mut bytes = 0usize;
         let mut want = plan.from_store.iter().peekable();
