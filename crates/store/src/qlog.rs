@@ -384,13 +384,13 @@ impl QueueLog {
             let total = seg.end_seq - from;
             let gone = self.gone.count_in(from, seg.end_seq);
             let live = total - gone.min(total);
-            if live == 0 || live * 100 > total * COMPACT_LIVE_PERCENT || self.compact_judged.get(&seg.first_seq) == Some(&gone) {
+            if live == 0 || u128::from(live) * 100 > u128::from(total) * u128::from(COMPACT_LIVE_PERCENT) || self.compact_judged.get(&seg.first_seq) == Some(&gone) {
                 continue; // all gone (garbage collection's), dense, or judged already
             }
             *budget = budget.saturating_sub(span);
             let Some(found) = self.live_records(&seg)? else { continue };
             let key = if seg.wal.is_some() { seg.first_seq } else { found.first_seq };
-            let sparse = found.bytes.len() as u64 * 100 <= span * COMPACT_LIVE_PERCENT;
+            let sparse = found.bytes.len() as u128 * 100 <= u128::from(span) * u128::from(COMPACT_LIVE_PERCENT);
             if !sparse || (seg.wal.is_none() && key == seg.first_seq) || found.bytes.is_empty() {
                 self.compact_judged.insert(seg.first_seq, gone);
                 continue;
