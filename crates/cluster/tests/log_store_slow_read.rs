@@ -11,6 +11,14 @@ use openraft::storage::RaftLogStorage;
 use openraft::RaftLogReader;
 use warren_store::test_hooks;
 
+/// Waits (at most 10 s) until a store read waits in `hold_reads`.
+fn wait_for_a_held_read() {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while test_hooks::reads_waiting() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_append_does_not_wait_for_a_read_of_the_same_log_from_the_store() {
     if !test_hooks::enabled() {
@@ -32,10 +40,7 @@ async fn an_append_does_not_wait_for_a_read_of_the_same_log_from_the_store() {
 
     test_hooks::hold_reads(true);
     let read = tokio::spawn(async move { reader.try_get_log_entries(0..50).await });
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while test_hooks::reads_waiting() == 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_for_a_held_read();
     assert_eq!(test_hooks::reads_waiting(), 1, "the read is waiting on the store");
     // The group's lock is free: an append (and a pin) goes through while the read waits.
     // (On a task of its own: one blocked on the lock must not block this test's timeout.)
@@ -56,10 +61,7 @@ async fn an_append_does_not_wait_for_a_read_of_the_same_log_from_the_store() {
     let mut reader = ls.get_log_reader().await;
     test_hooks::hold_reads(true);
     let read = tokio::spawn(async move { reader.try_get_log_entries(0..60).await });
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while test_hooks::reads_waiting() == 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_for_a_held_read();
     ls.truncate_after(Some(log_id(1, 1, 20))).await.unwrap();
     append_unflushed(&mut ls, (21..30).map(|i| normal(8, 2, i)).collect()).await;
     test_hooks::hold_reads(false);
