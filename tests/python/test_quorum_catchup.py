@@ -110,15 +110,11 @@ def ready_count(node, name):
             c.close()
 
 
-def test_a_node_back_through_a_snapshot_delivers_every_confirmed_message(cluster):
-    name = "qq-catchup"
-    declare_everywhere(cluster, name)
-    # Live before the outage: the returning node has these bodies in its own store.
-    before = [f"before-{i}".encode() for i in range(30)]
-    publish_confirmed(cluster[1], name, before)
+def publish_past_node_3(cluster, name, pad, kinds, step):
+    """Kills node 3, then publishes (confirmed, through node 1) hundreds of entries: the leader
+    snapshots and purges its log past node 3. Returns the bodies: (during, late)."""
     cluster[3].kill9()
-    # Hundreds of entries while it is down: the leader snapshots and purges its log past node 3.
-    during = [f"during-{i}-".encode() + b"x" * (i % 7 * 300) for i in range(400)]
+    during = [f"during-{i}-".encode() + pad * (i % kinds * step) for i in range(400)]
     publish_in_parallel(cluster[1], name, during)
     # The leader builds its snapshots and purges its log in the background: a pause, more entries
     # (another snapshot past node 3) and another pause, so that node 3 cannot come back through the
@@ -127,6 +123,16 @@ def test_a_node_back_through_a_snapshot_delivers_every_confirmed_message(cluster
     late = [f"late-{i}".encode() for i in range(100)]
     publish_in_parallel(cluster[1], name, late)
     time.sleep(1)
+    return during, late
+
+
+def test_a_node_back_through_a_snapshot_delivers_every_confirmed_message(cluster):
+    name = "qq-catchup"
+    declare_everywhere(cluster, name)
+    # Live before the outage: the returning node has these bodies in its own store.
+    before = [f"before-{i}".encode() for i in range(30)]
+    publish_confirmed(cluster[1], name, before)
+    during, late = publish_past_node_3(cluster, name, b"x", 7, 300)
     cluster[3].start()
     eventually(lambda: "caught up" in cluster[3].log_text() or "fetched the bodies" in cluster[3].log_text(), timeout=60)
     # Restarted after the install: the fetched bodies come back from the queue's records, the ones
@@ -159,13 +165,7 @@ def test_a_peer_that_cannot_read_a_live_body_fails_the_fetch_and_another_serves_
     cluster = cluster_unreadable_once
     name = "qq-unreadable"
     declare_everywhere(cluster, name)
-    cluster[3].kill9()
-    during = [f"during-{i}-".encode() + b"u" * (i % 5 * 200) for i in range(400)]
-    publish_in_parallel(cluster[1], name, during)
-    time.sleep(1)
-    late = [f"late-{i}".encode() for i in range(100)]
-    publish_in_parallel(cluster[1], name, late)
-    time.sleep(1)
+    during, late = publish_past_node_3(cluster, name, b"u", 5, 200)
     cluster[3].start()
     eventually(lambda: "fetched the bodies" in cluster[3].log_text(), timeout=60)
     served = [i for i in (1, 2) if "answered a body request as if no body were readable" in cluster[i].log_text()]
