@@ -70,3 +70,25 @@ pub(crate) fn wait_while_reads_held() {
         held.1 -= 1;
     }
 }
+
+/// Test-only (test-hooks builds; elsewhere returns at once): while the file named by test switch
+/// `name` exists, waits (polling every 10 ms), having created `<file>.waiting` first, so that a test
+/// of the real binary can hold a slow disk read where it chooses, see that it is held, and release
+/// it by removing the file.
+pub fn wait_while_file_exists(name: &str) {
+    #[cfg(feature = "test-hooks")]
+    {
+        let Some(path) = var(name) else { return };
+        let path = std::path::PathBuf::from(path);
+        if !path.exists() {
+            return;
+        }
+        tracing::warn!(file = %path.display(), "{name} is set: a read waits while this file exists (a test-only hook)");
+        let _ = std::fs::write(format!("{}.waiting", path.display()), b"");
+        while path.exists() {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = name;
+}

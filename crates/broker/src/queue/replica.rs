@@ -205,12 +205,15 @@ const READS_IN_FLIGHT: usize = 2;
 /// After a look for a read ahead found none, deliveries look again after this many more bodies.
 const LOOK_AGAIN_EVERY: usize = 256;
 const READ_AHEAD_BYTES: usize = 2 << 20;
-/// How long a delivery waits for a read ahead under way that holds its body (`QuorumReplica::from_reads_under_way`).
+/// How long a delivery waits for a read ahead under way that holds its body (`BodySource::UnderWay`).
 const READ_UNDER_WAY_WAIT: Duration = Duration::from_secs(2);
 /// `take_bodies` of a read ahead: no body is wanted now.
 const NOTHING_WANTED: std::ops::RangeInclusive<MsgId> = 1..=0;
 /// What one answer to a peer's body request carries at most (besides its bytes, `MAX_ANSWER_BYTES`).
 const SERVE_MAX_MESSAGES: usize = 16_384;
+/// Test switch (test-hooks builds): while the file it names exists, reads of bodies to deliver or
+/// dead-letter wait (`warren_store::test_hooks::wait_while_file_exists`).
+const HOLD_BODY_READS_FILE: &str = "WARREN_TEST_HOLD_BODY_READS_FILE";
 /// How long a read-back waits for a record the store has not made readable yet.
 const READABLE_WAIT: Duration = Duration::from_secs(5);
 /// How long a basic.get answered "taken" by the leader waits for this node to apply the entry that
@@ -325,6 +328,7 @@ impl ReplicaState {
             gone_at_last_tick: Vec::new(),
             deleted: false,
             read_ahead: ReadAhead::default(),
+            generation: 0,
         }
     }
 }
@@ -370,6 +374,9 @@ struct ReplicaState {
     gone_at_last_tick: Vec<(ConsumerId, u32)>,
     deleted: bool,
     read_ahead: ReadAhead,
+    /// Bumped when the state is replaced (`QuorumReplica::leave_group`): an apply that let the lock
+    /// go to read bodies (`QuorumReplica::apply`) and finds it changed stops there.
+    generation: u64,
 }
 
 /// Bodies only in the store, read on blocking threads before the machine delivers them, so that
@@ -389,6 +396,30 @@ struct ReadAhead {
     /// found none (the window full, everything held, or no room), looking at every delivery would
     /// walk thousands of bodies each time.
     look_again_at: MsgId,
+    /// The read under way an apply waits for (off the lock) to take its bodies: its task leaves
+    /// them in `reads_done` for that apply rather than taking them itself (see `BodyRead::UnderWay`).
+    awaited: Option<std::ops::Range<MsgId>>,
+}
+
+/// A read of bodies an apply delivers or dead-letters and that are only on disk, made without
+/// `state`'s lock (`QuorumReplica::apply`): `wanted` are held once read, whatever the budget.
+struct BodyRead {
+    wanted: std::ops::RangeInclusive<MsgId>,
+    from: BodySource,
+}
+
+enum BodySource {
+    /// A read ahead under way is reading the first: its bodies are taken rather than read twice.
+    /// Why: a consumer whose credit runs past what the reads ahead have done wants bodies they are
+    /// reading. Draining 1,000,000 messages with prefetch 3,000 (`bench/cluster.py` Q2's setup),
+    /// 744 deliveries read their bodies again on the spot (512 each), waiting behind the read
+    /// ahead for the store's lock: the disk read the same bytes twice.
+    UnderWay(std::ops::Range<MsgId>),
+    /// The queue's store records from the first, once readable. Past the memory budget, only up
+    /// to `wanted`'s end.
+    Store { ticket: SyncTicket, over_budget: bool },
+    /// Their Raft entries in this node's log.
+    Entries { log: Option<Arc<dyn Replicator>>, ids: Vec<MsgId> },
 }
 
 /// A read ahead that was done, for the replica to take its bodies: the msg ids it read and their
@@ -665,19 +696,45 @@ impl QuorumReplica {
 
     /// Applies a committed entry (every replica, log order) and does what its effects ask on this
     /// node. Returns the reply for the proposer.
+    ///
+    /// The bodies an effect delivers or dead-letters that are only on disk are read first, with
+    /// `state`'s lock let go (`body_read_for`, `read_bodies`): publishers, acks, consumers and
+    /// management take that lock on runtime threads, and a slow read (or a wait for the store to
+    /// make a record readable) under it stalled them all, and with them the node's other groups.
+    /// Effects stay in order: the next entry applies only once this one is done, and other tasks
+    /// between two effects only propose (their commands apply after this entry) or see the
+    /// machine's state a little ahead of the consumers' backlogs.
     pub(super) fn apply(&self, queue: &Arc<Queue>, index: u64, entry: &Bytes) -> Bytes {
         let mut after = After::default();
         let reply = {
             let mut st = self.state.lock();
+            let generation = st.generation;
             let consumers_before = st.machine.consumers.len();
             let (effects, reply) = st.machine.apply(index, entry);
+            let mut left = false;
             if !effects.is_empty() {
                 let leader = self.is_leader();
-                for effect in effects {
+                'effects: for effect in effects {
+                    let mut tries = HashMap::new();
+                    while let Some(read) = self.body_read_for(queue, &mut st, &effect, leader, &mut tries) {
+                        let bodies = parking_lot::MutexGuard::unlocked(&mut st, || crate::blocking::run(|| self.read_bodies(queue, &read)));
+                        if st.generation != generation {
+                            // The replica left the group meanwhile: nothing of this entry is its any more.
+                            left = true;
+                            break 'effects;
+                        }
+                        let bodies = match &read.from {
+                            BodySource::UnderWay(seqs) => self.took_read_under_way(&mut st, seqs, bodies),
+                            _ => bodies,
+                        };
+                        if let Some(bodies) = bodies {
+                            take_bodies(&mut st, bodies, &read.wanted);
+                        }
+                    }
                     self.perform(queue, &mut st, entry, effect, leader, &mut after);
                 }
             }
-            if st.machine.consumers.len() < consumers_before && !st.consumers.is_empty() {
+            if !left && st.machine.consumers.len() < consumers_before && !st.consumers.is_empty() {
                 self.lost_consumers(&mut st, &mut after);
             }
             reply.encode()
@@ -710,13 +767,12 @@ impl QuorumReplica {
                 }
             }
             Effect::DeadLetter { reason, msgs } => {
-                let through = msgs.iter().map(|&(first, n)| first + u64::from(n).saturating_sub(1)).max().unwrap_or(0);
                 for id in run_ids(&msgs) {
                     let (Some(reason), Some(exchange), true) = (death_reason(reason), &queue.args.dead_letter_exchange, leader) else {
                         forget(st, self.group, id, &mut after.acks);
                         continue;
                     };
-                    let message = self.message_of(queue, st, id, through);
+                    let message = self.message_of(queue, st, id);
                     forget(st, self.group, id, &mut after.acks);
                     let Some(message) = message else { continue };
                     after.dead.push(DeadLetter {
@@ -759,95 +815,122 @@ impl QuorumReplica {
         insert_body(st, msg_id, Body { message: None, mem, stored_bytes, record: Record::InEntry { payload } });
     }
 
-    /// A live message's body: held, or read back from the store with the bodies after it. Those up
-    /// to `through` (the last message of the delivery or dead-lettering under way) are kept whatever
-    /// the memory budget, as they are wanted now; the others while they fit. Past the budget the read
-    /// stops at `through`. None if the replica has no such message or the store cannot give it back.
-    ///
-    /// Why: a read kept only the body asked for once past the budget, so a consumer assigned 9,000
-    /// messages (prefetch 3,000) read 4 MiB for each of them, and each body kept, a slice of its
-    /// read, held all 4 MiB: 12,000 bodies of 8 KB took the node past 10 GB.
-    fn message_of(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId, through: MsgId) -> Option<MessageRef> {
-        let ticket = match st.bodies.get(&msg_id)? {
-            Body { message: Some(m), .. } => return Some(m.clone()),
+    /// A live message's body if this node holds it (in memory, or in its entry's bytes held). The
+    /// bodies not held were read before the effect (`body_read_for`): None if the replica has no
+    /// such message or its body could not be read.
+    fn message_of(&self, queue: &Queue, st: &ReplicaState, msg_id: MsgId) -> Option<MessageRef> {
+        match st.bodies.get(&msg_id)? {
+            Body { message: Some(m), .. } => Some(m.clone()),
             Body { record: Record::InEntry { payload: Some(payload) }, .. } => {
                 let decoded = decode_stored(payload).map(|stored| Arc::new(stored.message));
                 if decoded.is_none() {
                     tracing::error!(queue = %queue.name, msg_id, "a quorum queue's message does not decode; not delivered");
                 }
-                return decoded;
+                decoded
             }
-            Body { record: Record::Stored(ticket), .. } => Some(*ticket),
-            Body { record: Record::InEntry { payload: None }, .. } => None,
+            _ => None,
+        }
+    }
+
+    /// The next read `effect` needs before it is performed: of the first body it delivers (to a
+    /// consumer or getter of this node) or dead-letters (as the leader) that is only on disk, and
+    /// the bodies after it. Each body is read at most twice (`tries`; the first may wait for a
+    /// read ahead under way), then left out: the effect finds it missing. Those up to the effect's
+    /// last are held whatever the memory budget, as they are wanted now; the others while they fit.
+    /// Past the budget the read stops at the effect's last.
+    ///
+    /// Why the bodies after it: a read kept only the body asked for once past the budget, so a
+    /// consumer assigned 9,000 messages (prefetch 3,000) read 4 MiB for each of them, and each body
+    /// kept, a slice of its read, held all 4 MiB: 12,000 bodies of 8 KB took the node past 10 GB.
+    fn body_read_for(&self, queue: &Queue, st: &mut ReplicaState, effect: &Effect, leader: bool, tries: &mut HashMap<MsgId, u8>) -> Option<BodyRead> {
+        if st.store_only == 0 {
+            return None;
+        }
+        let not_held = |st: &ReplicaState, id: MsgId, tries: &HashMap<MsgId, u8>| {
+            st.bodies.get(&id).is_some_and(|b| !b.held()) && tries.get(&id).is_none_or(|n| *n < 2)
         };
-        let wanted = msg_id..=through.max(msg_id);
-        if self.from_reads_under_way(queue, st, msg_id, &wanted) {
-            if let Some(m) = st.bodies.get(&msg_id).and_then(|b| b.message.clone()) {
-                return Some(m);
+        let (first, through) = match effect {
+            Effect::Deliver { consumer, msgs, .. }
+                if consumer.node == self.node() && !st.deleted && (st.getters.contains_key(&consumer.local) || st.consumers.contains_key(&consumer.local)) =>
+            {
+                let through = msgs.iter().map(|d| d.msg_id).max()?;
+                (msgs.iter().map(|d| d.msg_id).find(|id| not_held(st, *id, tries))?, through)
+            }
+            Effect::DeadLetter { reason, msgs } if leader && death_reason(*reason).is_some() && queue.args.dead_letter_exchange.is_some() => {
+                let through = msgs.iter().map(|&(first, n)| first + u64::from(n).saturating_sub(1)).max()?;
+                (run_ids(msgs).find(|id| not_held(st, *id, tries))?, through)
+            }
+            _ => return None,
+        };
+        let attempt = tries.entry(first).or_insert(0);
+        *attempt += 1;
+        let wanted = first..=through.max(first);
+        if *attempt == 1 {
+            if let Some(seqs) = st.read_ahead.under_way.iter().find(|r| r.contains(&first)).cloned() {
+                st.read_ahead.awaited = Some(seqs.clone());
+                return Some(BodyRead { wanted, from: BodySource::UnderWay(seqs) });
             }
         }
         let over_budget = !st.body_mem.fits_read_back(1);
-        let Some(ticket) = ticket else {
-            // From the entries, the bodies not held after it too (up to `through` only past the budget).
-            let upto = if over_budget { *wanted.end() } else { MsgId::MAX };
-            let ids = not_held_in_entries(st, msg_id..=upto, READ_BACK_MESSAGES);
-            let log = st.log.clone();
-            let bodies = crate::blocking::run(|| read_from_entries(queue, log.as_deref(), &ids));
-            take_bodies(st, bodies, &wanted);
-            return st.bodies.get(&msg_id)?.message.clone();
-        };
-        let store = &self.store;
-        // A read (and, rarely, a wait for the store's writer to make the record readable) on the
-        // apply or dispatch path: as blocking work, off the runtime's other tasks.
-        let read = crate::blocking::run(|| {
-            store.wait_readable(ticket, READABLE_WAIT);
-            if over_budget {
-                store.read_direct(self.group, msg_id, *wanted.end() + 1, READ_BACK_MESSAGES, READ_BACK_BYTES)
-            } else {
-                store.read(self.group, msg_id, READ_BACK_MESSAGES, READ_BACK_BYTES)
+        let from = match st.bodies.get(&first)?.record {
+            Record::Stored(ticket) => BodySource::Store { ticket, over_budget },
+            Record::InEntry { .. } => {
+                let upto = if over_budget { through } else { MsgId::MAX };
+                BodySource::Entries { log: st.log.clone(), ids: not_held_in_entries(st, first..=upto, READ_BACK_MESSAGES) }
             }
-        });
-        match read {
-            Ok(batch) => take_bodies(st, decode_bodies(queue, batch.messages), &wanted),
-            Err(e) => tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages back from the store"),
-        }
-        st.bodies.get(&msg_id)?.message.clone()
+        };
+        Some(BodyRead { wanted, from })
     }
 
-    /// If a read ahead under way is reading `msg_id`: waits for it (at most `READ_UNDER_WAY_WAIT`)
-    /// and takes its bodies here, rather than reading them a second time. Returns whether it took a
-    /// read's bodies. The read's task hands them over through `reads_done`, without `state`'s lock,
-    /// which the caller holds.
-    ///
-    /// Why: a consumer whose credit runs past what the reads ahead have done wants bodies they are
-    /// reading. Draining 1,000,000 messages with prefetch 3,000 (`bench/cluster.py` Q2's setup),
-    /// 744 deliveries read their bodies again on the spot (512 each), waiting behind the read ahead
-    /// for the store's lock: the disk read the same bytes twice.
-    fn from_reads_under_way(&self, queue: &Queue, st: &mut ReplicaState, msg_id: MsgId, wanted: &std::ops::RangeInclusive<MsgId>) -> bool {
-        let Some(seqs) = st.read_ahead.under_way.iter().find(|r| r.contains(&msg_id)).cloned() else { return false };
-        let done = crate::blocking::run(|| {
-            let deadline = std::time::Instant::now() + READ_UNDER_WAY_WAIT;
-            let mut reads = self.reads_done.lock();
-            loop {
-                if let Some(done) = take_read_done(&mut reads, &seqs) {
-                    return Some(done);
-                }
-                if self.read_done.wait_until(&mut reads, deadline).timed_out() {
-                    return None;
+    /// Makes `read` (without `state`'s lock, on a blocking thread): the bodies decoded, None if there
+    /// are none to take (a failed read, logged, or a read ahead that did not end in time).
+    fn read_bodies(&self, queue: &Queue, read: &BodyRead) -> Option<Vec<(MsgId, MessageRef)>> {
+        let first = *read.wanted.start();
+        match &read.from {
+            BodySource::UnderWay(seqs) => {
+                let deadline = std::time::Instant::now() + READ_UNDER_WAY_WAIT;
+                let mut reads = self.reads_done.lock();
+                loop {
+                    if let Some(done) = take_read_done(&mut reads, seqs) {
+                        return done.bodies;
+                    }
+                    if self.read_done.wait_until(&mut reads, deadline).timed_out() {
+                        tracing::warn!(queue = %queue.name, msg_id = first, "a read ahead of a quorum queue's messages took over {READ_UNDER_WAY_WAIT:?}; reading them again");
+                        return None;
+                    }
                 }
             }
-        });
-        let Some(done) = done else {
-            tracing::warn!(queue = %queue.name, msg_id, "a read ahead of a quorum queue's messages took over {READ_UNDER_WAY_WAIT:?}; reading them again");
-            return false;
-        };
-        st.read_ahead.under_way.retain(|r| *r != seqs);
-        match done.bodies {
-            Some(bodies) => {
-                take_bodies(st, bodies, wanted);
-                true
+            BodySource::Store { ticket, over_budget } => {
+                warren_store::test_hooks::wait_while_file_exists(HOLD_BODY_READS_FILE);
+                self.store.wait_readable(*ticket, READABLE_WAIT);
+                let batch = if *over_budget {
+                    self.store.read_direct(self.group, first, *read.wanted.end() + 1, READ_BACK_MESSAGES, READ_BACK_BYTES)
+                } else {
+                    self.store.read(self.group, first, READ_BACK_MESSAGES, READ_BACK_BYTES)
+                };
+                match batch {
+                    Ok(batch) => Some(decode_bodies(queue, batch.messages)),
+                    Err(e) => {
+                        tracing::error!(queue = %queue.name, error = %e, "could not read a quorum queue's messages back from the store");
+                        None
+                    }
+                }
             }
-            None => false,
+            BodySource::Entries { log, ids } => {
+                warren_store::test_hooks::wait_while_file_exists(HOLD_BODY_READS_FILE);
+                Some(read_from_entries(queue, log.as_deref(), ids))
+            }
+        }
+    }
+
+    /// Back under the lock after waiting for read ahead `seqs`: it is no longer awaited, and if its
+    /// task finished while this apply was giving up on it, the bodies it left are taken here.
+    fn took_read_under_way(&self, st: &mut ReplicaState, seqs: &std::ops::Range<MsgId>, bodies: Option<Vec<(MsgId, MessageRef)>>) -> Option<Vec<(MsgId, MessageRef)>> {
+        st.read_ahead.awaited = None;
+        st.read_ahead.under_way.retain(|r| r != seqs);
+        match take_read_done(&mut self.reads_done.lock(), seqs) {
+            Some(done) => done.bodies,
+            None => bodies,
         }
     }
 
@@ -914,7 +997,9 @@ impl QuorumReplica {
             let mut st = me.state.lock();
             st.read_ahead.in_flight = st.read_ahead.in_flight.saturating_sub(1);
             st.read_ahead.under_way.retain(|r| *r != range);
-            let mine = take_read_done(&mut me.reads_done.lock(), &range);
+            // An apply waiting for this read takes its bodies (`took_read_under_way`).
+            let awaited = st.read_ahead.awaited.as_ref() == Some(&range);
+            let mine = if awaited { None } else { take_read_done(&mut me.reads_done.lock(), &range) };
             // None: a delivery took the bodies already.
             if let Some(ReadDone { bodies: Some(bodies), .. }) = mine {
                 take_bodies(&mut st, bodies, &NOTHING_WANTED);
@@ -976,11 +1061,10 @@ impl QuorumReplica {
     /// Hands the machine's deliveries to a consumer (or getter) of this node.
     fn deliver(&self, queue: &Arc<Queue>, st: &mut ReplicaState, consumer: ConsumerId, settled: bool, msgs: Vec<Delivery>, after: &mut After) {
         let known = st.getters.contains_key(&consumer.local) || st.consumers.contains_key(&consumer.local);
-        // The bodies first (read back from the store if need be); a settled delivery's message is gone.
+        // The bodies first (read back before, see `apply`); a settled delivery's message is gone.
         let mut entries: Vec<Option<Entry>> = Vec::with_capacity(msgs.len());
-        let through = msgs.iter().map(|d| d.msg_id).max().unwrap_or(0);
         for d in &msgs {
-            let message = if known { self.message_of(queue, st, d.msg_id, through) } else { None };
+            let message = if known { self.message_of(queue, st, d.msg_id) } else { None };
             if settled {
                 forget(st, self.group, d.msg_id, &mut after.acks);
             }
@@ -1917,6 +2001,7 @@ impl QuorumReplica {
             let mut old = std::mem::replace(&mut *st, ReplicaState::new(queue_config(&queue.name, &queue.args), self.runtime.bodies.clone()));
             // Reads ahead under way end by themselves; no more may start beside them.
             st.read_ahead.in_flight = old.read_ahead.in_flight;
+            st.generation = old.generation + 1;
             st.log = old.log.take();
             // A basic.get waiting for its entry answers empty (the next one goes through a member).
             st.getters = std::mem::take(&mut old.getters);
