@@ -18,7 +18,7 @@ deps:
 	bash scripts/install-test-deps.sh
 
 test: deps build hooks
-	cargo test --workspace --release --features warren-store/test-hooks
+	cargo test --workspace --release --features warren-store/test-hooks,warren-cluster/test-hooks
 	cargo build --release
 	python3 -m pytest -q --timeout=120 tests/python
 	python3 -m pytest -q --timeout=300 tests/cluster

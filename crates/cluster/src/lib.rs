@@ -8,6 +8,7 @@ pub mod log_store;
 pub mod machine;
 pub mod node;
 pub mod single_voter;
+pub mod test_hooks;
 pub mod transport;
 pub mod types;
 

@@ -350,3 +350,56 @@ async fn a_snapshot_larger_than_a_frame_reaches_a_late_node() {
         stop_node(n).await;
     }
 }
+
+/// A node being removed from a group asks the leader whether it is out: the answer is the
+/// leader's last *committed* configuration. While the leader has the uniform configuration without
+/// the node appended but not committed (its append-entries to the third member fail: a test
+/// switch), the node is not out, since a new leader's joint configuration may still need it; once
+/// it commits, the node is out (issue 32, item 5: before, the leader answered with the
+/// configuration it had appended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_out_of_a_group_only_once_the_configuration_without_it_is_committed() {
+    if !warren_store::test_hooks::enabled() {
+        eprintln!("skipped: needs a test-hooks build (cargo test --features warren-cluster/test-hooks)");
+        return;
+    }
+    const GROUP: u64 = 77;
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let nodes = Arc::new(start_all(&d, &ports, &[METADATA_GROUP, GROUP]).await);
+    let all: Vec<&TestNode> = nodes.iter().collect();
+    let leader = agreed_leader(&all, GROUP, Duration::from_secs(15)).await.expect("the group elects a leader");
+    let removed = (1..=3).find(|n| *n != leader).expect("a follower");
+    let other = (1..=3).find(|n| *n != leader && *n != removed).expect("another follower");
+    let node = |id: NodeId| &nodes[id as usize - 1];
+
+    warren_cluster::test_hooks::hold_uniform_configs(leader, other, GROUP, true);
+    let wanted: BTreeSet<NodeId> = [leader, other].into();
+    let change = {
+        let nodes = nodes.clone();
+        tokio::spawn(async move { nodes[leader as usize - 1].node.reconcile_members(GROUP, &wanted).await })
+    };
+    // The joint configuration commits (the leader and `other` are a majority of both halves); the
+    // uniform one is appended and its append-entries to `other` fail.
+    let start = Instant::now();
+    while warren_cluster::test_hooks::uniform_configs_held() == 0 && start.elapsed() < Duration::from_secs(15) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(warren_cluster::test_hooks::uniform_configs_held() > 0, "the leader never sent the configuration without node {removed}");
+    let committed = node(leader).node.group_membership(GROUP).expect("the leader runs the group");
+    assert!(!committed.uniform, "committed without `other`: {committed:?}");
+    for _ in 0..5 {
+        assert!(!node(removed).node.is_out_of_group(GROUP).await, "node {removed} taken out on an uncommitted configuration");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    warren_cluster::test_hooks::hold_uniform_configs(leader, other, GROUP, false);
+    let step = tokio::time::timeout(Duration::from_secs(20), change).await.expect("the change completes").expect("task");
+    assert!(matches!(step, Ok(warren_cluster::node::MembersStep::Removed(_))), "{step:?}");
+    assert!(node(removed).node.is_out_of_group(GROUP).await, "node {removed} is out once the configuration is committed");
+    let nodes = Arc::try_unwrap(nodes).unwrap_or_else(|_| panic!("nodes still shared"));
+    for n in nodes {
+        stop_node(n).await;
+    }
+}
