@@ -28,6 +28,15 @@ def settle(conn, seconds=0.3):
     conn.process_data_events(time_limit=seconds)
 
 
+def arrived(conn, done, timeout=10):
+    """Processes events until `done()` holds (at most `timeout` s), then settles: what is expected
+    has arrived however slow the machine, and a moment shows that no more than that does."""
+    deadline = time.time() + timeout
+    while not done() and time.time() < deadline:
+        conn.process_data_events(time_limit=0.05)
+    settle(conn)
+
+
 def test_consume_gets_messages_in_order(conn, ch, name):
     ch.queue_declare(name, auto_delete=True)
     for i in range(50):
@@ -95,7 +104,7 @@ def test_nack_multiple(conn, ch, name):
     _, got = consume_n(conn, ch, name, 5)
     ch.basic_nack(got[2][0].delivery_tag, multiple=True, requeue=False)  # drops 0, 1, 2
     ch.basic_nack(got[4][0].delivery_tag, multiple=True, requeue=True)  # requeues 3, 4
-    settle(conn)
+    arrived(conn, lambda: len(got) >= 7)
     redelivered = got[5:]
     assert [int(b) for _, _, b in redelivered] == [3, 4]
     assert all(m.redelivered for m, _, _ in redelivered)
@@ -126,10 +135,10 @@ def test_per_consumer_prefetch(conn, ch, name):
     ch.basic_consume(name, lambda c, m, p, b: got.append(m))
     other = []
     ch.basic_consume(name, lambda c, m, p, b: other.append(m))
-    settle(conn, 0.5)
+    arrived(conn, lambda: len(got) + len(other) >= 6)
     assert len(got) == 3 and len(other) == 3  # each consumer has its own limit of 3
     ch.basic_ack(got[0].delivery_tag)
-    settle(conn)
+    arrived(conn, lambda: len(got) + len(other) >= 7)
     assert len(got) + len(other) == 7
 
 
@@ -141,10 +150,10 @@ def test_global_prefetch_is_shared_by_the_channel(conn, ch, name):
     got = []
     ch.basic_consume(name, lambda c, m, p, b: got.append(m))
     ch.basic_consume(name, lambda c, m, p, b: got.append(m))
-    settle(conn, 0.5)
+    arrived(conn, lambda: len(got) >= 4)
     assert len(got) == 4
     ch.basic_ack(got[-1].delivery_tag, multiple=True)
-    settle(conn)
+    arrived(conn, lambda: len(got) >= 8)
     assert len(got) == 8
 
 
@@ -156,7 +165,7 @@ def test_prefetch_change_applies_to_next_consumer_only(conn, ch, name):
     first = []
     ch.basic_consume(name, lambda c, m, p, b: first.append(m))
     ch.basic_qos(prefetch_count=5)
-    settle(conn, 0.5)
+    arrived(conn, lambda: len(first) >= 1)
     assert len(first) == 1
 
 
@@ -166,7 +175,7 @@ def test_recover_requeues_unacked_as_redelivered(conn, ch, name):
         ch.basic_publish("", name, str(i).encode())
     _, got = consume_n(conn, ch, name, 3)
     ch.basic_recover(requeue=True)
-    settle(conn)
+    arrived(conn, lambda: len(got) >= 6)
     again = got[3:]
     assert sorted(int(b) for _, _, b in again) == [0, 1, 2]
     assert all(m.redelivered for m, _, _ in again)
