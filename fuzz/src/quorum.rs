@@ -129,7 +129,7 @@ fn scenario() -> Vec<Bytes> {
     let mut e = Encoder::new();
     e.settle(c1, &[id(2, 1)]);
     e.return_(c1, &[id(2, 2)]);
-    e.tick(1100);
+    e.tick(1100, 1);
     entries.push(e.finish());
     let mut e = Encoder::new();
     e.discard(c1, &[id(2, 2), id(2, 3)]);
@@ -141,7 +141,7 @@ fn scenario() -> Vec<Bytes> {
     e.session_end(s);
     e.touch(1200);
     e.purge();
-    e.tick(20_000);
+    e.tick(20_000, u64::MAX);
     entries.push(e.finish());
     entries
 }

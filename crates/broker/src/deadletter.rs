@@ -150,10 +150,12 @@ pub fn is_cycle(message: &Message, reason: DeathReason, target_queue: &str) -> b
     false
 }
 
-/// Most dead letters that wait to be re-published in one vhost; beyond that they are dropped (and
-/// the drop logged). Only a fan-out of dead-letter exchanges that multiplies copies at each hop gets
-/// here: RabbitMQ does not guarantee dead-lettering either (classic queues dead-letter at most once).
-pub const MAX_PENDING: usize = 65_536;
+/// Dead letters waiting to be re-published in one vhost past which the sources that can make many
+/// at once hold back: a quorum queue's leader dead-letters no more expired messages until the list
+/// is below it (they wait in the queue: see `QuorumMachine::expire_head`). Nothing is dropped for
+/// lack of room: a rejection's or a drop-head's dead letters always join the list (their messages
+/// are in memory already, and each comes from one client action).
+pub const BACKLOG_LIMIT: usize = 65_536;
 
 /// Dead letters waiting to be re-published, and whether a caller is working them off.
 #[derive(Default)]
@@ -161,26 +163,23 @@ pub struct DeadLetterWork {
     state: Mutex<WorkState>,
 }
 
+/// Called once the list is below [`BACKLOG_LIMIT`] again.
+pub type WhenRoom = Box<dyn FnOnce() + Send>;
+
 #[derive(Default)]
 struct WorkState {
     pending: VecDeque<DeadLetter>,
     /// A caller (or a task) is working the list off: others only add to it.
     draining: bool,
-    /// Dropped because `MAX_PENDING` were waiting; logged when the list runs empty.
-    dropped: u64,
+    /// Sources that held back for room (`when_room`).
+    waiting: Vec<WhenRoom>,
 }
 
 impl DeadLetterWork {
     /// Adds letters. Returns true when the caller must now work the list off (nobody else is).
     pub fn push(&self, letters: Vec<DeadLetter>) -> bool {
         let mut st = self.state.lock();
-        for letter in letters {
-            if st.pending.len() >= MAX_PENDING {
-                st.dropped += 1;
-            } else {
-                st.pending.push_back(letter);
-            }
-        }
+        st.pending.extend(letters);
         if st.draining || st.pending.is_empty() {
             return false;
         }
@@ -188,20 +187,36 @@ impl DeadLetterWork {
         true
     }
 
+    /// Whether the list has room for more (fewer than [`BACKLOG_LIMIT`] wait).
+    pub fn has_room(&self) -> bool {
+        self.state.lock().pending.len() < BACKLOG_LIMIT
+    }
+
+    /// Calls `f` once the list has room: now if it has, or when the work takes it below the limit.
+    pub fn when_room(&self, f: WhenRoom) {
+        let mut st = self.state.lock();
+        if st.pending.len() < BACKLOG_LIMIT {
+            drop(st);
+            f();
+        } else {
+            st.waiting.push(f);
+        }
+    }
+
     /// The next letter for the caller working the list off; `None` once it is empty, and then that
     /// caller is done.
     pub fn next(&self) -> Option<DeadLetter> {
-        let mut st = self.state.lock();
-        let letter = st.pending.pop_front();
-        if letter.is_none() {
-            st.draining = false;
-            if st.dropped > 0 {
-                tracing::warn!(
-                    dropped = st.dropped,
-                    "dropped dead letters: more than {MAX_PENDING} were waiting to be re-published (dead-letter exchanges that multiply copies?)"
-                );
-                st.dropped = 0;
+        let (letter, woken) = {
+            let mut st = self.state.lock();
+            let letter = st.pending.pop_front();
+            if letter.is_none() {
+                st.draining = false;
             }
+            let woken = if st.pending.len() < BACKLOG_LIMIT && !st.waiting.is_empty() { std::mem::take(&mut st.waiting) } else { Vec::new() };
+            (letter, woken)
+        };
+        for f in woken {
+            f();
         }
         letter
     }

@@ -835,6 +835,17 @@ impl VHost {
         }
     }
 
+    /// Whether fewer than `deadletter::BACKLOG_LIMIT` dead letters wait to be re-published: a
+    /// source that can make many at once (a quorum queue's expiry) makes more only then.
+    pub fn dead_letter_room(&self) -> bool {
+        self.dead_letters.has_room()
+    }
+
+    /// Calls `f` once fewer than `deadletter::BACKLOG_LIMIT` dead letters wait (now, if so).
+    pub fn when_dead_letter_room(&self, f: crate::deadletter::WhenRoom) {
+        self.dead_letters.when_room(f);
+    }
+
     /// Re-publishes up to `DEAD_LETTERS_PER_TURN` waiting dead letters; true once none is left (the
     /// caller is then no longer the one working the list off).
     fn dead_letters_turn(&self) -> bool {

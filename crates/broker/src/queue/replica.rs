@@ -184,6 +184,9 @@ const ASSIGN_AHEAD_FACTOR: u32 = 3;
 /// once a second (`VHost::tick`), give or take its own 100 ms tick: under 1 s, so that a tick a
 /// little early is not skipped, which would make it one every 2 s.
 const TICK_EVERY_MS: u64 = 800;
+/// Expired messages one Tick dead-letters at most (`QuorumMachine::expire_head`); the leader
+/// proposes the next at once while the vhost has room for them (`QuorumReplica::expire_more`).
+const EXPIRE_PER_TICK: u64 = 16_384;
 /// What one read-back asks the store for.
 const READ_BACK_MESSAGES: usize = 512;
 const READ_BACK_BYTES: usize = 4 << 20;
@@ -329,6 +332,8 @@ impl ReplicaState {
             deleted: false,
             read_ahead: ReadAhead::default(),
             generation: 0,
+            extra_tick_at: 0,
+            waiting_for_room: false,
         }
     }
 }
@@ -374,6 +379,11 @@ struct ReplicaState {
     gone_at_last_tick: Vec<(ConsumerId, u32)>,
     deleted: bool,
     read_ahead: ReadAhead,
+    /// The clock of the extra Tick last proposed because expired messages wait at the head
+    /// (`QuorumReplica::expire_more`): another only once the machine's clock reached it.
+    extra_tick_at: u64,
+    /// This replica waits for room in the vhost's dead letters to propose that Tick.
+    waiting_for_room: bool,
     /// Bumped when the state is replaced (`QuorumReplica::leave_group`): an apply that let the lock
     /// go to read bodies (`QuorumReplica::apply`) and finds it changed stops there.
     generation: u64,
@@ -513,6 +523,8 @@ struct After {
     /// basic.gets the leader took a message for, not applied here yet (`GET_APPLY_WAIT`).
     get_applies: Vec<u64>,
     expired: bool,
+    /// Expired messages wait at the head of a queue that dead-letters (`expire_more`).
+    expire_more: bool,
 }
 
 /// Messages the group delivered to a consumer of this node that is gone from it.
@@ -737,6 +749,7 @@ impl QuorumReplica {
             if !left && st.machine.consumers.len() < consumers_before && !st.consumers.is_empty() {
                 self.lost_consumers(&mut st, &mut after);
             }
+            after.expire_more = !left && queue.args.dead_letter_exchange.is_some() && st.machine.head_expired() && st.machine.now_ms >= st.extra_tick_at;
             reply.encode()
         };
         self.finish(queue, after);
@@ -1222,6 +1235,9 @@ impl QuorumReplica {
         let Some(vhost) = queue.vhost.upgrade() else { return };
         if !after.dead.is_empty() {
             vhost.dead_letter(after.dead);
+        }
+        if after.expire_more {
+            self.expire_more(queue);
         }
         if after.expired {
             tracing::info!(queue = %queue.name, vhost = %vhost.name, "deleting quorum queue unused for longer than its x-expires");
@@ -1934,10 +1950,49 @@ impl QuorumReplica {
             }
             st.last_tick_ms = now_ms;
         }
+        let room = queue.vhost.upgrade().is_none_or(|v| v.dead_letter_room());
+        self.propose_tick(queue, now_ms, if room { EXPIRE_PER_TICK } else { 0 });
+    }
+
+    fn propose_tick(&self, queue: &Arc<Queue>, now_ms: u64, max_expired: u64) {
         let mut p = self.proposals.lock();
-        p.encoder.tick(now_ms);
+        p.encoder.tick(now_ms, max_expired);
         p.command(Waiter::None);
         self.flush(queue, &mut p);
+    }
+
+    /// On the leader, expired messages wait at the head of a queue that dead-letters (a tick
+    /// dead-letters at most `EXPIRE_PER_TICK`, and deliveries skip nothing): proposes the next
+    /// Tick at once if the vhost has room for more dead letters, or once it has. So a backlog
+    /// expiring at once is dead-lettered as fast as the vhost re-publishes it, a bounded number at
+    /// a time, and none is dropped (issue 33: past 65,536 waiting they were).
+    fn expire_more(&self, queue: &Arc<Queue>) {
+        let Some(vhost) = queue.vhost.upgrade() else { return };
+        let at = {
+            let mut st = self.state.lock();
+            if st.deleted || !st.machine.head_expired() || st.machine.now_ms < st.extra_tick_at || !self.is_leader() {
+                return;
+            }
+            if !vhost.dead_letter_room() {
+                if st.waiting_for_room {
+                    return;
+                }
+                st.waiting_for_room = true;
+                drop(st);
+                let weak = Arc::downgrade(queue);
+                vhost.when_dead_letter_room(Box::new(move || {
+                    let Some(queue) = weak.upgrade() else { return };
+                    let Some(r) = &queue.replica else { return };
+                    r.state.lock().waiting_for_room = false;
+                    r.expire_more(&queue);
+                }));
+                return;
+            }
+            // Past the machine's clock, so that its apply shows (`extra_tick_at`).
+            st.extra_tick_at = crate::now_ms().max(st.machine.now_ms + 1);
+            st.extra_tick_at
+        };
+        self.propose_tick(queue, at, EXPIRE_PER_TICK);
     }
 
     /// Consumers of this node the group still counts at two ticks in a row although this node no

@@ -19,6 +19,7 @@
 //! | 12 | `Touch` | now_ms |
 //! | 13 | `Purge` | |
 //! | 14 | `Batch` | count u32 (fixed width), commands (not nested) |
+//! | 15 | `Tick` | now_ms, max_expired (a tick before it, tag 11, expires without a bound) |
 //!
 //! "opt" is a varint with 0 = none and n + 1 = n. Message payloads are opaque here: decoding keeps
 //! only their place in the entry ([`EnqueueMsg::payload`]), so applying an entry never copies a body.
@@ -109,8 +110,9 @@ pub enum Command {
     ConsumerDown { node: u64 },
     /// A publisher session ended (channel closed): its dedup state is forgotten.
     SessionEnd { session: SessionId },
-    /// Time passes: TTL expiry, queue expiry.
-    Tick { now_ms: u64 },
+    /// Time passes: TTL expiry (at most `max_expired` messages dead-lettered, as the leader chose:
+    /// see `QuorumMachine`'s expiry), queue expiry.
+    Tick { now_ms: u64, max_expired: u64 },
     /// The queue was used (redeclared): restarts its `x-expires` countdown.
     Touch { now_ms: u64 },
     /// Removes every ready message.
@@ -133,6 +135,7 @@ const TAG_TICK: u8 = 11;
 const TAG_TOUCH: u8 = 12;
 const TAG_PURGE: u8 = 13;
 const TAG_BATCH: u8 = 14;
+const TAG_TICK_BOUNDED: u8 = 15;
 
 const ATTACH_AUTO_ACK: u8 = 1;
 const ATTACH_EXCLUSIVE: u8 = 2;
@@ -249,7 +252,8 @@ fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command
         TAG_DEQUEUE => Command::Dequeue { consumer: decode_consumer(r)?, auto_ack: r.bool()? },
         TAG_CONSUMER_DOWN => Command::ConsumerDown { node: r.var()? },
         TAG_SESSION_END => Command::SessionEnd { session: decode_session(r)? },
-        TAG_TICK => Command::Tick { now_ms: r.var()? },
+        TAG_TICK => Command::Tick { now_ms: r.var()?, max_expired: u64::MAX },
+        TAG_TICK_BOUNDED => Command::Tick { now_ms: r.var()?, max_expired: r.var()? },
         TAG_TOUCH => Command::Touch { now_ms: r.var()? },
         TAG_PURGE => Command::Purge,
         TAG_BATCH if top => {
@@ -434,9 +438,11 @@ impl Encoder {
         put_var(&mut self.buf, session.channel);
     }
 
-    pub fn tick(&mut self, now_ms: u64) {
-        self.begin(TAG_TICK);
+    /// A tick that dead-letters at most `max_expired` expired messages.
+    pub fn tick(&mut self, now_ms: u64, max_expired: u64) {
+        self.begin(TAG_TICK_BOUNDED);
         put_var(&mut self.buf, now_ms);
+        put_var(&mut self.buf, max_expired);
     }
 
     pub fn touch(&mut self, now_ms: u64) {
@@ -472,7 +478,7 @@ impl Encoder {
             Command::Dequeue { consumer, auto_ack } => self.dequeue(*consumer, *auto_ack),
             Command::ConsumerDown { node } => self.consumer_down(*node),
             Command::SessionEnd { session } => self.session_end(*session),
-            Command::Tick { now_ms } => self.tick(*now_ms),
+            Command::Tick { now_ms, max_expired } => self.tick(*now_ms, *max_expired),
             Command::Touch { now_ms } => self.touch(*now_ms),
             Command::Purge => self.purge(),
             Command::Batch(cmds) => {

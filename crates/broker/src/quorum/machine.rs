@@ -494,9 +494,9 @@ impl QuorumMachine {
                 self.sessions.remove(&session);
                 Reply::Ok
             }
-            Command::Tick { now_ms } => {
+            Command::Tick { now_ms, max_expired } => {
                 self.advance(now_ms);
-                self.expire_head(out);
+                self.expire_head(out, max_expired);
                 self.check_queue_expiry(out);
                 self.forget_idle_sessions();
                 Reply::Ok
@@ -612,15 +612,27 @@ impl QuorumMachine {
         }
     }
 
-    /// Expires the head while it is past its TTL (messages expire at the head only, as RabbitMQ).
-    fn expire_head(&mut self, out: &mut Out) {
-        while let Some((_, expires_at)) = self.ready.head() {
-            if expires_at == NEVER || expires_at >= self.now_ms {
-                break;
-            }
+    /// Expires the head while it is past its TTL (messages expire at the head only, as RabbitMQ):
+    /// of a queue that dead-letters, at most `max_dead_letters` (the rest wait at the head, never
+    /// delivered, for the next `Tick`).
+    ///
+    /// Why: the leader re-publishes what a queue dead-letters from memory, and a tick that expired
+    /// a whole backlog at once made millions of dead letters in one go (a vhost's list of them to
+    /// re-publish dropped those past 65,536). Bounding the work leaves the rest in the queue, as
+    /// back-pressure: the leader proposes the next tick when the vhost has re-published enough
+    /// (`QuorumReplica::tick`). Dropping (no dead-letter exchange) costs nothing: not bounded.
+    fn expire_head(&mut self, out: &mut Out, max_dead_letters: u64) {
+        let mut left = if self.config.dead_letter { max_dead_letters } else { u64::MAX };
+        while left > 0 && self.head_expired() {
             let Some((id, _)) = self.ready.pop() else { break };
             self.remove(out, id, Reason::Expired);
+            left -= 1;
         }
+    }
+
+    /// Whether the head message's TTL has passed (it is never delivered: see `expire_head`).
+    pub fn head_expired(&self) -> bool {
+        self.ready.head().is_some_and(|(_, expires_at)| expires_at != NEVER && expires_at < self.now_ms)
     }
 
     /// Forgets sessions that published nothing for [`SESSION_IDLE_MS`] (their channels are most
@@ -796,7 +808,11 @@ impl QuorumMachine {
 
     fn dequeue(&mut self, id: ConsumerId, auto_ack: bool, out: &mut Out) -> Reply {
         self.used();
-        self.expire_head(out);
+        // Only a tick dead-letters expired messages (bounded work); one past its TTL is not taken.
+        self.expire_head(out, 0);
+        if self.head_expired() {
+            return Reply::Dequeued(None);
+        }
         let Some((msg, mut st)) = self.ready.pop() else { return Reply::Dequeued(None) };
         let d = Delivery { msg_id: msg, redelivered: st.acquired > 0, delivery_count: st.delivery_count };
         st.acquired = st.acquired.saturating_add(1);
@@ -867,8 +883,8 @@ impl QuorumMachine {
     fn assign(&mut self, out: &mut Out) {
         self.switch_single_active();
         loop {
-            self.expire_head(out);
-            if self.ready.is_empty() {
+            self.expire_head(out, 0);
+            if self.ready.is_empty() || self.head_expired() {
                 return;
             }
             let Some(id) = self.next_receiver() else { return };

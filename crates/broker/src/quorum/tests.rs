@@ -134,7 +134,7 @@ fn idle_sessions_are_forgotten_after_an_hour() {
     q.publish(S1, 1_000, 1..=2, None);
     q.publish(s2, 1_000, 1..=2, None);
     q.publish(S1, 1_000 + machine::SESSION_IDLE_MS / 2, 3..=3, None);
-    q.apply(|e| e.tick(1_000 + machine::SESSION_IDLE_MS));
+    q.apply(|e| e.tick(1_000 + machine::SESSION_IDLE_MS, u64::MAX));
     assert_eq!((q.m.session_seq(S1), q.m.session_seq(s2)), (Some(3), None));
 }
 
@@ -302,24 +302,24 @@ fn ttl_expires_at_the_head_on_tick() {
     let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), dead_letter: true, ..QueueConfig::default() });
     q.publish(S1, 10_000, 1..=2, None); // expire at 11,000 (queue TTL)
     q.publish(S1, 10_500, 3..=3, Some(100)); // own TTL: 10,600, but behind the others
-    let (effects, _) = q.apply(|e| e.tick(10_900));
+    let (effects, _) = q.apply(|e| e.tick(10_900, u64::MAX));
     assert!(gone(&effects).is_empty());
-    let (effects, _) = q.apply(|e| e.tick(11_001));
+    let (effects, _) = q.apply(|e| e.tick(11_001, u64::MAX));
     let expired = gone(&effects);
     assert_eq!(expired.len(), 3);
     assert!(expired.iter().all(|(k, r, _)| *k == "dlx" && *r == Reason::Expired));
     assert_eq!(q.m.ready_count(), 0);
     // Time never goes back: an older tick changes nothing.
-    q.apply(|e| e.tick(5));
+    q.apply(|e| e.tick(5, u64::MAX));
     assert_eq!(q.m.now_ms(), 11_001);
     // Checked-out messages do not expire; returned ones expire once at the head.
     q.publish(S1, 20_000, 4..=4, None);
     let held = delivered_ids(&q.attach(C1, 1, 0), C1);
-    let (effects, _) = q.apply(|e| e.tick(30_000));
+    let (effects, _) = q.apply(|e| e.tick(30_000, u64::MAX));
     assert!(gone(&effects).is_empty());
     let (effects, _) = q.apply(|e| {
         e.detach(C1, true);
-        e.tick(30_001);
+        e.tick(30_001, u64::MAX);
     });
     assert_eq!(gone(&effects), vec![("dlx", Reason::Expired, held[0])]);
 }
@@ -330,17 +330,17 @@ fn a_node_whose_clock_runs_ahead_does_not_expire_the_others_messages() {
     q.publish(S1, 1000, 1..=1, None);
     q.publish(SessionId { node: 2, channel: 1 }, 1_000_000_000, 1..=1, None);
     assert_eq!(q.m.now_ms(), 0, "enqueues do not move the machine's clock");
-    let (effects, _) = q.apply(|e| e.tick(1500));
+    let (effects, _) = q.apply(|e| e.tick(1500, u64::MAX));
     assert!(gone(&effects).is_empty());
-    let (effects, _) = q.apply(|e| e.tick(2001));
+    let (effects, _) = q.apply(|e| e.tick(2001, u64::MAX));
     assert_eq!(gone(&effects).len(), 1, "only the message dated by a sane clock expired");
     // A message dated before the machine's clock starts its TTL at the machine's clock.
     let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), ..QueueConfig::default() });
-    q.apply(|e| e.tick(2000));
+    q.apply(|e| e.tick(2000, u64::MAX));
     q.publish(S1, 5, 1..=1, None);
-    let (effects, _) = q.apply(|e| e.tick(2500));
+    let (effects, _) = q.apply(|e| e.tick(2500, u64::MAX));
     assert!(gone(&effects).is_empty());
-    let (effects, _) = q.apply(|e| e.tick(3001));
+    let (effects, _) = q.apply(|e| e.tick(3001, u64::MAX));
     assert_eq!(gone(&effects).len(), 1);
 }
 
@@ -436,16 +436,16 @@ fn purge_drops_ready_messages_as_runs() {
 #[test]
 fn queue_expires_once_unused() {
     let mut q = Q::new(QueueConfig { expires_ms: Some(1000), ..QueueConfig::default() });
-    q.apply(|e| e.tick(5000));
+    q.apply(|e| e.tick(5000, u64::MAX));
     q.attach(C1, 0, 0);
-    let (effects, _) = q.apply(|e| e.tick(10_000));
+    let (effects, _) = q.apply(|e| e.tick(10_000, u64::MAX));
     assert!(effects.is_empty(), "a queue with consumers is in use");
     q.apply(|e| e.detach(C1, true));
-    let (effects, _) = q.apply(|e| e.tick(10_999));
+    let (effects, _) = q.apply(|e| e.tick(10_999, u64::MAX));
     assert!(effects.is_empty());
-    let (effects, _) = q.apply(|e| e.tick(11_000));
+    let (effects, _) = q.apply(|e| e.tick(11_000, u64::MAX));
     assert_eq!(effects, vec![Effect::QueueExpired]);
-    let (effects, _) = q.apply(|e| e.tick(12_000));
+    let (effects, _) = q.apply(|e| e.tick(12_000, u64::MAX));
     assert!(effects.is_empty(), "reported once");
 }
 
@@ -483,7 +483,7 @@ fn a_backlog_of_one_message_entries_costs_runs_not_messages() {
     for index in 1..=200_000u64 {
         let mut e = Encoder::new();
         if index % 1000 == 0 {
-            e.tick(index);
+            e.tick(index, u64::MAX);
         } else {
             e.begin_enqueue(S1, index);
             e.message(index, 10, None, b"m").unwrap();
@@ -515,7 +515,7 @@ fn commands_round_trip_through_the_encoding() {
     e.dequeue(C2, true);
     e.consumer_down(4);
     e.session_end(S1);
-    e.tick(u64::MAX);
+    e.tick(u64::MAX, u64::MAX);
     e.touch(0);
     e.purge();
     let entry = e.finish();
@@ -606,7 +606,7 @@ fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [
             85..=86 => e.consumer_down(rng.gen_range(1..4)),
             87..=95 => {
                 *now += rng.gen_range(0..400);
-                e.tick(*now);
+                e.tick(*now, u64::MAX);
             }
             96 => e.session_end(SessionId { node: rng.gen_range(1..4), channel: 1 }),
             97 => e.touch(*now),
@@ -937,4 +937,30 @@ fn enqueued_payloads_give_each_stored_message_its_own_bytes() {
         assert_eq!(places[(msg_id & 0xffff) as usize], payload, "message {msg_id:#x}");
     }
     assert_eq!(&entry[places[5].clone()], b"s2 3", "a refused message has its place too");
+}
+
+/// Issue 33, item 1: a tick of a queue that dead-letters expires at most its bound; the expired
+/// messages left wait at the head, never delivered nor taken by basic.get, until a later tick.
+/// Without dead-lettering (a drop costs nothing) expiry is not bounded.
+#[test]
+fn a_tick_dead_letters_at_most_its_bound_and_expired_messages_left_are_never_delivered() {
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 0, 1..=10, None);
+    let (effects, _) = q.apply(|e| e.tick(2000, 4));
+    assert_eq!(gone(&effects).len(), 4);
+    assert!(q.m.head_expired());
+    assert!(delivered_ids(&q.attach(C1, 100, 0), C1).is_empty(), "an expired message was delivered");
+    let (_, reply) = q.apply(|e| e.dequeue(C2, false));
+    assert_eq!(single(reply), Reply::Dequeued(None), "basic.get took an expired message");
+    let (effects, _) = q.apply(|e| e.tick(2001, 0));
+    assert!(gone(&effects).is_empty());
+    let (effects, _) = q.apply(|e| e.tick(2002, u64::MAX));
+    assert_eq!(gone(&effects).len(), 6);
+    assert!(!q.m.head_expired());
+    assert_eq!(q.m.ready_count(), 0);
+
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(1000), ..QueueConfig::default() });
+    q.publish(S1, 0, 1..=10, None);
+    let (effects, _) = q.apply(|e| e.tick(2000, 4));
+    assert_eq!(gone(&effects).len(), 10, "dropped, not dead-lettered: all at once");
 }
