@@ -7,11 +7,14 @@
 //! requester stopped reading, and the broker must not buffer for it without bound.
 //!
 //! The token is random (22 URL-safe base64 characters) and names one consumer of one channel; the
-//! registry is per virtual host.
+//! registry is per virtual host. In a cluster the token starts with `n<node id>.`, the node the
+//! consumer is on: a reply published on another node goes there (`VHost::publish_by`, the classic
+//! queue service's `Reply` request), as RabbitMQ routes replies from any node of a cluster.
 
 use crate::channel::Channel;
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
+use crate::queue::replica::QuorumRuntime;
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -22,15 +25,23 @@ pub const PSEUDO_QUEUE: &str = "amq.rabbitmq.reply-to";
 pub const PREFIX: &str = "amq.rabbitmq.reply-to.";
 
 /// The reply consumers of a virtual host, by token.
-#[derive(Default)]
 pub struct ReplyConsumers {
     by_token: RwLock<HashMap<String, Weak<Channel>>>,
+    /// This node's id in its cluster (0: standalone), for the tokens.
+    runtime: Arc<QuorumRuntime>,
 }
 
 impl ReplyConsumers {
+    pub fn new(runtime: Arc<QuorumRuntime>) -> ReplyConsumers {
+        ReplyConsumers { by_token: RwLock::new(HashMap::new()), runtime }
+    }
+
     /// Registers `channel`'s reply consumer; returns its token.
     pub fn register(&self, channel: &Arc<Channel>) -> String {
-        let token = crate::vhost::generated_name("");
+        let token = match self.runtime.node() {
+            0 => crate::vhost::generated_name(""),
+            node => crate::vhost::generated_name(&format!("n{node}.")),
+        };
         self.by_token.write().insert(token.clone(), Arc::downgrade(channel));
         token
     }
@@ -49,14 +60,26 @@ impl ReplyConsumers {
 
     /// queue.declare of the pseudo-queue (always there) or of a reply address (there while its
     /// consumer is): RabbitMQ lets an RPC server check this way that its client is still waiting.
+    /// An address of another node's consumer is taken to be there (not asked).
     pub fn declare(&self, name: &str, vhost: &str) -> Result<(String, u32, u32)> {
         let exists = name == PSEUDO_QUEUE
-            || name.strip_prefix(PREFIX).is_some_and(|token| self.by_token.read().contains_key(token));
+            || name.strip_prefix(PREFIX).is_some_and(|token| self.elsewhere(token).is_some() || self.by_token.read().contains_key(token));
         if exists {
             Ok((name.to_string(), 0, 0))
         } else {
             Err(BrokerError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))
         }
+    }
+}
+
+impl ReplyConsumers {
+    /// The other node of the cluster a reply with routing key `routing_key` goes to (None: this
+    /// node's, or not a reply address of a cluster node).
+    pub fn elsewhere(&self, routing_key: &str) -> Option<u64> {
+        let token = routing_key.strip_prefix(PREFIX).unwrap_or(routing_key);
+        let node: u64 = token.strip_prefix('n')?.split_once('.')?.0.parse().ok()?;
+        let me = self.runtime.node();
+        (me != 0 && node != me).then_some(node)
     }
 }
 

@@ -124,7 +124,7 @@ impl VHost {
             next_queue_id,
             dead_letters: DeadLetterWork::default(),
             me: me.clone(),
-            replies: Arc::default(),
+            replies: Arc::new(ReplyConsumers::new(quorum.clone())),
             quorum,
         });
         {
@@ -713,7 +713,17 @@ impl VHost {
             )));
         }
         if ex.name.is_empty() && message.routing_key.starts_with(direct_reply::PREFIX) {
-            // A direct reply: straight to the waiting channel, no queue.
+            // A direct reply: straight to the waiting channel, no queue; on its node, if that is
+            // another (a reply to a consumer gone there is dropped there, and not returned here).
+            if let (Some(node), Some(host)) = (self.replies.elsewhere(&message.routing_key), self.quorum.host()) {
+                let request = crate::queue::remote::wire::Request::Reply { vhost: self.name.clone(), message: crate::message::encode_stored(&message, None) };
+                host.classic_request(node, request.encode(), Box::new(move |answer| {
+                    if let Err(e) = answer {
+                        tracing::debug!(node, error = %e, "a direct reply to a consumer on another node was not delivered");
+                    }
+                }));
+                return Ok(PublishOutcome { routed: true, ..Default::default() });
+            }
             let routed = self.replies.deliver(Arc::new(message));
             return Ok(PublishOutcome { routed, ..Default::default() });
         }

@@ -140,6 +140,13 @@ impl ClassicHome {
                 let q = self.home_queue(&broker, &queue)?;
                 Ok(encode_ids(&[q.message_count() as u64, q.consumer_count() as u64]))
             }
+            Request::Reply { vhost, message } => {
+                let message = decode_stored(&message).ok_or_else(|| "a direct reply that does not decode".to_string())?.message;
+                let vhost = broker.vhost(&vhost).ok_or_else(|| format!("no vhost '{vhost}' here"))?;
+                // A reply to a consumer gone meanwhile is dropped, as on the node it was published on.
+                vhost.replies.deliver(Arc::new(message));
+                Ok(Bytes::new())
+            }
         }
     }
 

@@ -38,6 +38,7 @@ const OP_DELIVER: u8 = 7;
 const OP_GET: u8 = 8;
 const OP_PURGE: u8 = 9;
 const OP_STAT: u8 = 10;
+const OP_REPLY: u8 = 11;
 
 /// A queue as nodes name it to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +70,9 @@ pub enum Request {
     Get { queue: QueueRef, relay: u64, no_ack: bool },
     Purge { queue: QueueRef },
     Stat { queue: QueueRef },
+    /// A direct reply (`amq.rabbitmq.reply-to.n<node>.…`) published on another node, for the reply
+    /// consumer on this one: the message in its store encoding.
+    Reply { vhost: String, message: Bytes },
 }
 
 /// The home's answer to `GET` when it had a message.
@@ -177,6 +181,12 @@ impl Request {
                 out.put_u8(OP_STAT);
                 put_queue(&mut out, queue);
             }
+            Request::Reply { vhost, message } => {
+                out.reserve(message.len() + vhost.len() + 10);
+                out.put_u8(OP_REPLY);
+                put_str(&mut out, vhost);
+                put_blob(&mut out, message);
+            }
         }
         out.freeze()
     }
@@ -249,6 +259,7 @@ impl Request {
             OP_GET => Request::Get { queue: get_queue(&mut r)?, relay: r.var()?, no_ack: r.bool()? },
             OP_PURGE => Request::Purge { queue: get_queue(&mut r)? },
             OP_STAT => Request::Stat { queue: get_queue(&mut r)? },
+            OP_REPLY => Request::Reply { vhost: get_str(&mut r)?, message: get_blob(&mut r, buf)? },
             other => return err(format!("unknown classic queue request {other}")),
         };
         r.end()?;
@@ -391,6 +402,7 @@ mod tests {
             Request::Get { queue: queue(), relay: 1 << 33 | 2, no_ack: true },
             Request::Purge { queue: queue() },
             Request::Stat { queue: queue() },
+            Request::Reply { vhost: "/".into(), message: Bytes::from_static(b"a reply") },
         ];
         for req in requests {
             let bytes = req.encode();
