@@ -11,7 +11,7 @@ import time
 
 import pika
 import pytest
-from pika.exceptions import ChannelClosedByBroker, NackError
+from pika.exceptions import ChannelClosedByBroker, NackError, UnroutableError
 
 from conftest import eventually
 
@@ -648,3 +648,28 @@ def test_held_messages_keep_their_own_bytes_on_disk_not_the_segments_they_were_w
     # (The marker's redelivered flag is a hint either way: never delivered, it may still say so.)
     assert [body for body, _ in got] == held + [b"marker"]
     assert all(redelivered for _, redelivered in got[: len(held)])
+
+
+def test_a_redeclare_renews_x_expires(ch, name):
+    """Issue 33, item 7: a quorum queue's x-expires countdown restarts when it is redeclared (a
+    Touch through its group), as RabbitMQ's; once no longer redeclared, it expires. (Before, the
+    redeclare did not reach the group: the queue was deleted after 3 s, the marker with it, and the
+    next redeclare made a new, empty one.)"""
+    declare(ch, name, **{"x-expires": 3000})
+    ch.confirm_delivery()
+    ch.basic_publish("", name, b"marker", PERSISTENT)
+    end = time.time() + 8
+    while time.time() < end:
+        declare(ch, name, **{"x-expires": 3000})
+        time.sleep(0.25)
+    assert ready(ch, name) == 1, "the queue expired although redeclared"
+
+    # Watched with mandatory publishes: a declare, even passive, is a use (as RabbitMQ's).
+    def gone():
+        try:
+            ch.basic_publish("", name, b"probe", PERSISTENT, mandatory=True)
+            return False
+        except UnroutableError:
+            return True
+
+    eventually(gone, timeout=30, interval=0.5)

@@ -516,7 +516,7 @@ impl VHost {
     }
 
     /// queue.declare of a queue that exists: its counts, if the declaration matches it.
-    fn declare_existing(&self, existing: &Queue, d: &QueueDeclare) -> Result<(String, u32, u32)> {
+    fn declare_existing(&self, existing: &Arc<Queue>, d: &QueueDeclare) -> Result<(String, u32, u32)> {
         self.check_exclusive(existing, d.connection_id)?;
         if !d.passive {
             self.check_queue_equivalence(existing, d)?;

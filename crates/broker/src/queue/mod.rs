@@ -574,7 +574,15 @@ impl Queue {
         }
     }
 
-    pub fn touch(&self, now_ms: u64) {
+    /// The queue was used (redeclared): restarts its `x-expires` countdown. A quorum queue's
+    /// countdown is its machine's: a `Touch` is proposed (only if it has `x-expires`).
+    pub fn touch(self: &Arc<Self>, now_ms: u64) {
+        if let Some(r) = &self.replica {
+            if self.args.expires_ms.is_some() {
+                r.touch(self, now_ms);
+            }
+            return;
+        }
         self.state.lock().last_used_ms = now_ms;
     }
 

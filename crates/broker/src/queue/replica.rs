@@ -1954,6 +1954,19 @@ impl QuorumReplica {
         self.propose_tick(queue, now_ms, if room { EXPIRE_PER_TICK } else { 0 });
     }
 
+    /// The queue was redeclared: a `Touch` restarts its `x-expires` countdown on every replica.
+    /// (Proposed by whichever node the client is on: the machine's clock is the largest `now_ms`
+    /// of its Ticks and Touches, so the countdown does not depend on which node led when.)
+    pub(super) fn touch(&self, queue: &Arc<Queue>, now_ms: u64) {
+        if self.state.lock().deleted {
+            return;
+        }
+        let mut p = self.proposals.lock();
+        p.encoder.touch(now_ms);
+        p.command(Waiter::None);
+        self.flush(queue, &mut p);
+    }
+
     fn propose_tick(&self, queue: &Arc<Queue>, now_ms: u64, max_expired: u64) {
         let mut p = self.proposals.lock();
         p.encoder.tick(now_ms, max_expired);
