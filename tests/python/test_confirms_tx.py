@@ -104,6 +104,39 @@ def test_tx_acks_take_effect_on_commit(conn, ch, name):
     assert ch.basic_get(name) == (None, None, None)
 
 
+@pytest.mark.parametrize("bad", ["publish to a missing exchange", "ack of an unknown tag", "ack of a tag twice"])
+def test_a_bad_operation_fails_the_transaction_before_any_of_it_is_done(conn, ch, name, bad):
+    """Issue 33, item 6: a transaction is all or nothing. A publish to a missing exchange or an ack
+    of a tag the channel does not hold is refused when it is made (a channel error, as RabbitMQ):
+    the transaction's earlier publishes are never routed, its earlier acks never done. (Before, the
+    earlier publishes were routed at commit, then the channel closed.)"""
+    ch.queue_declare(name, auto_delete=False)
+    ch.basic_publish("", name, b"held")
+    held, _, _ = eventually(lambda: ch.basic_get(name))
+    ch.tx_select()
+    ch.basic_publish("", name, b"first")
+    ch.basic_ack(held.delivery_tag)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        if bad == "publish to a missing exchange":
+            ch.basic_publish(name + "-no-such-exchange", "rk", b"lost")
+        elif bad == "ack of an unknown tag":
+            ch.basic_ack(held.delivery_tag + 100)
+        else:
+            ch.basic_ack(held.delivery_tag)
+        ch.tx_commit()
+    assert e.value.reply_code == (404 if bad.startswith("publish") else 406)
+    observer = conn.channel()
+    # Neither "first" nor the ack: the held message is back (its channel closed), alone.
+    got = []
+    while True:
+        m, _, body = observer.basic_get(name, auto_ack=True)
+        if m is None:
+            break
+        got.append(body)
+    assert got == [b"held"]
+    observer.queue_delete(name)
+
+
 def test_tx_commit_without_select_is_406(ch):
     with pytest.raises(ChannelClosedByBroker) as e:
         ch.tx_commit()

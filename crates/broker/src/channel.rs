@@ -461,6 +461,12 @@ impl Channel {
         self.settle_for(delivery_tag, multiple, how, None)
     }
 
+    /// Whether `delivery_tag` is outstanding on this channel (unacked): a transaction checks its
+    /// acks when they are made (`settle` at commit would fail them too late).
+    pub fn is_unacked(&self, delivery_tag: u64) -> bool {
+        self.state.lock().unacked.binary_search_by_key(&delivery_tag, |u| u.tag).is_ok()
+    }
+
     /// [`Channel::settle`] for a transaction's commit: quorum queues tell `publisher`'s session once
     /// their group applied the settlement, which tx.commit-ok waits for (`crate::publisher`).
     pub fn settle_for(&self, delivery_tag: u64, multiple: bool, how: Settle, publisher: Option<Publisher>) -> Result<Option<SyncTicket>> {

@@ -157,6 +157,17 @@ impl VHost {
         self.find_exchange_caught_up(name).ok_or_else(|| self.no_exchange(name))
     }
 
+    /// The exchange a basic.publish to `name` goes through: 404 if there is none, 403 if internal.
+    /// (Also checked when a transaction buffers the publish, so that a bad one fails the
+    /// transaction when it is made, as in RabbitMQ, not after its earlier publishes went out.)
+    pub fn publishable_exchange(&self, name: &str) -> Result<Arc<Exchange>> {
+        let ex = self.exchange(name)?;
+        if ex.internal {
+            return Err(BrokerError::access_refused(format!("cannot publish to internal exchange '{name}' in vhost '{}'", self.name)));
+        }
+        Ok(ex)
+    }
+
     /// The exchange as this node knows it now (no waiting).
     fn find_exchange(&self, name: &str) -> Option<Arc<Exchange>> {
         self.exchanges.read().get(name).cloned()
@@ -705,13 +716,7 @@ impl VHost {
     /// message reaches tell the session once their group applied (or refused) it, and the confirm
     /// waits for that as well as for the store ticket of the classic queues it reached.
     pub fn publish_by(&self, exchange: &str, message: Message, confirmed: bool, publisher: Option<Publisher>) -> Result<PublishOutcome> {
-        let ex = self.exchange(exchange)?;
-        if ex.internal {
-            return Err(BrokerError::access_refused(format!(
-                "cannot publish to internal exchange '{exchange}' in vhost '{}'",
-                self.name
-            )));
-        }
+        let ex = self.publishable_exchange(exchange)?;
         if ex.name.is_empty() && message.routing_key.starts_with(direct_reply::PREFIX) {
             // A direct reply: straight to the waiting channel, no queue; on its node, if that is
             // another (a reply to a consumer gone there is dropped there, and not returned here).

@@ -90,6 +90,9 @@ pub struct ChannelHandler {
     tx: Option<Vec<TxOp>>,
     /// Bytes of the messages `tx` holds.
     tx_bytes: usize,
+    /// The delivery tags `tx` settles: all up to the first (a `multiple` one), and these. A tag
+    /// settled twice in one transaction is unknown the second time, as in RabbitMQ.
+    tx_settled: (u64, std::collections::BTreeSet<u64>),
     /// The last queue declared on this channel: AMQP lets "" mean it.
     last_queue: Option<String>,
 }
@@ -122,6 +125,7 @@ impl ChannelHandler {
             next_publish_tag: 1,
             tx: None,
             tx_bytes: 0,
+            tx_settled: (0, std::collections::BTreeSet::new()),
             last_queue: None,
         }
     }
@@ -197,6 +201,7 @@ impl ChannelHandler {
         if self.tx.is_some() {
             self.tx = Some(Vec::new());
             self.tx_bytes = 0;
+            self.tx_settled = (0, Default::default());
         }
         self.channel.close();
         // After our channel.close the client discards everything on the channel but close/close-ok.
@@ -375,6 +380,7 @@ impl ChannelHandler {
                 };
                 tx.clear();
                 self.tx_bytes = 0;
+                self.tx_settled = (0, Default::default());
                 self.reply(conn, Method::TxRollbackOk(TxRollbackOk {}));
             }
 
@@ -469,6 +475,20 @@ impl ChannelHandler {
     fn settle(&mut self, delivery_tag: u64, multiple: bool, how: Settle, conn: &ConnectionShared) -> Handled {
         if self.tx.is_some() {
             self.tx_room(0, conn)?;
+            // An unknown tag fails the transaction now, before any of it is done (as RabbitMQ).
+            let (upto, singles) = &mut self.tx_settled;
+            let all = multiple && delivery_tag == 0;
+            if !all && (delivery_tag <= *upto || singles.contains(&delivery_tag) || !self.channel.is_unacked(delivery_tag)) {
+                return Err(BrokerError::precondition_failed(format!("unknown delivery tag {delivery_tag}")).into());
+            }
+            if all {
+                *upto = u64::MAX;
+            } else if multiple {
+                *upto = delivery_tag;
+                singles.retain(|t| *t > delivery_tag);
+            } else {
+                singles.insert(delivery_tag);
+            }
             if let Some(tx) = self.tx.as_mut() {
                 tx.push(TxOp::Settle { delivery_tag, multiple, how });
             }
@@ -483,6 +503,7 @@ impl ChannelHandler {
             return Err(BrokerError::precondition_failed("channel is not transactional").into());
         };
         self.tx_bytes = 0;
+        self.tx_settled = (0, Default::default());
         let (mut last_ticket, mut first_seq, mut last_seq, mut refused_now) = (None, u64::MAX, 0, 0);
         for op in ops {
             let ticket = match op {
@@ -645,7 +666,9 @@ impl ChannelHandler {
             Ok(message) => {
                 if self.tx.is_some() {
                     let bytes = message.memory_bytes();
-                    if let Err(e) = self.tx_room(bytes, conn) {
+                    // A publish to a missing or internal exchange fails the transaction now, before
+                    // any of it is routed (as RabbitMQ).
+                    if let Err(e) = self.tx_room(bytes, conn).and_then(|()| conn.vhost.publishable_exchange(&publish.exchange).map(|_| ())) {
                         self.fail(e, c::CLASS_BASIC, 40, conn);
                         return Ok(());
                     }
