@@ -673,3 +673,58 @@ def test_a_redeclare_renews_x_expires(ch, name):
             return True
 
     eventually(gone, timeout=30, interval=0.5)
+
+
+def test_consume_and_cancel_cycles_count_no_failed_delivery_for_messages_never_received(conn, ch, name):
+    """Issue 33, item 5: the group assigns a consumer up to three times its prefetch ahead; what its
+    client never received goes back on basic.cancel as never assigned: not a failed delivery (no
+    x-delivery-limit death), not redelivered. (Before, 20 consume/cancel cycles with a delivery
+    limit of 1 dead-lettered messages no client had seen.)"""
+    ch.exchange_declare(name + "-dlx", "fanout", durable=True)
+    ch.queue_declare(name + "-dead", durable=True)
+    ch.queue_bind(name + "-dead", name + "-dlx")
+    declare(ch, name, **{"x-delivery-limit": 1, "x-dead-letter-exchange": name + "-dlx"})
+    total = 4000
+    publish_confirmed(ch, name, [b"%d" % i for i in range(total)])
+    got, redelivered = [], 0
+    for _ in range(20):
+        c = conn.channel()
+        c.basic_qos(prefetch_count=100)
+        mine = []
+        tag = c.basic_consume(name, lambda ch_, m, p, b: mine.append((m, b)))
+        deadline = time.time() + 10
+        while len(mine) < 100 and time.time() < deadline:
+            conn.process_data_events(time_limit=0.05)
+        # Cancelled while the client holds its prefetch (no more can come), then acked.
+        c.basic_cancel(tag)
+        for m, b in mine:
+            c.basic_ack(m.delivery_tag)
+            redelivered += m.redelivered
+            got.append(b)
+        c.close()
+    assert len(got) == 2000 and len(set(got)) == 2000
+    assert redelivered == 0, f"{redelivered} deliveries flagged redelivered; none was delivered before"
+    assert ready(ch, name + "-dead") == 0, "messages no client saw were dead-lettered for their delivery limit"
+    eventually(lambda: ready(ch, name) == total - 2000, timeout=10)
+
+
+def test_a_channel_wide_prefetch_limits_quorum_consumers_too(conn, ch, name):
+    """Issue 33, item 5: basic.qos(global=true) is honoured on a quorum queue, not ignored: two
+    consumers on a channel with a channel-wide prefetch of 5 hold 5 unacked between them."""
+    declare(ch, name)
+    publish_confirmed(ch, name, [b"%d" % i for i in range(50)])
+    c = conn.channel()
+    c.basic_qos(prefetch_count=5, global_qos=True)
+    got = []
+    for _ in range(2):
+        c.basic_consume(name, lambda ch_, m, p, b: got.append(m))
+    deadline = time.time() + 3
+    while time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    assert len(got) == 5
+    c.basic_ack(got[-1].delivery_tag, multiple=True)
+    deadline = time.time() + 10
+    while len(got) < 10 and time.time() < deadline:
+        conn.process_data_events(time_limit=0.1)
+    conn.process_data_events(time_limit=0.5)
+    assert len(got) == 10

@@ -1778,31 +1778,39 @@ impl QuorumReplica {
     /// basic.cancel, or the consumer's channel closed.
     pub(super) fn remove_consumer(&self, queue: &Arc<Queue>, consumer: &Arc<Consumer>) {
         let closing = consumer.channel.is_closed();
-        let (local, backlog) = {
+        let (local, never_sent) = {
             let mut st = self.state.lock();
             let Some(local) = st.consumers.iter().find(|(_, c)| Arc::ptr_eq(&c.consumer, consumer)).map(|(id, _)| *id) else { return };
             let Some(removed) = st.consumers.remove(&local) else { return };
             let id = self.consumer_id(local);
-            let backlog: Vec<MsgId> = if closing {
+            // What the machine assigned to it that its client never got (the backlog here, and the
+            // bodiless): back as never assigned, not as failed deliveries (issue 33: a prefetch of
+            // 1,000 assigns 3,000, and 20 consume/cancel cycles dead-lettered messages no client
+            // had seen, with `redelivered` set on the others).
+            let never_sent: Vec<MsgId> = removed.backlog.iter().map(|e| e.seq).chain(removed.bodiless.iter().copied()).collect();
+            if closing {
                 // Everything it holds goes back with the Detach; the channel's requeue of its unacked
                 // finds nothing left to settle.
                 st.checked_out.retain(|_, c| *c != id);
-                Vec::new()
             } else {
-                let ids: Vec<MsgId> = removed.backlog.iter().map(|e| e.seq).chain(removed.bodiless.iter().copied()).collect();
-                for m in &ids {
+                for m in &never_sent {
                     st.checked_out.remove(m);
                 }
-                ids
-            };
-            (local, backlog)
+            }
+            (local, never_sent)
         };
         let id = self.consumer_id(local);
         let mut p = self.proposals.lock();
-        p.encoder.detach(id, closing);
+        // Stopped first (it keeps what it holds), so that what is unassigned is not assigned back
+        // to it; then, on a close, the rest goes back as acquired (redelivered, not failed).
+        p.encoder.detach(id, false);
         p.command(Waiter::None);
-        if !backlog.is_empty() {
-            p.encoder.return_(id, &backlog);
+        if !never_sent.is_empty() {
+            p.encoder.unassign(id, &never_sent);
+            p.command(Waiter::None);
+        }
+        if closing {
+            p.encoder.detach(id, true);
             p.command(Waiter::None);
         }
         self.flush(queue, &mut p);
@@ -2377,7 +2385,8 @@ fn delivered_to_gone(p: &mut Proposals, to_gone: Vec<ToGone>) {
             p.command(Waiter::None);
         }
         if client_holds {
-            p.encoder.return_(consumer, &msgs);
+            // Never sent to the client: not failed deliveries.
+            p.encoder.unassign(consumer, &msgs);
             p.command(Waiter::None);
         }
     }

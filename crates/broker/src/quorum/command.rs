@@ -20,6 +20,7 @@
 //! | 13 | `Purge` | |
 //! | 14 | `Batch` | count u32 (fixed width), commands (not nested) |
 //! | 15 | `Tick` | now_ms, max_expired (a tick before it, tag 11, expires without a bound) |
+//! | 16 | `Unassign` | consumer, count, first id, then zigzag deltas |
 //!
 //! "opt" is a varint with 0 = none and n + 1 = n. Message payloads are opaque here: decoding keeps
 //! only their place in the entry ([`EnqueueMsg::payload`]), so applying an entry never copies a body.
@@ -102,6 +103,9 @@ pub enum Command {
     Return { consumer: ConsumerId, msg_ids: Vec<MsgId> },
     /// Nack/reject without requeue: dead-lettered `rejected` (or dropped).
     Discard { consumer: ConsumerId, msg_ids: Vec<MsgId> },
+    /// Assigned to the consumer but never sent to its client (the node's backlog for it when it was
+    /// cancelled): back to the queue as if never assigned, not a failed delivery, not redelivered.
+    Unassign { consumer: ConsumerId, msg_ids: Vec<MsgId> },
     /// An auto-ack consumer's credit is set to `credit`; an acking consumer's prefetch is set to it.
     Credit { consumer: ConsumerId, credit: u32 },
     /// basic.get: takes the head message for `consumer` (created if absent, removed once settled).
@@ -136,6 +140,7 @@ const TAG_TOUCH: u8 = 12;
 const TAG_PURGE: u8 = 13;
 const TAG_BATCH: u8 = 14;
 const TAG_TICK_BOUNDED: u8 = 15;
+const TAG_UNASSIGN: u8 = 16;
 
 const ATTACH_AUTO_ACK: u8 = 1;
 const ATTACH_EXCLUSIVE: u8 = 2;
@@ -248,6 +253,7 @@ fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command
         TAG_SETTLE => Command::Settle { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
         TAG_RETURN => Command::Return { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
         TAG_DISCARD => Command::Discard { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
+        TAG_UNASSIGN => Command::Unassign { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
         TAG_CREDIT => Command::Credit { consumer: decode_consumer(r)?, credit: r.var_u32()? },
         TAG_DEQUEUE => Command::Dequeue { consumer: decode_consumer(r)?, auto_ack: r.bool()? },
         TAG_CONSUMER_DOWN => Command::ConsumerDown { node: r.var()? },
@@ -417,6 +423,11 @@ impl Encoder {
         self.ids(ids);
     }
 
+    pub fn unassign(&mut self, consumer: ConsumerId, ids: &[MsgId]) {
+        self.consumer(TAG_UNASSIGN, consumer);
+        self.ids(ids);
+    }
+
     pub fn credit(&mut self, consumer: ConsumerId, credit: u32) {
         self.consumer(TAG_CREDIT, consumer);
         put_var(&mut self.buf, credit as u64);
@@ -474,6 +485,7 @@ impl Encoder {
             Command::Settle { consumer, msg_ids } => self.settle(*consumer, msg_ids),
             Command::Return { consumer, msg_ids } => self.return_(*consumer, msg_ids),
             Command::Discard { consumer, msg_ids } => self.discard(*consumer, msg_ids),
+            Command::Unassign { consumer, msg_ids } => self.unassign(*consumer, msg_ids),
             Command::Credit { consumer, credit } => self.credit(*consumer, *credit),
             Command::Dequeue { consumer, auto_ack } => self.dequeue(*consumer, *auto_ack),
             Command::ConsumerDown { node } => self.consumer_down(*node),

@@ -456,7 +456,7 @@ impl QuorumMachine {
     }
 
     fn apply_one(&mut self, index: u64, cmd: Command, next_i: &mut u32, out: &mut Out) -> Reply {
-        if matches!(cmd, Command::Detach { .. } | Command::Return { .. } | Command::ConsumerDown { .. }) {
+        if matches!(cmd, Command::Detach { .. } | Command::Return { .. } | Command::Unassign { .. } | Command::ConsumerDown { .. }) {
             // Messages may come back and go to another consumer: the deliveries so far must be
             // effects before the ones that follow (gathering them would reorder a message's two
             // deliveries).
@@ -471,6 +471,7 @@ impl QuorumMachine {
             }
             Command::Settle { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Ack, out),
             Command::Return { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Requeue, out),
+            Command::Unassign { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Unassign, out),
             Command::Discard { consumer, msg_ids } => self.settle(consumer, &msg_ids, Settlement::Reject, out),
             Command::Credit { consumer, credit } => {
                 if let Some(c) = self.consumers.get_mut(&consumer) {
@@ -792,6 +793,11 @@ impl QuorumMachine {
                     out.gone(Gone::Release, msg);
                 }
                 Settlement::Reject => self.remove(out, msg, Reason::Rejected),
+                // Never sent to the client: as if never assigned (not redelivered, not failed).
+                Settlement::Unassign => {
+                    st.acquired = st.acquired.saturating_sub(1);
+                    self.ready.push_returned(msg, st);
+                }
                 Settlement::Requeue => {
                     st.delivery_count = st.delivery_count.saturating_add(1);
                     if self.config.delivery_limit.is_some_and(|limit| st.delivery_count > limit) {
@@ -922,4 +928,5 @@ enum Settlement {
     Ack,
     Requeue,
     Reject,
+    Unassign,
 }

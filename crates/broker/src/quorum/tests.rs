@@ -964,3 +964,30 @@ fn a_tick_dead_letters_at_most_its_bound_and_expired_messages_left_are_never_del
     let (effects, _) = q.apply(|e| e.tick(2000, 4));
     assert_eq!(gone(&effects).len(), 10, "dropped, not dead-lettered: all at once");
 }
+
+/// Issue 33, item 5: a message unassigned (assigned, never sent to the client) goes back as if never
+/// assigned: delivered next not redelivered, its delivery count unchanged, never past the limit.
+#[test]
+fn an_unassigned_message_is_not_a_failed_delivery() {
+    let mut q = Q::new(QueueConfig { delivery_limit: Some(0), dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 0, 1..=1, None);
+    let id = delivered_ids(&q.attach(C1, 1, 0), C1)[0];
+    for _ in 0..5 {
+        let (effects, _) = q.apply(|e| {
+            e.detach(C1, false);
+            e.unassign(C1, &[id]);
+        });
+        assert!(gone(&effects).is_empty(), "dead-lettered: {effects:?}");
+        assert_eq!((q.m.ready_count(), q.m.checked_out_count()), (1, 0));
+        let effects = q.attach(C1, 1, 0);
+        let d = &delivered(&effects)[0].1[0];
+        assert_eq!((d.msg_id, d.redelivered, d.delivery_count), (id, false, 0));
+    }
+    // An ack of an unassigned id is ignored: the message is no longer the consumer's.
+    let (_, _) = q.apply(|e| {
+        e.detach(C1, false);
+        e.unassign(C1, &[id]);
+        e.settle(C1, &[id]);
+    });
+    assert_eq!(q.m.ready_count(), 1);
+}
