@@ -1429,7 +1429,14 @@ struct GroupTimer {
     /// A follower of a live leader, or a leader of a group that did not move, at the last look:
     /// not looked at again before then unless `liveness_version` moved from the value kept here.
     quiet_until: Option<(Instant, u64)>,
+    /// When the sweep last logged why it does not hand the group back (`HANDBACK_BLOCKED_LOG`).
+    handback_blocked_logged: Option<Instant>,
 }
+
+/// A hand-back to a preferred member up for this long that still does not happen is logged (at
+/// most once per this long per group), with why: a fault test saw a leadership not come back in
+/// 20 s once, and nothing said why.
+const HANDBACK_BLOCKED_LOG: Duration = Duration::from_secs(5);
 
 /// A leader hands its group back to the group's preferred member once that node has been up for
 /// this long (it returned after a restart or a fault) and has caught up.
@@ -1506,11 +1513,26 @@ impl ClusterNode {
         }
         let Some(up_for) = detector.up_for(to).filter(|d| *d >= REBALANCE_SETTLE) else { return };
         let leading_for = t.leading_since.map_or(Duration::ZERO, |at| now.duration_since(at));
+        let lag = lags.iter().find(|(v, _)| *v == to).and_then(|(_, lag)| *lag);
+        let blocked = |why: &str| {
+            if up_for >= HANDBACK_BLOCKED_LOG && t.handback_blocked_logged.is_none_or(|at| now.duration_since(at) >= HANDBACK_BLOCKED_LOG) {
+                tracing::info!(group, to, ?up_for, ?leading_for, ?lag, "not handing the leadership back to the group's preferred member: {why}");
+                true
+            } else {
+                false
+            }
+        };
         if up_for >= leading_for + HANDBACK_SLACK {
-            return; // it was up when this node took over: the leadership was moved here on purpose
+            // It was up when this node took over: the leadership was moved here on purpose.
+            if blocked("it was up when this node took over") {
+                t.handback_blocked_logged = Some(now);
+            }
+            return;
         }
-        let caught_up = lags.iter().any(|(v, lag)| *v == to && lag.is_some_and(|l| l <= REBALANCE_MAX_LAG));
-        if !caught_up {
+        if !lag.is_some_and(|l| l <= REBALANCE_MAX_LAG) {
+            if blocked("it is not caught up") {
+                t.handback_blocked_logged = Some(now);
+            }
             return;
         }
         tracing::info!(group, to, "the group's preferred member is back: handing it the leadership");
