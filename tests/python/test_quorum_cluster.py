@@ -471,3 +471,35 @@ def test_an_ack_lost_with_the_leader_does_not_stop_the_consumer(cluster):
         c.process_data_events(time_limit=0.1)
     c.close()
     assert [b for _, b in held] == [b"first", b"second"], "the consumer got the next message"
+
+
+def test_a_node_resumed_after_a_stop_does_not_depose_healthy_leaders(cluster):
+    """A node stopped (SIGSTOP) for 6 s finds, when it resumes, that its peers closed their links to
+    it (they heard nothing for 5 s). That says nothing of them: it must not take them for dead and
+    start elections without pre-votes in the groups they lead. (Before, it did: the terms of the
+    groups led by the others moved on its resume, and a leadership changed while the returning node
+    was already up, which the hand-back to a preferred member then took for a move made on purpose;
+    a fault test saw a leadership not come back.)"""
+    declare_on_one(cluster, "qq-resume", node=1)
+    publish(cluster[1], "qq-resume", [b"before"])
+
+    def leaders_view():
+        """(leader, term) of every group, from their leaders' own views; None until each has one."""
+        out = {}
+        for node in cluster.values():
+            for gid, g in groups(node).items():
+                if g.get("state") == "leader":
+                    out[gid] = (int(g["leader"]), int(g["term"]))
+        return out if len(out) >= 2 else None
+
+    before = eventually(leaders_view, timeout=20)
+    leading = {leader for leader, _ in before.values()}
+    stopped = next((n for n in (3, 2, 1) if n not in leading), 3)
+    cluster[stopped].proc.send_signal(signal.SIGSTOP)
+    time.sleep(6.5)
+    cluster[stopped].proc.send_signal(signal.SIGCONT)
+    time.sleep(4)
+    after = eventually(leaders_view, timeout=20)
+    moved = {g: (before[g], after.get(g)) for g in before if after.get(g) != before[g] and before[g][0] != stopped}
+    assert not moved, f"groups led by others changed leader or term when node {stopped} resumed: {moved}"
+    publish(cluster[1], "qq-resume", [b"after"])

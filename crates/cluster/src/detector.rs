@@ -19,6 +19,9 @@ use crate::types::NodeId;
 pub const PING_EVERY: Duration = Duration::from_millis(200);
 /// Silence after which a peer is down. Equal to openraft's leader lease (`node::LEADER_LEASE`).
 pub const DOWN_AFTER: Duration = Duration::from_millis(1200);
+/// A ping round that starts this long after the one before shows that this process did not run
+/// meanwhile (stopped, or starved of CPU): the silence was its own, not the peers'.
+const OWN_PAUSE: Duration = Duration::from_millis(1000);
 
 #[derive(Debug, Clone, Copy)]
 struct Health {
@@ -89,6 +92,9 @@ impl Detector {
         self.health.lock().insert(peer, Health::new());
         let mut tick = tokio::time::interval(PING_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut last_round_end = Instant::now();
+        // Until then, a failed ping does not make the peer down (see `OWN_PAUSE`).
+        let mut grace_until: Option<Instant> = None;
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
@@ -96,11 +102,24 @@ impl Detector {
                 _ = transport.control_link_closed(peer) => {}
                 _ = stop.wait_for(|s| *s) => return,
             }
+            // This process was stopped (SIGSTOP) or starved: its peers heard nothing from it and may
+            // have closed their links to it. That says nothing of theirs: they get `DOWN_AFTER` to
+            // answer again before they are down. Before, a node resumed after 5 s found every link
+            // closed, took its peers' processes for dead and started elections without pre-votes in
+            // the groups they led, deposing healthy leaders.
+            let round = Instant::now();
+            if round.duration_since(last_round_end) >= PING_EVERY + OWN_PAUSE {
+                grace_until = Some(self.own_pause(peer, round));
+            }
             let answer = tokio::select! {
                 a = transport.request(peer, LinkKind::Control, Rpc::Ping, 0, b"", DOWN_AFTER) => a,
                 _ = stop.wait_for(|s| *s) => return,
             };
             let now = Instant::now();
+            // Stopped while the ping was out (its timeout is `DOWN_AFTER`): the same.
+            if now.duration_since(round) >= DOWN_AFTER + OWN_PAUSE {
+                grace_until = Some(self.own_pause(peer, now));
+            }
             let change = {
                 let mut health = self.health.lock();
                 let h = health.entry(peer).or_insert_with(Health::new);
@@ -110,7 +129,8 @@ impl Detector {
                     h.last_ok = Some(now);
                 }
                 let silent = h.last_ok.is_none_or(|t| now.duration_since(t) >= DOWN_AFTER);
-                match (h.up, ok, gone || silent) {
+                let in_grace = grace_until.is_some_and(|until| now < until);
+                match (h.up, ok, (gone || silent) && !in_grace) {
                     (false, true, _) => {
                         h.up = true;
                         h.up_since = Some(now);
@@ -127,6 +147,16 @@ impl Detector {
             if let Some(c) = change {
                 on_change(c);
             }
+            last_round_end = Instant::now();
         }
+    }
+
+    /// This process did not run for a while (seen at `now`): a peer that was up counts as heard
+    /// from now, and none goes down before the returned grace ends.
+    fn own_pause(&self, peer: NodeId, now: Instant) -> Instant {
+        if let Some(h) = self.health.lock().get_mut(&peer).filter(|h| h.up) {
+            h.last_ok = Some(now);
+        }
+        now + DOWN_AFTER
     }
 }
