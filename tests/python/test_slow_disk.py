@@ -158,3 +158,44 @@ def test_a_slow_fsync_does_not_stall_other_connections(tmp_path, monkeypatch):
     finally:
         b.proc.kill()
         b.proc.wait(10)
+
+
+def test_a_publisher_waiting_for_confirms_on_a_slow_disk_still_gets_heartbeats(tmp_path, monkeypatch):
+    """Issue 33, item 8: with heartbeat=1 and every fsync taking 4 s, a publisher with confirms hears
+    from the server at least every ~1 s (heartbeats between the confirms). Before, each publish woke
+    the connection's writer with nothing to write yet and restarted its heartbeat timer: nothing
+    came for 4 s at a time, and a client takes a server that silent for dead."""
+    monkeypatch.setenv("WARREN_TEST_FSYNC_DELAY_MS", str(FSYNC_DELAY_MS))
+    b = Broker(tmp_path / "data", tmp_path / "warren.log")
+    b.start()
+    try:
+        r = RawConnection(b.host, b.port, timeout=30)
+        r.handshake(heartbeat=1)
+        r.open_channel(1)
+        declare(r, "confirmed", durable=True)
+        r.send(method_frame(1, 85, 10, b"\x00"))  # confirm.select
+        r.expect(85, 11)
+        heard = [time.monotonic()]
+        errors = []
+
+        def read():
+            # Never sends: the publishes below are the client's side of the heartbeat.
+            try:
+                while True:
+                    r.read_frame()
+                    heard.append(time.monotonic())
+            except (ConnectionError, OSError, AssertionError, struct.error) as e:
+                errors.append(e)
+
+        threading.Thread(target=read, daemon=True).start()
+        end = time.monotonic() + 2.5 * FSYNC_DELAY_MS / 1000
+        while time.monotonic() < end:
+            r.send(publish_frames("confirmed", b"c" * 100))
+            time.sleep(0.05)
+        marks = heard + [time.monotonic()]
+        longest = max(b - a for a, b in zip(marks, marks[1:]))
+        assert not errors, errors
+        assert longest < 2.5, f"the server was silent for {longest:.1f} s (heartbeat=1)"
+    finally:
+        b.proc.kill()
+        b.proc.wait(10)

@@ -63,6 +63,11 @@ async fn write_loop(
     // Store acks of the no-ack deliveries in `out`, appended once it is written (see `AckWhenWritten`).
     let mut acks = Batch::new();
     let mut closing = false;
+    // When the writer last wrote to the socket: a heartbeat is due `heartbeat_every` after it. (A
+    // sleep started afresh at each wake-up never ran out for a publisher with confirms on a slow
+    // disk: each publish woke the writer with nothing to write yet, and the client, hearing
+    // nothing for seconds, took the server for dead.)
+    let mut last_write = tokio::time::Instant::now();
     loop {
         let (heartbeat_every, frame_max, cancel_notify, write_timeout, connection) = {
             let c = config.lock();
@@ -71,7 +76,7 @@ async fn write_loop(
         let waiting_for_disk = pending.values().any(|q| !q.is_empty());
         let idle = async {
             match heartbeat_every {
-                Some(d) => tokio::time::sleep(d).await,
+                Some(d) => tokio::time::sleep_until(last_write + d).await,
                 None => std::future::pending().await,
             }
         };
@@ -149,11 +154,12 @@ async fn write_loop(
             cost += (before - queue.len()) * CONFIRM_COST;
         }
         pending.retain(|_, q| !q.is_empty());
-        if out.is_empty() && heartbeat_due {
+        if out.is_empty() && (heartbeat_due || heartbeat_every.is_some_and(|d| tokio::time::Instant::now() >= last_write + d)) {
             frame::write_heartbeat(&mut out.buf);
         }
         if !out.is_empty() {
             let written = out.write_to(&mut socket, write_timeout).await;
+            last_write = tokio::time::Instant::now();
             // Written, or never will be (the connection is gone, and a no-ack consumer's messages with it).
             outbox.ack_written(&mut acks);
             match written {
