@@ -10,7 +10,8 @@ import time
 import pika
 import pytest
 
-from conftest import eventually, three_node_cluster
+from conftest import three_node_cluster
+from test_classic_cluster import declare_on
 
 pytestmark = [pytest.mark.warren_only]
 
@@ -21,24 +22,6 @@ CALLS = 10_000
 @pytest.fixture
 def cluster(tmp_path):
     yield from three_node_cluster(tmp_path, SECRET)
-
-
-def declare_everywhere(nodes, name, on):
-    c = nodes[on].connection()
-    c.channel().queue_declare(name, durable=True)
-    c.close()
-
-    def everywhere():
-        for b in nodes.values():
-            c = b.connection()
-            try:
-                c.channel().queue_declare(name, passive=True)
-            finally:
-                if c.is_open:
-                    c.close()
-        return True
-
-    eventually(everywhere, timeout=20)
 
 
 class RpcServer(threading.Thread):
@@ -91,7 +74,7 @@ def call(node, queue, calls):
 
 
 def test_direct_replies_reach_clients_on_other_nodes(cluster):
-    declare_everywhere(cluster, "rpc", on=2)
+    declare_on(cluster, "rpc", home=2)
     server = RpcServer(cluster[2], "rpc")
     server.start()
     assert server.ready.wait(20) and server.error is None, server.error
