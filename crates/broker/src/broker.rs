@@ -152,6 +152,11 @@ impl Broker {
         let mut orphans = Batch::new();
         for rec in recovery.queues.iter().filter(|rec| !warren_store::is_raft_queue(rec.queue)) {
             match by_id.get(&rec.queue) {
+                // A transient queue of a cluster, of the previous run: its messages ended with it.
+                Some(q) if !q.durable => {
+                    orphans.drop_queue(rec.queue);
+                    report.dropped = report.dropped.saturating_add(rec.live_count as usize);
+                }
                 Some(q) => {
                     q.restore(rec);
                     report.messages = report.messages.saturating_add(rec.live_count as usize);
@@ -216,6 +221,7 @@ impl Broker {
     pub fn set_quorum_host(&self, host: Arc<dyn QuorumHost>) {
         self.quorum.set_host(host.clone());
         for vhost in self.vhosts() {
+            vhost.doom_ended_transients();
             for queue in vhost.queues().into_iter().filter(|q| q.is_quorum()) {
                 host.start(queue);
             }

@@ -61,6 +61,22 @@ pub struct QueueDef {
     /// runs already, so a member that starts with no state of it joins it, never initializes it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub members_changed: bool,
+    /// In a cluster, a transient (non-durable or exclusive) classic queue: recorded in the
+    /// metadata group like a durable one, so that every node routes to it and refuses a second
+    /// exclusive declaration, but it lives only as long as the run of its home node that declared
+    /// it (`home` deletes it when it starts again). Absent for durable queues and standalone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transient: Option<TransientDef>,
+}
+
+/// What a transient queue of a cluster lives and dies with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransientDef {
+    /// The run of the home node's process that declared it (`crate::run_id`).
+    pub run: u64,
+    /// An exclusive queue's owner: a connection of that run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclusive: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -109,6 +125,7 @@ pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
         members: q.recorded_members(),
         leader: q.recorded_leader(),
         members_changed: q.members_changed(),
+        transient: q.transient_def(),
     }
 }
 
@@ -138,9 +155,9 @@ pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::que
     for b in &defs.bindings {
         let Ok(source) = vhost.exchange(&b.source) else { continue };
         let destination = if b.destination_type == "queue" {
-            match vhost.queue(&b.destination, 0) {
-                Ok(q) => Destination::Queue(q),
-                Err(_) => continue,
+            match vhost.queue_any(&b.destination) {
+                Some(q) => Destination::Queue(q),
+                None => continue,
             }
         } else {
             match vhost.exchange(&b.destination) {

@@ -66,6 +66,15 @@ impl Destination {
             Destination::Exchange(e) => e.durable,
         }
     }
+
+    /// Whether the destination is in the metadata log: durable, or a transient queue of a cluster
+    /// (`Queue::recorded`). A binding from a durable exchange to it is recorded there too.
+    pub fn recorded(&self) -> bool {
+        match self {
+            Destination::Queue(q) => q.recorded(),
+            Destination::Exchange(e) => e.durable,
+        }
+    }
 }
 
 #[derive(Clone)]

@@ -37,6 +37,14 @@ pub use publisher::{Publisher, PublisherSession};
 pub use queue::{GetWait, Got, Queue};
 pub use vhost::{PublishOutcome, VHost};
 
+/// This process's run: random, never 0, different at every start. What a cluster records about a
+/// node's transient queues and exclusive owners carries it, so that a node tells its own from those
+/// of an earlier run (which ended with it).
+pub fn run_id() -> u64 {
+    static RUN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *RUN.get_or_init(|| rand::random::<u64>() | 1)
+}
+
 /// Wall-clock milliseconds since the Unix epoch: TTLs survive restarts, so they are absolute.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()

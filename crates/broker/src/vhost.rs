@@ -2,14 +2,14 @@
 //! published messages to queues.
 
 use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterWork};
-use crate::definitions::{binding_def, exchange_def, table_from_json, table_to_json, BindingDef, QueueDef, VHostDefs};
+use crate::definitions::{binding_def, exchange_def, table_from_json, table_to_json, BindingDef, QueueDef, TransientDef, VHostDefs};
 use crate::direct_reply::{self, ReplyConsumers};
 use crate::error::{BrokerError, Result};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
 use crate::metadata::{GroupCommitError, Metadata, Op};
 use crate::publisher::Publisher;
-use crate::queue::{Enqueued, Queue};
+use crate::queue::{Enqueued, Owner, Queue};
 use crate::queue::replica::QuorumRuntime;
 use crate::queue_args::{first_difference, QueueArgs, QueueType, EQUIVALENCE_KEYS};
 use bytes::BytesMut;
@@ -76,6 +76,12 @@ pub struct VHost {
     ticked: Mutex<Option<Arc<TickLists>>>,
     /// The second (of `now_ms`) in which quorum queues were last ticked.
     quorum_ticked_second: AtomicU64,
+    /// Queues to delete whose deletion did not go through yet (the metadata group did not commit
+    /// it, `make_durable`): an auto-delete or expired queue, an exclusive queue whose owner is gone,
+    /// a transient queue of an earlier run of this node. The tick retries them once a second.
+    doomed: Mutex<Vec<Arc<Queue>>>,
+    /// The second (of `now_ms`) in which `doomed` was last tried.
+    doomed_tried_second: AtomicU64,
     /// Serialises changes to the topology, including their durable write to the metadata log.
     topology: Mutex<()>,
     store: Store,
@@ -118,6 +124,8 @@ impl VHost {
             queues: RwLock::new(HashMap::new()),
             ticked: Mutex::new(None),
             quorum_ticked_second: AtomicU64::new(0),
+            doomed: Mutex::new(Vec::new()),
+            doomed_tried_second: AtomicU64::new(0),
             topology: Mutex::new(()),
             store,
             metadata,
@@ -207,6 +215,11 @@ impl VHost {
         *self.ticked.lock() = None;
     }
 
+    /// Looks a queue up whoever owns it (restoring bindings, other nodes' requests): no 405.
+    pub fn queue_any(&self, name: &str) -> Option<Arc<Queue>> {
+        self.find_queue(name)
+    }
+
     /// Looks a queue up for `connection_id`, refusing another connection's exclusive queue (405).
     pub fn queue(&self, name: &str, connection_id: u64) -> Result<Arc<Queue>> {
         let queue = self.find_queue_caught_up(name).ok_or_else(|| self.no_queue(name))?;
@@ -216,7 +229,7 @@ impl VHost {
 
     fn check_exclusive(&self, queue: &Queue, connection_id: u64) -> Result<()> {
         match queue.exclusive_owner {
-            Some(owner) if owner != connection_id => Err(BrokerError::resource_locked(format!(
+            Some(owner) if owner != Owner::here(connection_id) => Err(BrokerError::resource_locked(format!(
                 "cannot obtain exclusive access to locked queue '{}' in vhost '{}'. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration.",
                 queue.name, self.name
             ))),
@@ -370,7 +383,7 @@ impl VHost {
         if src.has_binding(&binding) {
             return Ok(());
         }
-        if src.durable && binding.destination.durable() {
+        if src.durable && binding.destination.recorded() {
             let op = Op::Bound { vhost: self.name.clone(), binding: binding_def(&src.name, &binding) };
             self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name))?;
             return Ok(());
@@ -386,7 +399,7 @@ impl VHost {
             return Ok(());
         }
         let auto_delete = src.auto_delete && src.binding_count() == 1;
-        let durable_binding = src.durable && binding.destination.durable();
+        let durable_binding = src.durable && binding.destination.recorded();
         let mut ops = Vec::new();
         if durable_binding {
             ops.push(Op::Unbound { vhost: self.name.clone(), binding: binding_def(&src.name, binding) });
@@ -423,7 +436,11 @@ impl VHost {
         let _topology = self.lock_topology();
         if !d.name.is_empty() {
             if let Some(existing) = self.find_queue_caught_up(d.name) {
-                return self.declare_existing(&existing, d);
+                // A transient queue of this node's earlier run not yet deleted (`doom`): deleted now,
+                // and declared anew, as if it had gone with that run.
+                if !self.ended_here(&existing) || self.remove_queue_locked(&existing).is_err() {
+                    return self.declare_existing(&existing, d);
+                }
             }
             if d.passive {
                 return Err(self.no_queue(d.name));
@@ -446,11 +463,20 @@ impl VHost {
         let durable = d.durable && !d.exclusive;
         // A priority queue takes one store queue id per level (see `lane`).
         let ids = 1 + args.max_priority as u64;
+        if !durable && self.metadata.is_replicated() {
+            // In a cluster a transient queue is recorded too, living on this node: every node
+            // routes to it, and refuses another connection's use of an exclusive one (405).
+            let home = Some(self.quorum.node()).filter(|n| *n != 0);
+            let transient = TransientDef { run: crate::run_id(), exclusive: d.exclusive.then_some(d.connection_id) };
+            let queue = QueueDef { name: name.clone(), id: 0, auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home, members: None, leader: None, members_changed: false, transient: Some(transient) };
+            let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
+            return self.declare_durable_queue(op, name, d);
+        }
         if durable {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
             // In a cluster it lives on this node, whose client declared it (`queue::remote`).
             let home = self.metadata.is_replicated().then(|| self.quorum.node()).filter(|n| *n != 0);
-            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home, members: None, leader: None, members_changed: false };
+            let queue = QueueDef { name: name.clone(), id: self.new_durable_queue_id(ids), auto_delete: d.auto_delete, arguments: table_to_json(d.arguments), home, members: None, leader: None, members_changed: false, transient: None };
             let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
             return self.declare_durable_queue(op, name, d);
         }
@@ -459,7 +485,7 @@ impl VHost {
             name.clone(),
             id,
             durable,
-            d.exclusive.then_some(d.connection_id),
+            d.exclusive.then_some(Owner::here(d.connection_id)),
             d.auto_delete,
             d.arguments.clone(),
             args,
@@ -508,7 +534,7 @@ impl VHost {
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
         let placement = self.quorum.host().and_then(|h| h.placement(id, args.quorum_initial_group_size, args.leader_locator.unwrap_or_default()));
         let (members, leader) = placement.map_or((None, None), |(members, leader)| (Some(members), leader));
-        let queue = QueueDef { name: name.clone(), id, auto_delete: false, arguments: table_to_json(d.arguments), home: None, members, leader, members_changed: false };
+        let queue = QueueDef { name: name.clone(), id, auto_delete: false, arguments: table_to_json(d.arguments), home: None, members, leader, members_changed: false, transient: None };
         let op = Op::QueueDeclared { vhost: self.name.clone(), queue };
         self.declare_durable_queue(op, name, d)
     }
@@ -609,14 +635,64 @@ impl VHost {
         self.remove_queue_locked(&queue)
     }
 
-    /// Deletes a queue without the client-facing checks (auto-delete, x-expires, exclusive owner gone).
+    /// Deletes a queue without the client-facing checks (auto-delete, x-expires, exclusive owner
+    /// gone). If its deletion cannot be made durable now, the tick retries it (`doomed`).
     pub fn delete_queue_unchecked(&self, name: &str) {
-        let _topology = self.lock_topology();
         // Bind first: a read guard held by `if let` would deadlock with the write in remove_queue_locked.
         let queue = self.queues.read().get(name).cloned();
         if let Some(queue) = queue {
-            // On failure (logged by make_durable) the queue stays, and a later attempt retries.
-            let _ = self.remove_queue_locked(&queue);
+            if !self.delete_doomed(&queue) {
+                self.doom(&queue);
+            }
+        }
+    }
+
+    /// Deletes `queue` (that one: not another of its name declared since). Whether it is gone.
+    fn delete_doomed(&self, queue: &Arc<Queue>) -> bool {
+        let _topology = self.lock_topology();
+        if !self.find_queue(&queue.name).is_some_and(|q| Arc::ptr_eq(&q, queue)) {
+            return true;
+        }
+        // A failure is logged by make_durable.
+        self.remove_queue_locked(queue).is_ok()
+    }
+
+    /// Deletes `queue` at the next tick, and retries until it is gone.
+    fn doom(&self, queue: &Arc<Queue>) {
+        let mut doomed = self.doomed.lock();
+        if !doomed.iter().any(|q| Arc::ptr_eq(q, queue)) {
+            doomed.push(queue.clone());
+        }
+    }
+
+    /// Tries the deletions that did not go through yet (`doomed`), once a second.
+    fn retry_doomed(&self, now_ms: u64) {
+        let second = now_ms / 1000;
+        if self.doomed.lock().is_empty() || self.doomed_tried_second.swap(second, Ordering::Relaxed) == second {
+            return;
+        }
+        let doomed = std::mem::take(&mut *self.doomed.lock());
+        for queue in doomed {
+            if self.delete_doomed(&queue) {
+                tracing::info!(queue = %queue.name, vhost = %self.name, "deleted a queue whose deletion had not gone through");
+            } else {
+                self.doom(&queue);
+            }
+        }
+    }
+
+    /// Whether `queue` is a transient queue of an earlier run of this node (it ended with that run).
+    fn ended_here(&self, queue: &Queue) -> bool {
+        queue.transient_def().is_some_and(|t| t.run != crate::run_id()) && queue.home_node() == Some(self.quorum.node())
+    }
+
+    /// This node's transient queues of an earlier run (they ended with it) go, once the node's id is
+    /// known (`Broker::set_quorum_host`): a transient queue lives as long as its node's run.
+    pub fn doom_ended_transients(&self) {
+        for queue in self.queues() {
+            if self.ended_here(&queue) {
+                self.doom(&queue);
+            }
         }
     }
 
@@ -628,7 +704,7 @@ impl VHost {
         let auto_deleted: Vec<Arc<Exchange>> =
             exchanges.iter().filter(|ex| ex.auto_delete && ex.only_bound_to(&dest)).cloned().collect();
         let mut ops = Vec::new();
-        if queue.durable {
+        if queue.recorded() {
             ops.push(Op::QueueDeleted { vhost: self.name.clone(), name: queue.name.clone(), id: queue.id });
         }
         for ex in auto_deleted.iter().filter(|ex| ex.durable) {
@@ -637,7 +713,7 @@ impl VHost {
         let count = queue.message_count();
         // The durable part is made by `apply_committed`; the node-local rest here.
         self.make_durable(ops, || format!("the deletion of queue '{}'", queue.name))?;
-        let count = if queue.durable { count } else { self.drop_queue(queue) };
+        let count = if queue.recorded() { count } else { self.drop_queue(queue) };
         for ex in auto_deleted.iter().filter(|ex| !ex.durable) {
             self.remove_exchange_locked(ex);
         }
@@ -666,7 +742,7 @@ impl VHost {
             .queues
             .read()
             .values()
-            .filter(|q| q.exclusive_owner == Some(connection_id))
+            .filter(|q| q.exclusive_owner == Some(Owner::here(connection_id)))
             .map(|q| q.name.clone())
             .collect();
         for name in owned {
@@ -701,6 +777,7 @@ impl VHost {
                 self.delete_queue_unchecked(&q.name);
             }
         }
+        self.retry_doomed(now_ms);
     }
 
     // ---- publishing ---------------------------------------------------------------------
@@ -916,9 +993,17 @@ impl VHost {
             }
             return queue;
         }
-        let queue = Queue::new(name.clone(), id, true, None, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
+        let transient = def.transient;
+        let owner = transient.and_then(|t| t.exclusive.map(|connection| Owner { run: t.run, connection }));
+        let queue = Queue::new(name.clone(), id, transient.is_none(), owner, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
         if let Some(home) = home {
             queue.set_home(home, self.quorum.clone());
+        }
+        if let Some(t) = transient {
+            queue.set_transient(t);
+            if self.ended_here(&queue) {
+                self.doom(&queue);
+            }
         }
         self.insert_queue(name, queue.clone());
         queue
@@ -1064,7 +1149,7 @@ impl VHost {
     /// things stay.
     pub fn replace_durable(&self, defs: &VHostDefs) {
         let keep_queues: HashMap<&str, u64> = defs.queues.iter().map(|q| (q.name.as_str(), q.id)).collect();
-        for queue in self.queues().into_iter().filter(|q| q.durable) {
+        for queue in self.queues().into_iter().filter(|q| q.recorded()) {
             if keep_queues.get(queue.name.as_str()) != Some(&queue.id) {
                 tracing::info!(queue = %queue.name, vhost = %self.name, "deleting a queue the metadata group's snapshot no longer has");
                 self.drop_queue(&queue);
@@ -1087,7 +1172,7 @@ impl VHost {
         let wanted: std::collections::HashSet<String> =
             defs.bindings.iter().map(|b| serde_json::to_string(b).unwrap_or_default()).collect();
         for src in self.exchanges().into_iter().filter(|e| e.durable) {
-            for b in src.bindings().into_iter().filter(|b| b.destination.durable()) {
+            for b in src.bindings().into_iter().filter(|b| b.destination.recorded()) {
                 if !wanted.contains(&serde_json::to_string(&binding_def(&src.name, &b)).unwrap_or_default()) {
                     src.unbind(&b);
                 }

@@ -319,10 +319,14 @@ fn without_quorum_a_declare_fails_with_541_and_changes_nothing() {
     assert!(err.text.contains("metadata group") && err.text.contains("nothing was changed"), "{}", err.text);
     *seq.down.lock() = false;
     assert!(v1.queue("q", 1).is_err());
-    // Transient things never go through the group.
+    // A transient queue is recorded in the group too (every node routes to it), as RabbitMQ 4's
+    // Khepri records every queue: without a quorum it cannot be declared either.
     *seq.down.lock() = true;
-    v1.queue_declare(&QueueDeclare { name: "t", passive: false, durable: false, exclusive: false, auto_delete: false, arguments: &none, connection_id: 1 })
-        .unwrap();
+    let err = v1
+        .queue_declare(&QueueDeclare { name: "t", passive: false, durable: false, exclusive: false, auto_delete: false, arguments: &none, connection_id: 1 })
+        .unwrap_err();
+    assert_eq!(err.code, 541, "{err:?}");
+    assert!(v1.queue("t", 1).is_err());
     let _ = group::COMMIT_TIMEOUT;
     seq.stop(&[&b1]);
 }

@@ -166,6 +166,10 @@ impl ClassicHome {
     /// here, or a quorum queue whose group has this node as a member (for nodes outside the group).
     fn consumable_queue(&self, broker: &Broker, queue: &QueueRef) -> Result<Arc<Queue>, String> {
         let q = find_queue(broker, queue)?;
+        if q.exclusive_owner.is_some() {
+            // Only its owner, a connection of its home, may consume from it.
+            return Err(format!("queue '{}' is exclusive to a connection of node {}", queue.name, self.me()));
+        }
         if q.is_quorum() {
             if q.has_replica_here() {
                 return Ok(q);
@@ -302,9 +306,9 @@ impl ClassicHome {
 
 fn find_queue(broker: &Broker, queue: &QueueRef) -> Result<Arc<Queue>, String> {
     let vhost = broker.vhost(&queue.vhost).ok_or_else(|| format!("no vhost '{}'", queue.vhost))?;
+    // Whoever owns it: publishes to another connection's exclusive queue are allowed.
     vhost
-        .queue(&queue.name, RELAY_CONNECTION)
-        .ok()
+        .queue_any(&queue.name)
         .filter(|q| q.id == queue.id)
         .ok_or_else(|| format!("no queue '{}' (id {}) in vhost '{}'", queue.name, queue.id, queue.vhost))
 }

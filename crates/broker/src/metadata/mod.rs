@@ -137,7 +137,7 @@ impl State {
                     }
                     _ => None,
                 };
-                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None, leader: None, members_changed: false });
+                let def = def.unwrap_or(QueueDef { name, id, auto_delete: false, arguments: serde_json::Value::Array(vec![]), home: None, members: None, leader: None, members_changed: false, transient: None });
                 self.deleted.insert(id, (vhost, def));
             }
             Op::QueueMembers { vhost, name, id, members } => {
@@ -182,7 +182,10 @@ impl State {
                     };
                     if let Some(existing) = existing {
                         // The id is the existing one's, or 0 (assigned here).
-                        admitted.conflict |= existing.auto_delete != queue.auto_delete || existing.arguments != queue.arguments;
+                        // A transient queue is another node's, or another connection's if exclusive.
+                        admitted.conflict |= existing.auto_delete != queue.auto_delete
+                            || existing.arguments != queue.arguments
+                            || existing.transient != queue.transient;
                         continue;
                     }
                     if queue.id == 0 {

@@ -10,7 +10,7 @@ use std::fs;
 fn queue(vhost: &str, name: &str, id: u64) -> Op {
     Op::QueueDeclared {
         vhost: vhost.into(),
-        queue: QueueDef { name: name.into(), id, auto_delete: false, arguments: json!([]), home: None, members: None, leader: None, members_changed: false },
+        queue: QueueDef { name: name.into(), id, auto_delete: false, arguments: json!([]), home: None, members: None, leader: None, members_changed: false, transient: None },
     }
 }
 
@@ -86,7 +86,7 @@ fn a_deleted_priority_queue_releases_every_store_id_it_had_also_after_compaction
     let dir = tempfile::tempdir().unwrap();
     let m = open(dir.path());
     let args = json!([["x-max-priority", {"t": "u8", "v": 3}]]);
-    m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "p".into(), id: 10, auto_delete: false, arguments: args, home: None, members: None, leader: None, members_changed: false } }]).unwrap();
+    m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "p".into(), id: 10, auto_delete: false, arguments: args, home: None, members: None, leader: None, members_changed: false, transient: None } }]).unwrap();
     m.commit(vec![queue("/", "after", 14)]).unwrap();
     m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "p".into(), id: 10 }]).unwrap();
     for m in [open(dir.path()), { m.compact().unwrap(); open(dir.path()) }] {
@@ -203,7 +203,7 @@ fn churn_triggers_compaction_so_the_log_stays_near_the_state_size() {
     let big = json!([["x-padding", {"t": "str", "v": "p".repeat(4000)}]]);
     let mut high = 0;
     for i in 0..500u64 {
-        let op = Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "churn".into(), id: i + 1, auto_delete: false, arguments: big.clone(), home: None, members: None, leader: None, members_changed: false } };
+        let op = Op::QueueDeclared { vhost: "/".into(), queue: QueueDef { name: "churn".into(), id: i + 1, auto_delete: false, arguments: big.clone(), home: None, members: None, leader: None, members_changed: false, transient: None } };
         m.commit(vec![op]).unwrap();
         m.commit(vec![Op::QueueDeleted { vhost: "/".into(), name: "churn".into(), id: i + 1 }]).unwrap();
         high = high.max(m.log_len());
@@ -367,7 +367,7 @@ fn a_concurrent_declaration_with_other_properties_is_a_conflict() {
 fn a_quorum_queues_new_members_survive_a_reopen_and_a_compaction_and_a_stale_id_changes_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let m = open(dir.path());
-    let mut declared = QueueDef { name: "qq".into(), id: 5, auto_delete: false, arguments: json!([]), home: None, members: Some(vec![1, 2, 3]), leader: Some(3), members_changed: false };
+    let mut declared = QueueDef { name: "qq".into(), id: 5, auto_delete: false, arguments: json!([]), home: None, members: Some(vec![1, 2, 3]), leader: Some(3), members_changed: false, transient: None };
     m.commit(vec![Op::QueueDeclared { vhost: "/".into(), queue: declared.clone() }]).unwrap();
     m.commit(vec![Op::QueueMembers { vhost: "/".into(), name: "qq".into(), id: 5, members: vec![1, 2, 4] }]).unwrap();
     // A change for another queue of the same name (an id since deleted) is not this queue's.

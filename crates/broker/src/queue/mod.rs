@@ -204,13 +204,29 @@ impl QueueState {
     }
 }
 
+/// The connection that owns an exclusive queue: a connection of one run of one node (in a cluster,
+/// the queue is known on every node, and only its owner may use it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    /// The owner's node's run (`crate::run_id`).
+    pub run: u64,
+    pub connection: u64,
+}
+
+impl Owner {
+    /// Connection `connection` of this node's current run.
+    pub fn here(connection: u64) -> Owner {
+        Owner { run: crate::run_id(), connection }
+    }
+}
+
 pub struct Queue {
     pub name: String,
     /// Stable id: the store tags this queue's messages with it.
     pub id: u64,
     pub durable: bool,
-    /// Connection id of the owner of an exclusive queue.
-    pub exclusive_owner: Option<u64>,
+    /// The owner of an exclusive queue.
+    pub exclusive_owner: Option<Owner>,
     pub auto_delete: bool,
     /// Arguments as declared (for redeclare equivalence and listing).
     pub arguments: FieldTable,
@@ -228,8 +244,10 @@ pub struct Queue {
     /// A quorum queue: its replica does the queue's work (`replica`), and the classic state above
     /// stays empty. None: a classic queue.
     replica: Option<replica::QuorumReplica>,
-    /// A durable classic queue in a cluster: its home node (`remote`). Set once, at declaration.
+    /// A classic queue in a cluster: its home node (`remote`). Set once, at declaration.
     home: std::sync::OnceLock<remote::RemoteHome>,
+    /// A transient queue of a cluster, recorded in the metadata group (`QueueDef::transient`).
+    transient: std::sync::OnceLock<crate::definitions::TransientDef>,
     /// A quorum queue on a node outside its group: the member its consumers and basic.gets go
     /// through (`remote::relay`), set at the first of them.
     member_relay: std::sync::OnceLock<remote::RemoteHome>,
@@ -260,7 +278,7 @@ impl Queue {
         name: String,
         id: u64,
         durable: bool,
-        exclusive_owner: Option<u64>,
+        exclusive_owner: Option<Owner>,
         auto_delete: bool,
         arguments: FieldTable,
         args: QueueArgs,
@@ -293,7 +311,7 @@ impl Queue {
         name: String,
         id: u64,
         durable: bool,
-        exclusive_owner: Option<u64>,
+        exclusive_owner: Option<Owner>,
         auto_delete: bool,
         arguments: FieldTable,
         args: QueueArgs,
@@ -335,6 +353,7 @@ impl Queue {
             drained: tokio::sync::Notify::new(),
             replica,
             home: std::sync::OnceLock::new(),
+            transient: std::sync::OnceLock::new(),
             member_relay: std::sync::OnceLock::new(),
         })
     }
@@ -345,6 +364,22 @@ impl Queue {
         if self.replica.is_none() {
             let _ = self.home.set(remote::RemoteHome::new(home, runtime));
         }
+    }
+
+    /// A transient queue of a cluster: recorded in the metadata group, so every node knows it (set
+    /// once, at declaration).
+    pub fn set_transient(&self, def: crate::definitions::TransientDef) {
+        let _ = self.transient.set(def);
+    }
+
+    pub fn transient_def(&self) -> Option<crate::definitions::TransientDef> {
+        self.transient.get().copied()
+    }
+
+    /// Whether the queue is in the metadata log (and, in a cluster, the metadata group): durable, or
+    /// transient in a cluster. Its deletion and its bindings from durable exchanges go there too.
+    pub fn recorded(&self) -> bool {
+        self.durable || self.transient.get().is_some()
     }
 
     /// The home node of a classic queue in a cluster (None: standalone, or a quorum queue).
