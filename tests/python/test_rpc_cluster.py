@@ -8,13 +8,15 @@ Also what RabbitMQ's exclusive and transient queues promise cluster-wide: a seco
 declare on another node gets 405, a transient queue shadows no durable one, bindings to it route
 from every node, and its node deletes it when it restarts. About 90 s.
 """
+import json
+import subprocess
 import threading
 import time
 
 import pika
 import pytest
 
-from conftest import eventually, three_node_cluster
+from conftest import BIN, eventually, three_node_cluster
 from test_classic_cluster import declare_on
 
 pytestmark = [pytest.mark.warren_only]
@@ -169,3 +171,40 @@ def test_a_restarted_node_deletes_its_transient_queues(cluster):
     cluster[1].start()
     eventually(lambda: declare_error(cluster[2], "transient-on-1", passive=True) == 404, timeout=30)
     assert declare_error(cluster[1], "transient-on-1", passive=True) == 404
+
+
+def metadata_leader(node):
+    """The metadata group's leader as `warren ctl cluster-status` on `node` shows it (None if unknown)."""
+    out = subprocess.run([BIN, "ctl", "--node", f"127.0.0.1:{node.cluster_port}", "--cluster-secret", SECRET,
+                          "--timeout", "5", "--json", "cluster-status"], capture_output=True, text=True, timeout=50)
+    if out.returncode != 0:
+        return None
+    return next((g.get("leader") for g in json.loads(out.stdout).get("groups", []) if g["group"] == 0), None)
+
+
+@pytest.mark.parametrize("how", ["auto-delete", "exclusive owner gone"])
+def test_a_deletion_the_group_could_not_commit_is_retried(cluster, how):
+    """Issue 33, item 7: the last consumer of an auto-delete queue cancels, or an exclusive queue's
+    owner closes, while the metadata group has no quorum: the deletion cannot be committed then,
+    and goes through once the group is back (before, it was dropped and the queue stayed)."""
+    leader = eventually(lambda: metadata_leader(cluster[1]), timeout=20)
+    # On a follower: with the others down, nothing it proposes reaches any log (a leader's own
+    # proposal would be appended, and committed anyway once a quorum is back).
+    me = next(n for n in (1, 2, 3) if n != leader)
+    others = [n for n in (1, 2, 3) if n != me]
+    conn = cluster[me].connection()
+    ch = conn.channel()
+    if how == "auto-delete":
+        ch.queue_declare("going", durable=True, auto_delete=True)
+        tag = ch.basic_consume("going", lambda *a: None)
+    else:
+        ch.queue_declare("going", exclusive=True)
+    for n in others:
+        cluster[n].terminate()
+    if how == "auto-delete":
+        ch.basic_cancel(tag)
+    conn.close()
+    time.sleep(2)
+    for n in others:
+        cluster[n].start()
+    eventually(lambda: all(declare_error(cluster[n], "going", passive=True) == 404 for n in (1, 2, 3)), timeout=40)
