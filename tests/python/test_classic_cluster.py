@@ -300,3 +300,38 @@ def test_with_the_home_down_consumers_on_other_nodes_are_cancelled(cluster):
     assert pump_all([c2], lambda: c2.got == [b"one"])
     cluster[1].kill9()
     assert pump_all([c2], lambda: c2.cancelled, timeout=20), "the client is told its consumer is gone (basic.cancel)"
+
+
+def test_a_redeclare_on_another_node_renews_x_expires(cluster):
+    """Issue 33, item 7: a queue.declare (passive too) on any node restarts the countdown of
+    x-expires of a classic queue homed elsewhere, as a declare on its home does (RabbitMQ: any
+    declare renews it). Before, only its home's declares counted: it expired under its users."""
+    args = {"x-expires": 3000}
+    c = cluster[1].connection()
+    c.channel().queue_declare("renewed", durable=True, arguments=args)
+    c.close()
+    other = cluster[2].connection()
+    ch = other.channel()
+    for i in range(8):
+        time.sleep(1)
+        if i % 2:
+            ch.queue_declare("renewed", passive=True)
+        else:
+            ch.queue_declare("renewed", durable=True, arguments=args)
+    other.close()
+
+    def gone_from_home():
+        c = cluster[1].connection()
+        try:
+            c.channel().queue_declare("renewed", passive=True)
+            return False
+        except pika.exceptions.ChannelClosedByBroker as e:
+            return e.reply_code == 404
+        finally:
+            if c.is_open:
+                c.close()
+
+    assert not gone_from_home(), "expired while redeclared on another node every second"
+    # Unused from then on, it goes (a look renews it: look once, after the countdown).
+    time.sleep(5)
+    assert gone_from_home()

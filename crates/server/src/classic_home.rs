@@ -138,6 +138,8 @@ impl ClassicHome {
             }
             Request::Stat { queue } => {
                 let q = self.home_queue(&broker, &queue)?;
+                // Asked by a queue.declare on another node: as a declare here, it renews x-expires.
+                q.touch(warren_broker::now_ms());
                 Ok(encode_ids(&[q.message_count() as u64, q.consumer_count() as u64]))
             }
             Request::Reply { vhost, message } => {

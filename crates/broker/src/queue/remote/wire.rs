@@ -69,6 +69,8 @@ pub enum Request {
     Deliver { queue: QueueRef, relay: u64, deliveries: Vec<Relayed> },
     Get { queue: QueueRef, relay: u64, no_ack: bool },
     Purge { queue: QueueRef },
+    /// A queue.declare on another node: the counts for its declare-ok. The home takes it as a
+    /// declare of its own: it renews the queue's x-expires.
     Stat { queue: QueueRef },
     /// A direct reply (`amq.rabbitmq.reply-to.n<node>.…`) published on another node, for the reply
     /// consumer on this one: the message in its store encoding.
