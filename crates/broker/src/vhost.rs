@@ -657,6 +657,11 @@ impl VHost {
         self.remove_queue_locked(queue).is_ok()
     }
 
+    /// Deletes `queue` within a second or so (an expired quorum queue its leader finds not deleted).
+    pub fn doom_queue(&self, queue: &Arc<Queue>) {
+        self.doom(queue)
+    }
+
     /// Deletes `queue` at the next tick, and retries until it is gone.
     fn doom(&self, queue: &Arc<Queue>) {
         let mut doomed = self.doomed.lock();

@@ -1947,6 +1947,14 @@ impl QuorumReplica {
     /// detaches the consumers of its node it no longer has.
     pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
         self.detach_gone_consumers(queue);
+        // The leader that applied the expiry deletes the queue (`after.expired`); should it be lost
+        // before its deletion was committed, whichever leads now does it.
+        let expired = { let st = self.state.lock(); !st.deleted && st.machine.queue_expired() };
+        if expired && self.is_leader() {
+            if let Some(vhost) = queue.vhost.upgrade() {
+                vhost.doom_queue(queue);
+            }
+        }
         let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || self.saw_expiration.load(Ordering::Relaxed);
         if !expiring {
             return;

@@ -631,6 +631,12 @@ impl QuorumMachine {
         }
     }
 
+    /// Whether the queue has expired (`x-expires`): unused for that long, as of the last apply. Every
+    /// replica knows it; whichever leads deletes the queue.
+    pub fn queue_expired(&self) -> bool {
+        self.expired_reported
+    }
+
     /// Whether the head message's TTL has passed (it is never delivered: see `expire_head`).
     pub fn head_expired(&self) -> bool {
         self.ready.head().is_some_and(|(_, expires_at)| expires_at != NEVER && expires_at < self.now_ms)
