@@ -503,3 +503,31 @@ def test_a_node_resumed_after_a_stop_does_not_depose_healthy_leaders(cluster):
     moved = {g: (before[g], after.get(g)) for g in before if after.get(g) != before[g] and before[g][0] != stopped}
     assert not moved, f"groups led by others changed leader or term when node {stopped} resumed: {moved}"
     publish(cluster[1], "qq-resume", [b"after"])
+
+
+def test_a_purge_without_a_majority_says_its_outcome_is_unknown_and_a_later_apply_is_logged(cluster):
+    """Issue 33, item 8: a purge that times out (no majority of the group) answers that its outcome
+    is unknown (it may still be applied), and when it is applied later the node says so. About 45 s
+    (the purge waits 30 s)."""
+    declare_on_one(cluster, "purged-later")
+    publish(cluster[1], "purged-later", [b"m%d" % i for i in range(10)])
+    cluster[2].terminate()
+    cluster[3].terminate()
+    c = cluster[1].connection(blocked_connection_timeout=None)
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as e:
+        c.channel().queue_purge("purged-later")
+    assert e.value.reply_code == 541, e.value
+    assert "outcome is unknown" in e.value.reply_text, e.value.reply_text
+    cluster[2].start()
+    cluster[3].start()
+    eventually(lambda: "a purge of a quorum queue took effect after its client was told its outcome was unknown" in cluster[1].log_text(),
+               timeout=30)
+
+    def empty():
+        c = cluster[2].connection()
+        try:
+            return c.channel().queue_declare("purged-later", passive=True).method.message_count == 0
+        finally:
+            c.close()
+
+    eventually(empty, timeout=10)

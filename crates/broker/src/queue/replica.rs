@@ -1596,10 +1596,17 @@ impl QuorumReplica {
                     after.gets_done = true;
                 }
                 Waiter::Purge(tx) => {
-                    let _ = tx.send(match reply {
+                    let count = match reply {
                         Some(Reply::Purged { count }) => Some(count),
                         _ => None,
-                    });
+                    };
+                    if tx.send(count).is_err() {
+                        if let Some(count) = count {
+                            // Its client was told the outcome was unknown (`purge` timed out).
+                            tracing::warn!(queue = %queue.name, removed = count,
+                                "a purge of a quorum queue took effect after its client was told its outcome was unknown (it waited too long)");
+                        }
+                    }
                 }
             }
         }
@@ -1922,9 +1929,12 @@ impl QuorumReplica {
         }
         match crate::blocking::run(|| rx.recv_timeout(PURGE_TIMEOUT)) {
             Ok(Some(count)) => Ok(count.min(u32::MAX as u64) as u32),
-            _ => Err(BrokerError::internal(format!(
-                "the purge of quorum queue '{}' was not committed in time (no majority of its replicas reachable)",
-                queue.name
+            Ok(None) => Err(BrokerError::internal(format!("the purge of quorum queue '{}' was not applied; nothing was purged", queue.name))),
+            Err(_) => Err(BrokerError::internal(format!(
+                "the purge of quorum queue '{}' was not committed within {} s (no majority of its replicas reachable); \
+                 its outcome is unknown: it may still take effect (the node logs it if it does)",
+                queue.name,
+                PURGE_TIMEOUT.as_secs()
             ))),
         }
     }

@@ -22,6 +22,8 @@ use crate::error::{BrokerError, Result};
 use crate::message::decode_stored;
 use crate::queue::{Entry, GetWait, Got, Queue};
 
+/// How `ask_counts` says the home did not answer in time.
+const NO_ANSWER: &str = "no answer";
 /// How long a passive queue.declare waits for the home's counts before answering without them.
 const STAT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -132,7 +134,9 @@ impl RemoteHome {
     pub(in crate::queue) fn purge(&self, queue: &Arc<Queue>) -> Result<u32> {
         let counts = self.ask_counts(Request::Purge { queue: super::queue_ref(queue) }, super::REQUEST_TIMEOUT, 1);
         counts.map(|c| c[0].min(u32::MAX as u64) as u32).map_err(|e| {
-            BrokerError::internal(format!("the purge of classic queue '{}' failed on its home node {}: {e}", queue.name, self.home()))
+            // Without an answer, the home may have purged the queue or may still do it.
+            let outcome = if e.starts_with(NO_ANSWER) { "; its outcome is unknown: the home may still purge the queue" } else { "" };
+            BrokerError::internal(format!("the purge of classic queue '{}' failed on its home node {}: {e}{outcome}", queue.name, self.home()))
         })
     }
 
@@ -149,6 +153,7 @@ impl RemoteHome {
     }
 
     /// Sends `request` and waits (blocking, at most `timeout`) for its answer: `n` counts.
+    /// An error starting with [`NO_ANSWER`]: the home may have done it.
     fn ask_counts(&self, request: Request, timeout: Duration, n: usize) -> std::result::Result<Vec<u64>, String> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.request(
@@ -161,7 +166,7 @@ impl RemoteHome {
             Ok(Ok(counts)) if counts.len() == n => Ok(counts),
             Ok(Ok(counts)) => Err(format!("an answer of {} counts, not {n}", counts.len())),
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(format!("no answer within {} s", timeout.as_secs())),
+            Err(_) => Err(format!("{NO_ANSWER} within {} s", timeout.as_secs())),
         }
     }
 }
