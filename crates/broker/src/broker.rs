@@ -342,6 +342,11 @@ impl Broker {
     /// the durable state (`metadata.log`) and the in-memory topology, and returns the proposer's
     /// reply. Deterministic: every node applying the same entries reaches the same topology and
     /// the same queue ids. An entry this node already applied (a replay) changes nothing.
+    /// Whether this node has applied metadata-group entry `index`, waiting at most `timeout`.
+    pub async fn metadata_applied_at_least(&self, index: u64, timeout: std::time::Duration) -> bool {
+        self.metadata.applied_at_least(index, timeout).await
+    }
+
     pub fn apply_metadata_entry(&self, index: u64, entry: &[u8]) -> bytes::Bytes {
         let reply = match group::decode_entry(entry) {
             Ok(ops) => {

@@ -31,6 +31,8 @@ use warren_cluster::{ClusterNode, NodeId};
 const RELAYS_DOWN_AFTER: Duration = Duration::from_secs(5);
 /// A relay's deliveries on their way to its node, at most (no-ack consumers have no prefetch).
 const PUSH_BYTES: usize = 4 << 20;
+/// How long a node waits to have applied a metadata entry another node's declaration waits for.
+const APPLIED_WAIT: Duration = Duration::from_secs(2);
 /// Relay channels are not a client's: no connection id a client can have.
 const RELAY_CONNECTION: u64 = u64::MAX;
 
@@ -141,6 +143,13 @@ impl ClassicHome {
                 // Asked by a queue.declare on another node: as a declare here, it renews x-expires.
                 q.touch(warren_broker::now_ms());
                 Ok(encode_ids(&[q.message_count() as u64, q.consumer_count() as u64]))
+            }
+            Request::Applied { index } => {
+                if broker.metadata_applied_at_least(index, APPLIED_WAIT).await {
+                    Ok(Bytes::new())
+                } else {
+                    Err(format!("node {} had not applied metadata entry {index} within {APPLIED_WAIT:?}", self.me()))
+                }
             }
             Request::Reply { vhost, message } => {
                 let message = decode_stored(&message).ok_or_else(|| "a direct reply that does not decode".to_string())?.message;

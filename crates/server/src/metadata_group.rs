@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use warren_broker::metadata::group::{decode_reply, BoxFuture, Committed, MetadataGroup, ProposeFailed};
+use warren_broker::queue::remote::wire::Request;
 use warren_broker::Broker;
 use warren_cluster::{ClusterNode, Command, GroupMachine, ProposeError, METADATA_GROUP};
 
@@ -60,6 +61,26 @@ impl MetadataGroup for ClusterMetadata {
                 Ok(Err(e @ (ProposeError::Unknown(..) | ProposeError::Fatal(..)))) => Err(ProposeFailed::Unknown(e.to_string())),
                 Err(_) => Err(ProposeFailed::Unknown(format!("no quorum of the metadata group answered within {timeout:?}"))),
             }
+        })
+    }
+
+    fn wait_applied_elsewhere(&self, index: u64, timeout: Duration) -> BoxFuture<Vec<u64>> {
+        let node = self.node.clone();
+        Box::pin(async move {
+            let me = node.node_id();
+            let request = Request::Applied { index }.encode();
+            let mut asks = tokio::task::JoinSet::new();
+            for peer in node.cluster_members().into_iter().filter(|peer| *peer != me && node.is_reachable(*peer)) {
+                let (node, request) = (node.clone(), request.clone());
+                asks.spawn(async move { (peer, node.classic_request(peer, &request, timeout).await.is_ok()) });
+            }
+            let mut lagging = Vec::new();
+            while let Some(answer) = asks.join_next().await {
+                if let Ok((peer, false)) = answer {
+                    lagging.push(peer);
+                }
+            }
+            lagging
         })
     }
 }

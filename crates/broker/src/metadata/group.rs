@@ -12,9 +12,15 @@
 //! 3. applying (the one path every node takes, the proposer included) writes the resolved ops
 //!    to the local `metadata.log` with the entry's index, then changes the in-memory topology.
 //!
+//! 4. before the client gets its -ok, the proposer waits (at most [`SPREAD_TIMEOUT`]) until every
+//!    other member it reaches has applied the entry too (`MetadataGroup::wait_applied_elsewhere`),
+//!    as RabbitMQ's Mnesia transactions commit on every node: after bind-ok on one node, a
+//!    publish on another routes with the binding (read-your-writes across nodes).
+//!
 //! Reads stay local. Before answering "does not exist" (404, unroutable) a node waits for a
 //! barrier ([`catch_up`]): an empty entry proposed through the group, so everything committed
-//! before the miss (a declare another node just confirmed) is applied here first.
+//! before the miss (by a node that could not reach this one in time) is applied here first.
+//! Concurrent misses share one barrier (`Metadata::catch_up`).
 //!
 //! Entry and snapshot bytes: a version byte ([`ENTRY_VERSION`]), then JSON (the ops as in
 //! `metadata.log`; a snapshot is `{"applied": index, "ops": [...]}`, the shortest op list).
@@ -29,6 +35,8 @@ use std::time::{Duration, Instant};
 pub const ENTRY_VERSION: u8 = 1;
 /// How long a change waits for the group (commit, then this node's apply) before 541.
 pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a change waits for the other reachable members to have applied it too.
+pub const SPREAD_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long a lookup miss waits for the barrier before answering from what this node knows.
 pub const BARRIER_TIMEOUT: Duration = Duration::from_secs(3);
 /// After a failed barrier, misses answer at once for this long (no quorum: do not stall every
@@ -60,6 +68,12 @@ pub struct Committed {
 pub trait MetadataGroup: Send + Sync {
     /// Proposes `entry` to group 0; resolves once committed, with the leader's reply.
     fn propose(&self, entry: Bytes, timeout: Duration) -> BoxFuture<Result<Committed, ProposeFailed>>;
+    /// Waits (at most `timeout`) until every other member this node reaches has applied entry
+    /// `index`; resolves to those that did not say so in time.
+    fn wait_applied_elsewhere(&self, index: u64, timeout: Duration) -> BoxFuture<Vec<u64>> {
+        let _ = (index, timeout);
+        Box::pin(async { Vec::new() })
+    }
 }
 
 pub fn encode_entry(ops: &[Op]) -> Bytes {

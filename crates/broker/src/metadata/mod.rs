@@ -308,6 +308,20 @@ pub struct Metadata {
     applied: tokio::sync::watch::Sender<u64>,
     /// When a barrier last failed (no quorum): lookups do not wait again for `BARRIER_BACKOFF`.
     barrier_failed: Mutex<Option<Instant>>,
+    /// The barriers callers share (`catch_up`).
+    barriers: Mutex<Barriers>,
+    barrier_done: parking_lot::Condvar,
+}
+
+/// Which barriers started and finished (`Metadata::catch_up`).
+#[derive(Default)]
+struct Barriers {
+    running: bool,
+    /// Barriers started, and finished, so far.
+    started: u64,
+    finished: u64,
+    /// Whether the last finished one was applied here.
+    last_ok: bool,
 }
 
 /// Why a replicated change failed.
@@ -401,6 +415,8 @@ impl Metadata {
             group: RwLock::new(None),
             applied,
             barrier_failed: Mutex::new(None),
+            barriers: Mutex::new(Barriers::default()),
+            barrier_done: parking_lot::Condvar::new(),
         };
         Ok((metadata, report))
     }
@@ -459,10 +475,23 @@ impl Metadata {
         };
         let index = committed.index;
         self.wait_applied(index, deadline).map_err(|e| GroupCommitError::Unknown(format!("committed as entry {index}, but {e}")))?;
+        match group::block_on(group.wait_applied_elsewhere(index, group::SPREAD_TIMEOUT)) {
+            Ok(lagging) if lagging.is_empty() => {}
+            Ok(lagging) => tracing::warn!(index, nodes = ?lagging, "reachable nodes had not applied a metadata change within {:?}; \
+                answering the client anyway (they will, and a miss on them waits for a barrier)", group::SPREAD_TIMEOUT),
+            Err(e) => tracing::warn!(index, error = %e, "could not wait for the other nodes to apply a metadata change"),
+        }
         if committed.conflict {
             return Err(GroupCommitError::Conflict);
         }
         Ok(())
+    }
+
+    /// Whether this node has applied entry `index`, waiting for it at most `timeout` (another
+    /// node's declaration waits for it: `Request::Applied`).
+    pub async fn applied_at_least(&self, index: u64, timeout: std::time::Duration) -> bool {
+        let mut rx = self.applied.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|a| *a >= index)).await.is_ok_and(|r| r.is_ok())
     }
 
     /// Waits until this node has applied entry `index`.
@@ -482,11 +511,45 @@ impl Metadata {
     /// everything the metadata group had committed (an empty entry's round trip). True if it
     /// waited (the caller looks again); false if not in a cluster or the group did not answer
     /// in time (the caller answers from what it knows).
+    ///
+    /// Concurrent callers share barriers: one runs at a time, and a caller takes the result of
+    /// the first that *starts* after it came (one that started before may have missed what the
+    /// caller must see), so a burst of misses costs two Raft commits, not one each.
     pub fn catch_up(&self) -> bool {
         let Some(group) = self.group.read().clone() else { return false };
         if self.barrier_failed.lock().is_some_and(|t| t.elapsed() < group::BARRIER_BACKOFF) {
             return false;
         }
+        crate::blocking::run(|| {
+            let mut b = self.barriers.lock();
+            let needed = b.started + 1;
+            loop {
+                if b.finished >= needed {
+                    return b.last_ok;
+                }
+                if !b.running {
+                    b.running = true;
+                    b.started += 1;
+                    let this = b.started;
+                    drop(b);
+                    let ok = self.run_barrier(&group);
+                    b = self.barriers.lock();
+                    b.running = false;
+                    b.finished = this;
+                    b.last_ok = ok;
+                    self.barrier_done.notify_all();
+                    continue;
+                }
+                // A waiter whose barrier's runner is stuck gives up with the group's timeout.
+                if self.barrier_done.wait_for(&mut b, group::BARRIER_TIMEOUT + group::BARRIER_TIMEOUT).timed_out() {
+                    return false;
+                }
+            }
+        })
+    }
+
+    /// One barrier: an empty entry committed and applied here.
+    fn run_barrier(&self, group: &Arc<dyn MetadataGroup>) -> bool {
         let deadline = Instant::now() + group::BARRIER_TIMEOUT;
         let result = match group::block_on(group.propose(group::encode_entry(&[]), group::BARRIER_TIMEOUT)) {
             Ok(Ok(committed)) => self.wait_applied(committed.index, deadline),

@@ -20,6 +20,9 @@
 //!   then, if found, `tag varint | redelivered | remaining varint | varint len | store encoding`.
 //! - `PURGE` (to the home): `queue`; answer `version | 1 | count` (the messages it removed).
 //! - `STAT` (to the home): `queue`; answer `version | 2 | messages | consumers`.
+//! - `REPLY`: `vhost | varint len | store encoding`: a direct reply for a consumer of this node.
+//! - `APPLIED`: `index varint`: answered (empty) once this node has applied metadata-group entry
+//!   `index` (a declaration's -ok waits for every reachable node: read-your-writes on each).
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -39,6 +42,7 @@ const OP_GET: u8 = 8;
 const OP_PURGE: u8 = 9;
 const OP_STAT: u8 = 10;
 const OP_REPLY: u8 = 11;
+const OP_APPLIED: u8 = 12;
 
 /// A queue as nodes name it to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,6 +79,8 @@ pub enum Request {
     /// A direct reply (`amq.rabbitmq.reply-to.n<node>.…`) published on another node, for the reply
     /// consumer on this one: the message in its store encoding.
     Reply { vhost: String, message: Bytes },
+    /// Answer once this node has applied metadata-group entry `index` (or fail after a while).
+    Applied { index: u64 },
 }
 
 /// The home's answer to `GET` when it had a message.
@@ -189,6 +195,10 @@ impl Request {
                 put_str(&mut out, vhost);
                 put_blob(&mut out, message);
             }
+            Request::Applied { index } => {
+                out.put_u8(OP_APPLIED);
+                put_var(&mut out, *index);
+            }
         }
         out.freeze()
     }
@@ -262,6 +272,7 @@ impl Request {
             OP_PURGE => Request::Purge { queue: get_queue(&mut r)? },
             OP_STAT => Request::Stat { queue: get_queue(&mut r)? },
             OP_REPLY => Request::Reply { vhost: get_str(&mut r)?, message: get_blob(&mut r, buf)? },
+            OP_APPLIED => Request::Applied { index: r.var()? },
             other => return err(format!("unknown classic queue request {other}")),
         };
         r.end()?;
@@ -405,6 +416,7 @@ mod tests {
             Request::Purge { queue: queue() },
             Request::Stat { queue: queue() },
             Request::Reply { vhost: "/".into(), message: Bytes::from_static(b"a reply") },
+            Request::Applied { index: u64::MAX },
         ];
         for req in requests {
             let bytes = req.encode();
