@@ -728,3 +728,25 @@ def test_a_channel_wide_prefetch_limits_quorum_consumers_too(conn, ch, name):
         conn.process_data_events(time_limit=0.1)
     conn.process_data_events(time_limit=0.5)
     assert len(got) == 10
+
+
+def test_high_priority_messages_go_first_two_for_each_normal_one(ch, name):
+    """Issue 33, item 9: priorities on quorum queues as RabbitMQ 4 has them, without
+    x-max-priority: a message of priority 5 or more is high, the rest (no priority included)
+    normal; while both wait, two high ones are delivered for each normal one, so normal messages
+    are delayed, never starved. A requeued message goes back to the head of its lane. Before,
+    quorum queues ignored priority: FIFO."""
+    declare(ch, name)
+    ch.confirm_delivery()
+    for i in range(6):
+        ch.basic_publish("", name, b"normal %d" % i, pika.BasicProperties(delivery_mode=2, priority=i % 5))
+    for i in range(6):
+        ch.basic_publish("", name, b"high %d" % i, pika.BasicProperties(delivery_mode=2, priority=5 + i))
+    ch.basic_publish("", name, b"normal 6", PERSISTENT)
+    first = ch.basic_get(name, auto_ack=False)
+    assert first[2] == b"high 0"
+    ch.basic_nack(first[0].delivery_tag, requeue=True)
+    # The first get counted as a high one: one more, then a normal one.
+    got = [body for body, _ in get_all(ch, name)]
+    assert got == [b"high 0", b"normal 0", b"high 1", b"high 2", b"normal 1", b"high 3", b"high 4", b"normal 2",
+                   b"high 5", b"normal 3", b"normal 4", b"normal 5", b"normal 6"], got

@@ -463,8 +463,8 @@ pub(super) enum Waiter {
 struct Proposals {
     encoder: Encoder,
     waiters: Vec<Waiter>,
-    /// The session whose Enqueue is open at the end of `encoder`.
-    open_session: Option<SessionId>,
+    /// The session (and priority lane) whose Enqueue is open at the end of `encoder`.
+    open_session: Option<(SessionId, bool)>,
     /// Closed entries waiting for a slot.
     sealed: VecDeque<(Bytes, Vec<Waiter>)>,
     in_flight: usize,
@@ -1713,10 +1713,15 @@ impl QuorumReplica {
         if p.encoder.messages() >= MAX_MESSAGES_PER_ENTRY || p.encoder.encoded_len() + size > MAX_ENTRY_BYTES {
             p.seal();
         }
-        if p.open_session != Some(session) {
-            p.encoder.begin_enqueue(session, now_ms);
+        // RabbitMQ 4's two priorities: above 4 is high (`quorum::ready`).
+        let high = warren_protocol::properties::PropertiesView::new(&message.properties)
+            .ok()
+            .and_then(|v| v.priority())
+            .is_some_and(|p| p > crate::quorum::ready::HIGH_PRIORITY_ABOVE);
+        if p.open_session != Some((session, high)) {
+            p.encoder.begin_enqueue(session, now_ms, high);
             p.command(Waiter::Enqueue { session: tracked.cloned(), seqs: Vec::new() });
-            p.open_session = Some(session);
+            p.open_session = Some((session, high));
         }
         let mut scratch = std::mem::take(&mut p.scratch);
         scratch.clear();

@@ -21,6 +21,7 @@
 //! | 14 | `Batch` | count u32 (fixed width), commands (not nested) |
 //! | 15 | `Tick` | now_ms, max_expired (a tick before it, tag 11, expires without a bound) |
 //! | 16 | `Unassign` | consumer, count, first id, then zigzag deltas |
+//! | 17 | `Enqueue` of high-priority messages | as tag 1 |
 //!
 //! "opt" is a varint with 0 = none and n + 1 = n. Message payloads are opaque here: decoding keeps
 //! only their place in the entry ([`EnqueueMsg::payload`]), so applying an entry never copies a body.
@@ -69,6 +70,9 @@ pub struct EnqueueMsg {
     pub ttl_ms: Option<u64>,
     /// Where the message's opaque bytes sit in the decoded entry.
     pub payload: Range<usize>,
+    /// A high-priority message (priority above 4: `ready::HIGH_PRIORITY_ABOVE`). The messages of
+    /// one encoded enqueue share it (tag 17 high, tag 1 normal).
+    pub high: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,6 +145,7 @@ const TAG_PURGE: u8 = 13;
 const TAG_BATCH: u8 = 14;
 const TAG_TICK_BOUNDED: u8 = 15;
 const TAG_UNASSIGN: u8 = 16;
+const TAG_ENQUEUE_HIGH: u8 = 17;
 
 const ATTACH_AUTO_ACK: u8 = 1;
 const ATTACH_EXCLUSIVE: u8 = 2;
@@ -210,7 +215,8 @@ fn decode_ids(r: &mut Reader) -> Result<Vec<MsgId>, DecodeError> {
 fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command, DecodeError> {
     let tag = r.u8()?;
     Ok(match tag {
-        TAG_ENQUEUE => {
+        TAG_ENQUEUE | TAG_ENQUEUE_HIGH => {
+            let high = tag == TAG_ENQUEUE_HIGH;
             let session = decode_session(r)?;
             let now_ms = r.var()?;
             let n = r.u32_fixed()? as u64;
@@ -228,7 +234,7 @@ fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command
                 let len = usize::try_from(len).or_else(|_| err("payload length"))?;
                 let start = r.pos();
                 r.bytes(len)?;
-                msgs.push(EnqueueMsg { pub_seq, size, ttl_ms, payload: start..start + len });
+                msgs.push(EnqueueMsg { pub_seq, size, ttl_ms, payload: start..start + len, high });
             }
             Command::Enqueue { session, now_ms, msgs }
         }
@@ -346,9 +352,9 @@ impl Encoder {
         self.buf.put_u8(tag);
     }
 
-    /// Opens an enqueue; add its messages with [`Encoder::message`].
-    pub fn begin_enqueue(&mut self, session: SessionId, now_ms: u64) {
-        self.begin(TAG_ENQUEUE);
+    /// Opens an enqueue; add its messages with [`Encoder::message`] (all of `high` priority or not).
+    pub fn begin_enqueue(&mut self, session: SessionId, now_ms: u64, high: bool) {
+        self.begin(if high { TAG_ENQUEUE_HIGH } else { TAG_ENQUEUE });
         put_var(&mut self.buf, session.node);
         put_var(&mut self.buf, session.channel);
         put_var(&mut self.buf, now_ms);
@@ -473,8 +479,15 @@ impl Encoder {
                 if self.messages + msgs.len() > MAX_MESSAGES_PER_ENTRY {
                     return Err(EncodeError::EntryFull);
                 }
-                self.begin_enqueue(*session, *now_ms);
+                if msgs.is_empty() {
+                    self.begin_enqueue(*session, *now_ms, false);
+                }
+                let mut open = None;
                 for m in msgs {
+                    if open != Some(m.high) {
+                        self.begin_enqueue(*session, *now_ms, m.high);
+                        open = Some(m.high);
+                    }
                     let payload = src.get(m.payload.clone()).ok_or(EncodeError::Invalid("payload range outside the source"))?;
                     self.message(m.pub_seq, m.size, m.ttl_ms, payload)?;
                 }

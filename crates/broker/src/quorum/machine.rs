@@ -381,25 +381,15 @@ impl QuorumMachine {
 
     /// Every live message (ready or checked out), in id order.
     pub fn live_ids(&self) -> Vec<MsgId> {
-        let mut ids: Vec<MsgId> = self.ready.returned.keys().copied().collect();
+        let mut ids: Vec<MsgId> = self.ready.ids().collect();
         ids.extend(self.consumers.values().flat_map(|c| c.checked_out.keys().copied()));
-        for run in &self.ready.fresh {
-            ids.extend((0..run.count as u64).map(|k| run.first + k * run.step()));
-        }
         ids.sort_unstable();
         ids
     }
 
     /// Whether `id` is a live message: ready, or checked out to a consumer.
     pub fn is_live(&self, id: MsgId) -> bool {
-        if self.ready.returned.contains_key(&id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id)) {
-            return true;
-        }
-        // Fresh runs are in id order: the last run starting at or before `id`.
-        let at = self.ready.fresh.partition_point(|r| r.first <= id);
-        let Some(run) = at.checked_sub(1).and_then(|i| self.ready.fresh.get(i)) else { return false };
-        let offset = id - run.first;
-        offset % run.step() == 0 && offset / run.step() < run.count as u64
+        self.ready.contains(id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id))
     }
 
     /// The last pub seq applied for a session.
@@ -582,13 +572,14 @@ impl QuorumMachine {
                 (a, b) => a.or(b),
             };
             let expires_at = ttl.map_or(NEVER, |t| enqueued_at.saturating_add(t).min(NEVER - 1));
-            self.ready.push_fresh(id, m.size, expires_at);
+            self.ready.push_fresh(id, m.size, expires_at, m.high);
             self.counters.enqueued += 1;
             out.push(Effect::Store { msg_id: id, payload: m.payload });
             if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
                 self.assign(out);
                 while self.over_limit(0, 0) {
-                    let Some((dropped, _)) = self.ready.pop() else { break };
+                    // The oldest normal message first: a high-priority one goes only when no normal one is left.
+                    let Some((dropped, _)) = self.ready.pop_lowest() else { break };
                     self.remove(out, dropped, Reason::MaxLen);
                 }
             }

@@ -9,6 +9,11 @@
 //! and a requeued message goes back to its place by id (as a classic queue's requeue).
 //!
 //! Sizes are kept per fresh message only when the queue has `x-max-length-bytes` (4 bytes each).
+//!
+//! Priorities, as RabbitMQ 4's quorum queues: two lanes, each as above, high (message priority
+//! above 4) and normal (the rest, and no priority). The head is taken from the high lane twice for
+//! each time from the normal lane while both have messages ([`HIGH_PER_NORMAL`]), so a stream of
+//! high-priority messages delays the normal ones without starving them.
 
 use super::command::MsgId;
 use std::collections::{BTreeMap, VecDeque};
@@ -27,7 +32,16 @@ pub struct MsgState {
     pub size: u32,
     /// Absolute expiry in ms ([`NEVER`] without TTL).
     pub expires_at: u64,
+    /// Of the high-priority lane (`Ready`).
+    pub high: bool,
 }
+
+/// A message priority above this is high (RabbitMQ 4's quorum queues).
+pub const HIGH_PRIORITY_ABOVE: u8 = 4;
+
+/// While both lanes have messages, the head is taken this many times from the high lane for each
+/// time from the normal one.
+pub const HIGH_PER_NORMAL: u8 = 2;
 
 /// `count` fresh messages with one expiry: `first, first + 1, ...` (the messages of one entry),
 /// or with `per_entry`, `first, first + 2^16, ...` (the only message of consecutive entries, as a
@@ -59,8 +73,9 @@ impl Run {
     }
 }
 
+/// The ready messages of one priority lane.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Ready {
+pub struct Lane {
     pub(crate) returned: BTreeMap<MsgId, MsgState>,
     pub(crate) fresh: VecDeque<Run>,
     /// Sizes of the fresh messages, in order (only when `track_sizes`).
@@ -70,16 +85,33 @@ pub struct Ready {
     bytes: u64,
 }
 
-impl Ready {
-    pub fn new(track_sizes: bool) -> Ready {
-        Ready { track_sizes, ..Default::default() }
+impl Lane {
+    pub fn new(track_sizes: bool) -> Lane {
+        Lane { track_sizes, ..Default::default() }
     }
 
     /// Rebuilds from a snapshot's parts (counts recomputed).
-    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>) -> Ready {
+    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>) -> Lane {
         let count = returned.len() as u64 + fresh.iter().map(|r| r.count as u64).sum::<u64>();
         let bytes = returned.values().map(|m| m.size as u64).sum::<u64>() + sizes.iter().map(|&s| s as u64).sum::<u64>();
-        Ready { returned, fresh, sizes, track_sizes, count, bytes }
+        Lane { returned, fresh, sizes, track_sizes, count, bytes }
+    }
+
+    /// Whether `id` is ready in this lane.
+    pub fn contains(&self, id: MsgId) -> bool {
+        if self.returned.contains_key(&id) {
+            return true;
+        }
+        // Fresh runs are in id order: the last run starting at or before `id`.
+        let at = self.fresh.partition_point(|r| r.first <= id);
+        let Some(run) = at.checked_sub(1).and_then(|i| self.fresh.get(i)) else { return false };
+        let offset = id - run.first;
+        offset % run.step() == 0 && offset / run.step() < run.count as u64
+    }
+
+    /// Every id ready in this lane (unordered between returned and fresh).
+    pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
+        self.returned.keys().copied().chain(self.fresh.iter().flat_map(|run| (0..run.count as u64).map(move |k| run.first + k * run.step())))
     }
 
     pub fn len(&self) -> u64 {
@@ -96,7 +128,7 @@ impl Ready {
     }
 
     /// A message just enqueued (its id above every id here).
-    pub fn push_fresh(&mut self, id: MsgId, size: u32, expires_at: u64) {
+    fn push_fresh(&mut self, id: MsgId, size: u32, expires_at: u64) {
         let size = if self.track_sizes { size } else { 0 };
         match self.fresh.back_mut() {
             Some(run) if run.expires_at == expires_at && run.count < u32::MAX && run.end() == id as u128 => run.count += 1,
@@ -115,7 +147,7 @@ impl Ready {
     }
 
     /// A message back from a consumer, to its place by id.
-    pub fn push_returned(&mut self, id: MsgId, state: MsgState) {
+    fn push_returned(&mut self, id: MsgId, state: MsgState) {
         if self.returned.insert(id, state).is_none() {
             self.count += 1;
             self.bytes += state.size as u64;
@@ -131,7 +163,7 @@ impl Ready {
     }
 
     /// Takes the head.
-    pub fn pop(&mut self) -> Option<(MsgId, MsgState)> {
+    fn pop(&mut self) -> Option<(MsgId, MsgState)> {
         let (id, state) = if let Some((id, st)) = self.returned.pop_first() {
             (id, st)
         } else {
@@ -145,7 +177,7 @@ impl Ready {
                 run.first += run.step();
             }
             let size = if self.track_sizes { self.sizes.pop_front().unwrap_or(0) } else { 0 };
-            (id, MsgState { delivery_count: 0, acquired: 0, size, expires_at })
+            (id, MsgState { delivery_count: 0, acquired: 0, size, expires_at, high: false })
         };
         self.count -= 1;
         self.bytes -= state.size as u64;
@@ -153,7 +185,7 @@ impl Ready {
     }
 
     /// Removes everything; returns the ids removed as runs `(first, count)`, in id order.
-    pub fn clear(&mut self) -> Vec<(MsgId, u32)> {
+    fn clear(&mut self) -> Vec<(MsgId, u32)> {
         let mut runs: Vec<(MsgId, u32)> = Vec::new();
         for &id in self.returned.keys() {
             push_id(&mut runs, id);
@@ -170,13 +202,120 @@ impl Ready {
                 _ => runs.push((run.first, run.count)),
             }
         }
-        *self = Ready::new(self.track_sizes);
+        *self = Lane::new(self.track_sizes);
         runs
     }
 
     /// Entries of memory held (returned messages + fresh runs + sizes), for the cost figures.
     pub fn entries(&self) -> (usize, usize, usize) {
         (self.returned.len(), self.fresh.len(), self.sizes.len())
+    }
+}
+
+/// The ready messages: the normal and the high-priority lane, and whose turn it is.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Ready {
+    pub(crate) normal: Lane,
+    pub(crate) high: Lane,
+    /// Heads taken from the high lane since the last from the normal one (< [`HIGH_PER_NORMAL`]
+    /// while the normal lane has messages).
+    pub(crate) high_streak: u8,
+}
+
+impl Ready {
+    pub fn new(track_sizes: bool) -> Ready {
+        Ready { normal: Lane::new(track_sizes), high: Lane::new(track_sizes), high_streak: 0 }
+    }
+
+    pub fn len(&self) -> u64 {
+        self.normal.len() + self.high.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of the ready messages (0 unless the queue counts them).
+    pub fn bytes(&self) -> u64 {
+        self.normal.bytes() + self.high.bytes()
+    }
+
+    /// A message just enqueued (its id above every id here).
+    pub fn push_fresh(&mut self, id: MsgId, size: u32, expires_at: u64, high: bool) {
+        self.lane_mut(high).push_fresh(id, size, expires_at);
+    }
+
+    /// A message back from a consumer, to its place by id in its lane.
+    pub fn push_returned(&mut self, id: MsgId, state: MsgState) {
+        self.lane_mut(state.high).push_returned(id, state);
+    }
+
+    fn lane_mut(&mut self, high: bool) -> &mut Lane {
+        if high {
+            &mut self.high
+        } else {
+            &mut self.normal
+        }
+    }
+
+    /// Whether the next head comes from the high lane.
+    fn high_next(&self) -> bool {
+        !self.high.is_empty() && (self.normal.is_empty() || self.high_streak < HIGH_PER_NORMAL)
+    }
+
+    /// The head's id and expiry: the next message [`Ready::pop`] takes.
+    pub fn head(&self) -> Option<(MsgId, u64)> {
+        if self.high_next() {
+            self.high.head()
+        } else {
+            self.normal.head()
+        }
+    }
+
+    /// Takes the head.
+    pub fn pop(&mut self) -> Option<(MsgId, MsgState)> {
+        if self.high_next() {
+            self.high_streak = self.high_streak.saturating_add(1);
+            return self.high.pop().map(|(id, st)| (id, MsgState { high: true, ..st }));
+        }
+        let popped = self.normal.pop()?;
+        self.high_streak = 0;
+        Some(popped)
+    }
+
+    /// Takes the normal lane's head, or the high lane's when the normal one is empty (what
+    /// `x-max-length` drops), without changing whose turn it is.
+    pub fn pop_lowest(&mut self) -> Option<(MsgId, MsgState)> {
+        match self.normal.pop() {
+            Some(popped) => Some(popped),
+            None => self.high.pop().map(|(id, st)| (id, MsgState { high: true, ..st })),
+        }
+    }
+
+    /// Whether `id` is ready.
+    pub fn contains(&self, id: MsgId) -> bool {
+        self.normal.contains(id) || self.high.contains(id)
+    }
+
+    /// Every ready id (unordered).
+    pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
+        self.normal.ids().chain(self.high.ids())
+    }
+
+    /// Removes everything; returns the ids removed as runs `(first, count)`, in id order.
+    pub fn clear(&mut self) -> Vec<(MsgId, u32)> {
+        let mut runs = self.normal.clear();
+        runs.extend(self.high.clear());
+        runs.sort_unstable();
+        self.high_streak = 0;
+        runs
+    }
+
+    /// Entries of memory held (returned messages + fresh runs + sizes), for the cost figures.
+    pub fn entries(&self) -> (usize, usize, usize) {
+        let (a, b, c) = self.normal.entries();
+        let (d, e, f) = self.high.entries();
+        (a + d, b + e, c + f)
     }
 }
 
@@ -194,15 +333,15 @@ mod tests {
 
     #[test]
     fn returned_messages_come_first_in_id_order_and_runs_merge() {
-        let mut r = Ready::new(true);
+        let mut r = Lane::new(true);
         for i in 0..3 {
             r.push_fresh((5 << 16) | i, 10, NEVER);
         }
         r.push_fresh(6 << 16, 7, NEVER);
         assert_eq!(r.fresh.len(), 2);
         assert_eq!((r.len(), r.bytes()), (4, 37));
-        r.push_returned(9, MsgState { delivery_count: 1, acquired: 1, size: 3, expires_at: NEVER });
-        r.push_returned(4, MsgState { delivery_count: 0, acquired: 1, size: 2, expires_at: NEVER });
+        r.push_returned(9, MsgState { delivery_count: 1, acquired: 1, size: 3, expires_at: NEVER, high: false });
+        r.push_returned(4, MsgState { delivery_count: 0, acquired: 1, size: 2, expires_at: NEVER, high: false });
         let order: Vec<MsgId> = std::iter::from_fn(|| r.pop().map(|(id, _)| id)).collect();
         assert_eq!(order, vec![4, 9, 5 << 16, (5 << 16) | 1, (5 << 16) | 2, 6 << 16]);
         assert_eq!((r.len(), r.bytes()), (0, 0));
@@ -210,7 +349,7 @@ mod tests {
 
     #[test]
     fn one_message_entries_at_consecutive_indexes_share_a_run() {
-        let mut r = Ready::new(false);
+        let mut r = Lane::new(false);
         for index in 10..1010u64 {
             r.push_fresh(index << 16, 1, NEVER);
         }
@@ -223,5 +362,29 @@ mod tests {
         let runs = r.clear();
         assert_eq!(runs.len(), 998 + 1);
         assert_eq!(runs.last(), Some(&(1011 << 16, 2)));
+    }
+
+    #[test]
+    fn high_priority_heads_go_two_for_each_normal_one_and_requeues_keep_their_lane() {
+        let mut r = Ready::new(false);
+        for i in 0..4u64 {
+            r.push_fresh(i << 16, 1, NEVER, false);
+        }
+        for i in 4..10u64 {
+            r.push_fresh(i << 16, 1, NEVER, true);
+        }
+        let mut order = Vec::new();
+        while let Some((id, st)) = r.pop() {
+            order.push((id >> 16, st.high));
+        }
+        let lanes: Vec<bool> = order.iter().map(|(_, high)| *high).collect();
+        assert_eq!(lanes, vec![true, true, false, true, true, false, true, true, false, false]);
+        let ids: Vec<u64> = order.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, vec![4, 5, 0, 6, 7, 1, 8, 9, 2, 3]);
+        // A returned high message goes back to the head of its lane.
+        r.push_returned(3 << 16, MsgState { high: false, ..MsgState::default() });
+        r.push_returned(8 << 16, MsgState { high: true, ..MsgState::default() });
+        assert_eq!(r.pop().map(|(id, st)| (id >> 16, st.high)), Some((8, true)));
+        assert!(r.contains(3 << 16) && !r.contains(8 << 16));
     }
 }

@@ -9,17 +9,20 @@
 //! status u8, checkouts (count; id, state)), groups (count; priority zigzag, members (count; id),
 //! next), sac_active opt id, exclusive opt id, returned (count; id, state), fresh runs (count;
 //! first, count, per_entry u8, expires opt), sizes (count; size). A message state is delivery_count, acquired,
-//! size, expires opt. Decoding checks the references between parts: a bad snapshot is an error,
+//! size, expires opt.
+//! Version 2 (quorum queue priorities): a message state also has high u8; after the ready
+//! messages above (the normal lane) come high_streak u8 and the high lane, laid out as the normal
+//! one. Version 1 snapshots still decode (everything normal). Decoding checks the references between parts: a bad snapshot is an error,
 //! never a panic or an inconsistent machine.
 
 use super::codec::{err, put_bool, put_opt, put_var, put_zigzag, DecodeError, Reader};
 use super::command::{ConsumerId, MsgId, SessionId};
 use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Session, Status};
-use super::ready::{MsgState, Ready, Run, NEVER};
+use super::ready::{Lane, MsgState, Ready, Run, NEVER};
 use bytes::{BufMut, Bytes, BytesMut};
 use std::collections::{BTreeMap, VecDeque};
 
-pub const SNAPSHOT_VERSION: u8 = 1;
+pub const SNAPSHOT_VERSION: u8 = 2;
 
 fn put_id(out: &mut BytesMut, c: ConsumerId) {
     put_var(out, c.node);
@@ -35,6 +38,26 @@ fn put_state(out: &mut BytesMut, st: &MsgState) {
     put_var(out, st.acquired as u64);
     put_var(out, st.size as u64);
     put_expiry(out, st.expires_at);
+    put_bool(out, st.high);
+}
+
+fn put_lane(out: &mut BytesMut, lane: &Lane) {
+    put_var(out, lane.returned.len() as u64);
+    for (msg, st) in &lane.returned {
+        put_var(out, *msg);
+        put_state(out, st);
+    }
+    put_var(out, lane.fresh.len() as u64);
+    for run in &lane.fresh {
+        put_var(out, run.first);
+        put_var(out, run.count as u64);
+        put_bool(out, run.per_entry);
+        put_expiry(out, run.expires_at);
+    }
+    put_var(out, lane.sizes.len() as u64);
+    for s in &lane.sizes {
+        put_var(out, *s as u64);
+    }
 }
 
 pub fn encode(m: &QuorumMachine) -> Bytes {
@@ -106,22 +129,9 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
         }
     }
 
-    put_var(&mut out, m.ready.returned.len() as u64);
-    for (msg, st) in &m.ready.returned {
-        put_var(&mut out, *msg);
-        put_state(&mut out, st);
-    }
-    put_var(&mut out, m.ready.fresh.len() as u64);
-    for run in &m.ready.fresh {
-        put_var(&mut out, run.first);
-        put_var(&mut out, run.count as u64);
-        put_bool(&mut out, run.per_entry);
-        put_expiry(&mut out, run.expires_at);
-    }
-    put_var(&mut out, m.ready.sizes.len() as u64);
-    for s in &m.ready.sizes {
-        put_var(&mut out, *s as u64);
-    }
+    put_lane(&mut out, &m.ready.normal);
+    out.put_u8(m.ready.high_streak);
+    put_lane(&mut out, &m.ready.high);
     out.freeze()
 }
 
@@ -137,8 +147,10 @@ fn expiry(r: &mut Reader) -> Result<u64, DecodeError> {
     }
 }
 
-fn state(r: &mut Reader) -> Result<MsgState, DecodeError> {
-    Ok(MsgState { delivery_count: r.var_u32()?, acquired: r.var_u32()?, size: r.var_u32()?, expires_at: expiry(r)? })
+fn state(r: &mut Reader, version: u8) -> Result<MsgState, DecodeError> {
+    let (delivery_count, acquired, size, expires_at) = (r.var_u32()?, r.var_u32()?, r.var_u32()?, expiry(r)?);
+    let high = version >= 2 && r.bool()?;
+    Ok(MsgState { delivery_count, acquired, size, expires_at, high })
 }
 
 fn priority(r: &mut Reader) -> Result<i32, DecodeError> {
@@ -148,7 +160,7 @@ fn priority(r: &mut Reader) -> Result<i32, DecodeError> {
 pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
-    if version != SNAPSHOT_VERSION {
+    if version != 1 && version != SNAPSHOT_VERSION {
         return err(format!("unknown snapshot version {version}"));
     }
     let config = QueueConfig {
@@ -196,6 +208,8 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
 
     // Every message appears once: checked out by one consumer, or ready.
     let mut seen: BTreeMap<MsgId, ()> = BTreeMap::new();
+    // Checked-out messages, and whether each is of the high lane.
+    let mut checked: BTreeMap<MsgId, bool> = BTreeMap::new();
     let n = r.count(9)?;
     for _ in 0..n {
         let cid = id(&mut r)?;
@@ -213,10 +227,11 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         let mut checked_out = BTreeMap::new();
         for _ in 0..k {
             let msg = r.var()?;
-            let st = state(&mut r)?;
+            let st = state(&mut r, version)?;
             if seen.insert(msg, ()).is_some() || checked_out.insert(msg, st).is_some() {
                 return err("message checked out twice");
             }
+            checked.insert(msg, st.high);
         }
         m.checked_out += checked_out.len() as u64;
         if m.consumers.insert(cid, Consumer { priority, prefetch, auto_ack, credit, status, checked_out }).is_some() {
@@ -270,11 +285,38 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         return err("single active consumer missing, or set on a queue without it");
     }
 
+    let track_sizes = m.config.max_length_bytes.is_some();
+    let normal = decode_lane(&mut r, version, false, track_sizes, &mut seen, &checked)?;
+    let (high_streak, high) = if version >= 2 {
+        (r.u8()?, decode_lane(&mut r, version, true, track_sizes, &mut seen, &checked)?)
+    } else {
+        (0, Lane::new(track_sizes))
+    };
+    if !track_sizes && m.consumers.values().flat_map(|c| c.checked_out.values()).any(|s| s.size != 0) {
+        return err("sizes on a queue that does not count them");
+    }
+    // Every id was enqueued by an entry already applied, so ids keep rising after the restore.
+    let id_limit = m.last_index.map_or(0u128, |l| (l as u128 + 1) << 16);
+    let highest = [seen.keys().next_back().copied(), normal.fresh.back().map(Run::last), high.fresh.back().map(Run::last)].into_iter().flatten().max();
+    if highest.is_some_and(|h| h as u128 >= id_limit) {
+        return err("message ids above the last applied index");
+    }
+    r.end()?;
+    m.ready = Ready { normal, high, high_streak };
+    Ok(m)
+}
+
+/// One lane of ready messages (`high`: the high-priority one). `seen`: the ids met so far
+/// (checked out, or ready in the lane before); `checked`: the checked-out ones, by lane.
+fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen: &mut BTreeMap<MsgId, ()>, checked: &BTreeMap<MsgId, bool>) -> Result<Lane, DecodeError> {
     let n = r.count(5)?;
     let mut returned = BTreeMap::new();
     for _ in 0..n {
         let msg = r.var()?;
-        let st = state(&mut r)?;
+        let st = state(r, version)?;
+        if st.high != high {
+            return err("a ready message in the other priority lane");
+        }
         if seen.insert(msg, ()).is_some() || returned.insert(msg, st).is_some() {
             return err("ready message also checked out or repeated");
         }
@@ -287,7 +329,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         let first = r.var()?;
         let count = r.var_u32()?;
         let per_entry = r.bool()?;
-        let expires_at = expiry(&mut r)?;
+        let expires_at = expiry(r)?;
         let run = Run { first, count, per_entry, expires_at };
         if count == 0 || floor.is_some_and(|f| first <= f) || run.end() > u64::MAX as u128 {
             return err("fresh runs out of order");
@@ -296,9 +338,9 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         fresh_count += count as u64;
         fresh.push_back(run);
     }
-    // Checked-out ids may be anywhere below the fresh ones; a fresh id must not be checked out.
+    // A message checked out from this lane was its head once: below every fresh id of the lane.
     if let Some(first_fresh) = fresh.front().map(|r| r.first) {
-        if seen.range(first_fresh..).next().is_some_and(|(&id, _)| !returned.contains_key(&id)) {
+        if checked.range(first_fresh..).any(|(_, h)| *h == high) {
             return err("a fresh message is also checked out");
         }
     }
@@ -307,20 +349,11 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     for _ in 0..n {
         sizes.push_back(r.var_u32()?);
     }
-    let track_sizes = m.config.max_length_bytes.is_some();
     if (track_sizes && sizes.len() as u64 != fresh_count) || (!track_sizes && !sizes.is_empty()) {
         return err("fresh sizes do not match the fresh messages");
     }
-    if !track_sizes && returned.values().chain(m.consumers.values().flat_map(|c| c.checked_out.values())).any(|s| s.size != 0) {
+    if !track_sizes && returned.values().any(|s| s.size != 0) {
         return err("sizes on a queue that does not count them");
     }
-    // Every id was enqueued by an entry already applied, so ids keep rising after the restore.
-    let id_limit = m.last_index.map_or(0u128, |l| (l as u128 + 1) << 16);
-    let highest = [seen.keys().next_back().copied(), fresh.back().map(Run::last)].into_iter().flatten().max();
-    if highest.is_some_and(|h| h as u128 >= id_limit) {
-        return err("message ids above the last applied index");
-    }
-    r.end()?;
-    m.ready = Ready::from_parts(track_sizes, returned, fresh, sizes);
-    Ok(m)
+    Ok(Lane::from_parts(track_sizes, returned, fresh, sizes))
 }

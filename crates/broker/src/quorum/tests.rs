@@ -31,7 +31,7 @@ impl Q {
     /// Publishes one message per seq in one entry; returns the effects and the single reply.
     fn publish(&mut self, session: SessionId, now_ms: u64, seqs: std::ops::RangeInclusive<u64>, ttl: Option<u64>) -> (Vec<Effect>, Reply) {
         let (effects, reply) = self.apply(|e| {
-            e.begin_enqueue(session, now_ms);
+            e.begin_enqueue(session, now_ms, false);
             for s in seqs {
                 e.message(s, 10, ttl, format!("body {s}").as_bytes()).unwrap();
             }
@@ -95,7 +95,7 @@ fn message_ids_are_index_and_place_and_enqueue_confirms() {
 #[test]
 fn store_effect_names_the_payload_in_the_entry() {
     let mut e = Encoder::new();
-    e.begin_enqueue(S1, 5);
+    e.begin_enqueue(S1, 5, false);
     e.message(1, 3, None, b"abc").unwrap();
     e.message(2, 5, Some(100), b"hello").unwrap();
     let entry = e.finish();
@@ -485,7 +485,7 @@ fn a_backlog_of_one_message_entries_costs_runs_not_messages() {
         if index % 1000 == 0 {
             e.tick(index, u64::MAX);
         } else {
-            e.begin_enqueue(S1, index);
+            e.begin_enqueue(S1, index, false);
             e.message(index, 10, None, b"m").unwrap();
         }
         m.apply(index, &e.finish());
@@ -503,7 +503,7 @@ fn a_backlog_of_one_message_entries_costs_runs_not_messages() {
 #[test]
 fn commands_round_trip_through_the_encoding() {
     let mut e = Encoder::new();
-    e.begin_enqueue(S1, 123);
+    e.begin_enqueue(S1, 123, false);
     e.message(9, 3, Some(0), b"xyz").unwrap();
     e.message(10, 0, None, b"").unwrap();
     e.attach(&Attach { consumer: C1, prefetch: 5, auto_ack: true, exclusive: true, priority: -3 });
@@ -518,10 +518,16 @@ fn commands_round_trip_through_the_encoding() {
     e.tick(u64::MAX, u64::MAX);
     e.touch(0);
     e.purge();
+    e.begin_enqueue(SessionId { node: 2, channel: 1 }, 124, true);
+    e.message(11, 1, None, b"h").unwrap();
     let entry = e.finish();
     let cmd = Command::decode(&entry).unwrap();
     let Command::Batch(cmds) = &cmd else { panic!() };
-    assert_eq!(cmds.len(), 13);
+    assert_eq!(cmds.len(), 14);
+    let Command::Enqueue { msgs, .. } = &cmds[13] else { panic!() };
+    assert!(msgs[0].high);
+    let Command::Enqueue { msgs, .. } = &cmds[0] else { panic!() };
+    assert!(!msgs[0].high && !msgs[1].high);
     assert_eq!(cmds[3], Command::Settle { consumer: C1, msg_ids: vec![5, 3, 900, 1] });
     assert_eq!(cmds[5], Command::Discard { consumer: C3, msg_ids: vec![u64::MAX, 0] });
     assert_eq!(cmd.encode(&entry).unwrap(), entry);
@@ -541,7 +547,7 @@ fn commands_round_trip_through_the_encoding() {
 #[test]
 fn an_entry_holds_at_most_65535_messages() {
     let mut e = Encoder::new();
-    e.begin_enqueue(S1, 0);
+    e.begin_enqueue(S1, 0, false);
     for s in 0..MAX_MESSAGES_PER_ENTRY as u64 {
         e.message(s, 0, None, b"").unwrap();
     }
@@ -580,7 +586,7 @@ fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [
             0..=34 => {
                 let s = rng.gen_range(0..3);
                 *now += rng.gen_range(0..50);
-                e.begin_enqueue(SessionId { node: s as u64 + 1, channel: 1 }, *now);
+                e.begin_enqueue(SessionId { node: s as u64 + 1, channel: 1 }, *now, rng.gen_bool(0.3));
                 // Sometimes re-send some already applied seqs (a leader change).
                 let from = if rng.gen_bool(0.2) { seqs[s].saturating_sub(rng.gen_range(0..5)) } else { seqs[s] };
                 let n = rng.gen_range(0..6);
@@ -669,7 +675,7 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
             for (index, entry) in &entries[..cut] {
                 prefix.apply(*index, entry);
             }
-            saw_per_entry_runs |= prefix.ready.fresh.iter().any(|r| r.per_entry && r.count > 1);
+            saw_per_entry_runs |= prefix.ready.normal.fresh.iter().chain(prefix.ready.high.fresh.iter()).any(|r| r.per_entry && r.count > 1);
             let snap = prefix.snapshot();
             let mut restored = QuorumMachine::new(QueueConfig::default());
             restored.restore(&snap).unwrap_or_else(|e| panic!("seed {seed} cut {cut}: {e}"));
@@ -747,7 +753,7 @@ fn apply_throughput() {
             let t = std::time::Instant::now();
             let mut e = Encoder::new();
             e.settle(C1, &to_settle);
-            e.begin_enqueue(S1, 0);
+            e.begin_enqueue(S1, 0, false);
             for _ in 0..batch {
                 seq += 1;
                 e.message(seq, body.len() as u32, None, &body).unwrap();
@@ -776,7 +782,7 @@ fn apply_throughput() {
 fn entries_past_index_2_pow_48_enqueue_nothing() {
     let mut m = QuorumMachine::new(QueueConfig::default());
     let mut e = Encoder::new();
-    e.begin_enqueue(S1, 0);
+    e.begin_enqueue(S1, 0, false);
     e.message(1, 1, None, b"x").unwrap();
     let (effects, reply) = m.apply(machine::MAX_INDEX, &e.finish());
     assert_eq!(single(reply), Reply::Enqueued { applied_up_to: 1, rejected: vec![1] });
@@ -912,12 +918,12 @@ fn enqueued_payloads_give_each_stored_message_its_own_bytes() {
     let mut q = Q::new(QueueConfig { max_length: Some(6), overflow: Overflow::RejectPublish, ..QueueConfig::default() });
     q.publish(S1, 1, 1..=2, None);
     let mut e = Encoder::new();
-    e.begin_enqueue(S1, 2);
+    e.begin_enqueue(S1, 2, false);
     for s in [2, 3, 4] {
         e.message(s, 10, None, format!("s1 {s}").as_bytes()).unwrap(); // 2: a duplicate
     }
     e.settle(C2, &[12345]);
-    e.begin_enqueue(S2, 2);
+    e.begin_enqueue(S2, 2, false);
     for s in [1, 2, 3] {
         e.message(s, 10, None, format!("s2 {s}").as_bytes()).unwrap(); // 3: past max-length, refused
     }
@@ -990,4 +996,40 @@ fn an_unassigned_message_is_not_a_failed_delivery() {
         e.settle(C1, &[id]);
     });
     assert_eq!(q.m.ready_count(), 1);
+}
+
+
+/// RabbitMQ 4's quorum queue priorities: messages above priority 4 go first, two for each normal
+/// one while both wait, through requeues, snapshots and replays alike.
+#[test]
+fn high_priority_messages_go_two_for_each_normal_one() {
+    let mut q = Q::new(QueueConfig::default());
+    q.apply(|e| {
+        e.begin_enqueue(S1, 1, false);
+        for seq in 1..=3 {
+            e.message(seq, 1, None, b"n").unwrap();
+        }
+        e.begin_enqueue(S1, 1, true);
+        for seq in 4..=7 {
+            e.message(seq, 1, None, b"h").unwrap();
+        }
+    });
+    let index = q.index;
+    let normal: Vec<MsgId> = (0..3).map(|i| msg_id(index, i)).collect();
+    let high: Vec<MsgId> = (3..7).map(|i| msg_id(index, i)).collect();
+    let restored = {
+        let mut m = QuorumMachine::new(QueueConfig::default());
+        m.restore(&q.m.snapshot()).unwrap();
+        m
+    };
+    assert_eq!(restored, q.m);
+    let effects = q.attach(C1, 0, 0);
+    let order = delivered_ids(&effects, C1);
+    assert_eq!(order, vec![high[0], high[1], normal[0], high[2], high[3], normal[1], normal[2]]);
+    // A requeued high-priority message goes back to the head of its lane.
+    q.apply(|e| e.return_(C1, &[high[3], normal[2]]));
+    let snapshot = q.m.snapshot();
+    let mut again = QuorumMachine::new(QueueConfig::default());
+    again.restore(&snapshot).unwrap();
+    assert_eq!(again.snapshot(), snapshot);
 }
