@@ -33,8 +33,13 @@ impl DeathReason {
     }
 }
 
+/// What an at-least-once dead letter's source is told once its re-publish is settled: true when
+/// every queue it reached holds it durably (or it was dropped for good on the way: a dead-letter
+/// cycle, unreadable properties); false when it must be tried again (no such exchange, no queue
+/// reached, a queue refused it or did not confirm).
+pub type SettleDeadLetter = Box<dyn FnOnce(bool) + Send>;
+
 /// A message leaving `queue` for its dead-letter exchange.
-#[derive(Debug)]
 pub struct DeadLetter {
     pub message: MessageRef,
     pub reason: DeathReason,
@@ -43,6 +48,21 @@ pub struct DeadLetter {
     pub exchange: String,
     /// The queue's `x-dead-letter-routing-key`, if set; otherwise the original routing key is kept.
     pub routing_key: Option<String>,
+    /// At-least-once (a quorum queue's `x-dead-letter-strategy`): told when the re-publish is
+    /// confirmed (`crate::deadletter_confirms`). None: at-most-once, not confirmed.
+    pub settle: Option<SettleDeadLetter>,
+}
+
+impl std::fmt::Debug for DeadLetter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeadLetter")
+            .field("reason", &self.reason)
+            .field("queue", &self.queue)
+            .field("exchange", &self.exchange)
+            .field("routing_key", &self.routing_key)
+            .field("at_least_once", &self.settle.is_some())
+            .finish()
+    }
 }
 
 fn long_string(s: &str) -> FieldValue {
@@ -243,7 +263,7 @@ mod tests {
     fn after_deaths(deaths: &[(&str, DeathReason)]) -> MessageRef {
         let mut message = plain("rk");
         for &(queue, reason) in deaths {
-            let letter = DeadLetter { message, reason, queue: queue.into(), exchange: String::new(), routing_key: None };
+            let letter = DeadLetter { message, reason, queue: queue.into(), exchange: String::new(), routing_key: None, settle: None };
             message = std::sync::Arc::new(dead_lettered_message(&letter, 0).expect("readable properties"));
         }
         message

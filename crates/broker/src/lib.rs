@@ -12,6 +12,7 @@ pub mod broker;
 pub mod channel;
 pub mod consumers;
 pub mod deadletter;
+pub mod deadletter_confirms;
 pub mod direct_reply;
 pub mod definitions;
 pub mod error;

@@ -17,6 +17,17 @@ pub enum Overflow {
     RejectPublishDlx,
 }
 
+/// `x-dead-letter-strategy` (quorum queues).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeadLetterStrategy {
+    /// A dead letter leaves the queue when it is dead-lettered; its re-publish is not confirmed.
+    #[default]
+    AtMostOnce,
+    /// A dead letter stays in the queue until its target holds it (with `x-overflow:
+    /// reject-publish`; otherwise at-most-once, as RabbitMQ).
+    AtLeastOnce,
+}
+
 /// `x-queue-type`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QueueType {
@@ -56,6 +67,8 @@ pub struct QueueArgs {
     pub overflow: Overflow,
     pub dead_letter_exchange: Option<String>,
     pub dead_letter_routing_key: Option<String>,
+    /// `x-dead-letter-strategy`.
+    pub dead_letter_strategy: DeadLetterStrategy,
     /// `x-retention-seconds`: keep consumed messages on disk this long after they were enqueued, so the
     /// queue can later be rewound to a point in time (Warren's own argument; 0 or absent: no retention).
     pub retention_ms: u64,
@@ -82,6 +95,7 @@ pub const SUPPORTED: &[&str] = &[
     "x-overflow",
     "x-dead-letter-exchange",
     "x-dead-letter-routing-key",
+    "x-dead-letter-strategy",
     "x-queue-type",
     "x-retention-seconds",
     "x-single-active-consumer",
@@ -97,7 +111,7 @@ pub const SUPPORTED: &[&str] = &[
 /// Arguments RabbitMQ knows but Warren does not implement, with what to do instead.
 fn unsupported_hint(arg: &str) -> &'static str {
     match arg {
-        "x-max-in-memory-length" | "x-max-in-memory-bytes" | "x-dead-letter-strategy" => {
+        "x-max-in-memory-length" | "x-max-in-memory-bytes" => {
             "Warren's quorum queues do not implement it (they keep no bodies in their Raft state anyway)"
         }
         "x-max-age" | "x-stream-max-segment-size-bytes" | "x-initial-cluster-size" => {
@@ -189,6 +203,7 @@ impl QueueArgs {
             overflow: Overflow::DropHead,
             dead_letter_exchange: string("x-dead-letter-exchange")?,
             dead_letter_routing_key: string("x-dead-letter-routing-key")?,
+            dead_letter_strategy: DeadLetterStrategy::AtMostOnce,
             retention_ms: non_negative("x-retention-seconds")?.unwrap_or(0).saturating_mul(1000),
             single_active_consumer: match args.get("x-single-active-consumer") {
                 None => false,
@@ -213,6 +228,18 @@ impl QueueArgs {
                     return Err(invalid(
                         "x-overflow",
                         &format!("{{unknown_overflow_value,<<\"{other}\">>}} (use drop-head, reject-publish or reject-publish-dlx)"),
+                    ))
+                }
+            };
+        }
+        if let Some(strategy) = string("x-dead-letter-strategy")? {
+            parsed.dead_letter_strategy = match strategy.as_str() {
+                "at-most-once" => DeadLetterStrategy::AtMostOnce,
+                "at-least-once" => DeadLetterStrategy::AtLeastOnce,
+                other => {
+                    return Err(invalid(
+                        "x-dead-letter-strategy",
+                        &format!("unknown dead-letter strategy '{other}' (use at-most-once or at-least-once)"),
                     ))
                 }
             };
@@ -253,6 +280,12 @@ impl QueueArgs {
         }
         match parsed.queue_type {
             QueueType::Classic => {
+                if parsed.dead_letter_strategy == DeadLetterStrategy::AtLeastOnce {
+                    return Err(invalid(
+                        "x-dead-letter-strategy",
+                        "at-least-once dead-lettering is for quorum queues (declare the queue with x-queue-type 'quorum' and x-overflow 'reject-publish')",
+                    ));
+                }
                 for arg in ["x-delivery-limit", "x-quorum-initial-group-size"] {
                     if args.get(arg).is_some() {
                         return Err(invalid(arg, "it is not supported by classic queues (it applies to quorum queues: declare the queue with x-queue-type 'quorum', or without it)"));
@@ -281,6 +314,7 @@ impl QueueArgs {
 pub const EQUIVALENCE_KEYS: &[&str] = &[
     "x-dead-letter-exchange",
     "x-dead-letter-routing-key",
+    "x-dead-letter-strategy",
     "x-expires",
     "x-max-length",
     "x-max-length-bytes",

@@ -91,6 +91,8 @@ pub struct VHost {
     next_queue_id: Arc<AtomicU64>,
     /// Dead letters waiting to be re-published (see `dead_letter`).
     dead_letters: DeadLetterWork,
+    /// Confirms of at-least-once dead letters' re-publishes (`crate::deadletter_confirms`).
+    dead_letter_confirms: Arc<crate::deadletter_confirms::DeadLetterConfirms>,
     me: Weak<VHost>,
     /// Direct reply-to consumers (`amq.rabbitmq.reply-to`).
     pub replies: Arc<ReplyConsumers>,
@@ -118,6 +120,7 @@ const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
 
 impl VHost {
     pub fn new(name: String, store: Store, metadata: Arc<Metadata>, next_queue_id: Arc<AtomicU64>, quorum: Arc<QuorumRuntime>) -> Arc<VHost> {
+        let confirms = crate::deadletter_confirms::DeadLetterConfirms::new(store.clone());
         let vhost = Arc::new_cyclic(|me| VHost {
             name,
             exchanges: RwLock::new(HashMap::new()),
@@ -131,6 +134,7 @@ impl VHost {
             metadata,
             next_queue_id,
             dead_letters: DeadLetterWork::default(),
+            dead_letter_confirms: confirms,
             me: me.clone(),
             replies: Arc::new(ReplyConsumers::new(quorum.clone())),
             quorum,
@@ -955,15 +959,27 @@ impl VHost {
         false
     }
 
-    fn republish_dead_letter(&self, letter: DeadLetter) {
+    fn republish_dead_letter(&self, mut letter: DeadLetter) {
+        let settle = letter.settle.take();
         let now_secs = crate::now_ms() / 1000;
-        let Some(message) = dead_lettered_message(&letter, now_secs) else { return };
+        let Some(message) = dead_lettered_message(&letter, now_secs) else {
+            // Its properties do not decode: it can never be re-published (logged there).
+            if let Some(settle) = settle {
+                settle(true);
+            }
+            return;
+        };
         let Some(ex) = self.find_exchange(&letter.exchange) else {
             tracing::debug!(exchange = %letter.exchange, "dead-letter exchange does not exist; message dropped");
+            // At-least-once: kept in its source until the exchange exists (as RabbitMQ).
+            if let Some(settle) = settle {
+                settle(false);
+            }
             return;
         };
         let mut queues = Vec::new();
         self.route(&ex, &message, &mut queues);
+        let routed = !queues.is_empty();
         queues.retain(|q| {
             let cycle = is_cycle(&message, letter.reason, &q.name);
             if cycle {
@@ -971,8 +987,27 @@ impl VHost {
             }
             !cycle
         });
-        if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false, None) {
-            tracing::warn!(error = %e, "could not dead-letter a message");
+        let Some(settle) = settle else {
+            if let Err(e) = self.deliver_to_queues(Arc::new(message), &queues, false, None) {
+                tracing::warn!(error = %e, "could not dead-letter a message");
+            }
+            return;
+        };
+        if queues.is_empty() {
+            // Dropped for good by the cycle rule; or routed nowhere: kept in its source, tried again.
+            settle(routed);
+            return;
+        }
+        let (session, seq) = self.dead_letter_confirms.publisher();
+        let publisher = crate::deadletter_confirms::as_publisher(&session, seq);
+        // Settled once every queue it reached answered (a classic queue that refused it, with
+        // reject-publish, answered at once: then it is tried again).
+        match self.deliver_to_queues(Arc::new(message), &queues, false, Some(publisher)) {
+            Ok(outcome) => self.dead_letter_confirms.track(seq, outcome.ticket, outcome.rejected, settle),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not dead-letter a message; its source keeps it and tries again");
+                self.dead_letter_confirms.track(seq, None, true, settle);
+            }
         }
     }
 

@@ -1002,6 +1002,7 @@ impl Queue {
                 queue: self.name.clone(),
                 exchange: exchange.clone(),
                 routing_key: self.args.dead_letter_routing_key.clone(),
+                settle: None,
             });
         }
     }

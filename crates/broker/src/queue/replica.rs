@@ -223,6 +223,13 @@ const READABLE_WAIT: Duration = Duration::from_secs(5);
 /// took it before it answers get-empty (the message then goes back: the getter is gone).
 const GET_APPLY_WAIT: Duration = Duration::from_secs(5);
 
+/// At-least-once dead letters: re-published again if not settled within this (a lost confirm).
+const DEAD_LETTER_SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// At-least-once dead letters: a re-publish that was refused (no route, a full target, no majority)
+/// is tried again after this.
+const DEAD_LETTER_RETRY_AFTER: Duration = Duration::from_secs(2);
+/// At-least-once dead letters re-published per tick (once a second) by the leader.
+const REDRIVE_PER_TICK: usize = 4096;
 /// How long purge waits for its entry.
 const PURGE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How many times an ack or detach whose entry's outcome was unknown is proposed again (each try
@@ -334,6 +341,7 @@ impl ReplicaState {
             generation: 0,
             extra_tick_at: 0,
             waiting_for_room: false,
+            dlx_in_flight: HashMap::new(),
         }
     }
 }
@@ -384,6 +392,9 @@ struct ReplicaState {
     extra_tick_at: u64,
     /// This replica waits for room in the vhost's dead letters to propose that Tick.
     waiting_for_room: bool,
+    /// At-least-once dead letters this node re-published as the leader, and when each may be
+    /// re-published again if its settle has not come (`QuorumReplica::redrive_dead_letters`).
+    dlx_in_flight: HashMap<MsgId, std::time::Instant>,
     /// Bumped when the state is replaced (`QuorumReplica::leave_group`): an apply that let the lock
     /// go to read bodies (`QuorumReplica::apply`) and finds it changed stops there.
     generation: u64,
@@ -579,6 +590,18 @@ pub fn queue_config(name: &str, args: &QueueArgs) -> QueueConfig {
         tracing::error!(queue = name, error = %e, "quorum queue with arguments it cannot have; using the defaults");
         QueueConfig { delivery_limit, ..QueueConfig::default() }
     })
+}
+
+/// Dead letters by reason, in id order within each.
+fn group_by_reason(letters: &[(MsgId, Reason)]) -> Vec<(Reason, Vec<MsgId>)> {
+    let mut groups: Vec<(Reason, Vec<MsgId>)> = Vec::new();
+    for (id, reason) in letters {
+        match groups.iter_mut().find(|(r, _)| r == reason) {
+            Some((_, ids)) => ids.push(*id),
+            None => groups.push((*reason, vec![*id])),
+        }
+    }
+    groups
 }
 
 fn death_reason(reason: Reason) -> Option<DeathReason> {
@@ -794,7 +817,17 @@ impl QuorumReplica {
                         queue: queue.name.clone(),
                         exchange: exchange.clone(),
                         routing_key: queue.args.dead_letter_routing_key.clone(),
+                        settle: None,
                     });
+                }
+            }
+            // At-least-once: every replica keeps the bodies until `DeadLettered`; the leader
+            // re-publishes them now, confirmed (those whose body it has not: at the next tick).
+            Effect::DeadLetterHeld { reason, msgs } => {
+                if leader && !st.deleted {
+                    for id in run_ids(&msgs) {
+                        self.republish_held(queue, st, id, reason, after);
+                    }
                 }
             }
             // Confirms come from this node's replica applying the entry, in log order (a re-sent
@@ -869,7 +902,9 @@ impl QuorumReplica {
                 let through = msgs.iter().map(|d| d.msg_id).max()?;
                 (msgs.iter().map(|d| d.msg_id).find(|id| not_held(st, *id, tries))?, through)
             }
-            Effect::DeadLetter { reason, msgs } if leader && death_reason(*reason).is_some() && queue.args.dead_letter_exchange.is_some() => {
+            Effect::DeadLetter { reason, msgs } | Effect::DeadLetterHeld { reason, msgs }
+                if leader && death_reason(*reason).is_some() && queue.args.dead_letter_exchange.is_some() =>
+            {
                 let through = msgs.iter().map(|&(first, n)| first + u64::from(n).saturating_sub(1)).max()?;
                 (run_ids(msgs).find(|id| not_held(st, *id, tries))?, through)
             }
@@ -1958,10 +1993,106 @@ impl QuorumReplica {
         self.flush(queue, &mut p);
     }
 
+    /// At-least-once: re-publishes dead letter `id` (its body held) to the queue's dead-letter
+    /// exchange, confirmed; marks it in flight. False if its body is not held (read it first).
+    fn republish_held(&self, queue: &Arc<Queue>, st: &mut ReplicaState, id: MsgId, reason: Reason, after: &mut After) -> bool {
+        let (Some(reason), Some(exchange)) = (death_reason(reason), &queue.args.dead_letter_exchange) else { return true };
+        let Some(message) = self.message_of(queue, st, id) else { return false };
+        st.dlx_in_flight.insert(id, std::time::Instant::now() + DEAD_LETTER_SETTLE_TIMEOUT);
+        let weak = Arc::downgrade(queue);
+        after.dead.push(DeadLetter {
+            message,
+            reason,
+            queue: queue.name.clone(),
+            exchange: exchange.clone(),
+            routing_key: queue.args.dead_letter_routing_key.clone(),
+            settle: Some(Box::new(move |done| {
+                if let Some(queue) = weak.upgrade() {
+                    if let Some(r) = &queue.replica {
+                        r.dead_letter_settled(&queue, id, done);
+                    }
+                }
+            })),
+        });
+        true
+    }
+
+    /// At-least-once: the re-publish of dead letter `id` is confirmed (`done`: its targets hold it,
+    /// it leaves the queue through a `DeadLettered`), or must be tried again a little later.
+    fn dead_letter_settled(&self, queue: &Arc<Queue>, id: MsgId, done: bool) {
+        if !done {
+            let mut st = self.state.lock();
+            if let Some(at) = st.dlx_in_flight.get_mut(&id) {
+                *at = std::time::Instant::now() + DEAD_LETTER_RETRY_AFTER;
+            }
+            return;
+        }
+        let mut p = self.proposals.lock();
+        p.encoder.dead_lettered(&[id]);
+        p.command(Waiter::None);
+        self.flush(queue, &mut p);
+    }
+
+    /// At-least-once, on the leader: re-publishes the dead letters the machine still holds that
+    /// this node has not re-published (a new leader: all of them), or whose settle is overdue, at
+    /// most `REDRIVE_PER_TICK` at a time; bodies only on disk are read first (off the lock).
+    fn redrive_dead_letters(&self, queue: &Arc<Queue>) {
+        if !self.is_leader() {
+            return;
+        }
+        let mut after = After::default();
+        {
+            let mut st = self.state.lock();
+            if st.deleted || st.machine.dead_letter_count() == 0 {
+                st.dlx_in_flight.clear();
+                return;
+            }
+            let now = std::time::Instant::now();
+            let ReplicaState { machine, dlx_in_flight, .. } = &mut *st;
+            dlx_in_flight.retain(|id, _| machine.is_dead_letter_waiting(*id));
+            let due: Vec<(MsgId, Reason)> = machine
+                .dead_letters_waiting()
+                .filter(|(id, _)| dlx_in_flight.get(id).is_none_or(|at| *at <= now))
+                .take(REDRIVE_PER_TICK)
+                .collect();
+            if due.is_empty() {
+                return;
+            }
+            let generation = st.generation;
+            for (reason, ids) in group_by_reason(&due) {
+                let effect = Effect::DeadLetterHeld { reason, msgs: ids.iter().fold(Vec::new(), |mut runs, id| {
+                    crate::quorum::ready::push_id(&mut runs, *id);
+                    runs
+                }) };
+                let mut tries = HashMap::new();
+                while let Some(read) = self.body_read_for(queue, &mut st, &effect, true, &mut tries) {
+                    let bodies = parking_lot::MutexGuard::unlocked(&mut st, || crate::blocking::run(|| self.read_bodies(queue, &read)));
+                    if st.generation != generation {
+                        return;
+                    }
+                    let bodies = match &read.from {
+                        BodySource::UnderWay(seqs) => self.took_read_under_way(&mut st, seqs, bodies),
+                        _ => bodies,
+                    };
+                    if let Some(bodies) = bodies {
+                        take_bodies(&mut st, bodies, &read.wanted);
+                    }
+                }
+                for id in ids {
+                    if st.machine.is_dead_letter_waiting(id) && !self.republish_held(queue, &mut st, id, reason, &mut after) {
+                        tracing::warn!(queue = %queue.name, msg_id = id, "the body of a dead letter waiting for its target could not be read; trying again later");
+                    }
+                }
+            }
+        }
+        self.finish(queue, after);
+    }
+
     /// Periodic: the leader proposes a Tick when messages or the queue can expire; every replica
     /// detaches the consumers of its node it no longer has.
     pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
         self.detach_gone_consumers(queue);
+        self.redrive_dead_letters(queue);
         // The leader that applied the expiry deletes the queue (`after.expired`); should it be lost
         // before its deletion was committed, whichever leads now does it.
         let expired = { let st = self.state.lock(); !st.deleted && st.machine.queue_expired() };

@@ -22,6 +22,7 @@
 //! | 15 | `Tick` | now_ms, max_expired (a tick before it, tag 11, expires without a bound) |
 //! | 16 | `Unassign` | consumer, count, first id, then zigzag deltas |
 //! | 17 | `Enqueue` of high-priority messages | as tag 1 |
+//! | 18 | `DeadLettered` | count, first id, then zigzag deltas |
 //!
 //! "opt" is a varint with 0 = none and n + 1 = n. Message payloads are opaque here: decoding keeps
 //! only their place in the entry ([`EnqueueMsg::payload`]), so applying an entry never copies a body.
@@ -110,6 +111,9 @@ pub enum Command {
     /// Assigned to the consumer but never sent to its client (the node's backlog for it when it was
     /// cancelled): back to the queue as if never assigned, not a failed delivery, not redelivered.
     Unassign { consumer: ConsumerId, msg_ids: Vec<MsgId> },
+    /// At-least-once dead-lettering: these dead letters are held by their target now (or were
+    /// dropped for good on the way): they leave the queue.
+    DeadLettered { msg_ids: Vec<MsgId> },
     /// An auto-ack consumer's credit is set to `credit`; an acking consumer's prefetch is set to it.
     Credit { consumer: ConsumerId, credit: u32 },
     /// basic.get: takes the head message for `consumer` (created if absent, removed once settled).
@@ -146,6 +150,7 @@ const TAG_BATCH: u8 = 14;
 const TAG_TICK_BOUNDED: u8 = 15;
 const TAG_UNASSIGN: u8 = 16;
 const TAG_ENQUEUE_HIGH: u8 = 17;
+const TAG_DEAD_LETTERED: u8 = 18;
 
 const ATTACH_AUTO_ACK: u8 = 1;
 const ATTACH_EXCLUSIVE: u8 = 2;
@@ -260,6 +265,7 @@ fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command
         TAG_RETURN => Command::Return { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
         TAG_DISCARD => Command::Discard { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
         TAG_UNASSIGN => Command::Unassign { consumer: decode_consumer(r)?, msg_ids: decode_ids(r)? },
+        TAG_DEAD_LETTERED => Command::DeadLettered { msg_ids: decode_ids(r)? },
         TAG_CREDIT => Command::Credit { consumer: decode_consumer(r)?, credit: r.var_u32()? },
         TAG_DEQUEUE => Command::Dequeue { consumer: decode_consumer(r)?, auto_ack: r.bool()? },
         TAG_CONSUMER_DOWN => Command::ConsumerDown { node: r.var()? },
@@ -434,6 +440,11 @@ impl Encoder {
         self.ids(ids);
     }
 
+    pub fn dead_lettered(&mut self, ids: &[MsgId]) {
+        self.begin(TAG_DEAD_LETTERED);
+        self.ids(ids);
+    }
+
     pub fn credit(&mut self, consumer: ConsumerId, credit: u32) {
         self.consumer(TAG_CREDIT, consumer);
         put_var(&mut self.buf, credit as u64);
@@ -499,6 +510,7 @@ impl Encoder {
             Command::Return { consumer, msg_ids } => self.return_(*consumer, msg_ids),
             Command::Discard { consumer, msg_ids } => self.discard(*consumer, msg_ids),
             Command::Unassign { consumer, msg_ids } => self.unassign(*consumer, msg_ids),
+            Command::DeadLettered { msg_ids } => self.dead_lettered(msg_ids),
             Command::Credit { consumer, credit } => self.credit(*consumer, *credit),
             Command::Dequeue { consumer, auto_ack } => self.dequeue(*consumer, *auto_ack),
             Command::ConsumerDown { node } => self.consumer_down(*node),

@@ -41,6 +41,10 @@ pub struct QueueConfig {
     /// Whether the queue has a dead-letter exchange: removed messages are then [`Effect::DeadLetter`]
     /// (the wrapper re-publishes them), else [`Effect::Dropped`].
     pub dead_letter: bool,
+    /// `x-dead-letter-strategy: at-least-once` (with `x-overflow: reject-publish`, as RabbitMQ
+    /// requires): a dead-lettered message stays in the queue ([`QuorumMachine::dlx`]) until a
+    /// `DeadLettered` says its target holds it ([`Effect::DeadLetterHeld`]).
+    pub at_least_once: bool,
     /// `x-single-active-consumer` (with RabbitMQ 4's switch to a higher-priority consumer).
     pub single_active_consumer: bool,
     /// `x-expires`: the queue reports [`Effect::QueueExpired`] once unused this long.
@@ -62,6 +66,7 @@ impl Default for QueueConfig {
             delivery_limit: Some(DEFAULT_DELIVERY_LIMIT),
             message_ttl_ms: None,
             dead_letter: false,
+            at_least_once: false,
             single_active_consumer: false,
             expires_ms: None,
         }
@@ -92,6 +97,11 @@ impl QueueConfig {
             delivery_limit,
             message_ttl_ms: args.message_ttl_ms,
             dead_letter: args.dead_letter_exchange.is_some(),
+            // As RabbitMQ: without reject-publish the strategy falls back to at-most-once (messages
+            // kept for their dead-letter target must not be pushed out by drop-head).
+            at_least_once: args.dead_letter_exchange.is_some()
+                && args.dead_letter_strategy == crate::queue_args::DeadLetterStrategy::AtLeastOnce
+                && args.overflow == ArgOverflow::RejectPublish,
             single_active_consumer: args.single_active_consumer,
             expires_ms: args.expires_ms,
         })
@@ -158,6 +168,10 @@ pub enum Effect {
     Release { msgs: IdRuns },
     /// Re-publish these messages to the queue's dead-letter exchange with `reason`, then forget them.
     DeadLetter { reason: Reason, msgs: IdRuns },
+    /// At-least-once: these messages left the queue for its dead-letter exchange with `reason`, but
+    /// stay (bodies kept) until a `DeadLettered` names them. The leader re-publishes them, and every
+    /// later leader re-publishes those not settled yet ([`QuorumMachine::dead_letters_waiting`]).
+    DeadLetterHeld { reason: Reason, msgs: IdRuns },
     /// Removed without dead-lettering (no dead-letter exchange, or purged): forget them.
     Dropped { reason: Reason, msgs: IdRuns },
     /// To the session's node: every pub seq up to `applied_up_to` is applied; `rejected` (of this
@@ -246,6 +260,7 @@ struct Out {
 enum Gone {
     Release,
     DeadLetter(Reason),
+    DeadLetterHeld(Reason),
     Dropped(Reason),
 }
 
@@ -278,6 +293,7 @@ impl Out {
         let extended = match (self.effects.last_mut(), how) {
             (Some(Effect::Release { msgs }), Gone::Release) => Some(msgs),
             (Some(Effect::DeadLetter { reason, msgs }), Gone::DeadLetter(r)) if *reason == r => Some(msgs),
+            (Some(Effect::DeadLetterHeld { reason, msgs }), Gone::DeadLetterHeld(r)) if *reason == r => Some(msgs),
             (Some(Effect::Dropped { reason, msgs }), Gone::Dropped(r)) if *reason == r => Some(msgs),
             _ => None,
         };
@@ -286,6 +302,7 @@ impl Out {
             None => self.effects.push(match how {
                 Gone::Release => Effect::Release { msgs: vec![(id, 1)] },
                 Gone::DeadLetter(reason) => Effect::DeadLetter { reason, msgs: vec![(id, 1)] },
+                Gone::DeadLetterHeld(reason) => Effect::DeadLetterHeld { reason, msgs: vec![(id, 1)] },
                 Gone::Dropped(reason) => Effect::Dropped { reason, msgs: vec![(id, 1)] },
             }),
         }
@@ -313,6 +330,10 @@ pub struct QuorumMachine {
     pub(crate) next_session_sweep_ms: u64,
     pub(crate) checked_out: u64,
     pub(crate) counters: Counters,
+    /// At-least-once dead-lettering: messages dead-lettered and not yet held by their target, with
+    /// why and their state (size counted against the length limits, as RabbitMQ counts them).
+    pub(crate) dlx: BTreeMap<MsgId, (Reason, MsgState)>,
+    pub(crate) dlx_bytes: u64,
 }
 
 impl QuorumMachine {
@@ -332,7 +353,24 @@ impl QuorumMachine {
             next_session_sweep_ms: 0,
             checked_out: 0,
             counters: Counters::default(),
+            dlx: BTreeMap::new(),
+            dlx_bytes: 0,
         }
+    }
+
+    /// At-least-once: dead letters not yet held by their target, oldest first.
+    pub fn dead_letters_waiting(&self) -> impl Iterator<Item = (MsgId, Reason)> + '_ {
+        self.dlx.iter().map(|(id, (reason, _))| (*id, *reason))
+    }
+
+    /// At-least-once: how many dead letters wait for their target.
+    pub fn dead_letter_count(&self) -> u64 {
+        self.dlx.len() as u64
+    }
+
+    /// Whether `id` is a dead letter waiting for its target.
+    pub fn is_dead_letter_waiting(&self, id: MsgId) -> bool {
+        self.dlx.contains_key(&id)
     }
 
     pub fn config(&self) -> &QueueConfig {
@@ -383,13 +421,15 @@ impl QuorumMachine {
     pub fn live_ids(&self) -> Vec<MsgId> {
         let mut ids: Vec<MsgId> = self.ready.ids().collect();
         ids.extend(self.consumers.values().flat_map(|c| c.checked_out.keys().copied()));
+        ids.extend(self.dlx.keys().copied());
         ids.sort_unstable();
         ids
     }
 
-    /// Whether `id` is a live message: ready, or checked out to a consumer.
+    /// Whether `id` is a live message: ready, checked out to a consumer, or a dead letter waiting
+    /// for its target.
     pub fn is_live(&self, id: MsgId) -> bool {
-        self.ready.contains(id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id))
+        self.ready.contains(id) || self.dlx.contains_key(&id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id))
     }
 
     /// The last pub seq applied for a session.
@@ -498,6 +538,10 @@ impl QuorumMachine {
                 self.expired_reported = false;
                 Reply::Ok
             }
+            Command::DeadLettered { msg_ids } => {
+                self.dead_lettered(&msg_ids, out);
+                Reply::Ok
+            }
             Command::Purge => {
                 let count = self.ready.len();
                 let runs = self.ready.clear();
@@ -527,8 +571,11 @@ impl QuorumMachine {
     }
 
     fn over_limit(&self, extra_count: u64, extra_bytes: u64) -> bool {
-        self.config.max_length.is_some_and(|m| self.ready.len() + extra_count > m)
-            || self.config.max_length_bytes.is_some_and(|m| self.ready.bytes() + extra_bytes > m)
+        // Dead letters waiting for their target count (at-least-once): a target that cannot take
+        // them makes the source refuse publishes (reject-publish), as in RabbitMQ.
+        let waiting = self.dlx.len() as u64;
+        self.config.max_length.is_some_and(|m| self.ready.len() + waiting + extra_count > m)
+            || self.config.max_length_bytes.is_some_and(|m| self.ready.bytes() + self.dlx_bytes + extra_bytes > m)
     }
 
     fn enqueue(&mut self, index: u64, session: SessionId, now_ms: u64, msgs: Vec<EnqueueMsg>, next_i: &mut u32, out: &mut Out) -> Reply {
@@ -579,8 +626,8 @@ impl QuorumMachine {
                 self.assign(out);
                 while self.over_limit(0, 0) {
                     // The oldest normal message first: a high-priority one goes only when no normal one is left.
-                    let Some((dropped, _)) = self.ready.pop_lowest() else { break };
-                    self.remove(out, dropped, Reason::MaxLen);
+                    let Some((dropped, st)) = self.ready.pop_lowest() else { break };
+                    self.remove(out, dropped, st, Reason::MaxLen);
                 }
             }
         }
@@ -594,8 +641,13 @@ impl QuorumMachine {
 
     /// A message leaves the queue for `reason`: dead-lettered if the queue has a dead-letter
     /// exchange (purges never are), else dropped.
-    fn remove(&mut self, out: &mut Out, id: MsgId, reason: Reason) {
-        if self.config.dead_letter && reason != Reason::Purged {
+    fn remove(&mut self, out: &mut Out, id: MsgId, st: MsgState, reason: Reason) {
+        if self.config.dead_letter && reason != Reason::Purged && self.config.at_least_once {
+            // Counted dead-lettered once its target holds it (`dead_lettered`).
+            self.dlx_bytes += st.size as u64;
+            self.dlx.insert(id, (reason, st));
+            out.gone(Gone::DeadLetterHeld(reason), id);
+        } else if self.config.dead_letter && reason != Reason::Purged {
             self.counters.dead_lettered += 1;
             out.gone(Gone::DeadLetter(reason), id);
         } else {
@@ -616,8 +668,8 @@ impl QuorumMachine {
     fn expire_head(&mut self, out: &mut Out, max_dead_letters: u64) {
         let mut left = if self.config.dead_letter { max_dead_letters } else { u64::MAX };
         while left > 0 && self.head_expired() {
-            let Some((id, _)) = self.ready.pop() else { break };
-            self.remove(out, id, Reason::Expired);
+            let Some((id, st)) = self.ready.pop() else { break };
+            self.remove(out, id, st, Reason::Expired);
             left -= 1;
         }
     }
@@ -643,6 +695,19 @@ impl QuorumMachine {
         self.next_session_sweep_ms = self.now_ms.saturating_add(SESSION_SWEEP_EVERY_MS);
         let now = self.now_ms;
         self.sessions.retain(|_, s| now.saturating_sub(s.last_ms) < SESSION_IDLE_MS);
+    }
+
+    /// At-least-once: these dead letters are held by their targets (or were dropped for good on
+    /// the way, a dead-letter cycle): they leave the queue. Ids not waiting (settled already, by
+    /// an earlier leader's re-publish) are ignored.
+    fn dead_lettered(&mut self, ids: &[MsgId], out: &mut Out) {
+        for id in ids {
+            if let Some((_, st)) = self.dlx.remove(id) {
+                self.dlx_bytes -= st.size as u64;
+                self.counters.dead_lettered += 1;
+                out.gone(Gone::Release, *id);
+            }
+        }
     }
 
     fn check_queue_expiry(&mut self, out: &mut Out) {
@@ -789,7 +854,7 @@ impl QuorumMachine {
                     self.counters.acked += 1;
                     out.gone(Gone::Release, msg);
                 }
-                Settlement::Reject => self.remove(out, msg, Reason::Rejected),
+                Settlement::Reject => self.remove(out, msg, st, Reason::Rejected),
                 // Never sent to the client: as if never assigned (not redelivered, not failed).
                 Settlement::Unassign => {
                     st.acquired = st.acquired.saturating_sub(1);
@@ -798,7 +863,7 @@ impl QuorumMachine {
                 Settlement::Requeue => {
                     st.delivery_count = st.delivery_count.saturating_add(1);
                     if self.config.delivery_limit.is_some_and(|limit| st.delivery_count > limit) {
-                        self.remove(out, msg, Reason::DeliveryLimit);
+                        self.remove(out, msg, st, Reason::DeliveryLimit);
                     } else {
                         self.counters.returned += 1;
                         self.ready.push_returned(msg, st);

@@ -10,14 +10,16 @@
 //! next), sac_active opt id, exclusive opt id, returned (count; id, state), fresh runs (count;
 //! first, count, per_entry u8, expires opt), sizes (count; size). A message state is delivery_count, acquired,
 //! size, expires opt.
-//! Version 2 (quorum queue priorities): a message state also has high u8; after the ready
-//! messages above (the normal lane) come high_streak u8 and the high lane, laid out as the normal
-//! one. Version 1 snapshots still decode (everything normal). Decoding checks the references between parts: a bad snapshot is an error,
+//! Version 2 (quorum queue priorities, at-least-once dead-lettering): the config has
+//! at_least_once u8 after dead_letter; a message state also has high u8; after the ready messages
+//! above (the normal lane) come high_streak u8 and the high lane, laid out as the normal one, then
+//! the dead letters waiting for their target (count; id, reason u8, state). Version 1 snapshots
+//! still decode (everything normal, at-most-once). Decoding checks the references between parts: a bad snapshot is an error,
 //! never a panic or an inconsistent machine.
 
 use super::codec::{err, put_bool, put_opt, put_var, put_zigzag, DecodeError, Reader};
 use super::command::{ConsumerId, MsgId, SessionId};
-use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Session, Status};
+use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Reason, Session, Status};
 use super::ready::{Lane, MsgState, Ready, Run, NEVER};
 use bytes::{BufMut, Bytes, BytesMut};
 use std::collections::{BTreeMap, VecDeque};
@@ -73,6 +75,7 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
     put_opt(&mut out, c.delivery_limit.map(u64::from));
     put_opt(&mut out, c.message_ttl_ms);
     put_bool(&mut out, c.dead_letter);
+    put_bool(&mut out, c.at_least_once);
     put_bool(&mut out, c.single_active_consumer);
     put_opt(&mut out, c.expires_ms);
 
@@ -132,6 +135,12 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
     put_lane(&mut out, &m.ready.normal);
     out.put_u8(m.ready.high_streak);
     put_lane(&mut out, &m.ready.high);
+    put_var(&mut out, m.dlx.len() as u64);
+    for (msg, (reason, st)) in &m.dlx {
+        put_var(&mut out, *msg);
+        out.put_u8(reason_code(*reason));
+        put_state(&mut out, st);
+    }
     out.freeze()
 }
 
@@ -151,6 +160,26 @@ fn state(r: &mut Reader, version: u8) -> Result<MsgState, DecodeError> {
     let (delivery_count, acquired, size, expires_at) = (r.var_u32()?, r.var_u32()?, r.var_u32()?, expiry(r)?);
     let high = version >= 2 && r.bool()?;
     Ok(MsgState { delivery_count, acquired, size, expires_at, high })
+}
+
+fn reason_code(reason: Reason) -> u8 {
+    match reason {
+        Reason::Rejected => 0,
+        Reason::Expired => 1,
+        Reason::MaxLen => 2,
+        Reason::DeliveryLimit => 3,
+        Reason::Purged => 4,
+    }
+}
+
+fn reason(r: &mut Reader) -> Result<Reason, DecodeError> {
+    Ok(match r.u8()? {
+        0 => Reason::Rejected,
+        1 => Reason::Expired,
+        2 => Reason::MaxLen,
+        3 => Reason::DeliveryLimit,
+        c => return err(format!("unknown dead-letter reason {c}")),
+    })
 }
 
 fn priority(r: &mut Reader) -> Result<i32, DecodeError> {
@@ -177,6 +206,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         },
         message_ttl_ms: r.opt()?,
         dead_letter: r.bool()?,
+        at_least_once: version >= 2 && r.bool()?,
         single_active_consumer: r.bool()?,
         expires_ms: r.opt()?,
     };
@@ -292,6 +322,24 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     } else {
         (0, Lane::new(track_sizes))
     };
+    if version >= 2 {
+        let n = r.count(6)?;
+        for _ in 0..n {
+            let msg = r.var()?;
+            let why = reason(&mut r)?;
+            let st = state(&mut r, version)?;
+            if seen.insert(msg, ()).is_some() || m.dlx.insert(msg, (why, st)).is_some() {
+                return err("a dead letter also ready, checked out or repeated");
+            }
+            if !track_sizes && st.size != 0 {
+                return err("sizes on a queue that does not count them");
+            }
+            m.dlx_bytes += st.size as u64;
+        }
+        if !m.dlx.is_empty() && !(m.config.at_least_once && m.config.dead_letter) {
+            return err("dead letters waiting on a queue without at-least-once dead-lettering");
+        }
+    }
     if !track_sizes && m.consumers.values().flat_map(|c| c.checked_out.values()).any(|s| s.size != 0) {
         return err("sizes on a queue that does not count them");
     }

@@ -562,13 +562,16 @@ fn an_entry_holds_at_most_65535_messages() {
 // ---- random command sequences ----
 
 fn random_config(rng: &mut StdRng) -> QueueConfig {
+    let overflow = if rng.gen_bool(0.5) { Overflow::DropHead } else { Overflow::RejectPublish };
+    let dead_letter = rng.gen_bool(0.5);
     QueueConfig {
         max_length: rng.gen_bool(0.3).then(|| rng.gen_range(0..20)),
         max_length_bytes: rng.gen_bool(0.2).then(|| rng.gen_range(0..400)),
-        overflow: if rng.gen_bool(0.5) { Overflow::DropHead } else { Overflow::RejectPublish },
+        overflow,
         delivery_limit: if rng.gen_bool(0.8) { Some(rng.gen_range(0..4)) } else { None },
         message_ttl_ms: rng.gen_bool(0.3).then(|| rng.gen_range(0..500)),
-        dead_letter: rng.gen_bool(0.5),
+        dead_letter,
+        at_least_once: dead_letter && overflow == Overflow::RejectPublish && rng.gen_bool(0.6),
         single_active_consumer: rng.gen_bool(0.3),
         expires_ms: rng.gen_bool(0.2).then(|| rng.gen_range(1..2000)),
     }
@@ -610,6 +613,12 @@ fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [
             78..=80 => e.credit(c, rng.gen_range(0..5)),
             81..=84 => e.dequeue(c, rng.gen_bool(0.5)),
             85..=86 => e.consumer_down(rng.gen_range(1..4)),
+            // At-least-once: some dead letters reached their target (and an id that is not one).
+            88 if m.dead_letter_count() > 0 => {
+                let mut ids: Vec<MsgId> = m.dead_letters_waiting().map(|(id, _)| id).filter(|_| rng.gen_bool(0.6)).collect();
+                ids.push(rng.gen_range(0..1 << 30));
+                e.dead_lettered(&ids);
+            }
             87..=95 => {
                 *now += rng.gen_range(0..400);
                 e.tick(*now, u64::MAX);
@@ -797,11 +806,14 @@ fn entries_past_index_2_pow_48_enqueue_nothing() {
 #[test]
 fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
     use std::collections::BTreeMap;
+    let mut saw_settled_dead_letters = false;
     for seed in 300..330 {
         let (config, entries) = random_run(seed, 300);
         let mut m = QuorumMachine::new(config);
         // id -> holder (None: ready)
         let mut live: BTreeMap<MsgId, Option<ConsumerId>> = BTreeMap::new();
+        // At-least-once dead letters waiting for their target.
+        let mut waiting = std::collections::BTreeSet::new();
         let leave = |live: &mut BTreeMap<MsgId, Option<ConsumerId>>, id: MsgId, why: &str| {
             assert!(live.remove(&id).is_some(), "seed {seed}: {id} left ({why}) but was not in the queue");
         };
@@ -848,7 +860,17 @@ fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
                             }
                         }
                     }
-                    Effect::Release { msgs } => run_ids(msgs).for_each(|id| leave(&mut live, id, "release")),
+                    Effect::Release { msgs } => run_ids(msgs).for_each(|id| {
+                        if waiting.remove(&id) {
+                            saw_settled_dead_letters = true;
+                        } else {
+                            leave(&mut live, id, "release")
+                        }
+                    }),
+                    Effect::DeadLetterHeld { msgs, .. } => run_ids(msgs).for_each(|id| {
+                        leave(&mut live, id, "held dead letter");
+                        assert!(waiting.insert(id), "seed {seed}: {id} dead-lettered twice");
+                    }),
                     Effect::DeadLetter { msgs, .. } => run_ids(msgs).for_each(|id| leave(&mut live, id, "dead-letter")),
                     Effect::Dropped { msgs, .. } => run_ids(msgs).for_each(|id| leave(&mut live, id, "drop")),
                     Effect::Published { .. } | Effect::QueueExpired => {}
@@ -870,8 +892,11 @@ fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
             let held = live.values().filter(|h| h.is_some()).count() as u64;
             let ready = live.len() as u64 - held;
             assert_eq!((ready, held), (m.ready_count(), m.checked_out_count()), "seed {seed} index {index}");
+            assert_eq!(waiting.len() as u64, m.dead_letter_count(), "seed {seed} index {index}");
+            assert!(waiting.iter().all(|id| m.is_live(*id)));
         }
     }
+    assert!(saw_settled_dead_letters, "no run settled an at-least-once dead letter");
 }
 
 #[test]
