@@ -315,9 +315,11 @@ class Cluster:
             time.sleep(0.2)
         raise AssertionError(f"n{n} not caught up within {timeout} s ({last})")
 
-    def leader(self, queue=None, timeout=20):
+    def leader(self, queue=None, timeout=20, group=None):
         """The node leading `queue`'s group (None: the metadata group), from `warren ctl
-        cluster-status --json` asked of every live node; waits until a leader is known.
+        cluster-status --json` asked of every live node; waits until a leader is known. With
+        several quorum queues, `group` names the queue's group (its queue id: the n-th quorum
+        queue declared in a fresh cluster has id n).
 
         Every node is asked and the claim of the highest term wins: a leader cut off a moment ago
         still names itself (its links may not be back yet), while the others follow a newer one.
@@ -334,6 +336,8 @@ class Cluster:
                 groups = status.get("groups", [])
                 if queue is None:
                     wanted = [g for g in groups if g.get("group") == 0]
+                elif group is not None:
+                    wanted = [g for g in groups if g.get("group") == group]
                 else:
                     wanted = [g for g in groups if g.get("group") != 0]
                     if len({g.get("group") for g in wanted}) > 1:

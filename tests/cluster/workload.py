@@ -230,6 +230,10 @@ class Client:
     def ack(self, tag, multiple=True):
         self.send(method_frame(1, 60, 80, struct.pack(">QB", tag, 1 if multiple else 0)))
 
+    def reject(self, tag):
+        """basic.reject without requeue: the message is dead-lettered (or dropped)."""
+        self.send(method_frame(1, 60, 90, struct.pack(">QB", tag, 0)))
+
     def close(self, timeout=2.0):
         """connection.close and its -ok (so acks sent before it were processed), then the socket."""
         try:
@@ -530,6 +534,36 @@ class Consumer(_Worker):
         if ends is not None and not self.stopping:
             c.cancel(self.name)
             c.close()
+
+
+class Rejecter(Consumer):
+    """Consumes as `Consumer` does, but rejects without requeue every message whose publisher seq
+    is a multiple of `every`, recording nothing for it: the queue dead-letters those, and the test
+    finds them in the dead-letter target. The others are recorded and acked."""
+
+    def __init__(self, name, targets, queue, history, *, every=3, **kw):
+        super().__init__(name, targets, queue, history, **kw)
+        self.every = every
+        self.rejected = 0
+
+    def session(self, c, label):
+        c.qos(self.prefetch)
+        c.consume(self.queue, tag=self.name)
+        while not self.stopping:
+            last = None
+            for ev in c.events(0.2):
+                if ev[0] != "deliver":
+                    continue
+                mid = message_id(ev[3])
+                if int(mid.rsplit("/", 1)[-1]) % self.every == 0:
+                    c.reject(ev[1])
+                    self.rejected += 1
+                else:
+                    self.history.receive(mid, label)
+                    self.delivered += 1
+                    last = ev[1]
+            if last is not None:
+                c.ack(last, multiple=True)
 
 
 def drain(targets, queue, history, *, arguments=None, idle=1.0, timeout=60.0, heartbeat=2, netns=None,
