@@ -255,6 +255,11 @@ trait GroupHandle: Send + Sync + 'static {
     fn install_snapshot(&self, msg: SnapshotMessage) -> BoxFuture<Result<SnapshotResponse<TypeConfig>, String>>;
     fn transfer_leader_rpc(&self, req: TransferLeaderRequest<TypeConfig>) -> BoxFuture<Result<TransferLeaderResponse<TypeConfig>, String>>;
     fn write(&self, cmd: Command) -> BoxFuture<WriteOutcome>;
+    /// On the leader: confirms its leadership with a quorum (ReadIndex) and answers (as the reply,
+    /// u64 little-endian) the log index a linearizable read must wait to have applied.
+    fn read_index(&self) -> BoxFuture<WriteOutcome>;
+    /// Waits (at most `timeout`) until this replica has applied entry `index`; whether it has.
+    fn wait_applied(&self, index: u64, timeout: Duration) -> BoxFuture<bool>;
     fn metrics(&self) -> RaftMetrics<TypeConfig>;
     /// Starts an election: with a pre-vote first (`pre_vote`), or at once (the leader's process
     /// is known dead: its lease, which a pre-vote respects, would only delay the failover).
@@ -358,6 +363,25 @@ where
                 }
             }
         })
+    }
+
+    fn read_index(&self) -> BoxFuture<WriteOutcome> {
+        let raft = self.raft.clone();
+        Box::pin(async move {
+            use openraft::error::LinearizableReadError;
+            match raft.get_read_log_id(openraft::raft::ReadPolicy::ReadIndex).await {
+                Ok((read, _)) => WriteOutcome::Applied(Reply(Bytes::copy_from_slice(&read.log_id().index().to_le_bytes()))),
+                Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => WriteOutcome::NotLeader(f.leader_id),
+                // No quorum answered the leader: it may not lead any more; try again until the deadline.
+                Err(RaftError::APIError(LinearizableReadError::QuorumNotEnough(_))) => WriteOutcome::NotLeader(None),
+                Err(RaftError::Fatal(e)) => WriteOutcome::Fatal(e.to_string()),
+            }
+        })
+    }
+
+    fn wait_applied(&self, index: u64, timeout: Duration) -> BoxFuture<bool> {
+        let raft = self.raft.clone();
+        Box::pin(async move { raft.wait(Some(timeout)).applied_index_at_least(Some(index), "read barrier").await.is_ok() })
     }
 
     fn metrics(&self) -> RaftMetrics<TypeConfig> {
@@ -882,8 +906,35 @@ impl ClusterNode {
     /// when the group is not on this node or has no known leader, to the peers in turn), following
     /// leader hints and retrying through elections for up to `timeout`.
     pub async fn propose(&self, group: GroupId, command: Command, timeout: Duration) -> Result<Reply, ProposeError> {
+        self.to_leader(group, Some(command), timeout).await
+    }
+
+    /// A linearizable read barrier on `group`: once it returns, this node's replica has applied
+    /// every entry committed before it was called. The group's leader confirms its leadership with
+    /// a quorum (a heartbeat round: no log entry, no fsync) and names its read index; this node
+    /// waits until it has applied that far.
+    pub async fn linearize(&self, group: GroupId, timeout: Duration) -> Result<(), ProposeError> {
         let deadline = Instant::now() + timeout;
-        let payload = command.0.clone();
+        let reply = self.to_leader(group, None, timeout).await?;
+        let index = <[u8; 8]>::try_from(&reply.0[..])
+            .map(u64::from_le_bytes)
+            .map_err(|_| ProposeError::Fatal(group, format!("a read index of {} bytes", reply.0.len())))?;
+        let Some(h) = self.handle(group) else { return Err(ProposeError::NoGroup(group)) };
+        if h.wait_applied(index, deadline.saturating_duration_since(Instant::now())).await {
+            Ok(())
+        } else {
+            Err(ProposeError::Timeout(group, timeout))
+        }
+    }
+
+    /// `command` (None: a read index) for `group`'s leader: written here if this node leads,
+    /// else forwarded to the leader, following hints, until `timeout`.
+    async fn to_leader(&self, group: GroupId, command: Option<Command>, timeout: Duration) -> Result<Reply, ProposeError> {
+        let deadline = Instant::now() + timeout;
+        let (rpc, payload) = match &command {
+            Some(c) => (Rpc::Propose, c.0.clone()),
+            None => (Rpc::ReadIndex, Bytes::new()),
+        };
         let mut hint: Option<NodeId> = None;
         let mut tried_peers: usize = 0;
         loop {
@@ -893,11 +944,14 @@ impl ClusterNode {
             let local = self.handle(group);
             let target = hint.take().or_else(|| local.as_ref().and_then(|h| h.metrics().current_leader));
             let outcome = match (target, &local) {
-                (Some(t), Some(h)) if t == self.inner.id => h.write(command.clone()).await,
+                (Some(t), Some(h)) if t == self.inner.id => match &command {
+                    Some(c) => h.write(c.clone()).await,
+                    None => h.read_index().await,
+                },
                 // The leader's node is silent (dead, stopped or cut off): wait for the election
                 // rather than for a call that cannot be answered.
                 (Some(t), _) if self.leader_gone(group, t) => WriteOutcome::NotLeader(None),
-                (Some(t), _) => self.forward(t, group, local.as_deref(), &payload, deadline).await,
+                (Some(t), _) => self.forward(t, rpc, group, local.as_deref(), &payload, deadline).await,
                 (None, Some(_)) => WriteOutcome::NotLeader(None),
                 (None, None) => {
                     // The group is not here: ask the peers in turn.
@@ -907,7 +961,7 @@ impl ClusterNode {
                     }
                     let p = peers[tried_peers % peers.len()];
                     tried_peers += 1;
-                    self.forward(p, group, None, &payload, deadline).await
+                    self.forward(p, rpc, group, None, &payload, deadline).await
                 }
             };
             match outcome {
@@ -934,9 +988,9 @@ impl ClusterNode {
     /// failure detector says it is down) or when this node's replica of the group (`local`) learns
     /// of another leader: a leader that stopped or was cut off never answers, and waiting out the
     /// call's timeout would hold up this node's later proposals to the group.
-    async fn forward(&self, to: NodeId, group: GroupId, local: Option<&dyn GroupHandle>, payload: &[u8], deadline: Instant) -> WriteOutcome {
+    async fn forward(&self, to: NodeId, rpc: Rpc, group: GroupId, local: Option<&dyn GroupHandle>, payload: &[u8], deadline: Instant) -> WriteOutcome {
         let left = deadline.saturating_duration_since(Instant::now()).min(PEER_CALL_TIMEOUT);
-        let call = self.inner.transport.request(to, LinkKind::Bulk, Rpc::Propose, group, payload, left);
+        let call = self.inner.transport.request(to, LinkKind::Bulk, rpc, group, payload, left);
         let leader_now = || local.and_then(|h| h.metrics().current_leader);
         let known = leader_now(); // may differ from `to` (sent on a peer's hint)
         let abandoned = async {
@@ -1335,7 +1389,7 @@ impl ClusterNode {
         }
         let Some(h) = self.handle(group) else {
             return match rpc {
-                Rpc::Propose => Ok(WriteOutcome::Fatal(NO_GROUP.to_owned()).encode()),
+                Rpc::Propose | Rpc::ReadIndex => Ok(WriteOutcome::Fatal(NO_GROUP.to_owned()).encode()),
                 _ => Err(format!("group {group}: {NO_GROUP}")),
             };
         };
@@ -1383,6 +1437,7 @@ impl ClusterNode {
             }
             // Forwarded commands are written here or refused with a hint, never forwarded again.
             Rpc::Propose => Ok(h.write(Command(payload)).await.encode()),
+            Rpc::ReadIndex => Ok(h.read_index().await.encode()),
             Rpc::Ping | Rpc::Status | Rpc::Admin | Rpc::Bodies | Rpc::Classic => Err("unexpected".to_owned()),
         }
     }

@@ -64,6 +64,11 @@ impl MetadataGroup for ClusterMetadata {
         })
     }
 
+    fn read_barrier(&self, timeout: Duration) -> Option<BoxFuture<Result<(), String>>> {
+        let node = self.node.clone();
+        Some(Box::pin(async move { node.linearize(METADATA_GROUP, timeout).await.map_err(|e| e.to_string()) }))
+    }
+
     fn wait_applied_elsewhere(&self, index: u64, timeout: Duration) -> BoxFuture<Vec<u64>> {
         let node = self.node.clone();
         Box::pin(async move {

@@ -18,8 +18,9 @@
 //!    publish on another routes with the binding (read-your-writes across nodes).
 //!
 //! Reads stay local. Before answering "does not exist" (404, unroutable) a node waits for a
-//! barrier ([`catch_up`]): an empty entry proposed through the group, so everything committed
-//! before the miss (by a node that could not reach this one in time) is applied here first.
+//! barrier ([`catch_up`]): the leader's read index (a quorum heartbeat round, no log entry:
+//! `MetadataGroup::read_barrier`), so everything committed before the miss (by a node that
+//! could not reach this one in time) is applied here first.
 //! Concurrent misses share one barrier (`Metadata::catch_up`).
 //!
 //! Entry and snapshot bytes: a version byte ([`ENTRY_VERSION`]), then JSON (the ops as in
@@ -70,6 +71,13 @@ pub trait MetadataGroup: Send + Sync {
     fn propose(&self, entry: Bytes, timeout: Duration) -> BoxFuture<Result<Committed, ProposeFailed>>;
     /// Waits (at most `timeout`) until every other member this node reaches has applied entry
     /// `index`; resolves to those that did not say so in time.
+    /// A read barrier without a log entry, if the group offers one: resolves once this node has
+    /// applied everything committed before the call (the leader's read index). None: the caller
+    /// commits an empty entry instead.
+    fn read_barrier(&self, timeout: Duration) -> Option<BoxFuture<Result<(), String>>> {
+        let _ = timeout;
+        None
+    }
     fn wait_applied_elsewhere(&self, index: u64, timeout: Duration) -> BoxFuture<Vec<u64>> {
         let _ = (index, timeout);
         Box::pin(async { Vec::new() })

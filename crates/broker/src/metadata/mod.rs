@@ -514,7 +514,8 @@ impl Metadata {
     ///
     /// Concurrent callers share barriers: one runs at a time, and a caller takes the result of
     /// the first that *starts* after it came (one that started before may have missed what the
-    /// caller must see), so a burst of misses costs two Raft commits, not one each.
+    /// caller must see), so a burst of misses costs two read barriers, not one each. A read
+    /// barrier writes nothing to the group's log (`MetadataGroup::read_barrier`).
     pub fn catch_up(&self) -> bool {
         let Some(group) = self.group.read().clone() else { return false };
         if self.barrier_failed.lock().is_some_and(|t| t.elapsed() < group::BARRIER_BACKOFF) {
@@ -548,12 +549,16 @@ impl Metadata {
         })
     }
 
-    /// One barrier: an empty entry committed and applied here.
+    /// One barrier: the leader's read index applied here (or, where the group has none, an empty
+    /// entry committed and applied here).
     fn run_barrier(&self, group: &Arc<dyn MetadataGroup>) -> bool {
         let deadline = Instant::now() + group::BARRIER_TIMEOUT;
-        let result = match group::block_on(group.propose(group::encode_entry(&[]), group::BARRIER_TIMEOUT)) {
-            Ok(Ok(committed)) => self.wait_applied(committed.index, deadline),
-            Ok(Err(ProposeFailed::NotCommitted(e) | ProposeFailed::Unknown(e))) | Err(e) => Err(e),
+        let result = match group.read_barrier(group::BARRIER_TIMEOUT) {
+            Some(read) => group::block_on(read).and_then(|r| r),
+            None => match group::block_on(group.propose(group::encode_entry(&[]), group::BARRIER_TIMEOUT)) {
+                Ok(Ok(committed)) => self.wait_applied(committed.index, deadline),
+                Ok(Err(ProposeFailed::NotCommitted(e) | ProposeFailed::Unknown(e))) | Err(e) => Err(e),
+            },
         };
         match result {
             Ok(()) => true,

@@ -44,6 +44,9 @@ pub enum Rpc {
     /// One piece of a snapshot larger than [`SNAPSHOT_CHUNK`](super::raft::SNAPSHOT_CHUNK), in order;
     /// the last one installs it (see `transport::raft::SnapshotChunk`).
     SnapshotChunk = 12,
+    /// A read barrier for a group's leader (forwarding): it confirms its leadership with a quorum
+    /// and answers the index a linearizable read must wait to have applied (`ClusterNode::linearize`).
+    ReadIndex = 13,
 }
 
 impl Rpc {
@@ -60,6 +63,7 @@ impl Rpc {
             9 => Rpc::Admin,
             10 => Rpc::Bodies,
             11 => Rpc::Classic,
+            13 => Rpc::ReadIndex,
             12 => Rpc::SnapshotChunk,
             _ => return None,
         })
