@@ -65,6 +65,9 @@ pub struct RecoveryReport {
     /// Queues the store holds messages for but the metadata log does not know: (queue id,
     /// messages). Their data is left untouched in the store, neither delivered nor deleted.
     pub kept_aside: Vec<(u64, u64)>,
+    /// Messages lost with the bytes that held them (a queue segment file missing or cut short):
+    /// (queue id, messages). Counted gone; the rest of each queue was recovered.
+    pub lost: Vec<(u64, u64)>,
     pub elapsed_ms: u128,
     /// Every queue the store recovered, Raft logs included (the cluster's log store rebuilds the
     /// groups' logs from them).
@@ -192,6 +195,7 @@ impl Broker {
         }
         // What the store held for deleted queues is gone for good: their records can go too.
         metadata.forget_deleted();
+        report.lost = recovery.lost.iter().map(|l| (l.queue, l.messages)).collect();
         report.store_queues = recovery.queues;
         report.elapsed_ms = started.elapsed().as_millis();
         Ok((broker, report))

@@ -103,6 +103,14 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
         "recovered state from {}",
         config.data_dir.display()
     );
+    if !report.lost.is_empty() {
+        let messages: u64 = report.lost.iter().map(|(_, n)| n).sum();
+        tracing::error!(
+            queues = report.lost.len(),
+            messages,
+            "messages were lost with store files that are missing or cut short (see the errors above); the rest was recovered"
+        );
+    }
     if !report.kept_aside.is_empty() {
         let messages: u64 = report.kept_aside.iter().map(|(_, n)| n).sum();
         tracing::error!(

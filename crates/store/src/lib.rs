@@ -40,7 +40,7 @@ pub use format::Damage;
 pub use io::{Disk, DiskFile};
 pub use qlog::{ReadBatch, StoredMessage};
 pub use damaged::damaged_dir;
-pub use recovery::{CorruptSegment, RecoveredQueue, Recovery, RecoveryMode, TornTail};
+pub use recovery::{CorruptSegment, LostMessages, RecoveredQueue, Recovery, RecoveryMode, TornTail};
 pub use store::{Store, StoreOptions, StoreStats, SyncPolicy};
 
 /// Creates directory `path` and any missing parents durably: the parent of each directory created is

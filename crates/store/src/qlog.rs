@@ -265,6 +265,16 @@ impl QueueLog {
         }
     }
 
+    /// Messages `from..seg.end_seq` of `seg` are lost (their bytes are gone): they become gone, and
+    /// their bytes (estimated from the segment's average) leave `live_bytes`. Returns how many were
+    /// live.
+    fn lose(&mut self, seg: &QSeg, from: u64) -> u64 {
+        let messages = self.gone.insert(from.max(seg.first_seq), seg.end_seq);
+        let per_message = seg.len.saturating_sub(seg.start) / seg.end_seq.saturating_sub(seg.first_seq).max(1);
+        self.live_bytes = self.live_bytes.saturating_sub(messages.saturating_mul(per_message));
+        messages
+    }
+
     pub fn live_count(&self) -> u64 {
         let floor = self.gone.floor();
         (self.next_seq.saturating_sub(floor)).saturating_sub(self.gone.count_in(floor, self.next_seq))
@@ -828,14 +838,17 @@ impl QueueLog {
 
     /// Restores a log from its checkpointed state: files are cut back to what the checkpoint made durable,
     /// files written after it are removed (the WAL replay writes them again).
-    /// Damage found here (a file shorter than the checkpoint recorded, a WAL segment holding extents
-    /// missing) is pushed onto `lost` as (file, offset, what): recovery decides whether to go on.
+    /// Messages the checkpoint listed that the files no longer hold (a queue segment file missing, or
+    /// shorter than recorded: the records after the last whole one; a WAL segment holding an extent
+    /// missing) become gone, so that nothing reports them live, and are pushed onto `lost` with
+    /// their exact count: recovery decides whether to go on.
     pub fn restore(
         disk: &Disk,
         root: &Path,
         state: crate::checkpoint::QueueState,
-        lost: &mut Vec<(PathBuf, u64, String)>,
+        lost: &mut Vec<crate::recovery::LostMessages>,
     ) -> std::io::Result<QueueLog> {
+        use crate::recovery::LostMessages;
         let mut log = QueueLog::new(disk, root, state.id);
         log.next_seq = state.next_seq;
         log.file_next_seq = state.next_seq;
@@ -856,28 +869,62 @@ impl QueueLog {
                 if path.exists() {
                     log.segments.insert(seg.first_seq, seg);
                 } else {
-                    lost.push((path, seg.start, format!("the WAL segment holding messages {}..{} of queue {} is missing", seg.first_seq, seg.end_seq, state.id)));
-                    log.gone.insert(seg.first_seq, seg.end_seq);
+                    let messages = log.lose(&seg, seg.first_seq);
+                    let what = format!("the WAL segment holding messages {}..{} of queue {} is missing", seg.first_seq, seg.end_seq, state.id);
+                    lost.push(LostMessages { queue: state.id, file: path, offset: seg.start, messages, what });
                 }
                 continue;
             }
             let path = seg_path(&log.dir, seg.first_seq);
             let Ok(meta) = fs::metadata(&path) else {
-                continue; // deleted after the checkpoint: every seq in it was gone
+                // Deleted after the checkpoint because every seq in it was gone; or lost.
+                let messages = log.lose(&seg, seg.first_seq);
+                if messages > 0 {
+                    let what = format!("the queue segment file holding messages {}..{} of queue {} is missing, though the checkpoint lists it", seg.first_seq, seg.end_seq, state.id);
+                    lost.push(LostMessages { queue: state.id, file: path, offset: 0, messages, what });
+                }
+                continue;
             };
+            let mut seg = seg;
             if meta.len() < seg.len {
-                lost.push((path.clone(), meta.len(), format!("queue segment is {} bytes, shorter than the {} the checkpoint recorded; messages in the missing part are lost", meta.len(), seg.len)));
-            }
-            if meta.len() != seg.len.min(meta.len()) {
+                // The records that survived whole stay; those after them are lost.
+                let (kept_end, next) = surviving_records(&path, seg.start, meta.len(), seg.first_seq);
+                let messages = log.lose(&seg, next);
+                let what = format!(
+                    "queue segment of queue {} is {} bytes, shorter than the {} the checkpoint recorded; messages {}..{} in the missing part are lost",
+                    state.id, meta.len(), seg.len, next, seg.end_seq
+                );
+                lost.push(LostMessages { queue: state.id, file: path.clone(), offset: kept_end, messages, what });
+                disk.open(&path, Open::Existing, false)?.set_len(kept_end)?;
+                seg.len = kept_end;
+            } else if meta.len() > seg.len {
                 disk.open(&path, Open::Existing, false)?.set_len(seg.len)?;
             }
-            log.segments.insert(seg.first_seq, QSeg { len: seg.len.min(meta.len()), ..seg });
+            log.segments.insert(seg.first_seq, seg);
         }
         if let Some(last) = log.segments.values().next_back().filter(|s| s.wal.is_none()) {
             log.active = Some(Appender::open_at(disk, &seg_path(&log.dir, last.first_seq), last.len)?);
         }
         Ok(log)
     }
+}
+
+/// In a queue segment file cut short (`len` bytes left), the records from `start` that survived
+/// whole: (the offset after the last of them, the seq after it; `first_seq` if none did).
+fn surviving_records(path: &Path, start: u64, len: u64, first_seq: u64) -> (u64, u64) {
+    let Ok(data) = fs::read(path) else { return (start.min(len), first_seq) };
+    let data = &data[..(len as usize).min(data.len())];
+    let (mut at, mut next) = (start as usize, first_seq);
+    while at < data.len() {
+        match format::decode_record(&data[at..]) {
+            Ok((Record::Enqueue { seq, .. }, used)) => {
+                at += used;
+                next = seq + 1;
+            }
+            _ => break,
+        }
+    }
+    ((at as u64).min(len).max(start.min(len)), next)
 }
 
 /// The timestamp of the first enqueue record in `buf`.

@@ -105,6 +105,22 @@ pub struct Recovery {
     pub corrupted: Vec<CorruptSegment>,
     /// WAL bytes replayed after the checkpoint.
     pub replayed_bytes: u64,
+    /// Messages the checkpoint listed that the files no longer hold (also logged with
+    /// `tracing::error!`): counted, no longer live; the rest of each queue was recovered.
+    pub lost: Vec<LostMessages>,
+}
+
+/// Messages of a queue lost with the bytes that held them: a queue segment file the checkpoint
+/// lists is missing or shorter than recorded, or a WAL segment holding a queue's extent is missing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LostMessages {
+    pub queue: u64,
+    pub file: PathBuf,
+    /// Where the missing bytes start in `file` (0: the whole file).
+    pub offset: u64,
+    /// Live messages lost (exact: the checkpoint knows which seqs were gone already).
+    pub messages: u64,
+    pub what: String,
 }
 
 /// The damaged end of the newest WAL segment, cut by recovery.
@@ -197,8 +213,8 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
     };
     let logs = QueueLogs::new(disk);
     let known: HashSet<u64> = cp.queues.iter().map(|q| q.id).collect();
-    // Queue data the checkpoint promised but the files no longer hold: (file, offset, what).
-    let mut lost: Vec<(PathBuf, u64, String)> = Vec::new();
+    // Queue data the checkpoint promised but the files no longer hold.
+    let mut lost: Vec<LostMessages> = Vec::new();
     for state in cp.queues {
         let id = state.id;
         let log = QueueLog::restore(disk, dir, state, &mut lost).map_err(StoreError::io("restoring", crate::qlog::queue_dir(dir, id)))?;
@@ -215,17 +231,16 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
     }
 
     let mut out = Recovery::default();
-    if let Some((path, offset, what)) = lost.first().filter(|_| mode != RecoveryMode::TolerateAnyCorruption) {
-        return Err(StoreError::Corrupt {
-            path: path.clone(),
-            offset: *offset,
-            reason: what.clone(),
-            advice: refusal_advice(dir, mode),
-        });
+    // Lost messages are counted and the queues go on (what the files still hold is recovered),
+    // except where the operator asked to look at every damage (absolute-consistency).
+    if let Some(l) = lost.first().filter(|_| mode == RecoveryMode::AbsoluteConsistency) {
+        return Err(StoreError::Corrupt { path: l.file.clone(), offset: l.offset, reason: l.what.clone(), advice: refusal_advice(dir, mode) });
     }
-    for (path, offset, what) in lost {
-        tracing::error!(file = %path.display(), offset, "{what}; going on (recovery mode tolerate-any-corruption)");
+    for l in &lost {
+        tracing::error!(file = %l.file.display(), offset = l.offset, queue = l.queue, lost = l.messages,
+            "{}: {} messages lost; the rest of the queue is recovered", l.what, l.messages);
     }
+    out.lost = lost;
     let extent_bases: HashSet<u64> = logs.all().iter().flat_map(|l| l.lock().extents().map(|(b, _, _)| b).collect::<Vec<_>>()).collect();
     let bases = segment::list(&wal)?;
 

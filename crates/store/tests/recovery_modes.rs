@@ -168,29 +168,82 @@ fn a_torn_tail_is_cut_and_kept_aside_but_absolute_consistency_refuses_it() {
     assert_eq!(std::fs::read(torn.kept.expect("kept")).unwrap(), tail, "the cut bytes are kept in damaged/");
 }
 
+/// Two queues written in turn: their messages are copied into their own files at the checkpoint.
+fn two_queues_in_their_own_files(dir: &Path) {
+    let (store, _) = Store::open(dir, opts(RecoveryMode::default())).unwrap();
+    for seq in 0..30 {
+        let mut b = Batch::new();
+        b.enqueue(1, seq, seq, &[&payload(1, seq)]);
+        b.enqueue(2, seq, seq, &[&payload(2, seq)]);
+        store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    }
+    store.close().unwrap();
+}
+
+/// Issue 34: a queue segment file shorter than the checkpoint recorded (a disk that lost its end)
+/// loses exactly the messages past its last whole record: counted and reported, no longer live, and
+/// the node starts on its own; the rest of that queue and every other queue are as they were. Only
+/// absolute-consistency refuses (before, every mode but tolerate-any-corruption refused).
 #[test]
-fn a_queue_segment_shorter_than_the_checkpoint_says_refuses_to_start() {
+fn a_queue_segment_shorter_than_the_checkpoint_says_loses_exactly_its_missing_messages() {
     let root = tempfile::tempdir().unwrap();
     let dir = root.path().join("store");
-    {
-        let (store, _) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
-        // Two queues written in turn: their messages are copied into their own files at the checkpoint.
-        for seq in 0..30 {
-            let mut b = Batch::new();
-            b.enqueue(1, seq, seq, &[&payload(1, seq)]);
-            b.enqueue(2, seq, seq, &[&payload(2, seq)]);
-            store.wait_durable(store.append(&mut b).unwrap()).unwrap();
-        }
-        store.close().unwrap();
-    }
-    let qseg = files(&dir.join("queues").join("1")).remove(0);
+    two_queues_in_their_own_files(&dir);
+    let mut qsegs = files(&dir.join("queues").join("1"));
+    qsegs.sort();
+    let qseg = qsegs[0].clone();
+    // The file after it starts at the seq after this one's last (names are first seqs).
+    let in_file: u64 = qsegs.get(1).map_or(30, |p| p.file_stem().unwrap().to_str().unwrap().parse().unwrap());
     let len = std::fs::metadata(&qseg).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&qseg).unwrap().set_len(len / 2).unwrap();
-    match Store::open(&dir, opts(RecoveryMode::default())) {
-        Err(StoreError::Corrupt { path, offset, .. }) => assert_eq!((path, offset), (qseg.clone(), len / 2)),
+    match Store::open(&dir, opts(RecoveryMode::AbsoluteConsistency)) {
+        Err(StoreError::Corrupt { path, .. }) => assert_eq!(path, qseg.clone()),
         other => panic!("expected a refusal, got {other:?}"),
     }
-    let (store, _) = Store::open(&dir, opts(RecoveryMode::TolerateAnyCorruption)).unwrap();
+    let whole = (len / 2 - HEADER) / RECORD;
+    let (store, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    assert_eq!(rec.lost.len(), 1, "{:?}", rec.lost);
+    assert_eq!((rec.lost[0].queue, rec.lost[0].messages), (1, in_file - whole));
+    let q1 = rec.queues.iter().find(|q| q.queue == 1).unwrap();
+    let left: Vec<u64> = (0..whole).chain(in_file..30).collect();
+    assert_eq!(q1.live_count, left.len() as u64, "nothing reported live that cannot be read");
+    assert_eq!(live(&store, 1), left);
+    assert_eq!(live(&store, 2).len(), 30, "the other queue is whole");
+    // The queue keeps working.
+    let mut b = Batch::new();
+    b.enqueue(1, 30, 30, &[&payload(1, 30)]);
+    store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    assert_eq!(live(&store, 1).len(), left.len() + 1);
+    store.close().unwrap();
+    let (_, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    assert!(rec.lost.is_empty(), "counted once: {:?}", rec.lost);
+}
+
+/// Issue 34: a queue segment file the checkpoint lists deleted: startup reports exactly its live
+/// messages lost, and nothing else changes (before, they were reported live and reads found none).
+#[test]
+fn a_deleted_queue_segment_file_is_reported_with_the_exact_count_lost() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("store");
+    two_queues_in_their_own_files(&dir);
+    // Some of queue 1's messages were consumed before: they are not counted lost.
+    {
+        let (store, _) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+        let mut b = Batch::new();
+        b.ack(1, 0, 0);
+        b.ack(1, 1, 0);
+        b.ack(1, 7, 0);
+        store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+        store.close().unwrap();
+    }
+    let mut qsegs = files(&dir.join("queues").join("1"));
+    qsegs.sort();
+    let in_file: u64 = qsegs[1].file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    std::fs::remove_file(&qsegs[0]).unwrap();
+    let (store, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    assert_eq!(rec.lost.iter().map(|l| (l.queue, l.messages)).collect::<Vec<_>>(), vec![(1, in_file - 3)]);
+    assert_eq!(rec.queues.iter().find(|q| q.queue == 1).map_or(0, |q| q.live_count), 30 - in_file);
+    assert_eq!(live(&store, 1), (in_file..30).collect::<Vec<_>>());
     assert_eq!(live(&store, 2).len(), 30, "the other queue is whole");
 }
 
