@@ -703,7 +703,7 @@ impl QuorumMachine {
     fn dead_lettered(&mut self, ids: &[MsgId], out: &mut Out) {
         for id in ids {
             if let Some((_, st)) = self.dlx.remove(id) {
-                self.dlx_bytes -= st.size as u64;
+                self.dlx_bytes = self.dlx_bytes.saturating_sub(st.size as u64);
                 self.counters.dead_lettered += 1;
                 out.gone(Gone::Release, *id);
             }
