@@ -575,7 +575,7 @@ impl QuorumMachine {
         // them makes the source refuse publishes (reject-publish), as in RabbitMQ.
         let waiting = self.dlx.len() as u64;
         self.config.max_length.is_some_and(|m| self.ready.len() + waiting + extra_count > m)
-            || self.config.max_length_bytes.is_some_and(|m| self.ready.bytes() + self.dlx_bytes + extra_bytes > m)
+            || self.config.max_length_bytes.is_some_and(|m| self.ready.bytes().saturating_add(self.dlx_bytes).saturating_add(extra_bytes) > m)
     }
 
     fn enqueue(&mut self, index: u64, session: SessionId, now_ms: u64, msgs: Vec<EnqueueMsg>, next_i: &mut u32, out: &mut Out) -> Reply {
@@ -644,7 +644,7 @@ impl QuorumMachine {
     fn remove(&mut self, out: &mut Out, id: MsgId, st: MsgState, reason: Reason) {
         if self.config.dead_letter && reason != Reason::Purged && self.config.at_least_once {
             // Counted dead-lettered once its target holds it (`dead_lettered`).
-            self.dlx_bytes += st.size as u64;
+            self.dlx_bytes = self.dlx_bytes.saturating_add(st.size as u64);
             self.dlx.insert(id, (reason, st));
             out.gone(Gone::DeadLetterHeld(reason), id);
         } else if self.config.dead_letter && reason != Reason::Purged {

@@ -334,7 +334,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
             if !track_sizes && st.size != 0 {
                 return err("sizes on a queue that does not count them");
             }
-            m.dlx_bytes += st.size as u64;
+            m.dlx_bytes = m.dlx_bytes.saturating_add(st.size as u64);
         }
         if !m.dlx.is_empty() && !(m.config.at_least_once && m.config.dead_letter) {
             return err("dead letters waiting on a queue without at-least-once dead-lettering");
