@@ -68,7 +68,7 @@ pub fn sample_log(dir: &Path) -> Vec<u8> {
     let (m, _) = Metadata::open(dir, OnCorruption::Refuse).expect("open a new log");
     let args = serde_json::json!({"x-message-ttl": 60000, "x-dead-letter-exchange": "dlx", "nested": {"list": [1, "two", true, null, 2.5]}});
     let ex = |name: &str| ExchangeDef { name: name.into(), kind: "topic".into(), auto_delete: false, internal: false, arguments: args.clone() };
-    let q = |name: &str, id| QueueDef { name: name.into(), id, auto_delete: false, arguments: args.clone(), home: None, members: None, leader: None, members_changed: false };
+    let q = |name: &str, id| QueueDef { name: name.into(), id, auto_delete: false, arguments: args.clone(), home: None, members: None, leader: None, members_changed: false, transient: None };
     let b = |source: &str, destination: &str, kind: &str| BindingDef {
         source: source.into(),
         destination: destination.into(),

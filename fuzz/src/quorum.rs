@@ -23,6 +23,9 @@ fn config(bits: u8) -> QueueConfig {
         delivery_limit: Some(if bits & 8 != 0 { 1 } else { 20 }),
         message_ttl_ms: (bits & 16 != 0).then_some(100),
         dead_letter: bits & 32 != 0,
+        // With reject-publish a dead-lettering queue is at-least-once (drop-head keeps at-most-once
+        // fuzzed).
+        at_least_once: bits & 32 != 0 && bits & 4 != 0,
         single_active_consumer: bits & 64 != 0,
         expires_ms: Some(10_000),
     }
@@ -104,8 +107,8 @@ fn framed(config: u8, entries: &[Bytes]) -> Vec<u8> {
     out
 }
 
-/// A day in a queue's life, as entries: consumers, publishes (with a re-sent batch), acks,
-/// requeues, rejects, ticks, a node down, a purge.
+/// A day in a queue's life, as entries: consumers, publishes (with a re-sent batch, and a
+/// high-priority one), acks, requeues, rejects, ticks, a node down, dead letters settled, a purge.
 fn scenario() -> Vec<Bytes> {
     let s = SessionId { node: 1, channel: 5 };
     let c1 = ConsumerId { node: 1, local: 1 };
@@ -118,7 +121,8 @@ fn scenario() -> Vec<Bytes> {
     entries.push(e.finish());
     for (from, to, now) in [(1u64, 4u64, 1000u64), (3, 6, 1010), (7, 7, 1020)] {
         let mut e = Encoder::new();
-        e.begin_enqueue(s, now);
+        // The last one high-priority (its own lane).
+        e.begin_enqueue(s, now, from == 7);
         for seq in from..=to {
             e.message(seq, 20, (seq == 5).then_some(30), format!("m{seq}").as_bytes()).expect("room");
         }
@@ -140,6 +144,8 @@ fn scenario() -> Vec<Bytes> {
     e.detach(c2, true);
     e.session_end(s);
     e.touch(1200);
+    // At-least-once: the rejected ones reached their target.
+    e.dead_lettered(&[id(2, 2), id(2, 3)]);
     e.purge();
     e.tick(20_000, u64::MAX);
     entries.push(e.finish());
@@ -150,7 +156,7 @@ fn scenario() -> Vec<Bytes> {
 pub fn seeds() -> Vec<(String, Vec<u8>)> {
     let entries = scenario();
     let mut out = Vec::new();
-    for (name, bits) in [("plain", 0u8), ("limits-dlx", 0b0010_1011), ("reject-ttl-sac", 0b0101_0101)] {
+    for (name, bits) in [("plain", 0u8), ("limits-dlx", 0b0010_1011), ("reject-ttl-sac", 0b0101_0101), ("dlx-at-least-once", 0b0010_0100)] {
         out.push((format!("scenario-{name}"), framed(bits, &entries)));
     }
     // Restored from a snapshot taken after the first four entries, then the rest.
