@@ -36,7 +36,7 @@ def publish_n(ch, queue, n, **props):
 
 
 @pytest.mark.warren_only  # RabbitMQ ignores arguments it does not know
-@pytest.mark.parametrize("arg", ["x-made-up", "x-delivery-limit", "x-max-age", "x-dead-letter-strategy"])
+@pytest.mark.parametrize("arg", ["x-made-up", "x-delivery-limit", "x-max-age", "x-max-in-memory-length"])
 def test_unsupported_queue_argument_is_406_naming_it(ch, name, arg):
     with pytest.raises(ChannelClosedByBroker) as e:
         ch.queue_declare(name, arguments={arg: 1})
