@@ -10,7 +10,7 @@
 
 use crate::channel::{ClientSink, Delivery};
 use crate::deadletter::SettleDeadLetter;
-use crate::publisher::{Publisher, PublisherSession};
+use crate::publisher::PublisherSession;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,9 +115,4 @@ async fn run(confirms: Weak<DeadLetterConfirms>) {
             let _ = tokio::time::timeout(POLL, wake).await;
         }
     }
-}
-
-/// The publisher of one letter's re-publish.
-pub fn as_publisher(session: &Arc<PublisherSession>, seq: u64) -> Publisher<'_> {
-    Publisher { session, seq }
 }

@@ -661,13 +661,9 @@ impl VHost {
         self.remove_queue_locked(queue).is_ok()
     }
 
-    /// Deletes `queue` within a second or so (an expired quorum queue its leader finds not deleted).
-    pub fn doom_queue(&self, queue: &Arc<Queue>) {
-        self.doom(queue)
-    }
-
-    /// Deletes `queue` at the next tick, and retries until it is gone.
-    fn doom(&self, queue: &Arc<Queue>) {
+    /// Deletes `queue` at the next tick, and retries until it is gone (also: an expired quorum queue
+    /// its leader finds not deleted).
+    pub(crate) fn doom(&self, queue: &Arc<Queue>) {
         let mut doomed = self.doomed.lock();
         if !doomed.iter().any(|q| Arc::ptr_eq(q, queue)) {
             doomed.push(queue.clone());
@@ -999,7 +995,7 @@ impl VHost {
             return;
         }
         let (session, seq) = self.dead_letter_confirms.publisher();
-        let publisher = crate::deadletter_confirms::as_publisher(&session, seq);
+        let publisher = Publisher { session: &session, seq };
         // Settled once every queue it reached answered (a classic queue that refused it, with
         // reject-publish, answered at once: then it is tried again).
         match self.deliver_to_queues(Arc::new(message), &queues, false, Some(publisher)) {

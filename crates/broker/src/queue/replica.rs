@@ -749,22 +749,11 @@ impl QuorumReplica {
             let mut left = false;
             if !effects.is_empty() {
                 let leader = self.is_leader();
-                'effects: for effect in effects {
-                    let mut tries = HashMap::new();
-                    while let Some(read) = self.body_read_for(queue, &mut st, &effect, leader, &mut tries) {
-                        let bodies = parking_lot::MutexGuard::unlocked(&mut st, || crate::blocking::run(|| self.read_bodies(queue, &read)));
-                        if st.generation != generation {
-                            // The replica left the group meanwhile: nothing of this entry is its any more.
-                            left = true;
-                            break 'effects;
-                        }
-                        let bodies = match &read.from {
-                            BodySource::UnderWay(seqs) => self.took_read_under_way(&mut st, seqs, bodies),
-                            _ => bodies,
-                        };
-                        if let Some(bodies) = bodies {
-                            take_bodies(&mut st, bodies, &read.wanted);
-                        }
+                for effect in effects {
+                    if !self.hold_bodies_for(queue, &mut st, &effect, leader, generation) {
+                        // The replica left the group meanwhile: nothing of this entry is its any more.
+                        left = true;
+                        break;
                     }
                     self.perform(queue, &mut st, entry, effect, leader, &mut after);
                 }
@@ -777,6 +766,27 @@ impl QuorumReplica {
         };
         self.finish(queue, after);
         reply
+    }
+
+    /// Reads the bodies `effect` needs that are only on disk (`body_read_for`), with the lock let go
+    /// for each read, and holds them. False if the replica left the group meanwhile (its state was
+    /// replaced: `generation` moved on).
+    fn hold_bodies_for(&self, queue: &Arc<Queue>, st: &mut parking_lot::MutexGuard<'_, ReplicaState>, effect: &Effect, leader: bool, generation: u64) -> bool {
+        let mut tries = HashMap::new();
+        while let Some(read) = self.body_read_for(queue, st, effect, leader, &mut tries) {
+            let bodies = parking_lot::MutexGuard::unlocked(st, || crate::blocking::run(|| self.read_bodies(queue, &read)));
+            if st.generation != generation {
+                return false;
+            }
+            let bodies = match &read.from {
+                BodySource::UnderWay(seqs) => self.took_read_under_way(st, seqs, bodies),
+                _ => bodies,
+            };
+            if let Some(bodies) = bodies {
+                take_bodies(st, bodies, &read.wanted);
+            }
+        }
+        true
     }
 
     fn perform(&self, queue: &Arc<Queue>, st: &mut ReplicaState, entry: &Bytes, effect: Effect, leader: bool, after: &mut After) {
@@ -2064,19 +2074,8 @@ impl QuorumReplica {
                     crate::quorum::ready::push_id(&mut runs, *id);
                     runs
                 }) };
-                let mut tries = HashMap::new();
-                while let Some(read) = self.body_read_for(queue, &mut st, &effect, true, &mut tries) {
-                    let bodies = parking_lot::MutexGuard::unlocked(&mut st, || crate::blocking::run(|| self.read_bodies(queue, &read)));
-                    if st.generation != generation {
-                        return;
-                    }
-                    let bodies = match &read.from {
-                        BodySource::UnderWay(seqs) => self.took_read_under_way(&mut st, seqs, bodies),
-                        _ => bodies,
-                    };
-                    if let Some(bodies) = bodies {
-                        take_bodies(&mut st, bodies, &read.wanted);
-                    }
+                if !self.hold_bodies_for(queue, &mut st, &effect, true, generation) {
+                    return;
                 }
                 for id in ids {
                     if st.machine.is_dead_letter_waiting(id) && !self.republish_held(queue, &mut st, id, reason, &mut after) {
@@ -2098,7 +2097,7 @@ impl QuorumReplica {
         let expired = { let st = self.state.lock(); !st.deleted && st.machine.queue_expired() };
         if expired && self.is_leader() {
             if let Some(vhost) = queue.vhost.upgrade() {
-                vhost.doom_queue(queue);
+                vhost.doom(queue);
             }
         }
         let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || self.saw_expiration.load(Ordering::Relaxed);
