@@ -22,13 +22,15 @@ use std::fs;
 use std::path::Path;
 
 use crate::error::StoreError;
-use crate::format::{array, HEADER_SIZE, VERSION};
+use crate::format::{array, HEADER_SIZE};
 use crate::io::{Disk, Open};
 use crate::qlog::{QSeg, QueueLog};
 
 const MAGIC: [u8; 4] = *b"WRNC";
 /// Checkpoint layout version written; 2 is read too.
 const CHECKPOINT_VERSION: u16 = 3;
+/// The checkpoint format before delivered marks and extents, still read.
+const CHECKPOINT_VERSION_2: u16 = 2;
 const NOT_AN_EXTENT: u64 = u64::MAX;
 pub(crate) const FILE: &str = "checkpoint";
 /// Larger WAL positions in a checkpoint are refused as damaged (2^62 bytes: centuries of writing).
@@ -111,7 +113,7 @@ pub(crate) fn decode(data: &[u8]) -> Result<Checkpoint, BadCheckpoint> {
         return Err(bad("bad magic"));
     }
     let version = u16::from_le_bytes(array(body, 4));
-    if version != VERSION && version != CHECKPOINT_VERSION {
+    if version != CHECKPOINT_VERSION_2 && version != CHECKPOINT_VERSION {
         return Err(BadCheckpoint(format!("unsupported version {version}")));
     }
     let mut r = Cursor { buf: body, at: 6 };

@@ -17,6 +17,8 @@
 //!
 //! # WAL segment header ([`HEADER_SIZE`] bytes)
 //! `magic "WRNL" | version u16 | header_size u16 | reserved 20 bytes | crc32c u32 over bytes 0..28`
+//! Version 3 ([`WAL_VERSION`]) ends every group with a synced mark; version 2 segments (no marks) are
+//! still read, with the older rule for telling a torn tail (see below).
 //!
 //! # Queue segment header ([`HEADER_SIZE`] bytes)
 //! `magic "WRNQ" | version u16 | header_size u16 | queue u64 | first_seq u64 | reserved 4 | crc32c u32`
@@ -28,6 +30,7 @@
 //!         KIND_ACKS    u8 | queue u64 | bytes u64 | count u32 | count x (start u64, end u64)
 //!         KIND_DROP    u8 | queue u64
 //!         KIND_DELIVERED u8 | queue u64 | up_to u64   every seq below up_to may have been delivered
+//!         KIND_SYNCED  u8 | synced_to u64 | at u64    the last record of each group (see below)
 //! queue:  KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload   (the WAL record, copied)
 //! ```
 //! A queue's enqueues carry strictly increasing seqs below `u64::MAX` (the queue assigns them under its
@@ -41,10 +44,19 @@
 //! length fits in the file and is at most [`MAX_BODY_LEN`], the CRC32C of the body matches, and the kind is
 //! known and well formed.
 //! - **WAL**: a WAL segment is fsynced before the next one is created, so only the newest one can have a
-//!   torn tail, and only after the last checkpoint. Damage there with no valid record anywhere after it
-//!   is a torn tail (bytes written after the last fsync, never confirmed): it is cut, and the cut bytes
-//!   kept in `damaged/`. Any other damage is corruption in the middle: recovery refuses to start with an
-//!   error naming the file and offset, unless the recovery mode says to skip it (`recovery.rs`).
+//!   torn tail, and only after the last checkpoint. A disk may persist the blocks of one write out of
+//!   order, so a torn tail can hold a hole followed by valid records (of writes no fsync covered yet).
+//!   Each group the writer writes therefore ends with a **synced mark**: `synced_to` is the position up
+//!   to which the WAL was durable (an fsync had returned) when the group was taken, `at` the mark's own
+//!   position. A mark proves that everything before its `synced_to` was durable. Damage at position `p`
+//!   is a torn tail (bytes written after the last fsync, never confirmed) unless a valid mark after it
+//!   has `synced_to > p`: it is cut there, with every record after it, and the cut bytes are kept in
+//!   `damaged/`. Any other damage is corruption in the middle: recovery refuses to start with an error
+//!   naming the file and offset, unless the recovery mode says to skip it (`recovery.rs`). A mark
+//!   counts only where `at` is the position it was found at, so one a client forged inside a payload
+//!   must also guess where in the log it lands. In version 2 segments (no marks) damage is a torn tail
+//!   only if no valid record follows it. What this cannot tell: damage to the last fsynced group when
+//!   no later group's mark survived (no evidence either way) is cut as a torn tail.
 //! - **Queue segments** are not fsynced on the commit path: what the checkpoint lists was made durable
 //!   (with `syncfs`) before the checkpoint was written, and everything after it is rebuilt from the WAL.
 //!   A file shorter than the checkpoint recorded refuses to start (as corruption in the middle). A bad
@@ -55,8 +67,13 @@ use thiserror::Error;
 
 pub const WAL_MAGIC: [u8; 4] = *b"WRNL";
 pub const QSEG_MAGIC: [u8; 4] = *b"WRNQ";
-/// Format version written by this code; the only one it reads.
-pub const VERSION: u16 = 2;
+/// WAL segment format written by this code: groups end with synced marks. Version 2 (no marks) is
+/// read too.
+pub const WAL_VERSION: u16 = 3;
+/// The WAL segment version before synced marks.
+pub const WAL_VERSION_UNMARKED: u16 = 2;
+/// Queue segment format written by this code; the only one it reads.
+pub const QSEG_VERSION: u16 = 2;
 /// Bytes of a segment header (both kinds); records start right after it.
 pub const HEADER_SIZE: usize = 32;
 /// `len: u32 | crc32c: u32` in front of every record body.
@@ -67,12 +84,16 @@ pub const KIND_ENQUEUE: u8 = 1;
 pub const KIND_ACKS: u8 = 2;
 pub const KIND_DROP: u8 = 3;
 pub const KIND_DELIVERED: u8 = 4;
+pub const KIND_SYNCED: u8 = 5;
 /// Enqueue body bytes before the payload: kind, queue, seq, timestamp.
 pub const ENQUEUE_FIXED_LEN: usize = 1 + 8 + 8 + 8;
 /// Acks body bytes before the ranges: kind, queue, bytes, count.
 pub const ACKS_FIXED_LEN: usize = 1 + 8 + 8 + 4;
 pub const DROP_LEN: usize = 1 + 8;
 pub const DELIVERED_LEN: usize = 1 + 8 + 8;
+pub const SYNCED_LEN: usize = 1 + 8 + 8;
+/// Bytes a synced mark takes in the log.
+pub const SYNCED_RECORD_LEN: usize = RECORD_HEADER_SIZE + SYNCED_LEN;
 pub const WAL_EXT: &str = "wlog";
 pub const QSEG_EXT: &str = "qseg";
 
@@ -87,7 +108,7 @@ pub enum Damage {
     HeaderChecksum,
     #[error("header size {size} does not match version {version}")]
     BadHeaderSize { version: u16, size: u16 },
-    #[error("unsupported format version {version} (this build reads {VERSION})")]
+    #[error("unsupported format version {version}")]
     UnsupportedVersion { version: u16 },
     #[error("record header incomplete: {have} of {RECORD_HEADER_SIZE} bytes")]
     RecordHeaderTruncated { have: usize },
@@ -105,7 +126,7 @@ pub enum Damage {
 
 /// Encodes a WAL segment header.
 pub fn encode_wal_header() -> [u8; HEADER_SIZE] {
-    seal_header(WAL_MAGIC, [0u8; 20])
+    seal_header(WAL_MAGIC, WAL_VERSION, [0u8; 20])
 }
 
 /// Encodes the header of queue `queue`'s segment whose first record has seq `first_seq`.
@@ -113,13 +134,13 @@ pub fn encode_qseg_header(queue: u64, first_seq: u64) -> [u8; HEADER_SIZE] {
     let mut rest = [0u8; 20];
     rest[0..8].copy_from_slice(&queue.to_le_bytes());
     rest[8..16].copy_from_slice(&first_seq.to_le_bytes());
-    seal_header(QSEG_MAGIC, rest)
+    seal_header(QSEG_MAGIC, QSEG_VERSION, rest)
 }
 
-fn seal_header(magic: [u8; 4], rest: [u8; 20]) -> [u8; HEADER_SIZE] {
+fn seal_header(magic: [u8; 4], version: u16, rest: [u8; 20]) -> [u8; HEADER_SIZE] {
     let mut h = [0u8; HEADER_SIZE];
     h[0..4].copy_from_slice(&magic);
-    h[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    h[4..6].copy_from_slice(&version.to_le_bytes());
     h[6..8].copy_from_slice(&(HEADER_SIZE as u16).to_le_bytes());
     h[8..28].copy_from_slice(&rest);
     let crc = crc32c::crc32c(&h[..HEADER_SIZE - 4]);
@@ -127,8 +148,9 @@ fn seal_header(magic: [u8; 4], rest: [u8; 20]) -> [u8; HEADER_SIZE] {
     h
 }
 
-/// Checks a header of either kind at the start of `file`; returns its 20 kind-specific bytes.
-pub fn decode_header(file: &[u8], magic: [u8; 4]) -> Result<[u8; 20], Damage> {
+/// Checks a header of either kind at the start of `file`; returns its version and its 20
+/// kind-specific bytes.
+pub fn decode_header(file: &[u8], magic: [u8; 4]) -> Result<(u16, [u8; 20]), Damage> {
     let h = file.get(..HEADER_SIZE).ok_or(Damage::HeaderTruncated { have: file.len() })?;
     let found = array::<4>(h, 0);
     if found != magic {
@@ -139,19 +161,23 @@ pub fn decode_header(file: &[u8], magic: [u8; 4]) -> Result<[u8; 20], Damage> {
         return Err(Damage::HeaderChecksum);
     }
     let version = u16::from_le_bytes(array(h, 4));
-    if version != VERSION {
+    let readable = match magic {
+        WAL_MAGIC => version == WAL_VERSION || version == WAL_VERSION_UNMARKED,
+        _ => version == QSEG_VERSION,
+    };
+    if !readable {
         return Err(Damage::UnsupportedVersion { version });
     }
     let size = u16::from_le_bytes(array(h, 6));
     if usize::from(size) != HEADER_SIZE {
         return Err(Damage::BadHeaderSize { version, size });
     }
-    Ok(array(h, 8))
+    Ok((version, array(h, 8)))
 }
 
 /// `(queue, first_seq)` of a queue segment header.
 pub fn decode_qseg_header(file: &[u8]) -> Result<(u64, u64), Damage> {
-    let rest = decode_header(file, QSEG_MAGIC)?;
+    let (_, rest) = decode_header(file, QSEG_MAGIC)?;
     Ok((u64::from_le_bytes(array(&rest, 0)), u64::from_le_bytes(array(&rest, 8))))
 }
 
@@ -163,6 +189,9 @@ pub enum Record<'a> {
     Drop { queue: u64 },
     /// Seqs of `queue` below `up_to` may have been delivered (so come back redelivered after a restart).
     Delivered { queue: u64, up_to: u64 },
+    /// The end of a group: when it was taken, the WAL was durable up to `synced_to`; the mark itself
+    /// is at position `at` (see the module docs).
+    Synced { synced_to: u64, at: u64 },
 }
 
 /// The `[start, end)` ranges of an acks record, decoded lazily.
@@ -223,7 +252,8 @@ fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
         }
         KIND_DROP if len == DROP_LEN => Record::Drop { queue: u64_at(1) },
         KIND_DELIVERED if len == DELIVERED_LEN => Record::Delivered { queue: u64_at(1), up_to: u64_at(9) },
-        KIND_ENQUEUE | KIND_ACKS | KIND_DROP | KIND_DELIVERED => return Err(Damage::Malformed { kind, len }),
+        KIND_SYNCED if len == SYNCED_LEN => Record::Synced { synced_to: u64_at(1), at: u64_at(9) },
+        KIND_ENQUEUE | KIND_ACKS | KIND_DROP | KIND_DELIVERED | KIND_SYNCED => return Err(Damage::Malformed { kind, len }),
         kind => return Err(Damage::UnknownKind { kind }),
     };
     Ok((record, RECORD_HEADER_SIZE + len))
@@ -244,6 +274,7 @@ pub fn find_record(buf: &[u8], from: usize) -> Option<usize> {
                 KIND_ACKS => len >= ACKS_FIXED_LEN && (len - ACKS_FIXED_LEN).is_multiple_of(16),
                 KIND_DROP => len == DROP_LEN,
                 KIND_DELIVERED => len == DELIVERED_LEN,
+                KIND_SYNCED => len == SYNCED_LEN,
                 _ => false,
             };
         plausible && decode_record(&buf[at..]).is_ok()
@@ -322,6 +353,18 @@ pub fn encode_delivered(out: &mut Vec<u8>, queue: u64, up_to: u64) {
     seal(out, start);
 }
 
+/// Appends the synced mark that ends a group (see the module docs): the mark will be at WAL position
+/// `at`, and everything before `synced_to` was durable when the group was taken.
+pub fn encode_synced(out: &mut Vec<u8>, synced_to: u64, at: u64) {
+    let start = out.len();
+    out.extend_from_slice(&(SYNCED_LEN as u32).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    out.push(KIND_SYNCED);
+    out.extend_from_slice(&synced_to.to_le_bytes());
+    out.extend_from_slice(&at.to_le_bytes());
+    seal(out, start);
+}
+
 fn seal(out: &mut [u8], start: usize) {
     let crc = crc32c::crc32c(&out[start + RECORD_HEADER_SIZE..]);
     out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
@@ -381,8 +424,11 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        let (r3, _) = decode_record(&out[n + n2..]).unwrap();
+        let (r3, n3) = decode_record(&out[n + n2..]).unwrap();
         assert_eq!(r3, Record::Drop { queue: 5 });
+        encode_synced(&mut out, 4096, 8192);
+        assert_eq!(decode_record(&out[n + n2 + n3..]), Ok((Record::Synced { synced_to: 4096, at: 8192 }, SYNCED_RECORD_LEN)));
+        assert_eq!(find_record(&out, n + n2 + n3), Some(n + n2 + n3));
     }
 
     #[test]

@@ -1034,7 +1034,7 @@ impl QueueLogs {
                 }
                 (0, 0)
             }
-            Record::Enqueue { .. } => return Ok((0, 0)),
+            Record::Enqueue { .. } | Record::Synced { .. } => return Ok((0, 0)),
         };
         self.set_dirty_hint();
         Ok(freed)

@@ -4,12 +4,16 @@
 //! group), not to the backlog: a queue's messages stay in its files until it reads them.
 //!
 //! A torn tail and corruption in the middle are told apart (see `format` for what is trusted):
-//! - a **torn tail** is damage in the newest WAL segment, after the checkpoint, with no valid record
-//!   anywhere after it: only bytes written after the last fsync can be there, none of them confirmed.
-//!   It is cut (the cut bytes kept in `damaged/`), unless the mode is `AbsoluteConsistency`.
-//! - **corruption in the middle** is any other damage: valid records follow it, or it is in an older
-//!   segment (each is fsynced before the next one is created), or before the checkpoint (which was
-//!   written after everything before it was durable). Recovery refuses to start with an error naming
+//! - a **torn tail** is damage in the newest WAL segment, after the checkpoint, that no synced mark
+//!   proves durable (each group ends with one: `format`): only bytes written after the last fsync can
+//!   be there, none of them confirmed. A disk that persists a write's blocks out of order can leave
+//!   valid records after the damage; they were not confirmed either. It is cut there, with
+//!   everything after it (the cut bytes kept in `damaged/`), unless the mode is `AbsoluteConsistency`.
+//!   In a segment of the older format without marks, damage is a torn tail only if no valid record
+//!   follows it.
+//! - **corruption in the middle** is any other damage: a later group's mark says it was durable, or
+//!   it is in an older segment (each is fsynced before the next one is created), or before the
+//!   checkpoint (which was written after everything before it was durable). Recovery refuses to start with an error naming
 //!   the file and offset, unless the mode is `TolerateAnyCorruption`: then the damaged bytes are skipped,
 //!   the valid records after them replayed, a checkpoint is written, and the damaged file is moved into
 //!   `damaged/` (never deleted).
@@ -28,7 +32,7 @@ use crate::checkpoint;
 use crate::damaged::{aside_name, copy_aside, damaged_dir, move_aside};
 use crate::direct::Appender;
 use crate::error::StoreError;
-use crate::format::{self, Damage, Record, HEADER_SIZE, VERSION, WAL_MAGIC};
+use crate::format::{self, Damage, Record, HEADER_SIZE, WAL_MAGIC, WAL_VERSION};
 use crate::io::{Disk, Open};
 use crate::qlog::{QueueLog, QueueLogs};
 use crate::segment;
@@ -147,7 +151,8 @@ pub struct CorruptSegment {
     pub kept: PathBuf,
 }
 
-/// One WAL segment, scanned: where its valid records are and where it is damaged.
+/// One WAL segment, scanned: where its valid records are, where it is damaged, and what its synced
+/// marks prove durable.
 struct Scan {
     /// `[start, end)` of each valid record, in order.
     records: Vec<(usize, usize)>,
@@ -155,23 +160,37 @@ struct Scan {
     damage: Vec<(usize, Option<usize>, Damage)>,
     /// End of the last valid record (or of the header).
     valid_end: usize,
+    /// The segment's groups end with synced marks (format version 3, or a header too damaged to
+    /// tell: it can only be a segment this version created, torn before its first fsync).
+    marked: bool,
+    /// The highest `synced_to` of a valid synced mark found where it says it is: the WAL was durable
+    /// up to here (0: no mark proves anything).
+    synced_to: u64,
 }
 
-fn scan(data: &[u8]) -> Scan {
-    let mut out = Scan { records: Vec::new(), damage: Vec::new(), valid_end: HEADER_SIZE.min(data.len()) };
+fn scan(data: &[u8], base: u64) -> Scan {
+    let mut out = Scan { records: Vec::new(), damage: Vec::new(), valid_end: HEADER_SIZE.min(data.len()), marked: true, synced_to: 0 };
     let mut off = HEADER_SIZE;
-    if let Err(reason) = format::decode_header(data, WAL_MAGIC) {
-        let next = format::find_record(data, HEADER_SIZE);
-        out.damage.push((0, next, reason));
-        out.valid_end = 0;
-        match next {
-            Some(n) => off = n,
-            None => return out,
+    match format::decode_header(data, WAL_MAGIC) {
+        Ok((version, _)) => out.marked = version >= WAL_VERSION,
+        Err(reason) => {
+            let next = format::find_record(data, HEADER_SIZE);
+            out.damage.push((0, next, reason));
+            out.valid_end = 0;
+            match next {
+                Some(n) => off = n,
+                None => return out,
+            }
         }
     }
     while let Some(rest) = data.get(off..).filter(|r| !r.is_empty()) {
         match format::decode_record(rest) {
-            Ok((_, n)) => {
+            Ok((record, n)) => {
+                if let Record::Synced { synced_to, at } = record {
+                    if at == base + off as u64 && synced_to <= at {
+                        out.synced_to = out.synced_to.max(synced_to);
+                    }
+                }
                 out.records.push((off, off + n));
                 off += n;
                 out.valid_end = off;
@@ -271,15 +290,18 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
         }
         let data = fs::read(&path).map_err(StoreError::io("reading", &path))?;
         if let Err(Damage::UnsupportedVersion { version }) = format::decode_header(&data, WAL_MAGIC) {
-            return Err(StoreError::UnsupportedVersion { path, version, supported: VERSION });
+            return Err(StoreError::UnsupportedVersion { path, version, supported: WAL_VERSION });
         }
-        let scan = scan(&data);
+        let scan = scan(&data, base);
         let mut skipped = false;
         let mut cut = None;
         for (offset, next, reason) in &scan.damage {
             // Only bytes written after the last fsync can be torn: the newest segment's, after the
-            // checkpoint, with nothing valid after them.
-            let torn = newest && next.is_none() && base + *offset as u64 >= cp.wal_pos;
+            // checkpoint, and no synced mark says they were durable (in a segment without marks:
+            // nothing valid follows them).
+            let at = base + *offset as u64;
+            let unsynced = if scan.marked { scan.synced_to <= at } else { next.is_none() };
+            let torn = newest && unsynced && at >= cp.wal_pos;
             let refuse = match mode {
                 RecoveryMode::AbsoluteConsistency => true,
                 RecoveryMode::TolerateTailCorruption => !torn,
@@ -287,21 +309,24 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
             };
             if refuse {
                 let what = if torn {
-                    format!("{reason}: a torn tail (nothing valid follows; recovery mode {mode} refuses even this)")
-                } else if next.is_some() {
-                    format!("{reason}, and valid records follow at offset {}: this is not a torn write", next.unwrap_or(0))
+                    format!("{reason}: a torn tail (written after the last fsync; recovery mode {mode} refuses even this)")
                 } else if !newest {
                     format!("{reason}, in a WAL segment that is not the newest (it was fsynced whole): this is not a torn write")
-                } else {
+                } else if at < cp.wal_pos {
                     format!("{reason}, before the last checkpoint (it was fsynced): this is not a torn write")
+                } else if scan.marked {
+                    format!("{reason}, and a later group's synced mark says the WAL was durable up to position {} (this is {at}): this is not a torn write", scan.synced_to)
+                } else {
+                    format!("{reason}, and valid records follow at offset {}: this is not a torn write", next.unwrap_or(0))
                 };
                 return Err(StoreError::Corrupt { path, offset: *offset as u64, reason: what, advice: refusal_advice(dir, mode) });
             }
             if torn {
+                // Everything after it goes too: valid records there are of writes no fsync covered.
                 cut = Some((*offset, reason.clone()));
-            } else {
-                skipped = true;
+                break;
             }
+            skipped = true;
         }
         judged.push(Judged { base, path, data, scan, skipped, cut });
     }
@@ -314,7 +339,8 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
     let newest_base = bases.last().copied();
     for j in &judged {
         end_pos = end_pos.max(j.base);
-        for &(start, end) in &j.scan.records {
+        let cut_at = j.cut.as_ref().map_or(usize::MAX, |(offset, _)| *offset);
+        for &(start, end) in j.scan.records.iter().take_while(|&&(start, _)| start < cut_at) {
             if j.base + start as u64 >= cp.wal_pos {
                 replay(&j.data[start..end], dir, &logs, queue_segment_size, now, &mut out)?;
             }
@@ -356,8 +382,10 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
         wal_bases.push_back(j.base);
         let valid_len = j.scan.valid_end.min(kept_len as usize);
         end_pos = end_pos.max(j.base + kept_len);
-        // Appending after a cut below the checkpoint would put new records where extents expect old ones.
-        if Some(j.base) == newest_base && j.base + valid_len as u64 >= cp.wal_pos {
+        // Appending after a cut below the checkpoint would put new records where extents expect old ones;
+        // a segment without synced marks is not continued (the next start would judge it by the rule
+        // for unmarked segments).
+        if Some(j.base) == newest_base && j.base + valid_len as u64 >= cp.wal_pos && j.scan.marked {
             active = Some((j.base, valid_len));
         }
     }
@@ -446,6 +474,7 @@ fn replay(record: &[u8], dir: &Path, logs: &QueueLogs, queue_segment_size: u64, 
             log.append(record, seq, timestamp_ms, payload.len(), queue_segment_size)
                 .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))
         }
+        Record::Synced { .. } => Ok(()),
         other @ (Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. }) => {
             logs.apply_gone(other, now_ms, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
             Ok(())
@@ -488,7 +517,7 @@ fn truncate(disk: &Disk, path: &Path, len: u64) -> Result<(), StoreError> {
 fn refuse_old_layout(dir: &Path) -> Result<(), StoreError> {
     let old = segment::list(dir)?;
     if let Some(&base) = old.first() {
-        return Err(StoreError::UnsupportedVersion { path: segment::path(dir, base), version: 1, supported: VERSION });
+        return Err(StoreError::UnsupportedVersion { path: segment::path(dir, base), version: 1, supported: WAL_VERSION });
     }
     Ok(())
 }

@@ -505,6 +505,8 @@ pub(crate) struct Writer {
     prev_enqueue: Option<(u64, u64)>,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
+    /// The WAL is durable up to here (the last fsync's end): what the next group's synced mark says.
+    synced: u64,
     /// The test-only fsync delay (`FSYNC_DELAY_ENV`).
     fsync_delay: Option<FsyncDelay>,
 }
@@ -528,6 +530,8 @@ impl Writer {
             punched: HashMap::new(),
             reclaimer: Reclaimer::new(shared.clone()),
             last_checkpoint_pos: start.checkpoint_pos,
+            // Recovery made everything it found durable before the writer starts.
+            synced: start.pos,
             last_checkpoint: Instant::now(),
             fsync_delay: fsync_delay_for_tests(),
             shared,
@@ -577,6 +581,13 @@ impl Writer {
                     let capacity = (2 * self.last_group_len + 4 * BLOCK).min(GROUP_BUFFER_CAPACITY);
                     self.buf = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(capacity));
                 }
+                if st.pending.len() > st.lead {
+                    // The group ends with its synced mark (see `format`): recovery's evidence of what
+                    // was durable before this group, whatever of the group itself survives a power cut.
+                    let at = st.pos;
+                    format::encode_synced(&mut st.pending, self.synced, at);
+                    st.pos += format::SYNCED_RECORD_LEN as u64;
+                }
                 std::mem::swap(&mut st.pending, &mut self.buf);
                 std::mem::swap(&mut st.rolls, &mut self.rolls);
                 self.lead = st.lead;
@@ -603,6 +614,7 @@ impl Writer {
                     self.sync_data();
                     last_sync = Instant::now();
                     self.shared.publish(pos);
+                    self.synced = pos;
                     for group in std::mem::take(&mut to_apply) {
                         self.apply(group);
                     }
@@ -769,6 +781,7 @@ impl Writer {
                 last = None;
                 apply_other(&shared, record, now);
             }
+            Record::Synced { .. } => {}
         });
         self.prev_enqueue = prev_enqueue;
         self.tail_bytes += group.len() as u64;

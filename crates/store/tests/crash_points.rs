@@ -361,7 +361,7 @@ fn crash_at_every_kind(o: &StoreOptions, per_kind: usize) {
     let mut crashed_at: BTreeMap<OpKind, usize> = BTreeMap::new();
     let started = std::time::Instant::now();
     for (i, &(kind, nth)) in points.iter().enumerate() {
-        for loss in [Loss::Unsynced, Loss::Torn { seed: i as u64 }] {
+        for loss in [Loss::Unsynced, Loss::Torn { seed: i as u64 }, Loss::Reordered { seed: i as u64 }] {
             let root = tempfile::tempdir().unwrap();
             let sim = SimDisk::new(root.path()).unwrap();
             let dir = root.path().join("store");
@@ -380,7 +380,7 @@ fn crash_at_every_kind(o: &StoreOptions, per_kind: usize) {
         assert!(crashed_at.contains_key(kind), "no crash at a {kind:?}: {crashed_at:?}");
     }
     eprintln!(
-        "crash points: {} of {} operations, 2 losses each, in {:.1} s; crashes by kind: {crashed_at:?}",
+        "crash points: {} of {} operations, 3 losses each (unsynced dropped, torn, reordered), in {:.1} s; crashes by kind: {crashed_at:?}",
         points.len(),
         ops.len(),
         started.elapsed().as_secs_f64()

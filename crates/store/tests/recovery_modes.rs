@@ -11,6 +11,8 @@ use warren_store::{Batch, Disk, RecoveryMode, Store, StoreError, StoreOptions};
 const LEN: usize = 700;
 /// Bytes of one enqueue record with a `LEN`-byte payload: record header, fixed fields, payload.
 const RECORD: u64 = 8 + 25 + LEN as u64;
+/// The WAL bytes of one message confirmed on its own: its record and its group's synced mark.
+const STRIDE: u64 = RECORD + warren_store::format::SYNCED_RECORD_LEN as u64;
 const HEADER: u64 = 32;
 
 fn opts(mode: RecoveryMode) -> StoreOptions {
@@ -82,7 +84,7 @@ fn live(store: &Store, queue: u64) -> Vec<u64> {
 fn corruption_in_the_middle_of_the_newest_segment_refuses_to_start_and_can_be_skipped_on_request() {
     let (_root, dir) = crashed_store(60, opts(RecoveryMode::default()));
     let wal = files(&dir.join("wal")).remove(0);
-    let bad = HEADER + 10 * RECORD;
+    let bad = HEADER + 10 * STRIDE;
     flip(&wal, bad + 40); // inside record 10's payload: records 11.. are still valid
     let before = std::fs::read(&wal).unwrap();
     for mode in [RecoveryMode::TolerateTailCorruption, RecoveryMode::AbsoluteConsistency] {
@@ -124,9 +126,9 @@ fn damage_in_an_older_segment_refuses_to_start_and_can_be_skipped_on_request() {
     assert!(segments.len() >= 3, "{segments:?}");
     let first = &segments[0];
     // The segment rolled after the record that took it past 16 KiB (zero padding follows).
-    let records = (1..).find(|n| HEADER + n * RECORD >= 16 << 10).unwrap();
+    let records = (1..).find(|n| HEADER + n * STRIDE >= 16 << 10).unwrap();
     // Damage the segment's last record: nothing valid follows inside it, but it is not the newest.
-    let bad = HEADER + (records - 1) * RECORD;
+    let bad = HEADER + (records - 1) * STRIDE;
     flip(first, bad + 8);
     match Store::open(&dir, o(RecoveryMode::TolerateTailCorruption)) {
         Err(StoreError::Corrupt { path, offset, reason, .. }) => {
@@ -151,21 +153,111 @@ fn damage_in_an_older_segment_refuses_to_start_and_can_be_skipped_on_request() {
 fn a_torn_tail_is_cut_and_kept_aside_but_absolute_consistency_refuses_it() {
     let (_root, dir) = crashed_store(20, opts(RecoveryMode::default()));
     let wal = files(&dir.join("wal")).remove(0);
-    let cut = HEADER + 15 * RECORD + 100;
+    let cut = HEADER + 15 * STRIDE + 100;
     std::fs::OpenOptions::new().write(true).open(&wal).unwrap().set_len(cut).unwrap();
     match Store::open(&dir, opts(RecoveryMode::AbsoluteConsistency)) {
         Err(StoreError::Corrupt { path, offset, reason, .. }) => {
-            assert_eq!((path.as_path(), offset), (wal.as_path(), HEADER + 15 * RECORD));
+            assert_eq!((path.as_path(), offset), (wal.as_path(), HEADER + 15 * STRIDE));
             assert!(reason.contains("torn tail"), "{reason}");
         }
         other => panic!("expected a refusal, got {other:?}"),
     }
-    let tail = std::fs::read(&wal).unwrap()[(HEADER + 15 * RECORD) as usize..].to_vec();
+    let tail = std::fs::read(&wal).unwrap()[(HEADER + 15 * STRIDE) as usize..].to_vec();
     let (store, rec) = Store::open(&dir, opts(RecoveryMode::TolerateTailCorruption)).unwrap();
     assert_eq!(live(&store, 1), (0..15).collect::<Vec<_>>());
     let torn = rec.truncated.expect("reported");
-    assert_eq!(torn.offset, HEADER + 15 * RECORD);
+    assert_eq!(torn.offset, HEADER + 15 * STRIDE);
     assert_eq!(std::fs::read(torn.kept.expect("kept")).unwrap(), tail, "the cut bytes are kept in damaged/");
+}
+
+/// Issue 34: a disk that persists a write's blocks out of order leaves a hole in the last group
+/// followed by valid records. No synced mark says the hole was durable, so it is a torn tail: cut
+/// with the valid records after it (none was confirmed), and the node starts on its own. The same
+/// bytes followed by a later group's mark saying the WAL was durable past the hole are corruption:
+/// refused, as before.
+#[test]
+fn a_hole_in_the_last_group_followed_by_valid_records_is_a_torn_tail_unless_a_later_mark_says_it_was_durable() {
+    use warren_store::format::{encode_enqueue, encode_synced};
+    for later_mark in [false, true] {
+        let (_root, dir) = crashed_store(20, opts(RecoveryMode::default()));
+        let wal = files(&dir.join("wal")).remove(0);
+        let end = HEADER + 20 * STRIDE;
+        let mut bytes = std::fs::read(&wal).unwrap();
+        assert!(bytes[end as usize..].iter().all(|&b| b == 0), "only block padding after the confirmed groups");
+        bytes.truncate(end as usize);
+        // The last group: seqs 20..30 in one write, of which a 4 KiB block in the middle never
+        // reached the disk (zeros), and the blocks after it did.
+        let mut group = Vec::new();
+        for seq in 20..30 {
+            encode_enqueue(&mut group, 1, seq, seq, &[&payload(1, seq)]);
+        }
+        let hole = 1000..5096;
+        group[hole.clone()].fill(0);
+        let hole_at = end + hole.start as u64;
+        // The record the hole starts in: the cut goes at its start.
+        let torn_record = end + (hole.start as u64 / RECORD) * RECORD;
+        bytes.extend_from_slice(&group);
+        if later_mark {
+            // A later group (written only after an fsync covered this one) whose mark survived.
+            let at = bytes.len() as u64;
+            encode_synced(&mut bytes, at, at);
+        }
+        std::fs::write(&wal, &bytes).unwrap();
+        let opened = Store::open(&dir, opts(RecoveryMode::default()));
+        if later_mark {
+            match opened {
+                Err(StoreError::Corrupt { path, offset, reason, .. }) => {
+                    assert_eq!((path.as_path(), offset), (wal.as_path(), torn_record));
+                    assert!(reason.contains("synced mark"), "{reason}");
+                }
+                other => panic!("expected a refusal, got {:?}", other.map(|(_, r)| r)),
+            }
+            assert_eq!(std::fs::read(&wal).unwrap(), bytes, "a refusal changes nothing");
+            continue;
+        }
+        let (store, rec) = opened.unwrap_or_else(|e| panic!("a torn tail with a hole refuses to start: {e}"));
+        let torn = rec.truncated.expect("the torn tail is reported");
+        assert_eq!(torn.offset, torn_record);
+        assert!(torn_record <= hole_at);
+        assert_eq!(std::fs::read(torn.kept.expect("kept")).unwrap(), bytes[torn_record as usize..], "kept in damaged/");
+        // Seq 20 (before the hole) survived whole; nothing from the hole on comes back.
+        assert_eq!(live(&store, 1), (0..21).collect::<Vec<_>>(), "the confirmed messages, and none after the hole");
+        assert_eq!(rec.queues[0].live_count, 21);
+        let mut b = Batch::new();
+        b.enqueue(1, 21, 21, &[&payload(1, 21)]);
+        store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+        drop(store);
+        let (store, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+        assert!(rec.truncated.is_none() && rec.corrupted.is_empty(), "the next start finds nothing wrong");
+        assert_eq!(live(&store, 1), (0..22).collect::<Vec<_>>());
+    }
+}
+
+/// A WAL segment written before synced marks (format version 2) is still read, judged by the older
+/// rule (damage followed by valid records refuses), and never appended to: new groups go to a fresh
+/// segment of the current version.
+#[test]
+fn a_segment_of_the_format_without_marks_is_read_and_not_continued() {
+    let (_root, dir) = crashed_store(10, opts(RecoveryMode::default()));
+    let wal = files(&dir.join("wal")).remove(0);
+    let mut bytes = std::fs::read(&wal).unwrap();
+    bytes[4..6].copy_from_slice(&warren_store::format::WAL_VERSION_UNMARKED.to_le_bytes());
+    let crc = crc32c::crc32c(&bytes[..28]);
+    bytes[28..32].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&wal, &bytes).unwrap();
+    let (store, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    assert!(rec.truncated.is_none() && rec.corrupted.is_empty());
+    assert_eq!(live(&store, 1), (0..10).collect::<Vec<_>>());
+    let mut b = Batch::new();
+    b.enqueue(1, 10, 10, &[&payload(1, 10)]);
+    store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    drop(store);
+    let segments = files(&dir.join("wal"));
+    let newest = segments.last().unwrap();
+    assert_ne!(newest, &wal, "a fresh segment for new groups");
+    assert_eq!(std::fs::read(newest).unwrap()[4..6], warren_store::format::WAL_VERSION.to_le_bytes());
+    let (store, _) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
+    assert_eq!(live(&store, 1), (0..11).collect::<Vec<_>>());
 }
 
 /// Two queues written in turn: their messages are copied into their own files at the checkpoint.
@@ -212,7 +304,10 @@ fn a_queue_segment_shorter_than_the_checkpoint_says_loses_exactly_its_missing_me
     // The queue keeps working.
     let mut b = Batch::new();
     b.enqueue(1, 30, 30, &[&payload(1, 30)]);
-    store.wait_durable(store.append(&mut b).unwrap()).unwrap();
+    let ticket = store.append(&mut b).unwrap();
+    store.wait_durable(ticket).unwrap();
+    // Durable first, then applied to the queue's log, which reads see.
+    assert!(store.wait_readable(ticket, std::time::Duration::from_secs(10)));
     assert_eq!(live(&store, 1).len(), left.len() + 1);
     store.close().unwrap();
     let (_, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
@@ -298,10 +393,10 @@ fn a_power_cut_at_any_point_of_a_repairing_recovery_is_recovered_from() {
             sim.power_loss(Loss::Unsynced).unwrap();
             let wal = files(&dir.join("wal")).remove(0);
             if middle {
-                sim.damage(&wal, HEADER + 10 * RECORD + 40, b"\xff").unwrap();
+                sim.damage(&wal, HEADER + 10 * STRIDE + 40, b"\xff").unwrap();
             } else {
                 // Half a record after the last one: what a write cut by the power leaves.
-                sim.damage(&wal, HEADER + count * RECORD, &payload(1, count)[..300]).unwrap();
+                sim.damage(&wal, HEADER + count * STRIDE, &payload(1, count)[..300]).unwrap();
             }
             (root, sim, dir)
         };
