@@ -90,6 +90,17 @@ def powerloss_cluster(tmp_path, request):
     yield from _cluster(tmp_path, request, clustered=True, extra_env=env)
 
 
+@pytest.fixture
+def reordering_powerloss_cluster(tmp_path, request):
+    """`powerloss_cluster` whose cuts also keep any subset of the blocks of each unsynced write
+    (`WARREN_TEST_SIMULATED_DISK=reordered`): a disk that persists a write's blocks out of order,
+    leaving holes followed by valid data."""
+    if not cluster_flags_supported():
+        pytest.skip("needs --peers: `warren server` has no cluster flags yet")
+    env = {"WARREN_TEST_SIMULATED_DISK": "reordered", "WARREN_TEST_FSYNC_DELAY_MS": "2"}
+    yield from _cluster(tmp_path, request, clustered=True, extra_env=env)
+
+
 _reports = []  # (test id, report) of every checked history, printed at the end of the run
 
 

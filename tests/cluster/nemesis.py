@@ -30,6 +30,18 @@ class Nemesis:
             time.sleep(seconds)
             node.start()
 
+    def power_cut_all_restart(self, seconds=0.5):
+        """A data-centre power loss: every node's power cut at the same moment (the signals go out
+        back to back, before any node is waited for), all down `seconds`, then all started again with
+        their default options (no operator, no recovery-mode flag)."""
+        with self.history.fault("power cut all"):
+            sent = [(node, node.cut_power()) for node in self.cluster]
+            for node, offset in sent:
+                dropped = node.wait_power_cut(offset)
+                self.history.event(f"{node}", dropped[dropped.find("files="):] or dropped)
+            time.sleep(seconds)
+            self.cluster.start()
+
     def graceful_restart(self, n, seconds=0.5):
         """Stop node n with SIGTERM (a clean shutdown: it must exit 0), leave it down `seconds` (an
         upgrade swaps the binary), start it again."""

@@ -168,12 +168,20 @@ class Node:
         """SIGUSR2 to a node started with WARREN_TEST_SIMULATED_DISK: its data directory is rewritten
         to what a machine crash would leave (unsynced writes dropped), then it kills itself (SIGKILL).
         Returns the server's "power cut" log line (what was dropped)."""
+        return self.wait_power_cut(self.cut_power(), timeout)
+
+    def cut_power(self):
+        """Sends the power cut (see `power_cut`) without waiting; returns what `wait_power_cut` needs."""
         assert self.extra_env.get("WARREN_TEST_SIMULATED_DISK") not in (None, "", "0"), \
             f"{self} does not run on the power-loss simulator"
         offset = self.log_path.stat().st_size
         if self.paused:
             self.resume()
         self.proc.send_signal(signal.SIGUSR2)
+        return offset
+
+    def wait_power_cut(self, offset, timeout=20):
+        """Waits for the node to die of the power cut sent by `cut_power`; returns its log line."""
         code = self.proc.wait(timeout)
         if code != -signal.SIGKILL:
             raise AssertionError(f"{self} exited with {code} on SIGUSR2, not by its power cut:\n{self.log_tail()}")

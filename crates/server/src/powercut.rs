@@ -7,7 +7,8 @@
 //! knows what the last `fdatasync`/`fsync`/`syncfs` of each file and directory covered. On SIGUSR2 the
 //! power goes off: the files are rewritten at once to what a machine crash would leave (`1`: unsynced
 //! data and directory entries dropped; `torn`: also a random prefix of each file's unsynced writes,
-//! the last one cut at a random byte) and the process kills itself with SIGKILL: no flush, no
+//! the last one cut at a random byte; `reordered`: any subset of the blocks of each file's unsynced
+//! writes, as a disk that persists them out of order) and the process kills itself with SIGKILL: no flush, no
 //! graceful shutdown. The fault tests (`tests/cluster`, `tests/python/test_power_cut.py`) then
 //! restart it on what is left.
 //!
@@ -31,7 +32,8 @@ pub fn disk(data_dir: &Path) -> Result<(Disk, PathBuf), String> {
         None | Some("") | Some("0") => return Ok((Disk::real(), data_dir.to_path_buf())),
         Some("1") | Some("unsynced") => Loss::Unsynced,
         Some("torn") => Loss::Torn { seed: rand::random() },
-        Some(other) => return Err(format!("{ENV}={other}: expected 1 (or unsynced), torn or 0")),
+        Some("reordered") => Loss::Reordered { seed: rand::random() },
+        Some(other) => return Err(format!("{ENV}={other}: expected 1 (or unsynced), torn, reordered or 0")),
     };
     let root = std::path::absolute(data_dir).map_err(|e| format!("{ENV}: {}: {e}", data_dir.display()))?;
     warren_store::create_dir_durably(&root).map_err(|e| format!("cannot create data directory {}: {e}", root.display()))?;
