@@ -47,7 +47,7 @@
 //! is known: a stopped or cut-off leader never answers, and this node's later proposals to the
 //! group wait behind it.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -107,6 +107,13 @@ const FORWARD_CHECK_EVERY: Duration = Duration::from_millis(50);
 const VOTE_PING_TIMEOUT: Duration = Duration::from_millis(100);
 /// Timeout of a peer's answer to a status request.
 const STATUS_TIMEOUT: Duration = Duration::from_secs(2);
+/// A rebuilding group's read barrier waits this long for the leader and for its replica to apply
+/// (a large backlog to fetch takes several tries) ...
+const REBUILD_BARRIER_TIMEOUT: Duration = Duration::from_secs(5);
+/// ... and is tried again after this.
+const REBUILD_RETRY: Duration = Duration::from_millis(500);
+/// How long a node whose elections keep failing waits for each peer's log length.
+const STUCK_ELECTION_ASK: Duration = Duration::from_millis(300);
 
 /// The Raft configuration of every group: openraft's own tick is off (the node's sweep drives
 /// heartbeats and elections, see the module docs). `election_timeout_max` is openraft's leader
@@ -493,6 +500,10 @@ struct NodeInner {
     groups_version: AtomicU64,
     /// New groups waiting for their preferred member to initialize them: (voters, since).
     pending_init: parking_lot::Mutex<HashMap<GroupId, (BTreeMap<NodeId, NodeAddr>, Instant)>>,
+    /// Groups whose log this node lost (store files missing or cut short) and rebuilds from the
+    /// other members (see [`ClusterNode::rebuild_group`]): until it has applied everything committed,
+    /// it grants no vote and does not campaign in them.
+    rebuilding: parking_lot::Mutex<HashSet<GroupId>>,
     /// Groups whose leader, as this node knows it, asked for a (pre-)vote: it no longer leads
     /// (restarted: a restarted leader never leads again in its old term), though its node answers;
     /// and the term it campaigned in.
@@ -689,6 +700,7 @@ impl ClusterNode {
             groups: RwLock::new(HashMap::new()),
             groups_version: AtomicU64::new(0),
             pending_init: parking_lot::Mutex::new(HashMap::new()),
+            rebuilding: parking_lot::Mutex::new(HashSet::new()),
             deposed: parking_lot::Mutex::new(HashMap::new()),
             liveness_version: AtomicU64::new(0),
             sweep_now: Arc::new(tokio::sync::Notify::new()),
@@ -835,6 +847,12 @@ impl ClusterNode {
             let _ = raft.shutdown().await;
             return Err(NodeError::GroupExists(group));
         }
+        if self.is_rebuilding(group) {
+            // It joins the running group like a new member; initializing it here would give it a log
+            // of its own.
+            self.spawn_rebuild_watch(group);
+            return Ok(raft);
+        }
         // No members: this node joins a running group (`reconcile_members` on its leader adds it).
         if !members.is_empty() && !raft.is_initialized().await.map_err(|e| raft_err(&e))? {
             if preferred_member(group, members, preferred) == Some(self.inner.id) {
@@ -849,6 +867,51 @@ impl ClusterNode {
             }
         }
         Ok(raft)
+    }
+
+    /// Marks group `group` (not started yet) as rebuilding: this node lost its stored log and
+    /// starts it empty, as a new member, and the leader brings it back (entries, or a snapshot and
+    /// the message bodies it names). A member that forgot what it acknowledged must not help elect
+    /// a leader that lacks it (Raft's safety counts on every vote coming from a log that holds what
+    /// its node acknowledged), so until a linearizable read barrier says this replica has applied
+    /// everything committed before it, the node grants no vote or pre-vote in the group and never
+    /// campaigns there.
+    pub fn rebuild_group(&self, group: GroupId) {
+        self.inner.rebuilding.lock().insert(group);
+    }
+
+    /// Whether this node still rebuilds group `group` (see [`ClusterNode::rebuild_group`]).
+    pub fn is_rebuilding(&self, group: GroupId) -> bool {
+        self.inner.rebuilding.lock().contains(&group)
+    }
+
+    /// Ends the rebuild of `group` once a read barrier passes: the leader confirmed its leadership
+    /// with a quorum and this replica applied its read index, so it holds every committed entry.
+    fn spawn_rebuild_watch(&self, group: GroupId) {
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            let started = Instant::now();
+            loop {
+                let Some(inner) = weak.upgrade() else { return };
+                let node = ClusterNode { inner };
+                if node.handle(group).is_none() {
+                    node.inner.rebuilding.lock().remove(&group);
+                    return; // stopped or removed meanwhile
+                }
+                match node.linearize(group, REBUILD_BARRIER_TIMEOUT).await {
+                    Ok(()) => {
+                        node.inner.rebuilding.lock().remove(&group);
+                        let m = node.handle(group).map(|h| h.metrics());
+                        tracing::warn!(group, applied = ?m.and_then(|m| m.last_applied.map(|l| l.index)), elapsed_ms = started.elapsed().as_millis() as u64,
+                            "group rebuilt from the other members after this node lost its log: it votes again");
+                        return;
+                    }
+                    Err(e) => tracing::info!(group, error = %e, "rebuilding the group from the other members: not caught up yet"),
+                }
+                drop(node);
+                tokio::time::sleep(REBUILD_RETRY).await;
+            }
+        });
     }
 
     /// Stops group `group` on this node (its stored log stays; removing it is the caller's).
@@ -1400,6 +1463,13 @@ impl ClusterNode {
             }
             Rpc::Vote | Rpc::PreVote => {
                 let mut req: VoteRequest<TypeConfig> = decode(payload)?;
+                if self.is_rebuilding(group) {
+                    // Its log lacks what it acknowledged before the loss (see `rebuild_group`). The
+                    // pre-vote is refused too: granted, it would let a stale candidate start real
+                    // elections over and over, each raising the term under the up-to-date ones.
+                    tracing::debug!(group, candidate = req.vote.leader_id.node_id, "vote refused: this node rebuilds the group's log");
+                    return Ok(wire::to_bytes(&VoteResponse::<TypeConfig> { vote: req.vote, vote_granted: false, last_log_id: None }));
+                }
                 let leader = h.metrics().current_leader.filter(|l| *l != self.inner.id);
                 let candidate = req.vote.leader_id.node_id;
                 if leader == Some(candidate) {
@@ -1470,6 +1540,8 @@ struct GroupTimer {
     last_heartbeat: Option<Instant>,
     leaderless_since: Option<Instant>,
     last_election: Option<Instant>,
+    /// Elections this node started since the group last had a leader it saw.
+    elections: u32,
     /// A leadership transfer this node asked for as the group's leader: (term, to, when, tries).
     transfer: Option<(u64, NodeId, Instant, u32)>,
     /// No rebalancing of this group before then (a transfer did not take).
@@ -1677,6 +1749,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             }
             if state == ServerState::Leader {
                 t.leaderless_since = None;
+                t.elections = 0;
                 t.leading_since.get_or_insert(now);
                 let moved = (last_log, committed) != t.seen;
                 let stale = t.last_heartbeat.is_none_or(|at| now.duration_since(at) >= LEADER_REFRESH);
@@ -1696,6 +1769,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             let leader_down = leader.is_some_and(|l| l != me && node.leader_gone(group, l));
             if leader.is_some_and(|l| l != me) && !leader_down {
                 t.leaderless_since = None;
+                t.elections = 0;
                 t.quiet_until = Some((now + FOLLOWER_RECHECK, liveness));
                 continue;
             }
@@ -1710,13 +1784,35 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
             let stagger = ELECTION_STAGGER * rank as u32;
             let due = since + grace + stagger;
             let retry_ok = t.last_election.is_none_or(|at| now.duration_since(at) >= ELECTION_RETRY + stagger);
-            if now >= due && retry_ok {
+            if now >= due && retry_ok && !node.is_rebuilding(group) {
                 t.last_election = Some(now);
+                t.elections += 1;
                 // The leader's process is dead (its links closed): the first candidate skips the
                 // pre-vote, which its own lease on the dead leader would refuse for up to
                 // LEADER_LEASE; the voters grant it as a transfer (see `serve`). A leader merely
                 // silent (stopped, cut off) may be alive: pre-vote as usual.
                 let at_once = rank == 0 && leader.is_some_and(|l| l != me && node.inner.detector.closed_down(l));
+                if t.elections > 1 {
+                    // A round without a leader already. A candidate raises its own term even when
+                    // its pre-vote fails, so a node whose log is behind, campaigning on, keeps its
+                    // term ahead of the node that could win: it leaves the election to a peer
+                    // with a longer log. And a pre-vote never raises the term a voter compares it
+                    // with, so one that voted for itself in the term this node proposes (whose own
+                    // election failed: a member down, or rebuilding its log) refuses it forever:
+                    // every other round skips the pre-vote.
+                    let (node, h) = (node.clone(), h.clone());
+                    let voters: Vec<NodeId> = h.metrics().membership_config.membership().voter_ids().collect();
+                    let pre_vote = t.elections % 2 == 0;
+                    tokio::spawn(async move {
+                        if node.has_longest_log(group, &voters, STUCK_ELECTION_ASK).await {
+                            tracing::debug!(group, pre_vote, "electing again");
+                            h.elect(pre_vote).await;
+                        } else {
+                            tracing::debug!(group, "a peer's log is longer: leaving the election to it");
+                        }
+                    });
+                    continue;
+                }
                 tracing::debug!(group, rank, ?leader, leader_down, at_once, "electing");
                 h.elect(!at_once).await;
             }

@@ -16,7 +16,10 @@ use crate::config::{ClusterSettings, Config};
 /// metadata group with every node of `peers` as its voters, whose state machine is the broker's
 /// durable topology (`crate::metadata_group`); from then on the broker's durable changes go
 /// through it.
-pub async fn start(config: &Config, settings: ClusterSettings, logs: &Arc<RaftLogs>, broker: &Arc<Broker>) -> Result<ClusterNode, String> {
+///
+/// `rebuild`: groups whose stored log this node lost (`RaftLogs::open_discarding_damaged`): they
+/// start empty and are rebuilt from the other members (`ClusterNode::rebuild_group`).
+pub async fn start(config: &Config, settings: ClusterSettings, logs: &Arc<RaftLogs>, rebuild: &[GroupId], broker: &Arc<Broker>) -> Result<ClusterNode, String> {
     let node = ClusterNode::start(NodeConfig {
         node_id: settings.node_id,
         listen: settings.listen,
@@ -27,6 +30,9 @@ pub async fn start(config: &Config, settings: ClusterSettings, logs: &Arc<RaftLo
     })
     .await
     .map_err(|e| e.to_string())?;
+    for &group in rebuild {
+        node.rebuild_group(group);
+    }
     let members: BTreeSet<u64> = settings.peers.iter().map(|(id, _)| *id).collect();
     let machine = StateMachine::open(logs, METADATA_GROUP, crate::metadata_group::TopologyMachine::new(broker.clone()))
         .await

@@ -121,11 +121,14 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     }
 
     // The Raft logs of this node's groups (quorum queues; the metadata group when clustered), in the WAL.
-    let raft_logs = warren_cluster::RaftLogs::open(broker.store().clone(), &report.store_queues)
+    // A member of a cluster rebuilds from the other members the groups whose log it lost part of;
+    // a single node has no one to ask (what it lost is reported above).
+    let lost_queues: Vec<u64> = if config.cluster().is_some() { report.lost.iter().map(|(queue, _)| *queue).collect() } else { Vec::new() };
+    let (raft_logs, rebuild) = warren_cluster::RaftLogs::open_discarding_damaged(broker.store().clone(), &report.store_queues, &lost_queues)
         .map_err(|e| format!("cannot open the Raft logs: {e}"))?;
     // A cluster member (with --peers): the cluster port, the failure detector, the metadata group.
     let cluster = match config.cluster() {
-        Some(settings) => Some(crate::cluster::start(&config, settings, &raft_logs, &broker).await?),
+        Some(settings) => Some(crate::cluster::start(&config, settings, &raft_logs, &rebuild, &broker).await?),
         None => None,
     };
     // Quorum queues: each its own Raft group (`quorum`), on this node alone or on members of the cluster.

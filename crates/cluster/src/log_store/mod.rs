@@ -153,6 +153,36 @@ impl RaftLogs {
         RaftLogs::open_with(store, recovered, LogsOptions::default())
     }
 
+    /// [`RaftLogs::open`], except for the groups with records among `lost_queues` (store queues
+    /// whose files recovery found missing or cut short: `warren_store::Recovery::lost`). A log with
+    /// a hole cannot answer for what this node acknowledged: each such group's log and state are
+    /// deleted from the store, unread, so that it starts empty, as a new member, to be rebuilt from
+    /// the other members (`ClusterNode::rebuild_group`). Returns the logs and those groups, once
+    /// the deletions are applied.
+    pub fn open_discarding_damaged(store: Store, recovered: &[RecoveredQueue], lost_queues: &[u64]) -> Result<(Arc<RaftLogs>, Vec<GroupId>), LogStoreError> {
+        let group_of = |q: u64| q & !(RAFT_LOG | RAFT_STATE);
+        let mut damaged: Vec<GroupId> =
+            lost_queues.iter().copied().filter(|q| warren_store::is_raft_queue(*q)).map(group_of).filter(|g| *g < GROUP_ID_LIMIT).collect();
+        damaged.sort_unstable();
+        damaged.dedup();
+        let intact: Vec<RecoveredQueue> = recovered
+            .iter()
+            .filter(|r| !warren_store::is_raft_queue(r.queue) || damaged.binary_search(&group_of(r.queue)).is_err())
+            .cloned()
+            .collect();
+        let logs = RaftLogs::open(store, &intact)?;
+        for &group in &damaged {
+            let ticket = logs.remove_group(group)?;
+            // The fresh log reads its own records back by seq: the old ones must be gone first.
+            logs.shared.store.wait_durable(ticket)?;
+            if !logs.shared.store.wait_readable(ticket, std::time::Duration::from_secs(30)) {
+                return Err(LogStoreError::Store(StoreError::Closed));
+            }
+            tracing::error!(group, "this node lost part of the group's stored log: it starts the group empty and rebuilds it from the other members");
+        }
+        Ok((logs, damaged))
+    }
+
     /// [`RaftLogs::open`] with settings.
     pub fn open_with(store: Store, recovered: &[RecoveredQueue], options: LogsOptions) -> Result<Arc<RaftLogs>, LogStoreError> {
         let shared = Arc::new(Shared { flusher: Flusher::new(store.durable()), store, options, cache_budget: Arc::default() });

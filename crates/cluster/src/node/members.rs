@@ -44,6 +44,9 @@ pub struct GroupMembership {
     pub uniform: bool,
     /// Its voters and learners.
     pub nodes: Vec<NodeId>,
+    /// The index of the last entry in its log (absent from older nodes' answers).
+    #[serde(default)]
+    pub last_log_index: Option<u64>,
 }
 
 /// What one step of [`ClusterNode::reconcile_members`] did.
@@ -146,7 +149,24 @@ impl ClusterNode {
             leader: m.state == ServerState::Leader,
             uniform: membership.get_joint_config().len() == 1,
             nodes: membership.nodes().map(|(id, _)| *id).collect(),
+            last_log_index: m.last_log_index,
         })
+    }
+
+    /// Whether no peer among `members` that answers within `timeout` has a longer log of `group`
+    /// than this node: then a vote for this node cannot be refused for its log being behind.
+    pub(super) async fn has_longest_log(&self, group: GroupId, members: &[NodeId], timeout: std::time::Duration) -> bool {
+        let Some(h) = self.handle(group) else { return false };
+        let mine = h.metrics().last_log_index;
+        for peer in members.iter().copied().filter(|m| *m != self.inner.id) {
+            let asked = tokio::time::timeout(timeout, self.ask_membership(peer, group)).await;
+            if let Ok(Some(theirs)) = asked {
+                if theirs.last_log_index > mine {
+                    return false;
+                }
+            }
+        }
+        true
     }
 
     /// Whether this node is out of the group for good: the group's leader, asked among `members`,
