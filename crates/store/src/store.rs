@@ -92,6 +92,9 @@ pub struct StoreStats {
     /// Enqueues refused because their seq was below their queue's next one: always a bug in the caller,
     /// logged as an error (see `Store::append`).
     pub seq_regressions: u64,
+    /// Messages lost with the bytes that held them since the store was opened: those recovery
+    /// found missing (`Recovery::lost`) and those reads found damaged (`ReadBatch::lost`).
+    pub lost_messages: u64,
     /// The current durable watermark.
     pub durable: SyncTicket,
 }
@@ -137,6 +140,8 @@ impl Store {
         shared.counters.wal_bytes.store(wal_bytes, Ordering::Relaxed);
         shared.counters.queue_bytes.store(queue_bytes, Ordering::Relaxed);
         shared.counters.wal_segments.store(start.wal_bases.len() as u64, Ordering::Relaxed);
+        let lost: u64 = recovery.lost.iter().fold(0, |sum, l| sum.saturating_add(l.messages));
+        shared.counters.lost_messages.store(lost, Ordering::Relaxed);
         let writer = Writer::new(shared.clone(), start);
         let handle = std::thread::Builder::new()
             .name("warren-store-writer".into())
@@ -254,6 +259,7 @@ impl Store {
             checkpoints: get(&c.checkpoints),
             segments_deleted: get(&c.segments_deleted),
             seq_regressions: get(&c.seq_regressions),
+            lost_messages: get(&c.lost_messages),
             durable: s.durable_pos(),
         }
     }
@@ -281,8 +287,13 @@ impl Store {
             return Ok(ReadBatch { next_seq: seqs.start, ..Default::default() });
         };
         let mut log = log.lock();
-        log.read(seqs, max_count.max(1), max_bytes.max(1), direct)
-            .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
+        let batch = log
+            .read(seqs, max_count.max(1), max_bytes.max(1), direct)
+            .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))?;
+        if batch.lost > 0 {
+            self.inner.shared.counters.lost_messages.fetch_add(batch.lost, Ordering::Relaxed);
+        }
+        Ok(batch)
     }
 
     /// The delivered mark of `queue` that is durable (see `Batch::delivered`): a mark appended is

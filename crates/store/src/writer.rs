@@ -145,6 +145,7 @@ pub(crate) struct Counters {
     pub queue_bytes: AtomicU64,
     pub segments_deleted: AtomicU64,
     pub seq_regressions: AtomicU64,
+    pub lost_messages: AtomicU64,
 }
 
 impl Counters {

@@ -337,6 +337,7 @@ fn a_deleted_queue_segment_file_is_reported_with_the_exact_count_lost() {
     std::fs::remove_file(&qsegs[0]).unwrap();
     let (store, rec) = Store::open(&dir, opts(RecoveryMode::default())).unwrap();
     assert_eq!(rec.lost.iter().map(|l| (l.queue, l.messages)).collect::<Vec<_>>(), vec![(1, in_file - 3)]);
+    assert_eq!(store.stats().lost_messages, in_file - 3, "the count a metric reports");
     assert_eq!(rec.queues.iter().find(|q| q.queue == 1).map_or(0, |q| q.live_count), 30 - in_file);
     assert_eq!(live(&store, 1), (in_file..30).collect::<Vec<_>>());
     assert_eq!(live(&store, 2).len(), 30, "the other queue is whole");
@@ -362,6 +363,7 @@ fn a_damaged_queue_segment_found_while_reading_is_kept_aside_before_it_can_be_de
     let b = store.read(1, 0, 100, 1 << 20).unwrap();
     assert_eq!(b.messages.len(), 5);
     assert_eq!(b.lost, 5);
+    assert_eq!(store.stats().lost_messages, 5, "the count a metric reports");
     let kept = files(&warren_store::damaged_dir(&dir));
     assert_eq!(kept.len(), 1, "{kept:?}");
     let name = kept[0].file_name().unwrap().to_string_lossy().into_owned();
