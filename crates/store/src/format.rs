@@ -344,24 +344,23 @@ pub fn encode_drop(out: &mut Vec<u8>, queue: u64) {
 }
 
 pub fn encode_delivered(out: &mut Vec<u8>, queue: u64, up_to: u64) {
-    let start = out.len();
-    out.extend_from_slice(&(DELIVERED_LEN as u32).to_le_bytes());
-    out.extend_from_slice(&[0u8; 4]);
-    out.push(KIND_DELIVERED);
-    out.extend_from_slice(&queue.to_le_bytes());
-    out.extend_from_slice(&up_to.to_le_bytes());
-    seal(out, start);
+    encode_kind_and_two(out, KIND_DELIVERED, queue, up_to);
 }
 
 /// Appends the synced mark that ends a group (see the module docs): the mark will be at WAL position
 /// `at`, and everything before `synced_to` was durable when the group was taken.
 pub fn encode_synced(out: &mut Vec<u8>, synced_to: u64, at: u64) {
+    encode_kind_and_two(out, KIND_SYNCED, synced_to, at);
+}
+
+/// A record whose body is its kind and two u64s (`DELIVERED_LEN`, `SYNCED_LEN`).
+fn encode_kind_and_two(out: &mut Vec<u8>, kind: u8, a: u64, b: u64) {
     let start = out.len();
-    out.extend_from_slice(&(SYNCED_LEN as u32).to_le_bytes());
+    out.extend_from_slice(&(1u32 + 8 + 8).to_le_bytes());
     out.extend_from_slice(&[0u8; 4]);
-    out.push(KIND_SYNCED);
-    out.extend_from_slice(&synced_to.to_le_bytes());
-    out.extend_from_slice(&at.to_le_bytes());
+    out.push(kind);
+    out.extend_from_slice(&a.to_le_bytes());
+    out.extend_from_slice(&b.to_le_bytes());
     seal(out, start);
 }
 
