@@ -20,7 +20,7 @@ PERFTEST_LIB=${PERFTEST_LIB:-$HOME/.cache/warren/perftest/lib}
 
 start_broker() {
   local t0; t0=$(date +%s.%N)
-  $BIN server --amqp-port "$PORT" --http-port $((PORT + 1)) --data-dir "$DATA" >>"$OUT/warren.log" 2>&1 &
+  $BIN server --amqp-port "$PORT" --http-port $((PORT + 1)) --prometheus-port $((PORT + 2)) --data-dir "$DATA" >>"$OUT/warren.log" 2>&1 &
   PID=$!
   until (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null; do sleep 0.02; done
   READY_S=$(echo "$(date +%s.%N) - $t0" | bc)

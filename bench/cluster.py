@@ -114,7 +114,7 @@ class WarrenCluster:
 
     def command(self, n):
         peers = ",".join(f"{i}={self.cluster_addr(i)}" for i in NODES)
-        return [str(BIN), "server", "--amqp-port", str(self.port(n)), "--http-port", str(15690 + n),
+        return [str(BIN), "server", "--amqp-port", str(self.port(n)), "--http-port", str(25690 + n), "--prometheus-port", str(25680 + n),
                 "--data-dir", str(self.dir / f"n{n}"), "--node-id", str(n), "--cluster-addr", self.cluster_addr(n),
                 "--peers", peers, "--cluster-secret", SECRET]
 

@@ -112,7 +112,7 @@ def main():
     with tempfile.TemporaryDirectory() as data:
         log = open(Path(data) / "warren.log", "wb")
         broker = subprocess.Popen(
-            [args.bin, "server", "--amqp-port", str(port), "--http-port", str(free_port()),
+            [args.bin, "server", "--amqp-port", str(port), "--http-port", str(free_port()), "--prometheus-port", "0",
              "--data-dir", str(Path(data) / "d")],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "WARREN_LOG": "warn"})
         try:

@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 run() { # label, PerfTest args...
   local label=$1; shift
   rm -rf "$OUT/data"
-  $BIN server --amqp-port "$PORT" --http-port $((PORT + 1)) --data-dir "$OUT/data" >"$OUT/$label.log" 2>&1 &
+  $BIN server --amqp-port "$PORT" --http-port $((PORT + 1)) --prometheus-port $((PORT + 2)) --data-dir "$OUT/data" >"$OUT/$label.log" 2>&1 &
   local pid=$!
   until (exec 3<>/dev/tcp/127.0.0.1/$PORT) 2>/dev/null; do sleep 0.05; done
   (while kill -0 "$pid" 2>/dev/null; do ps -o rss= -p "$pid"; sleep 0.5; done) >"$OUT/$label.rss" 2>/dev/null &

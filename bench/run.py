@@ -70,7 +70,7 @@ class Warren:
 
     def start(self):
         shutil.rmtree(self.data, ignore_errors=True)
-        self.proc = subprocess.Popen([str(BIN), "server", "--amqp-port", str(self.port), "--http-port", str(self.port + 1),
+        self.proc = subprocess.Popen([str(BIN), "server", "--amqp-port", str(self.port), "--http-port", str(self.port + 1), "--prometheus-port", str(self.port + 2),
                                       "--data-dir", str(self.data)], stdout=open(OUT / "warren.log", "ab"), stderr=subprocess.STDOUT)
         wait_port(self.port)
 

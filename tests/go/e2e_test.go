@@ -53,6 +53,7 @@ func startBroker(t *testing.T) int {
 	cmd := exec.Command(bin, "server",
 		"--amqp-port", fmt.Sprint(amqpPort),
 		"--http-port", fmt.Sprint(httpPort),
+		"--prometheus-port", "0",
 		"--data-dir", dataDir)
 	cmd.Stdout = logFile
 	cmd.Stderr = logFile

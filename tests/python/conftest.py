@@ -106,6 +106,7 @@ class Broker:
         self.host = "127.0.0.1"
         self.port = free_port()
         self.http_port = free_port()
+        self.prometheus_port = free_port()
         self.data_dir = data_dir
         self.log_path = log_path
         self.proc = None
@@ -120,7 +121,7 @@ class Broker:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [self.bin or binary_for(os.environ), "server", "--amqp-port", str(self.port), "--http-port", str(self.http_port),
-             "--data-dir", str(self.data_dir), *self.extra_args],
+             "--prometheus-port", str(self.prometheus_port), "--data-dir", str(self.data_dir), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT,
         )
 

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.needs_process
 
 def start(tmp_path, args, env_extra):
     env = dict(os.environ)
+    env["WARREN_PROMETHEUS_PORT"] = "0"  # not 15692: another broker (a RabbitMQ alongside) may have it
     env.update(env_extra)
     log = open(tmp_path / "log", "ab")
     return subprocess.Popen([BIN, "server", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
@@ -150,7 +151,7 @@ def test_server_keeps_serving_when_its_log_pipe_is_closed(tmp_path):
     """`warren server 2>&1 | head -1`: once the reader has gone, logging must not panic the threads
     that log (connections, the store, the cluster), and the broker goes on serving."""
     port = free_port()
-    proc = subprocess.Popen([BIN, "server", "--amqp-port", str(port), "--http-port", str(free_port()),
+    proc = subprocess.Popen([BIN, "server", "--amqp-port", str(port), "--http-port", str(free_port()), "--prometheus-port", "0",
                              "--data-dir", str(tmp_path / "data")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         eventually(lambda: b"accepting AMQP" in proc.stdout.readline(), timeout=30)

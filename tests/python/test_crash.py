@@ -235,7 +235,7 @@ def test_corruption_in_the_middle_of_the_wal_refuses_to_start_until_the_operator
     with open(broker.log_path, "ab") as log:
         refused = subprocess.run(
             [BIN, "server", "--amqp-port", str(broker.port), "--http-port", str(broker.http_port),
-             "--data-dir", str(broker.data_dir)], stdout=log, stderr=subprocess.STDOUT, timeout=20)
+             "--prometheus-port", str(broker.prometheus_port), "--data-dir", str(broker.data_dir)], stdout=log, stderr=subprocess.STDOUT, timeout=20)
     assert refused.returncode != 0
     refusal = broker.log_text()[log_before:]
     assert str(wal) in refusal and f"offset {bad}" in refusal, refusal

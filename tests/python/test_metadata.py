@@ -166,7 +166,7 @@ def test_a_corrupt_metadata_log_refuses_to_start_unless_the_recovery_mode_skips_
 
     refused = subprocess.run(
         [BIN, "server", "--amqp-port", str(broker.port), "--http-port", str(broker.http_port),
-         "--data-dir", str(broker.data_dir)], capture_output=True, timeout=60)
+         "--prometheus-port", str(broker.prometheus_port), "--data-dir", str(broker.data_dir)], capture_output=True, timeout=60)
     output = (refused.stdout + refused.stderr).decode(errors="replace")
     assert refused.returncode != 0, output
     assert f"metadata.log: corrupt record at byte offset {bad}" in output, output

@@ -43,7 +43,7 @@ def warren_broker(tmp_path):
     log_path = tmp_path / "warren.log"
     log = open(log_path, "wb")
     proc = subprocess.Popen(
-        [str(bin_path), "server", "--amqp-port", str(amqp_port), "--http-port", str(http_port),
+        [str(bin_path), "server", "--amqp-port", str(amqp_port), "--http-port", str(http_port), "--prometheus-port", "0",
          "--data-dir", str(tmp_path / "data")],
         stdout=log, stderr=subprocess.STDOUT,
     )

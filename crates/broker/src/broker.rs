@@ -246,6 +246,13 @@ impl Broker {
             .insert(name.to_string(), User { name: name.to_string(), password: password.to_string(), loopback_only });
     }
 
+    /// Every user, sorted by name.
+    pub fn users(&self) -> Vec<User> {
+        let mut users: Vec<User> = self.users.read().values().cloned().collect();
+        users.sort_by(|a, b| a.name.cmp(&b.name));
+        users
+    }
+
     /// Checks a username and password. Constant-time comparison is not needed for a local
     /// plain-text password, but the answer does not say which of the two was wrong.
     pub fn authenticate(&self, name: &str, password: &str) -> Option<User> {

@@ -295,6 +295,11 @@ impl Channel {
             message: entry.message.clone(),
             ack_when_written: if consumer.no_ack { AckWhenWritten::of(&consumer.queue, &entry) } else { None },
         });
+        let counters = &crate::stats::COUNTERS;
+        crate::stats::add(if consumer.no_ack { &counters.delivered_consume_auto_ack } else { &counters.delivered_consume_manual_ack }, 1);
+        if entry.redelivered {
+            crate::stats::add(&counters.redelivered, 1);
+        }
         if consumer.no_ack {
             // Settled on delivery; the sink acks it in the store once written (`AckWhenWritten`).
             return Ok(Some(entry));
@@ -319,6 +324,11 @@ impl Channel {
             message: entry.message.clone(),
             ack_when_written: if no_ack { AckWhenWritten::of(queue, &entry) } else { None },
         });
+        let counters = &crate::stats::COUNTERS;
+        crate::stats::add(if no_ack { &counters.delivered_get_auto_ack } else { &counters.delivered_get_manual_ack }, 1);
+        if entry.redelivered {
+            crate::stats::add(&counters.redelivered, 1);
+        }
         if no_ack {
             return Some(entry);
         }
@@ -543,6 +553,9 @@ impl Channel {
     fn finish_settle(&self, taken: Vec<Unacked>, how: Settle, publisher: Option<Publisher>) -> Option<SyncTicket> {
         if taken.is_empty() {
             return None;
+        }
+        if matches!(how, Settle::Ack) {
+            crate::stats::add(&crate::stats::COUNTERS.acknowledged, taken.len() as u64);
         }
         let mut released = 0;
         for u in &taken {

@@ -124,7 +124,7 @@ pub async fn monitor(
 }
 
 /// Resident set size of this process, from /proc/self/statm.
-fn resident_memory() -> Option<u64> {
+pub fn resident_memory() -> Option<u64> {
     let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
     // SAFETY: sysconf only reads a system constant.
@@ -146,7 +146,7 @@ pub fn total_memory() -> u64 {
 }
 
 /// Bytes available to this process on the file system holding `dir`.
-fn free_disk(dir: &Path) -> std::io::Result<u64> {
+pub fn free_disk(dir: &Path) -> std::io::Result<u64> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).map_err(std::io::Error::other)?;
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };

@@ -30,9 +30,14 @@ pub struct ServerArgs {
     #[arg(long, value_name = "N")]
     pub amqp_port: Option<u16>,
 
-    /// Port reserved for the HTTP management API (not served yet) [env: WARREN_HTTP_PORT] [default: 15672]
+    /// Port of the HTTP management API (RabbitMQ's); 0 picks a free one [env: WARREN_HTTP_PORT] [default: 15672]
     #[arg(long, value_name = "N")]
     pub http_port: Option<u16>,
+
+    /// Port of the Prometheus metrics (rabbitmq_prometheus's); 0 picks a free one [env: WARREN_PROMETHEUS_PORT]
+    /// [default: 15692]
+    #[arg(long, value_name = "N")]
+    pub prometheus_port: Option<u16>,
 
     /// IP address to listen on; 0.0.0.0 or :: for all interfaces [env: WARREN_BIND] [default: 127.0.0.1]
     #[arg(long, value_name = "ADDR")]
@@ -159,8 +164,10 @@ pub struct Config {
     pub bind: IpAddr,
     /// AMQP 0-9-1 port; 0 lets the OS pick one.
     pub amqp_port: u16,
-    /// HTTP management port (reserved, not served yet).
+    /// HTTP management API port; 0 lets the OS pick one.
     pub http_port: u16,
+    /// Prometheus metrics port; 0 lets the OS pick one.
+    pub prometheus_port: u16,
     /// Directory for the message store and the durable definitions.
     pub data_dir: PathBuf,
     /// The user that may log in (applied at every start).
@@ -242,6 +249,7 @@ impl Default for Config {
             bind: IpAddr::V4(Ipv4Addr::LOCALHOST),
             amqp_port: 5672,
             http_port: 15672,
+            prometheus_port: 15692,
             data_dir: PathBuf::from("./warren-data"),
             default_user: "guest".to_owned(),
             default_pass: "guest".to_owned(),
@@ -326,6 +334,7 @@ const KEYS: &[(&str, &str)] = &[
     ("bind", "an IP address such as 127.0.0.1, 0.0.0.0 or ::"),
     ("amqp-port", "a port number (0-65535)"),
     ("http-port", "a port number (0-65535)"),
+    ("prometheus-port", "a port number (0-65535)"),
     ("data-dir", "a directory path"),
     ("default-user", "a user name"),
     ("default-pass", "a password"),
@@ -535,6 +544,10 @@ impl Config {
             config.http_port = port;
             flag("http-port", "--http-port");
         }
+        if let Some(port) = args.prometheus_port {
+            config.prometheus_port = port;
+            flag("prometheus-port", "--prometheus-port");
+        }
         if let Some(bind) = args.bind {
             config.bind = bind;
             flag("bind", "--bind");
@@ -625,6 +638,12 @@ impl Config {
             return Err((
                 "http-port",
                 format!("{} is also the amqp-port; the two listeners need different ports", self.http_port),
+            ));
+        }
+        if self.prometheus_port != 0 && (self.prometheus_port == self.amqp_port || self.prometheus_port == self.http_port) {
+            return Err((
+                "prometheus-port",
+                format!("{} is also the amqp-port or the http-port; each listener needs its own port", self.prometheus_port),
             ));
         }
         if self.data_dir.as_os_str().is_empty() {
@@ -722,8 +741,8 @@ impl Config {
             .ok()
             .and_then(|mut a| a.next())
             .ok_or(("cluster-addr", format!("\"{listen_text}\" is not an address to listen on (HOST:PORT)")))?;
-        if listen.port() != 0 && (listen.port() == self.amqp_port || listen.port() == self.http_port) {
-            return Err(("cluster-addr", format!("port {} is also the AMQP or HTTP port", listen.port())));
+        if listen.port() != 0 && (listen.port() == self.amqp_port || listen.port() == self.http_port || listen.port() == self.prometheus_port) {
+            return Err(("cluster-addr", format!("port {} is also the AMQP, HTTP or Prometheus port", listen.port())));
         }
         if self.cluster_secret.chars().count() < CLUSTER_SECRET_MIN {
             return Err((
@@ -732,6 +751,16 @@ impl Config {
             ));
         }
         Ok(Some(ClusterSettings { node_id: self.node_id, listen, peers, secret: self.cluster_secret.clone() }))
+    }
+
+    /// Where the management API listens.
+    pub fn http_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, self.http_port)
+    }
+
+    /// Where the Prometheus metrics are served.
+    pub fn prometheus_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, self.prometheus_port)
     }
 
     /// Where to listen for AMQP connections.
@@ -748,12 +777,13 @@ impl Config {
     pub fn summary(&self) -> String {
         let loopback = if self.loopback_users.is_empty() { "none".to_owned() } else { self.loopback_users.join(",") };
         format!(
-            "amqp={} http-port={} (reserved) data-dir={} default-user={} default-pass=<redacted> \
+            "amqp={} http-port={} prometheus-port={} data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
              max-message-size={} max-connections={} handshake-timeout={}s write-timeout={}s sync={} segment-size={} recovery-mode={} \
              memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}{}",
             self.amqp_addr(),
             self.http_port,
+            self.prometheus_port,
             self.data_dir.display(),
             self.default_user,
             loopback,

@@ -6,6 +6,7 @@ mod cluster;
 mod config;
 mod connection;
 mod ctl;
+mod http;
 mod metadata_group;
 mod powercut;
 mod queue_members;

@@ -153,19 +153,27 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let listener = TcpListener::bind(config.amqp_addr()).await.map_err(|e| {
         format!("cannot listen for AMQP on {}: {e}", config.amqp_addr())
     })?;
+    let http_listener = crate::http::bind(config.http_addr(), "the management API (HTTP)").await?;
+    let metrics_listener = crate::http::bind(config.prometheus_addr(), "Prometheus metrics (HTTP)").await?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let limits = Arc::new(parking_lot::Mutex::new(limits));
     let (alarm_tx, alarm_rx) = watch::channel(AlarmState::default());
     let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), broker.store().clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
-    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits, broker.quorum_bodies(), shutdown_rx.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits.clone(), broker.quorum_bodies(), shutdown_rx.clone()));
+    let registry = Arc::new(connection::registry::ConnectionRegistry::default());
     let ctx = Arc::new(ServerContext {
         broker: broker.clone(),
         config: config.clone(),
-        shutdown: shutdown_rx.clone(),
-        alarms: alarm_rx,
+        alarms: alarm_rx.clone(),
         slots: connection::ConnectionSlots::new(config.max_connections),
+        registry: registry.clone(),
     });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
+    let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone());
+    tracing::info!("serving the management API on http://{}", http_listener.local_addr()?);
+    tracing::info!("serving Prometheus metrics on http://{}/metrics", metrics_listener.local_addr()?);
+    let http_server = tokio::spawn(crate::http::serve(http_listener, crate::http::management_router(http.clone()), shutdown_rx.clone()));
+    let metrics_server = tokio::spawn(crate::http::serve(metrics_listener, crate::http::metrics_router(http), shutdown_rx.clone()));
 
     let housekeeping = {
         let broker = broker.clone();
@@ -220,6 +228,12 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     tracing::info!("shutting down: closing connections");
     drop(listener);
     let _ = shutdown_tx.send(true);
+    registry.shut_down();
+    let _ = tokio::time::timeout(Duration::from_secs(6), async {
+        let _ = http_server.await;
+        let _ = metrics_server.await;
+    })
+    .await;
     let drained = tokio::time::timeout(Duration::from_secs(10), async {
         while connections.join_next().await.is_some() {}
     })

@@ -28,6 +28,8 @@ pub struct Negotiated {
     #[allow(dead_code)]
     pub connection_blocked: bool,
     pub client_name: String,
+    /// What the client said of itself (product, version, platform, capabilities), for the management API.
+    pub client_properties: warren_protocol::field::FieldTable,
 }
 
 fn long_str(s: &str) -> FieldValue {
@@ -234,7 +236,7 @@ pub async fn negotiate(
         )
     })?;
     send(socket, 0, Method::ConnectionOpenOk(ConnectionOpenOk { reserved_1: String::new() })).await?;
-    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name })
+    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name, client_properties: start_ok.client_properties.clone() })
 }
 
 fn unexpected(got: &Method, wanted: &str) -> ConnError {

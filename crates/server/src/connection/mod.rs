@@ -11,6 +11,7 @@ mod frames;
 mod handshake;
 mod io;
 pub mod outbox;
+pub mod registry;
 mod writer;
 
 use crate::config::Config;
@@ -39,15 +40,17 @@ const RELEASE_BUFFERS_AFTER: Duration = Duration::from_secs(1);
 
 static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
 
-/// What every connection shares: the broker, the configuration, the shutdown signal.
+/// What every connection shares: the broker, the configuration, the alarms, the registry (which
+/// also carries the shutdown to each connection).
 pub struct ServerContext {
     pub broker: Arc<Broker>,
     pub config: Config,
-    pub shutdown: watch::Receiver<bool>,
     /// Resource alarms: while one is raised, connections that publish are not read.
     pub alarms: watch::Receiver<crate::alarms::AlarmState>,
     /// Open connections, against `max-connections`.
     pub slots: ConnectionSlots,
+    /// Open connections, as the management API lists and closes them.
+    pub registry: Arc<registry::ConnectionRegistry>,
 }
 
 /// Counts open connections (those past connection.open) against `max-connections` (0: no limit).
@@ -109,6 +112,7 @@ pub struct ConnectionShared {
 /// Serves one accepted socket until it closes.
 pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>) {
     let _ = stream.set_nodelay(true);
+    let stream_local = stream.local_addr().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
     let (read, mut write) = stream.into_split();
     let mut read = read;
     let mut buf = BytesMut::with_capacity(64 * 1024);
@@ -169,6 +173,17 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
     let id = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
     tracing::info!(%peer, connection = id, user = %negotiated.user.name, vhost = %negotiated.vhost.name,
         client = %negotiated.client_name, "connection opened");
+    let registered = ctx.registry.register(registry::Opened {
+        id,
+        peer,
+        local: stream_local,
+        user: negotiated.user.name.clone(),
+        vhost: negotiated.vhost.name.clone(),
+        client_properties: negotiated.client_properties.clone(),
+        frame_max: negotiated.frame_max,
+        channel_max: negotiated.channel_max,
+        heartbeat: negotiated.heartbeat,
+    });
     let outbox = Arc::new(Outbox::new(ctx.broker.store().clone()));
     let writer_config = Arc::new(parking_lot::Mutex::new(writer::WriterConfig {
         frame_max: negotiated.frame_max,
@@ -203,9 +218,16 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         publisher: false,
         alarms: ctx.alarms.clone(),
         store: ctx.broker.store().clone(),
+        info: registered.info.clone(),
     };
-    let mut shutdown = ctx.shutdown.clone();
-    let ended = conn.run(&mut reader, &mut shutdown).await;
+    // Becomes true at the server's shutdown or when an operator closes this connection.
+    let mut shutdown = registered.close.clone();
+    let mut ended = conn.run(&mut reader, &mut shutdown).await;
+    if let (Ended::Error(ConnError::Close { code: c::CONNECTION_FORCED, text, .. }), Some(reason)) =
+        (&mut ended, registered.info.closed_by_operator.lock().clone())
+    {
+        *text = format!("CONNECTION_FORCED - {reason}");
+    }
     match ended {
         Ended::ClientClosed => {
             conn.cleanup();
@@ -262,6 +284,8 @@ struct Connection {
     /// The message store: while it is behind (the disk is slower than the publishers), publishers that
     /// write to it are not read.
     store: warren_store::Store,
+    /// This connection in the registry (its open channels are listed there).
+    info: Arc<registry::ConnectionInfo>,
 }
 
 impl Connection {
@@ -516,6 +540,7 @@ impl Connection {
                 ));
             }
             self.channels.insert(channel, ChannelHandler::new(channel, &self.shared));
+            self.info.channels.lock().insert(channel);
             self.shared.outbox.method(channel, Method::ChannelOpenOk(ChannelOpenOk { reserved_1: Default::default() }));
             return Ok(());
         }
@@ -533,6 +558,7 @@ impl Connection {
         if ch.handle_method(method, &self.shared)? {
             // The channel finished closing.
             self.channels.remove(&channel);
+            self.info.channels.lock().remove(&channel);
         }
         Ok(())
     }

@@ -1,0 +1,131 @@
+//! The node's open AMQP connections, as the management API lists them (`/api/connections`,
+//! `/api/channels`) and closes them (`DELETE /api/connections/{name}`).
+//!
+//! A connection registers once its handshake is done and leaves when it ends (the [`Registered`]
+//! guard). Each has its own close signal: the server's shutdown closes them all, an operator one.
+
+use parking_lot::Mutex;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio::sync::watch;
+use warren_protocol::field::FieldTable;
+
+/// What the management API shows of one connection.
+pub struct ConnectionInfo {
+    pub id: u64,
+    /// RabbitMQ's name for it: "PEER -> LOCAL".
+    pub name: String,
+    pub peer: SocketAddr,
+    pub local: SocketAddr,
+    pub user: String,
+    pub vhost: String,
+    pub client_properties: FieldTable,
+    pub frame_max: u32,
+    pub channel_max: u16,
+    pub heartbeat: u16,
+    /// Milliseconds since the Unix epoch.
+    pub connected_at: u64,
+    /// Open channel numbers.
+    pub channels: Mutex<BTreeSet<u16>>,
+    /// Why an operator closed it (None: still open, or closed by its client or the shutdown).
+    pub closed_by_operator: Mutex<Option<String>>,
+    close: watch::Sender<bool>,
+}
+
+impl ConnectionInfo {
+    /// Asks the connection to close with connection.close 320 (CONNECTION_FORCED) and `reason`.
+    pub fn close(&self, reason: &str) {
+        *self.closed_by_operator.lock() = Some(reason.to_string());
+        let _ = self.close.send(true);
+    }
+}
+
+#[derive(Default)]
+pub struct ConnectionRegistry {
+    state: Mutex<RegistryState>,
+}
+
+#[derive(Default)]
+struct RegistryState {
+    open: BTreeMap<u64, Arc<ConnectionInfo>>,
+    /// The server is shutting down: a connection registering now is told to close at once.
+    shut_down: bool,
+}
+
+/// A connection's place in the registry; it leaves when this is dropped.
+pub struct Registered {
+    pub info: Arc<ConnectionInfo>,
+    /// Becomes true when the connection must close (an operator's close or the shutdown).
+    pub close: watch::Receiver<bool>,
+    registry: Arc<ConnectionRegistry>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.registry.state.lock().open.remove(&self.info.id);
+    }
+}
+
+/// What a connection tells the registry about itself once open.
+pub struct Opened {
+    pub id: u64,
+    pub peer: SocketAddr,
+    pub local: SocketAddr,
+    pub user: String,
+    pub vhost: String,
+    pub client_properties: FieldTable,
+    pub frame_max: u32,
+    pub channel_max: u16,
+    pub heartbeat: u16,
+}
+
+impl ConnectionRegistry {
+    pub fn register(self: &Arc<Self>, c: Opened) -> Registered {
+        let (close, rx) = watch::channel(false);
+        let info = Arc::new(ConnectionInfo {
+            id: c.id,
+            name: format!("{} -> {}", c.peer, c.local),
+            peer: c.peer,
+            local: c.local,
+            user: c.user,
+            vhost: c.vhost,
+            client_properties: c.client_properties,
+            frame_max: c.frame_max,
+            channel_max: c.channel_max,
+            heartbeat: c.heartbeat,
+            connected_at: warren_broker::now_ms(),
+            channels: Mutex::new(BTreeSet::new()),
+            closed_by_operator: Mutex::new(None),
+            close,
+        });
+        let mut state = self.state.lock();
+        if state.shut_down {
+            let _ = info.close.send(true);
+        }
+        state.open.insert(c.id, info.clone());
+        Registered { info, close: rx, registry: self.clone() }
+    }
+
+    /// Every open connection, oldest first.
+    pub fn list(&self) -> Vec<Arc<ConnectionInfo>> {
+        self.state.lock().open.values().cloned().collect()
+    }
+
+    pub fn find(&self, name: &str) -> Option<Arc<ConnectionInfo>> {
+        self.state.lock().open.values().find(|c| c.name == name).cloned()
+    }
+
+    pub fn count(&self) -> usize {
+        self.state.lock().open.len()
+    }
+
+    /// The server is stopping: every connection, open or opening, closes.
+    pub fn shut_down(&self) {
+        let mut state = self.state.lock();
+        state.shut_down = true;
+        for c in state.open.values() {
+            let _ = c.close.send(true);
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! HTTP Basic authentication against the broker's users, as RabbitMQ's management plugin does it:
+//! a missing or wrong `Authorization` gets 401 with `WWW-Authenticate`, and a loopback-only user
+//! (`loopback-users`, `guest` by default) is refused from any other address, as on AMQP.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use warren_broker::User;
+
+use super::error::ApiError;
+use super::{HttpContext, Peer};
+
+/// The authenticated user of a request (in its extensions, for the handlers).
+#[derive(Clone, Debug)]
+pub struct AuthUser(pub User);
+
+/// Middleware: lets the request through with its [`AuthUser`], or answers 401.
+pub async fn require_user(State(ctx): State<Arc<HttpContext>>, mut request: Request, next: Next) -> Response {
+    let peer = request.extensions().get::<Peer>().copied();
+    match authenticate(&ctx, request.headers().get(header::AUTHORIZATION), peer) {
+        Ok(user) => {
+            request.extensions_mut().insert(AuthUser(user));
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+fn authenticate(ctx: &HttpContext, authorization: Option<&header::HeaderValue>, peer: Option<Peer>) -> Result<User, ApiError> {
+    let value = authorization.ok_or_else(|| ApiError::unauthorized("Not_Authorized"))?;
+    let (name, password) = basic_credentials(value.as_bytes()).ok_or_else(|| ApiError::unauthorized("Not_Authorized"))?;
+    let user = ctx.broker.authenticate(&name, &password).ok_or_else(|| {
+        tracing::warn!(user = %name, peer = ?peer.map(|p| p.0), "HTTP authentication failed: invalid credentials");
+        ApiError::unauthorized("Not_Authorized")
+    })?;
+    if user.loopback_only && !peer.is_some_and(|p| p.0.ip().is_loopback()) {
+        tracing::warn!(user = %name, peer = ?peer.map(|p| p.0), "HTTP user can only connect via localhost");
+        return Err(ApiError::unauthorized(format!("User '{name}' can only log in via localhost")));
+    }
+    Ok(user)
+}
+
+/// The user name and password of `Basic BASE64(name:password)`; None if it is anything else.
+pub fn basic_credentials(value: &[u8]) -> Option<(String, String)> {
+    let value = std::str::from_utf8(value).ok()?.trim();
+    let (scheme, encoded) = value.split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD.decode(encoded.trim()).ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (name, password) = text.split_once(':')?;
+    Some((name.to_owned(), password.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::basic_credentials;
+
+    #[test]
+    fn basic_credentials_are_decoded_and_anything_else_is_refused() {
+        assert_eq!(basic_credentials(b"Basic Z3Vlc3Q6Z3Vlc3Q="), Some(("guest".into(), "guest".into())));
+        assert_eq!(basic_credentials(b"basic Z3Vlc3Q6YTpi"), Some(("guest".into(), "a:b".into())));
+        assert_eq!(basic_credentials(b"Bearer Z3Vlc3Q6Z3Vlc3Q="), None);
+        assert_eq!(basic_credentials(b"Basic not-base64!"), None);
+        assert_eq!(basic_credentials(b"Basic Z3Vlc3Q="), None); // no colon
+        assert_eq!(basic_credentials(b"Basic"), None);
+        assert_eq!(basic_credentials(&[0xff, 0xfe]), None);
+    }
+}

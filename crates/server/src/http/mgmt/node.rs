@@ -1,0 +1,312 @@
+//! The node and the cluster: overview, nodes, who am I, vhosts, users, permissions, health checks.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::{Extension, Json};
+use serde_json::{json, Value};
+
+use crate::http::list;
+use super::{rate, Params, RABBITMQ_VERSION};
+use crate::http::auth::AuthUser;
+use crate::http::error::{ApiError, ApiResult};
+use crate::http::HttpContext;
+
+/// Every user may do everything on every vhost until users and permissions come (issue 37): the
+/// API says so with RabbitMQ's words for it.
+const USER_TAGS: [&str; 1] = ["administrator"];
+const ALL: &str = ".*";
+
+pub async fn overview(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
+    let (mut ready, mut unacked, mut queues, mut exchanges, mut consumers) = (0u64, 0u64, 0usize, 0usize, 0u64);
+    for v in ctx.broker.vhosts() {
+        for q in v.queues() {
+            queues += 1;
+            ready += q.message_count() as u64;
+            unacked += q.unacked_count();
+            consumers += q.consumer_count() as u64;
+        }
+        exchanges += v.exchanges().len();
+    }
+    let connections = ctx.connections.list();
+    let channels: usize = connections.iter().map(|c| c.channels.lock().len()).sum();
+    let listeners: Vec<Value> = listeners(&ctx);
+    let exchange_types: Vec<Value> =
+        ["direct", "fanout", "headers", "topic"].iter().map(|t| json!({"name": t, "description": format!("AMQP {t} exchange"), "enabled": true})).collect();
+    Json(json!({
+        "management_version": RABBITMQ_VERSION,
+        "rates_mode": "basic",
+        "sample_retention_policies": {"global": [600, 3600, 28800, 86400], "basic": [600, 3600], "detailed": [600]},
+        "exchange_types": exchange_types,
+        "product_version": env!("CARGO_PKG_VERSION"),
+        "product_name": "Warren",
+        "rabbitmq_version": RABBITMQ_VERSION,
+        "cluster_name": cluster_name_of(&ctx),
+        "erlang_version": "none (Warren is written in Rust)",
+        "erlang_full_version": "none (Warren is written in Rust)",
+        "disable_stats": false,
+        "enable_queue_totals": true,
+        "message_stats": {},
+        "churn_rates": {},
+        "queue_totals": {
+            "messages": ready + unacked, "messages_details": rate(0.0),
+            "messages_ready": ready, "messages_ready_details": rate(0.0),
+            "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
+        },
+        "object_totals": {
+            "channels": channels, "connections": connections.len(), "consumers": consumers,
+            "exchanges": exchanges, "queues": queues,
+        },
+        "statistics_db_event_queue": 0,
+        "node": ctx.node_name,
+        "listeners": listeners,
+        "contexts": [{"node": ctx.node_name, "description": "RabbitMQ Management", "path": "/", "port": ctx.config.http_port.to_string()}],
+    }))
+}
+
+fn listeners(ctx: &HttpContext) -> Vec<Value> {
+    let ip = ctx.config.bind.to_string();
+    let mut out = vec![
+        json!({"node": ctx.node_name, "protocol": "amqp", "ip_address": ip, "port": ctx.config.amqp_port, "socket_opts": {}}),
+        json!({"node": ctx.node_name, "protocol": "http", "ip_address": ip, "port": ctx.config.http_port, "socket_opts": {}}),
+        json!({"node": ctx.node_name, "protocol": "http/prometheus", "ip_address": ip, "port": ctx.config.prometheus_port, "socket_opts": {}}),
+    ];
+    if let Some(settings) = ctx.config.cluster() {
+        out.push(json!({"node": ctx.node_name, "protocol": "clustering", "ip_address": settings.listen.ip().to_string(), "port": settings.listen.port(), "socket_opts": {}}));
+    }
+    out
+}
+
+fn cluster_name_of(ctx: &HttpContext) -> String {
+    ctx.node_name.clone()
+}
+
+pub async fn cluster_name(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
+    Json(json!({"name": cluster_name_of(&ctx)}))
+}
+
+pub async fn whoami(Extension(AuthUser(user)): Extension<AuthUser>) -> Json<Value> {
+    Json(json!({"name": user.name, "tags": USER_TAGS}))
+}
+
+pub async fn extensions() -> Json<Value> {
+    Json(json!([]))
+}
+
+pub async fn empty_list() -> Json<Value> {
+    Json(json!([]))
+}
+
+/// This node as `/api/nodes` shows it, with its resources.
+fn this_node(ctx: &HttpContext) -> Value {
+    let limits = *ctx.limits.lock();
+    let alarms = *ctx.alarms.borrow();
+    let mem_used = crate::alarms::resident_memory().unwrap_or(0);
+    let disk_free = crate::alarms::free_disk(&ctx.config.data_dir).unwrap_or(0);
+    let processors = std::thread::available_parallelism().map_or(1, |n| n.get());
+    json!({
+        "name": ctx.node_name,
+        "type": "disc",
+        "running": true,
+        "being_drained": false,
+        "os_pid": std::process::id().to_string(),
+        "uptime": ctx.started.elapsed().as_millis() as u64,
+        "processors": processors,
+        "run_queue": 0,
+        "mem_used": mem_used, "mem_used_details": rate(0.0),
+        "mem_limit": limits.memory_bytes,
+        "mem_alarm": alarms.memory,
+        "disk_free": disk_free, "disk_free_details": rate(0.0),
+        "disk_free_limit": limits.disk_free_bytes,
+        "disk_free_alarm": alarms.disk,
+        "fd_used": open_files(), "fd_total": max_open_files(),
+        "sockets_used": ctx.connections.count(), "sockets_total": ctx.config.max_connections,
+        "proc_used": 0, "proc_total": 0,
+        "partitions": [],
+        "applications": [],
+        "exchange_types": [],
+        "auth_mechanisms": [{"name": "PLAIN", "enabled": true}, {"name": "AMQPLAIN", "enabled": true}],
+        "enabled_plugins": ["rabbitmq_management", "rabbitmq_prometheus"],
+        "rates_mode": "basic",
+        "config_files": [],
+        "log_files": [],
+        "net_ticktime": 60,
+    })
+}
+
+fn open_files() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+}
+
+fn max_open_files() -> u64 {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes into the struct we pass and reads nothing else.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur
+    } else {
+        0
+    }
+}
+
+/// Every node of the cluster: this one with its resources, the others as reachable or not (what a
+/// node is asked about itself comes with the cluster-wide answers of a later step).
+fn all_nodes(ctx: &HttpContext) -> Vec<Value> {
+    let mut nodes = vec![this_node(ctx)];
+    if let Some(cluster) = &ctx.cluster {
+        let status = cluster.local_status();
+        for m in status.members.iter().filter(|m| m.id != status.node_id) {
+            nodes.push(json!({
+                "name": ctx.node_name_of(m.id),
+                "type": "disc",
+                "running": m.reachable,
+                "cluster_addr": m.cluster_addr,
+                "amqp_addr": m.amqp_addr,
+                "partitions": [],
+            }));
+        }
+    }
+    nodes
+}
+
+pub async fn nodes(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(all_nodes(&ctx), &query)
+}
+
+pub async fn node(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
+    all_nodes(&ctx)
+        .into_iter()
+        .find(|n| n["name"] == name.as_str())
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no node '{name}'")))
+}
+
+fn vhost_json(ctx: &HttpContext, v: &warren_broker::VHost) -> Value {
+    let (mut ready, mut unacked) = (0u64, 0u64);
+    for q in v.queues() {
+        ready += q.message_count() as u64;
+        unacked += q.unacked_count();
+    }
+    json!({
+        "name": v.name,
+        "description": if v.name == ctx.config.default_vhost { "Default virtual host" } else { "" },
+        "tags": [],
+        "default_queue_type": "classic",
+        "metadata": {"description": "", "tags": []},
+        "tracing": false,
+        "cluster_state": { ctx.node_name.clone(): "running" },
+        "messages": ready + unacked, "messages_details": rate(0.0),
+        "messages_ready": ready, "messages_ready_details": rate(0.0),
+        "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
+    })
+}
+
+pub async fn vhosts(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let items = super::vhosts(&ctx, None)?.iter().map(|v| vhost_json(&ctx, v)).collect();
+    list::answer(items, &query)
+}
+
+pub async fn vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
+    Ok(Json(vhost_json(&ctx, &*super::vhost(&ctx, &name)?)))
+}
+
+/// Declaring an existing vhost changes nothing (204, as RabbitMQ); new vhosts come with issue 37.
+pub async fn put_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<StatusCode> {
+    match ctx.broker.vhost(&name) {
+        Some(_) => Ok(StatusCode::NO_CONTENT),
+        None => Err(ApiError::bad_request(format!(
+            "cannot create vhost '{name}': this Warren version serves one vhost per node, set by default-vhost ('{}')",
+            ctx.config.default_vhost
+        ))),
+    }
+}
+
+pub async fn delete_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<StatusCode> {
+    super::vhost(&ctx, &name)?;
+    Err(ApiError::bad_request(format!("cannot delete vhost '{name}': this Warren version serves one vhost per node, set by default-vhost")))
+}
+
+fn user_json(user: &warren_broker::User) -> Value {
+    json!({"name": user.name, "password_hash": "", "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": USER_TAGS, "limits": {}})
+}
+
+pub async fn users(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(ctx.broker.users().iter().map(user_json).collect(), &query)
+}
+
+pub async fn user(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
+    ctx.broker.users().iter().find(|u| u.name == name).map(|u| Json(user_json(u))).ok_or_else(|| ApiError::not_found(format!("no user '{name}'")))
+}
+
+fn all_permissions(ctx: &HttpContext) -> Vec<Value> {
+    let mut out = Vec::new();
+    for u in ctx.broker.users() {
+        for v in super::vhosts(ctx, None).unwrap_or_default() {
+            out.push(json!({"user": u.name, "vhost": v.name, "configure": ALL, "write": ALL, "read": ALL}));
+        }
+    }
+    out
+}
+
+pub async fn permissions(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(all_permissions(&ctx), &query)
+}
+
+pub async fn vhost_permissions(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    super::vhost(&ctx, &name)?;
+    list::answer(all_permissions(&ctx).into_iter().filter(|p| p["vhost"] == name.as_str()).collect(), &query)
+}
+
+pub async fn user_permissions(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(all_permissions(&ctx).into_iter().filter(|p| p["user"] == name.as_str()).collect(), &query)
+}
+
+pub async fn permission(State(ctx): State<Arc<HttpContext>>, Path((vhost, user)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+    all_permissions(&ctx)
+        .into_iter()
+        .find(|p| p["vhost"] == vhost.as_str() && p["user"] == user.as_str())
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no permissions of user '{user}' on vhost '{vhost}'")))
+}
+
+/// `{"status": "ok"}`, or 503 with `{"status": "failed", "reason": ...}`, as RabbitMQ's checks.
+fn check(failure: Option<String>) -> axum::response::Response {
+    match failure {
+        None => Json(json!({"status": "ok"})).into_response(),
+        Some(reason) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "failed", "reason": reason}))).into_response(),
+    }
+}
+
+pub async fn healthcheck() -> axum::response::Response {
+    check(None)
+}
+
+pub async fn alarms_check(State(ctx): State<Arc<HttpContext>>) -> axum::response::Response {
+    let alarms = *ctx.alarms.borrow();
+    check(alarms.blocks_publishers().then(|| format!("resource alarm in effect: {}", alarms.reason())))
+}
+
+pub async fn port_listener_check(State(ctx): State<Arc<HttpContext>>, Path(port): Path<String>) -> axum::response::Response {
+    let ports = [ctx.config.amqp_port, ctx.config.http_port, ctx.config.prometheus_port];
+    match port.parse::<u16>() {
+        Ok(p) if ports.contains(&p) => check(None),
+        Ok(p) => check(Some(format!("no listener on port {p}; this node listens on {ports:?}"))),
+        Err(_) => ApiError::bad_request(format!("'{port}' is not a port number")).into_response(),
+    }
+}
+
+pub async fn protocol_listener_check(Path(protocol): Path<String>) -> axum::response::Response {
+    match protocol.as_str() {
+        "amqp" | "amqp091" | "amqp0-9-1" | "http" | "prometheus" => check(None),
+        other => check(Some(format!("no listener for protocol '{other}'; this node serves amqp, http and prometheus"))),
+    }
+}
+
+/// RabbitMQ's aliveness test: declares `aliveness-test` in the vhost, publishes to it and reads
+/// the message back. Warren checks the vhost is served and its store writes.
+pub async fn aliveness(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<axum::response::Response> {
+    super::vhost(&ctx, &name)?;
+    let alarms = *ctx.alarms.borrow();
+    Ok(check(alarms.disk.then(|| "the disk alarm is raised: the store takes no more messages".to_owned())))
+}

@@ -1,0 +1,167 @@
+//! `/api/queues`: list, show, declare, delete, purge, bindings of queues (classic and quorum).
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::Json;
+use serde_json::{json, Value};
+use warren_broker::vhost::QueueDeclare;
+use warren_broker::{Queue, VHost};
+
+use crate::http::list;
+use super::{body_object, flag, rate, vhost, Params};
+use crate::http::error::{ApiError, ApiResult};
+use crate::http::fields;
+use crate::http::HttpContext;
+
+/// The management API's own "connection" for the broker's calls: it owns no exclusive queue, and
+/// AMQP connections are numbered from 1.
+pub const API_CONNECTION: u64 = 0;
+
+/// AMQP's longest name (a short string).
+pub const MAX_NAME_BYTES: usize = 255;
+
+pub fn check_name(what: &str, name: &str) -> ApiResult<()> {
+    if name.len() > MAX_NAME_BYTES {
+        return Err(ApiError::bad_request(format!("{what} name is {} bytes long; at most {MAX_NAME_BYTES} are allowed", name.len())));
+    }
+    Ok(())
+}
+
+/// A queue as RabbitMQ's API shows it.
+pub fn queue_json(ctx: &HttpContext, vhost: &VHost, q: &Queue) -> Value {
+    let ready = q.message_count() as u64;
+    let unacked = q.unacked_count();
+    let consumers = q.consumer_count();
+    let mut v = json!({
+        "name": q.name,
+        "vhost": vhost.name,
+        "durable": q.durable,
+        "auto_delete": q.auto_delete,
+        "exclusive": q.exclusive_owner.is_some(),
+        "arguments": fields::table_to_json(&q.arguments),
+        "type": if q.is_quorum() { "quorum" } else { "classic" },
+        "state": "running",
+        "node": ctx.node_name_of(q.home_node().unwrap_or_else(|| this_node_id(ctx))),
+        "consumers": consumers,
+        "consumer_capacity": if consumers > 0 { 1.0 } else { 0.0 },
+        "consumer_utilisation": Value::Null,
+        "exclusive_consumer_tag": Value::Null,
+        "policy": Value::Null,
+        "operator_policy": Value::Null,
+        "effective_policy_definition": {},
+        "messages": ready + unacked, "messages_details": rate(0.0),
+        "messages_ready": ready, "messages_ready_details": rate(0.0),
+        "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
+        "message_stats": {},
+    });
+    if q.is_quorum() {
+        let members: Vec<u64> = q.recorded_members().unwrap_or_else(|| vec![this_node_id(ctx)]);
+        let leader = match &ctx.cluster {
+            Some(node) => node.leader(q.id).or_else(|| q.recorded_leader()),
+            None => Some(this_node_id(ctx)),
+        };
+        let online: Vec<String> = members
+            .iter()
+            .filter(|m| ctx.cluster.as_ref().is_none_or(|node| **m == node.node_id() || node.is_reachable(**m)))
+            .map(|m| ctx.node_name_of(*m))
+            .collect();
+        v["leader"] = leader.map_or(Value::Null, |l| Value::String(ctx.node_name_of(l)));
+        v["members"] = members.iter().map(|m| ctx.node_name_of(*m)).collect();
+        v["online"] = online.into();
+        if let Some(l) = leader {
+            v["node"] = ctx.node_name_of(l).into();
+        }
+    }
+    v
+}
+
+fn this_node_id(ctx: &HttpContext) -> u64 {
+    ctx.cluster.as_ref().map_or(0, |n| n.node_id())
+}
+
+fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
+    let mut items = Vec::new();
+    for v in super::vhosts(ctx, vhost_name)? {
+        let mut queues = v.queues();
+        queues.sort_by(|a, b| a.name.cmp(&b.name));
+        items.extend(queues.iter().filter(|q| !q.is_deleted()).map(|q| queue_json(ctx, &v, q)));
+    }
+    Ok(items)
+}
+
+pub async fn list_all(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(list_of(&ctx, None)?, &query)
+}
+
+pub async fn list_vhost(State(ctx): State<Arc<HttpContext>>, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(list_of(&ctx, Some(&vhost))?, &query)
+}
+
+fn find(v: &VHost, name: &str) -> ApiResult<Arc<Queue>> {
+    v.queue_any(name).filter(|q| !q.is_deleted()).ok_or_else(|| ApiError::not_found(format!("no queue '{name}' in vhost '{}'", v.name)))
+}
+
+pub async fn show(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+    let v = vhost(&ctx, &vhost_name)?;
+    let q = find(&v, &name)?;
+    let mut answer = queue_json(&ctx, &v, &q);
+    // A classic queue living on another node: its counts are its home's.
+    if let Some((ready, consumers)) = q.home_counts() {
+        answer["messages_ready"] = ready.into();
+        answer["messages"] = ready.into();
+        answer["consumers"] = consumers.into();
+    }
+    Ok(Json(answer))
+}
+
+/// PUT: declares the queue (201 when new, 204 when it existed with the same properties, 400 when
+/// it exists with others, as queue.declare would refuse).
+pub async fn declare(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
+    let v = vhost(&ctx, &vhost_name)?;
+    check_name("queue", &name)?;
+    let body = body_object(&body)?;
+    let durable = flag(&body, "durable", true)?;
+    let auto_delete = flag(&body, "auto_delete", false)?;
+    if flag(&body, "exclusive", false)? {
+        return Err(ApiError::bad_request("an exclusive queue belongs to a connection; the HTTP API cannot declare one"));
+    }
+    let mut arguments = fields::table_from_json(body.get("arguments").unwrap_or(&Value::Null), "arguments")?;
+    if let Some(kind) = body.get("queue_type").and_then(Value::as_str) {
+        arguments.insert("x-queue-type".into(), warren_protocol::field::FieldValue::LongString(kind.as_bytes().to_vec().into()));
+    }
+    let existed = v.queue_any(&name).is_some_and(|q| !q.is_deleted());
+    v.queue_declare(&QueueDeclare { name: &name, passive: false, durable, exclusive: false, auto_delete, arguments: &arguments, connection_id: API_CONNECTION })?;
+    Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
+}
+
+pub async fn delete(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<StatusCode> {
+    let v = vhost(&ctx, &vhost_name)?;
+    find(&v, &name)?;
+    let if_unused = query.get("if-unused").is_some_and(|s| s == "true");
+    let if_empty = query.get("if-empty").is_some_and(|s| s == "true");
+    v.queue_delete(&name, if_unused, if_empty, API_CONNECTION)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn purge(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<StatusCode> {
+    let v = vhost(&ctx, &vhost_name)?;
+    find(&v, &name)?;
+    v.queue_purge(&name, API_CONNECTION)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub async fn bindings(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let v = vhost(&ctx, &vhost_name)?;
+    find(&v, &name)?;
+    let items = super::exchanges::bindings_of(&v).into_iter().filter(|b| b["destination"] == name.as_str() && b["destination_type"] == "queue").collect();
+    list::answer(items, &query)
+}
+
+/// Consumers are not listed yet (their channels are not in the connection registry); the count
+/// per queue is in `/api/queues`.
+pub async fn consumers() -> Json<Value> {
+    Json(json!([]))
+}

@@ -1,0 +1,151 @@
+//! The HTTP side of a node: the management API (RabbitMQ's, `mgmt`) on `--http-port`, and
+//! Prometheus metrics (`metrics`) on `--prometheus-port`. One axum router per port, served on the
+//! server's runtime.
+//!
+//! Limits every route has, whatever the client: a request body of at most [`MAX_BODY_BYTES`]
+//! (`DefaultBodyLimit`), JSON nested at most 128 deep (serde_json's recursion limit), request
+//! headers read within [`HEADER_READ_TIMEOUT`] (a client trickling them is dropped), and at most
+//! [`MAX_HTTP_CONNECTIONS`] connections at once (one request at a time each: HTTP/1.1). A handler
+//! never holds more than its answer in memory.
+
+pub mod auth;
+pub mod error;
+pub mod fields;
+pub mod list;
+pub mod metrics;
+pub mod mgmt;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::DefaultBodyLimit;
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tower::ServiceExt;
+use warren_broker::Broker;
+use warren_cluster::ClusterNode;
+
+use crate::alarms::{AlarmState, Limits};
+use crate::config::Config;
+use crate::connection::registry::ConnectionRegistry;
+
+/// The largest request body read (definitions of a few thousand queues fit).
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// A client must send a request's headers within this.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once per port; more wait in the kernel's accept queue.
+const MAX_HTTP_CONNECTIONS: usize = 512;
+
+/// What the HTTP handlers read: the broker, the node's configuration and state.
+pub struct HttpContext {
+    pub broker: Arc<Broker>,
+    pub config: Config,
+    /// A cluster member's node (None: a single node).
+    pub cluster: Option<ClusterNode>,
+    pub connections: Arc<ConnectionRegistry>,
+    pub alarms: watch::Receiver<AlarmState>,
+    /// The alarms' thresholds (reloaded on SIGHUP).
+    pub limits: Arc<parking_lot::Mutex<Limits>>,
+    pub started: Instant,
+    /// This node's name as the API shows it (`warren@HOST` or `warren@node-ID`).
+    pub node_name: String,
+}
+
+impl HttpContext {
+    pub fn new(
+        broker: Arc<Broker>,
+        config: Config,
+        cluster: Option<ClusterNode>,
+        connections: Arc<ConnectionRegistry>,
+        alarms: watch::Receiver<AlarmState>,
+        limits: Arc<parking_lot::Mutex<Limits>>,
+    ) -> Arc<HttpContext> {
+        let node_name = match config.cluster() {
+            Some(settings) => format!("warren@node-{}", settings.node_id),
+            None => format!("warren@{}", hostname()),
+        };
+        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name })
+    }
+
+    /// The name of node `id` of the cluster (this node's own name without a cluster).
+    pub fn node_name_of(&self, id: u64) -> String {
+        match &self.cluster {
+            Some(_) => format!("warren@node-{id}"),
+            None => self.node_name.clone(),
+        }
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// Binds the HTTP listener (`what` names it in the error).
+pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, String> {
+    TcpListener::bind(addr).await.map_err(|e| format!("cannot listen for {what} on {addr}: {e}"))
+}
+
+/// The management port's router: the API under `/api`.
+pub fn management_router(ctx: Arc<HttpContext>) -> Router {
+    Router::new().nest("/api", mgmt::router(ctx.clone())).layer(DefaultBodyLimit::max(MAX_BODY_BYTES)).fallback(error::not_found)
+}
+
+/// The Prometheus port's router.
+pub fn metrics_router(ctx: Arc<HttpContext>) -> Router {
+    metrics::router(ctx).layer(DefaultBodyLimit::max(64 << 10)).fallback(error::not_found)
+}
+
+/// The peer of the request's connection (the auth checks loopback-only users against it).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer(pub SocketAddr);
+
+/// Serves `router` on `listener` until `shutdown`, then lets requests in flight finish.
+pub async fn serve(listener: TcpListener, router: Router, mut shutdown: watch::Receiver<bool>) {
+    let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let permit = tokio::select! {
+            permit = slots.clone().acquire_owned() => match permit { Ok(p) => p, Err(_) => break },
+            _ = shutdown.changed() => break,
+        };
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.changed() => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let _ = stream.set_nodelay(true);
+        let router = router.clone();
+        let mut stop = shutdown.clone();
+        connections.spawn(async move {
+            let _permit = permit;
+            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+                request.extensions_mut().insert(Peer(peer));
+                router.clone().oneshot(request)
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                }
+            }
+        });
+    }
+    drop(listener);
+    let _ = tokio::time::timeout(Duration::from_secs(5), async { while connections.join_next().await.is_some() {} }).await;
+}
