@@ -29,6 +29,13 @@ func freePort(t *testing.T) int {
 // and returns the AMQP port. The broker is killed via t.Cleanup.
 func startBroker(t *testing.T) int {
 	t.Helper()
+	amqpPort, _ := startBrokerWithHTTP(t)
+	return amqpPort
+}
+
+// startBrokerWithHTTP is startBroker, also returning the management API's port.
+func startBrokerWithHTTP(t *testing.T) (int, int) {
+	t.Helper()
 	bin := os.Getenv("WARREN_BIN")
 	if bin == "" {
 		bin = filepath.Join("..", "..", "target", "release", "warren")
@@ -85,7 +92,7 @@ func startBroker(t *testing.T) int {
 		c, err := net.DialTimeout("tcp", addr, 200*time.Millisecond)
 		if err == nil {
 			c.Close()
-			return amqpPort
+			return amqpPort, httpPort
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("broker did not accept connections on %s: %v", addr, err)

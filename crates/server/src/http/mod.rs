@@ -102,6 +102,21 @@ pub fn metrics_router(ctx: Arc<HttpContext>) -> Router {
 #[derive(Clone, Copy, Debug)]
 pub struct Peer(pub SocketAddr);
 
+/// `/api/users/` is `/api/users`, as RabbitMQ's API takes both (rabbit-hole asks with the slash).
+fn without_trailing_slash<B>(request: &mut hyper::Request<B>) {
+    let path = request.uri().path();
+    if path.len() > 1 && path.ends_with('/') {
+        let trimmed = path.trim_end_matches('/');
+        let new = match request.uri().query() {
+            Some(q) => format!("{}?{q}", if trimmed.is_empty() { "/" } else { trimmed }),
+            None => (if trimmed.is_empty() { "/" } else { trimmed }).to_owned(),
+        };
+        if let Ok(uri) = new.parse() {
+            *request.uri_mut() = uri;
+        }
+    }
+}
+
 /// Serves `router` on `listener` until `shutdown`, then lets requests in flight finish.
 pub async fn serve(listener: TcpListener, router: Router, mut shutdown: watch::Receiver<bool>) {
     let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
@@ -130,6 +145,7 @@ pub async fn serve(listener: TcpListener, router: Router, mut shutdown: watch::R
             let _permit = permit;
             let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
                 request.extensions_mut().insert(Peer(peer));
+                without_trailing_slash(&mut request);
                 router.clone().oneshot(request)
             });
             let conn = hyper::server::conn::http1::Builder::new()
