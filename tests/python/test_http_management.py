@@ -157,6 +157,42 @@ def test_queue_counts_follow_amqp_traffic(broker, conn, name):
     assert o["queue_totals"]["messages_unacknowledged"] >= 30
 
 
+def test_get_looks_requeues_takes_and_rejects(broker, ch, name):
+    """rabbitmqadmin get, each ackmode, counted through AMQP."""
+    ch.confirm_delivery()
+    ch.queue_declare(name, durable=True)
+    ch.queue_declare(name + "-dlq", durable=True)
+    ch.queue_declare(name + "-dl", durable=True, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": name + "-dlq"})
+    for i in range(10):
+        ch.basic_publish("", name, f"m{i}".encode(), pika.BasicProperties(delivery_mode=2, message_id=f"id{i}", headers={"i": i}))
+    looked = json.loads(admin(broker, "-f", "raw_json", "get", f"queue={name}", "count=3").stdout)
+    assert [m["payload"] for m in looked] == ["m0", "m1", "m2"]
+    assert looked[0]["properties"] == {"delivery_mode": 2, "message_id": "id0", "headers": {"i": 0}}
+    assert looked[0]["redelivered"] is False and looked[0]["message_count"] == 9
+    assert requests.get(api(broker, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 10
+    again = requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json={"count": 2, "ackmode": "ack_requeue_true", "encoding": "base64"}).json()
+    assert again[0]["redelivered"] is True and base64.b64decode(again[0]["payload"]) == b"m0"
+    taken = requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json={"count": 4, "ackmode": "ack_requeue_false", "truncate": 1}).json()
+    assert [m["payload"] for m in taken] == ["m"] * 4 and taken[0]["payload_bytes"] == 2
+    assert requests.get(api(broker, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 6
+    got = []
+    while True:
+        method, props, body = ch.basic_get(name, auto_ack=True)
+        if method is None:
+            break
+        got.append(body)
+    assert got == [f"m{i}".encode() for i in range(4, 10)]
+    assert requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json={"count": 5}).json() == []
+    # Rejected without requeue: dead-lettered.
+    for i in range(3):
+        ch.basic_publish("", name + "-dl", f"d{i}".encode(), pika.BasicProperties(delivery_mode=2))
+    requests.post(api(broker, f"/queues/%2F/{name}-dl/get"), auth=AUTH, json={"count": 3, "ackmode": "reject_requeue_false"}).raise_for_status()
+    assert eventually(lambda: requests.get(api(broker, f"/queues/%2F/{name}-dlq"), auth=AUTH).json()["messages"] == 3, timeout=5)
+    assert requests.get(api(broker, f"/queues/%2F/{name}-dl"), auth=AUTH).json()["messages"] == 0
+    for bad in [{"count": 0}, {"count": 100000}, {"ackmode": "keep"}, {"encoding": "hex"}]:
+        assert requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json=bad).status_code == 400
+
+
 def test_connections_are_listed_and_closed_with_the_reason(broker, conn):
     names = [c["name"] for c in requests.get(api(broker, "/connections"), auth=AUTH).json()]
     assert len(names) == 1

@@ -5,6 +5,7 @@
 mod connections;
 mod definitions;
 mod exchanges;
+mod get;
 mod node;
 mod queues;
 
@@ -71,6 +72,7 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/queues/{vhost}/{name}", get(queues::show).put(queues::declare).delete(queues::delete))
         .route("/queues/{vhost}/{name}/contents", axum::routing::delete(queues::purge))
         .route("/queues/{vhost}/{name}/bindings", get(queues::bindings))
+        .route("/queues/{vhost}/{name}/get", post(get::get))
         .route("/exchanges", get(exchanges::list_all))
         .route("/exchanges/{vhost}", get(exchanges::list_vhost))
         .route("/exchanges/{vhost}/{name}", get(exchanges::show).put(exchanges::declare).delete(exchanges::delete))
