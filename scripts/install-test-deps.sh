@@ -2,11 +2,18 @@
 # Installs what the end-to-end tests need on a fresh Debian machine. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pika, pytest, pytest_timeout" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout
+python3 -c "import pika, pytest, pytest_timeout, requests" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout requests
 (cd tests/go && go mod download)
 # Fault tests (tests/cluster): `ip` and `tc` (iproute2) make the network namespaces and cut links.
 if { ! command -v ip >/dev/null || ! command -v tc >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get update -q && apt-get install -y -q iproute2; } || echo "install-test-deps: could not install iproute2 (tests/cluster will skip)" >&2
+fi
+# The HTTP tests (tests/python/test_http_management.py): Debian's rabbitmqadmin (in rabbitmq-server),
+# promtool and prometheus (in prometheus). Installed without starting their services' defaults mattering:
+# the tests run their own Prometheus on a free port.
+if { ! command -v rabbitmqadmin >/dev/null || ! command -v prometheus >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server prometheus; } \
+    || echo "install-test-deps: could not install rabbitmq-server/prometheus (HTTP tests that need them skip)" >&2
 fi
 if command -v java >/dev/null && command -v mvn >/dev/null; then
   bash scripts/install-perftest.sh
