@@ -13,17 +13,10 @@ use warren_protocol::field::FieldTable;
 
 /// What the management API shows of one connection.
 pub struct ConnectionInfo {
-    pub id: u64,
+    /// What it told the registry when it opened.
+    pub opened: Opened,
     /// RabbitMQ's name for it: "PEER -> LOCAL".
     pub name: String,
-    pub peer: SocketAddr,
-    pub local: SocketAddr,
-    pub user: String,
-    pub vhost: String,
-    pub client_properties: FieldTable,
-    pub frame_max: u32,
-    pub channel_max: u16,
-    pub heartbeat: u16,
     /// Milliseconds since the Unix epoch.
     pub connected_at: u64,
     /// Open channel numbers.
@@ -63,7 +56,7 @@ pub struct Registered {
 
 impl Drop for Registered {
     fn drop(&mut self) {
-        self.registry.state.lock().open.remove(&self.info.id);
+        self.registry.state.lock().open.remove(&self.info.opened.id);
     }
 }
 
@@ -83,17 +76,10 @@ pub struct Opened {
 impl ConnectionRegistry {
     pub fn register(self: &Arc<Self>, c: Opened) -> Registered {
         let (close, rx) = watch::channel(false);
+        let id = c.id;
         let info = Arc::new(ConnectionInfo {
-            id: c.id,
             name: format!("{} -> {}", c.peer, c.local),
-            peer: c.peer,
-            local: c.local,
-            user: c.user,
-            vhost: c.vhost,
-            client_properties: c.client_properties,
-            frame_max: c.frame_max,
-            channel_max: c.channel_max,
-            heartbeat: c.heartbeat,
+            opened: c,
             connected_at: warren_broker::now_ms(),
             channels: Mutex::new(BTreeSet::new()),
             closed_by_operator: Mutex::new(None),
@@ -103,7 +89,7 @@ impl ConnectionRegistry {
         if state.shut_down {
             let _ = info.close.send(true);
         }
-        state.open.insert(c.id, info.clone());
+        state.open.insert(id, info.clone());
         Registered { info, close: rx, registry: self.clone() }
     }
 

@@ -19,29 +19,29 @@ fn connection_json(ctx: &HttpContext, c: &ConnectionInfo) -> Value {
     json!({
         "name": c.name,
         "node": ctx.node_name,
-        "vhost": c.vhost,
-        "user": c.user,
-        "user_who_performed_action": c.user,
+        "vhost": c.opened.vhost,
+        "user": c.opened.user,
+        "user_who_performed_action": c.opened.user,
         "type": "network",
         "protocol": "AMQP 0-9-1",
         "state": "running",
         "auth_mechanism": "PLAIN",
         "ssl": false,
-        "host": c.local.ip().to_string(),
-        "port": c.local.port(),
-        "peer_host": c.peer.ip().to_string(),
-        "peer_port": c.peer.port(),
+        "host": c.opened.local.ip().to_string(),
+        "port": c.opened.local.port(),
+        "peer_host": c.opened.peer.ip().to_string(),
+        "peer_port": c.opened.peer.port(),
         "connected_at": c.connected_at,
-        "timeout": c.heartbeat,
-        "frame_max": c.frame_max,
-        "channel_max": c.channel_max,
+        "timeout": c.opened.heartbeat,
+        "frame_max": c.opened.frame_max,
+        "channel_max": c.opened.channel_max,
         "channels": c.channels.lock().len(),
-        "client_properties": fields::table_to_json(&c.client_properties),
+        "client_properties": fields::table_to_json(&c.opened.client_properties),
     })
 }
 
 fn connections_of(ctx: &HttpContext, vhost: Option<&str>) -> Vec<Value> {
-    ctx.connections.list().iter().filter(|c| vhost.is_none_or(|v| c.vhost == v)).map(|c| connection_json(ctx, c)).collect()
+    ctx.connections.list().iter().filter(|c| vhost.is_none_or(|v| c.opened.vhost == v)).map(|c| connection_json(ctx, c)).collect()
 }
 
 pub async fn connections(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
@@ -71,7 +71,7 @@ pub async fn close_connection(State(ctx): State<Arc<HttpContext>>, Path(name): P
         .map(|r| r.chars().filter(|ch| !ch.is_control()).take(200).collect::<String>())
         .filter(|r| !r.is_empty())
         .unwrap_or_else(|| "Closed via management plugin".to_owned());
-    tracing::info!(connection = c.id, name = %c.name, %reason, "connection closed through the management API");
+    tracing::info!(connection = c.opened.id, name = %c.name, %reason, "connection closed through the management API");
     c.close(&reason);
     Ok(StatusCode::NO_CONTENT)
 }
@@ -84,10 +84,10 @@ fn channels_of(ctx: &HttpContext, filter: impl Fn(&ConnectionInfo) -> bool) -> V
                 "name": format!("{} ({number})", c.name),
                 "number": number,
                 "node": ctx.node_name,
-                "vhost": c.vhost,
-                "user": c.user,
+                "vhost": c.opened.vhost,
+                "user": c.opened.user,
                 "state": "running",
-                "connection_details": {"name": c.name, "peer_host": c.peer.ip().to_string(), "peer_port": c.peer.port()},
+                "connection_details": {"name": c.name, "peer_host": c.opened.peer.ip().to_string(), "peer_port": c.opened.peer.port()},
             }));
         }
     }
@@ -100,7 +100,7 @@ pub async fn channels(State(ctx): State<Arc<HttpContext>>, Query(query): Params)
 
 pub async fn vhost_channels(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
     vhost(&ctx, &name)?;
-    list::answer(channels_of(&ctx, |c| c.vhost == name), &query)
+    list::answer(channels_of(&ctx, |c| c.opened.vhost == name), &query)
 }
 
 pub async fn connection_channels(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
