@@ -295,10 +295,10 @@ impl Channel {
             message: entry.message.clone(),
             ack_when_written: if consumer.no_ack { AckWhenWritten::of(&consumer.queue, &entry) } else { None },
         });
-        let counters = &crate::stats::COUNTERS;
-        crate::stats::add(if consumer.no_ack { &counters.delivered_consume_auto_ack } else { &counters.delivered_consume_manual_ack }, 1);
+        use crate::stats::{add, Counter};
+        add(if consumer.no_ack { Counter::DeliveredConsumeAutoAck } else { Counter::DeliveredConsumeManualAck }, 1);
         if entry.redelivered {
-            crate::stats::add(&counters.redelivered, 1);
+            add(Counter::Redelivered, 1);
         }
         if consumer.no_ack {
             // Settled on delivery; the sink acks it in the store once written (`AckWhenWritten`).
@@ -324,10 +324,10 @@ impl Channel {
             message: entry.message.clone(),
             ack_when_written: if no_ack { AckWhenWritten::of(queue, &entry) } else { None },
         });
-        let counters = &crate::stats::COUNTERS;
-        crate::stats::add(if no_ack { &counters.delivered_get_auto_ack } else { &counters.delivered_get_manual_ack }, 1);
+        use crate::stats::{add, Counter};
+        add(if no_ack { Counter::DeliveredGetAutoAck } else { Counter::DeliveredGetManualAck }, 1);
         if entry.redelivered {
-            crate::stats::add(&counters.redelivered, 1);
+            add(Counter::Redelivered, 1);
         }
         if no_ack {
             return Some(entry);
@@ -555,7 +555,7 @@ impl Channel {
             return None;
         }
         if matches!(how, Settle::Ack) {
-            crate::stats::add(&crate::stats::COUNTERS.acknowledged, taken.len() as u64);
+            crate::stats::add(crate::stats::Counter::Acknowledged, taken.len() as u64);
         }
         let mut released = 0;
         for u in &taken {

@@ -820,9 +820,8 @@ impl VHost {
         if queues.is_empty() && self.metadata.is_replicated() && self.metadata.catch_up() {
             self.route(&ex, &message, &mut queues);
         }
-        let counters = &crate::stats::COUNTERS;
-        crate::stats::add(&counters.received, 1);
-        crate::stats::add(if queues.is_empty() { &counters.unroutable } else { &counters.routed }, 1);
+        use crate::stats::Counter;
+        crate::stats::add(if queues.is_empty() { Counter::Unroutable } else { Counter::Routed }, 1);
         self.deliver_to_queues(Arc::new(message), &queues, !confirmed, publisher)
     }
 

@@ -18,7 +18,7 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
-use warren_broker::stats::{self, COUNTERS};
+use warren_broker::stats::{self, Counter};
 
 use super::HttpContext;
 
@@ -176,19 +176,19 @@ fn render(ctx: &HttpContext, scope: Scope) -> String {
         }
     }
 
-    let c = &COUNTERS;
-    let delivered = stats::get(&c.delivered_consume_manual_ack) + stats::get(&c.delivered_consume_auto_ack) + stats::get(&c.delivered_get_manual_ack) + stats::get(&c.delivered_get_auto_ack);
+    let get = stats::get;
+    let delivered = get(Counter::DeliveredConsumeManualAck) + get(Counter::DeliveredConsumeAutoAck) + get(Counter::DeliveredGetManualAck) + get(Counter::DeliveredGetAutoAck);
     for (name, help, value) in [
-        ("rabbitmq_global_messages_received_total", "Total number of messages received from publishers", stats::get(&c.received)),
-        ("rabbitmq_global_messages_routed_total", "Total number of messages routed to queues or streams", stats::get(&c.routed)),
-        ("rabbitmq_global_messages_unroutable_dropped_total", "Total number of messages published as non-mandatory into an exchange and dropped as unroutable", stats::get(&c.unroutable)),
+        ("rabbitmq_global_messages_received_total", "Total number of messages received from publishers", stats::received()),
+        ("rabbitmq_global_messages_routed_total", "Total number of messages routed to queues or streams", get(Counter::Routed)),
+        ("rabbitmq_global_messages_unroutable_dropped_total", "Total number of messages published as non-mandatory into an exchange and dropped as unroutable", get(Counter::Unroutable)),
         ("rabbitmq_global_messages_delivered_total", "Total number of messages delivered to consumers", delivered),
-        ("rabbitmq_global_messages_delivered_consume_manual_ack_total", "Total number of messages delivered to consumers using basic.consume with manual acknowledgment", stats::get(&c.delivered_consume_manual_ack)),
-        ("rabbitmq_global_messages_delivered_consume_auto_ack_total", "Total number of messages delivered to consumers using basic.consume with automatic acknowledgment", stats::get(&c.delivered_consume_auto_ack)),
-        ("rabbitmq_global_messages_delivered_get_manual_ack_total", "Total number of messages delivered to consumers using basic.get with manual acknowledgment", stats::get(&c.delivered_get_manual_ack)),
-        ("rabbitmq_global_messages_delivered_get_auto_ack_total", "Total number of messages delivered to consumers using basic.get with automatic acknowledgment", stats::get(&c.delivered_get_auto_ack)),
-        ("rabbitmq_global_messages_redelivered_total", "Total number of messages redelivered to consumers", stats::get(&c.redelivered)),
-        ("rabbitmq_global_messages_acknowledged_total", "Total number of messages acknowledged by consumers", stats::get(&c.acknowledged)),
+        ("rabbitmq_global_messages_delivered_consume_manual_ack_total", "Total number of messages delivered to consumers using basic.consume with manual acknowledgment", get(Counter::DeliveredConsumeManualAck)),
+        ("rabbitmq_global_messages_delivered_consume_auto_ack_total", "Total number of messages delivered to consumers using basic.consume with automatic acknowledgment", get(Counter::DeliveredConsumeAutoAck)),
+        ("rabbitmq_global_messages_delivered_get_manual_ack_total", "Total number of messages delivered to consumers using basic.get with manual acknowledgment", get(Counter::DeliveredGetManualAck)),
+        ("rabbitmq_global_messages_delivered_get_auto_ack_total", "Total number of messages delivered to consumers using basic.get with automatic acknowledgment", get(Counter::DeliveredGetAutoAck)),
+        ("rabbitmq_global_messages_redelivered_total", "Total number of messages redelivered to consumers", get(Counter::Redelivered)),
+        ("rabbitmq_global_messages_acknowledged_total", "Total number of messages acknowledged by consumers", get(Counter::Acknowledged)),
     ] {
         out.single(name, "counter", help, value);
     }

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The management API and the Prometheus scrape with many queues, Warren next to RabbitMQ on this
+machine: `GET /api/queues` and a scrape of `/metrics` and `/metrics/per-object` with N queues
+(10,000 by default), each holding one message. Prints a table of medians and ratios.
+
+    python3 bench/http-api.py                       # RabbitMQ from ../shared/anchors, Warren from target/release
+    python3 bench/http-api.py --queues 1000 --reps 3
+    WARREN_BIN=/path/to/warren python3 bench/http-api.py --brokers warren
+
+RabbitMQ runs with the management and prometheus plugins (`PLUGINS=... start_cluster.sh 1`: AMQP
+5672, HTTP 15672, metrics 15692); Warren on AMQP 5682, HTTP 15682, metrics 15683."""
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pika
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+ANCHORS = ROOT.parent / "shared" / "anchors"
+BIN = os.environ.get("WARREN_BIN", str(ROOT / "target" / "release" / "warren"))
+AUTH = ("guest", "guest")
+
+
+def declare_queues(amqp_port, n, prefix):
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", amqp_port, credentials=pika.PlainCredentials(*AUTH)))
+    ch = conn.channel()
+    for i in range(n):
+        ch.queue_declare(f"{prefix}{i}", durable=True)
+        ch.basic_publish("", f"{prefix}{i}", b"x" * 100, pika.BasicProperties(delivery_mode=2))
+    conn.close()
+
+
+def timed(url, reps, auth=None):
+    times, size = [], 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = requests.get(url, auth=auth, timeout=600)
+        times.append(time.perf_counter() - t0)
+        r.raise_for_status()
+        size = len(r.content)
+    return statistics.median(times), size
+
+
+def run(name, amqp, http, prom, args):
+    declare_queues(amqp, args.queues, "bench-http-")
+    # The queue list must be complete before timing (RabbitMQ's stats are emitted every 5 s).
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        n = len(requests.get(f"http://127.0.0.1:{http}/api/queues?columns=name", auth=AUTH, timeout=600).json())
+        if n >= args.queues:
+            break
+        time.sleep(2)
+    time.sleep(6)
+    return {
+        "GET /api/queues": timed(f"http://127.0.0.1:{http}/api/queues", args.reps, AUTH),
+        "GET /metrics": timed(f"http://127.0.0.1:{prom}/metrics", args.reps),
+        "GET /metrics/per-object": timed(f"http://127.0.0.1:{prom}/metrics/per-object", args.reps),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--queues", type=int, default=10000)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--brokers", default="warren,rabbitmq")
+    args = p.parse_args()
+    results = {}
+    brokers = args.brokers.split(",")
+    if "warren" in brokers:
+        data = tempfile.mkdtemp(prefix="warren-http-bench-")
+        proc = subprocess.Popen([BIN, "server", "--amqp-port", "5682", "--http-port", "15682", "--prometheus-port", "15683",
+                                 "--data-dir", data], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _ in range(100):
+                try:
+                    requests.get("http://127.0.0.1:15682/api/overview", auth=AUTH, timeout=1)
+                    break
+                except requests.ConnectionError:
+                    time.sleep(0.1)
+            results["warren"] = run("warren", 5682, 15682, 15683, args)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            shutil.rmtree(data, ignore_errors=True)
+    if "rabbitmq" in brokers:
+        env = dict(os.environ, PLUGINS="rabbitmq_management,rabbitmq_prometheus")
+        subprocess.run(["bash", str(ANCHORS / "start_cluster.sh"), "1"], env=env, check=True)
+        try:
+            results["rabbitmq"] = run("rabbitmq", 5672, 15672, 15692, args)
+        finally:
+            subprocess.run(["bash", str(ANCHORS / "stop_cluster.sh")], check=False)
+    print(f"\n{args.queues} queues, median of {args.reps}")
+    print("| request | " + " | ".join(f"{b} (s, bytes)" for b in results) + (" | RabbitMQ / Warren |" if len(results) == 2 else " |"))
+    print("|---|" + "---|" * (len(results) + (1 if len(results) == 2 else 0)))
+    for req in next(iter(results.values())):
+        cells = [f"{results[b][req][0]:.3f}, {results[b][req][1]:,}" for b in results]
+        ratio = f" | {results['rabbitmq'][req][0] / results['warren'][req][0]:.1f}x" if len(results) == 2 else ""
+        print(f"| {req} | " + " | ".join(cells) + ratio + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
