@@ -72,6 +72,7 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--brokers", default="warren,rabbitmq")
     args = p.parse_args()
+    print(f"started {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", flush=True)
     results = {}
     brokers = args.brokers.split(",")
     if "warren" in brokers:
@@ -91,12 +92,15 @@ def main():
             proc.wait(30)
             shutil.rmtree(data, ignore_errors=True)
     if "rabbitmq" in brokers:
-        env = dict(os.environ, PLUGINS="rabbitmq_management,rabbitmq_prometheus")
+        # A fresh node: state left by an earlier cluster run would have it wait for its old peers.
+        base = tempfile.mkdtemp(prefix="warren-http-bench-rabbitmq-")
+        env = dict(os.environ, PLUGINS="rabbitmq_management,rabbitmq_prometheus", BASE=base)
         subprocess.run(["bash", str(ANCHORS / "start_cluster.sh"), "1"], env=env, check=True)
         try:
             results["rabbitmq"] = run("rabbitmq", 5672, 15672, 15692, args)
         finally:
-            subprocess.run(["bash", str(ANCHORS / "stop_cluster.sh")], check=False)
+            subprocess.run(["bash", str(ANCHORS / "stop_cluster.sh")], env=env, check=False)
+            shutil.rmtree(base, ignore_errors=True)
     print(f"\n{args.queues} queues, median of {args.reps}")
     print("| request | " + " | ".join(f"{b} (s, bytes)" for b in results) + (" | RabbitMQ / Warren |" if len(results) == 2 else " |"))
     print("|---|" + "---|" * (len(results) + (1 if len(results) == 2 else 0)))

@@ -154,6 +154,11 @@ def test_queue_counts_follow_amqp_traffic(broker, conn, name):
     assert eventually(counted, timeout=10)
     o = requests.get(api(broker, "/overview"), auth=AUTH).json()
     assert o["object_totals"]["connections"] >= 1 and o["object_totals"]["channels"] >= 2
+    consumers = requests.get(api(broker, "/consumers/%2F"), auth=AUTH).json()
+    assert len(consumers) == 1, consumers
+    c = consumers[0]
+    assert c["queue"] == {"name": name, "vhost": "/"} and c["ack_required"] is True and c["prefetch_count"] == 30
+    assert c["channel_details"]["connection_name"] == requests.get(api(broker, "/connections"), auth=AUTH).json()[0]["name"]
     assert o["queue_totals"]["messages_unacknowledged"] >= 30
 
 

@@ -477,6 +477,14 @@ impl Queue {
         self.state.lock().consumers.len() as u32
     }
 
+    /// This node's consumers of the queue (the management API lists them).
+    pub fn local_consumers(&self) -> Vec<Arc<Consumer>> {
+        if let Some(r) = &self.replica {
+            return r.local_consumers();
+        }
+        self.state.lock().consumers.iter().cloned().collect()
+    }
+
     pub fn unacked_count(&self) -> u64 {
         if let Some(r) = &self.replica {
             return r.unacked_count();

@@ -706,6 +706,11 @@ impl QuorumReplica {
         self.state.lock().machine.consumer_count() as u32
     }
 
+    /// The consumers attached on this node.
+    pub fn local_consumers(&self) -> Vec<Arc<Consumer>> {
+        self.state.lock().consumers.values().map(|c| c.consumer.clone()).collect()
+    }
+
     pub fn unacked_count(&self) -> u64 {
         self.state.lock().machine.checked_out_count()
     }

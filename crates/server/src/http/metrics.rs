@@ -114,7 +114,9 @@ struct QueueSample {
     consumers: u64,
 }
 
-fn queue_samples(ctx: &HttpContext, vhosts: &[String]) -> Vec<QueueSample> {
+/// Every queue's numbers; `named`: with their names, sorted (per-object output), else without
+/// (aggregated output only sums them: no allocation per queue).
+fn queue_samples(ctx: &HttpContext, vhosts: &[String], named: bool) -> Vec<QueueSample> {
     let mut out = Vec::new();
     for v in ctx.broker.vhosts() {
         if !vhosts.is_empty() && !vhosts.contains(&v.name) {
@@ -125,8 +127,8 @@ fn queue_samples(ctx: &HttpContext, vhosts: &[String]) -> Vec<QueueSample> {
                 continue;
             }
             out.push(QueueSample {
-                vhost: v.name.clone(),
-                name: q.name.clone(),
+                vhost: if named { v.name.clone() } else { String::new() },
+                name: if named { q.name.clone() } else { String::new() },
                 id: q.id,
                 ready: q.message_count() as u64,
                 unacked: q.unacked_count(),
@@ -134,13 +136,15 @@ fn queue_samples(ctx: &HttpContext, vhosts: &[String]) -> Vec<QueueSample> {
             });
         }
     }
-    out.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
+    if named {
+        out.sort_by(|a, b| (&a.vhost, &a.name).cmp(&(&b.vhost, &b.name)));
+    }
     out
 }
 
 fn render(ctx: &HttpContext, scope: Scope) -> String {
     let mut out = Out { text: String::with_capacity(16 << 10) };
-    let queues = queue_samples(ctx, &[]);
+    let queues = queue_samples(ctx, &[], scope == Scope::PerObject);
     let connections = ctx.connections.list();
     let channels: usize = connections.iter().map(|c| c.channels.lock().len()).sum();
 
@@ -202,7 +206,7 @@ fn render(ctx: &HttpContext, scope: Scope) -> String {
     out.single("rabbitmq_alarms_memory_used_watermark", "gauge", "is 1 if VM memory watermark alarm is in effect", alarms.memory as u8);
     out.single("rabbitmq_alarms_free_disk_space_watermark", "gauge", "is 1 if free disk space watermark alarm is in effect", alarms.disk as u8);
     out.single("rabbitmq_alarms_file_descriptor_limit", "gauge", "is 1 if file descriptor limit alarm is in effect", 0);
-    out.single("rabbitmq_process_open_fds", "gauge", "Open file descriptors", std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count()));
+    out.single("rabbitmq_process_open_fds", "gauge", "Open file descriptors", ctx.open_files());
     out.single("rabbitmq_erlang_uptime_seconds", "gauge", "Node uptime", ctx.started.elapsed().as_secs_f64());
 
     raft_metrics(ctx, &queues, scope, &mut out);
@@ -267,7 +271,7 @@ fn raft_metrics(ctx: &HttpContext, queues: &[QueueSample], scope: Scope, out: &m
 /// `/metrics/detailed`: the families asked for, per object, prefixed `rabbitmq_detailed_`.
 fn render_detailed(ctx: &HttpContext, families: &[String], vhosts: &[String]) -> String {
     let mut out = Out { text: String::new() };
-    let queues = queue_samples(ctx, vhosts);
+    let queues = queue_samples(ctx, vhosts, true);
     for family in families {
         match family.as_str() {
             "queue_coarse_metrics" => {

@@ -121,7 +121,7 @@ fn this_node(ctx: &HttpContext) -> Value {
         "disk_free": disk_free, "disk_free_details": rate(0.0),
         "disk_free_limit": limits.disk_free_bytes,
         "disk_free_alarm": alarms.disk,
-        "fd_used": open_files(), "fd_total": max_open_files(),
+        "fd_used": ctx.open_files(), "fd_total": max_open_files(),
         "sockets_used": ctx.connections.count(), "sockets_total": ctx.config.max_connections,
         "proc_used": 0, "proc_total": 0,
         "partitions": [],
@@ -134,10 +134,6 @@ fn this_node(ctx: &HttpContext) -> Value {
         "log_files": [],
         "net_ticktime": 60,
     })
-}
-
-fn open_files() -> u64 {
-    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
 }
 
 fn max_open_files() -> u64 {

@@ -160,8 +160,39 @@ pub async fn bindings(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, nam
     list::answer(items, &query)
 }
 
-/// Consumers are not listed yet (their channels are not in the connection registry); the count
-/// per queue is in `/api/queues`.
-pub async fn consumers() -> Json<Value> {
-    Json(json!([]))
+/// `/api/consumers[/{vhost}]`: this node's consumers, as RabbitMQ lists them.
+pub async fn consumers(State(ctx): State<Arc<HttpContext>>, vhost_name: Option<Path<String>>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let only = vhost_name.map(|Path(v)| v);
+    let connections = ctx.connections.list();
+    let mut items = Vec::new();
+    for v in super::vhosts(&ctx, only.as_deref())? {
+        let mut queues = v.queues();
+        queues.sort_by(|a, b| a.name.cmp(&b.name));
+        for q in queues.iter().filter(|q| !q.is_deleted()) {
+            for c in q.local_consumers() {
+                let connection = connections.iter().find(|info| info.opened.id == c.channel.connection_id);
+                let connection_name = connection.map_or_else(String::new, |info| info.name.clone());
+                items.push(json!({
+                    "consumer_tag": &*c.tag,
+                    "queue": {"name": q.name, "vhost": v.name},
+                    "channel_details": {
+                        "name": format!("{connection_name} ({})", c.channel.number),
+                        "number": c.channel.number,
+                        "connection_name": connection_name,
+                        "node": ctx.node_name,
+                        "user": connection.map(|info| info.opened.user.clone()),
+                        "peer_host": connection.map(|info| info.opened.peer.ip().to_string()),
+                        "peer_port": connection.map(|info| info.opened.peer.port()),
+                    },
+                    "ack_required": !c.no_ack,
+                    "exclusive": c.exclusive,
+                    "prefetch_count": c.prefetch,
+                    "active": true,
+                    "activity_status": "up",
+                    "arguments": if c.priority != 0 { json!({"x-priority": c.priority}) } else { json!({}) },
+                }));
+            }
+        }
+    }
+    list::answer(items, &query)
 }
