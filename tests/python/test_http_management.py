@@ -309,6 +309,44 @@ def test_bad_input_gets_a_clear_error_and_changes_nothing(broker, name):
     assert broker.alive()
 
 
+def test_a_resource_alarm_refuses_http_publishes_and_fails_the_alarm_check(tmp_path, name):
+    """As AMQP publishers are blocked during an alarm, an HTTP publish is refused (503), and the
+    alarms health check says why; both recover when it clears."""
+    import signal
+    config = tmp_path / "warren.toml"
+    config.write_text('memory-high-watermark = "0.4"\n')
+    b = Broker(tmp_path / "data", tmp_path / "warren.log")
+    b.extra_args = ["--config", str(config)]
+    b.start()
+    try:
+        requests.put(api(b, f"/queues/%2F/{name}"), auth=AUTH, json={}).raise_for_status()
+        publish = lambda: requests.post(api(b, "/exchanges/%2F/amq.default/publish"), auth=AUTH,
+                                        json={"routing_key": name, "payload": "x"})
+        assert publish().json() == {"routed": True}
+        config.write_text('memory-high-watermark = "1MiB"\n')  # far below what the broker uses
+        b.proc.send_signal(signal.SIGHUP)
+        assert eventually(lambda: requests.get(api(b, "/health/checks/alarms"), auth=AUTH).status_code == 503, timeout=15)
+        r = publish()
+        assert r.status_code == 503 and "resource alarm" in r.json()["reason"], r.text
+        assert requests.get(api(b, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 1
+        config.write_text('memory-high-watermark = "0.4"\n')
+        b.proc.send_signal(signal.SIGHUP)
+        assert eventually(lambda: requests.get(api(b, "/health/checks/alarms"), auth=AUTH).status_code == 200, timeout=15)
+        assert publish().json() == {"routed": True}
+        assert requests.get(api(b, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 2
+    finally:
+        b.kill9()
+
+
+def test_get_stops_at_16_mib_of_bodies(broker, ch, name):
+    ch.queue_declare(name)
+    for _ in range(6):
+        ch.basic_publish("", name, b"x" * (4 << 20))
+    got = requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json={"count": 6, "ackmode": "ack_requeue_false", "truncate": 10}).json()
+    assert len(got) == 4 and all(m["payload_bytes"] == 4 << 20 for m in got)
+    assert requests.get(api(broker, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 2
+
+
 def test_a_client_trickling_its_headers_is_dropped(broker):
     """A slowloris client holds a connection at most the header read timeout (10 s)."""
     s = socket.create_connection(("127.0.0.1", broker.http_port))

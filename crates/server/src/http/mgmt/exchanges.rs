@@ -112,6 +112,11 @@ pub async fn delete(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)
 /// know it is committed).
 pub async fn publish(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
     let v = vhost(&ctx, &vhost_name)?;
+    // As AMQP publishers are blocked while a resource alarm is raised, so is this.
+    let alarms = *ctx.alarms.borrow();
+    if alarms.blocks_publishers() {
+        return Err(ApiError::unavailable(format!("publishing is blocked by a resource alarm ({}); nothing was published", alarms.reason())));
+    }
     let body = body_object(&body)?;
     let routing_key = body.get("routing_key").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request("routing_key is required (a string)"))?;
     check_name("routing key", routing_key)?;

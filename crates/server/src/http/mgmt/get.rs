@@ -2,7 +2,7 @@
 //! `rabbitmqadmin get` and the UI do, through a channel of the API's own (basic.get with acks), then
 //! acks or requeues them as `ackmode` says: `ack_requeue_true` (look, and leave them there,
 //! redelivered), `ack_requeue_false` (take them), `reject_requeue_true`, `reject_requeue_false`
-//! (dead-lettered where the queue says so).
+//! (dead-lettered where the queue says so). It stops early once the bodies taken reach 16 MiB.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +25,8 @@ use crate::http::HttpContext;
 
 /// The most messages one request takes (each is held in memory until answered).
 const MAX_COUNT: u64 = 1000;
+/// Once the bodies taken reach this, no more are taken (the answer holds them all, base64 perhaps).
+const MAX_BYTES: usize = 16 << 20;
 /// How long one basic.get may wait for its queue (a read from disk, a quorum queue's commit).
 const GET_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -76,6 +78,9 @@ pub async fn get(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): 
     let channel = Channel::new(1, API_CONNECTION, sink.clone());
     let mut failure = None;
     'messages: for _ in 0..count {
+        if sink.0.lock().iter().map(|(_, _, m)| m.body.len()).sum::<usize>() >= MAX_BYTES {
+            break;
+        }
         loop {
             match queue.get(&channel, false) {
                 Got::Message => break,
