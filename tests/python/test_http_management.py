@@ -347,6 +347,42 @@ def test_get_stops_at_16_mib_of_bodies(broker, ch, name):
     assert requests.get(api(broker, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 2
 
 
+def test_a_client_that_never_reads_its_answer_is_dropped(tmp_path, name):
+    """A 48 MB answer to a client that reads nothing: once the socket buffers are full, after
+    write-timeout (here 2 s) the server drops the connection instead of holding it (and its slot)
+    for ever. What the buffers held (a few MB) is all the client gets."""
+    config = tmp_path / "warren.toml"
+    config.write_text("write-timeout = 2\n")
+    b = Broker(tmp_path / "data", tmp_path / "warren.log")
+    b.extra_args = ["--config", str(config)]
+    b.start()
+    try:
+        c = b.connection()
+        c.channel().queue_declare(name)
+        c.channel().basic_publish("", name, b"y" * (48 << 20))
+        c.close()
+        body = json.dumps({"count": 1, "ackmode": "ack_requeue_true"}).encode()
+        s = socket.create_connection(("127.0.0.1", b.http_port))
+        auth = base64.b64encode(b"guest:guest").decode()
+        s.sendall(f"POST /api/queues/%2F/{name}/get HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {auth}\r\n"
+                  f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(6)
+        received = 0
+        s.settimeout(10)
+        while True:
+            try:
+                chunk = s.recv(1 << 20)
+            except (ConnectionResetError, socket.timeout):
+                break
+            if not chunk:
+                break
+            received += len(chunk)
+        assert received < 48 << 20, f"the whole answer ({received} bytes) was still sent after the write timeout"
+        assert requests.get(api(b, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 1
+    finally:
+        b.kill9()
+
+
 def test_a_client_trickling_its_headers_is_dropped(broker):
     """A slowloris client holds a connection at most the header read timeout (10 s)."""
     s = socket.create_connection(("127.0.0.1", broker.http_port))

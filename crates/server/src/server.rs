@@ -172,8 +172,9 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone());
     tracing::info!("serving the management API on http://{}", http_listener.local_addr()?);
     tracing::info!("serving Prometheus metrics on http://{}/metrics", metrics_listener.local_addr()?);
-    let http_server = tokio::spawn(crate::http::serve(http_listener, crate::http::management_router(http.clone()), shutdown_rx.clone()));
-    let metrics_server = tokio::spawn(crate::http::serve(metrics_listener, crate::http::metrics_router(http), shutdown_rx.clone()));
+    let write_timeout = Duration::from_secs(config.write_timeout as u64);
+    let http_server = tokio::spawn(crate::http::serve(http_listener, crate::http::management_router(http.clone()), write_timeout, shutdown_rx.clone()));
+    let metrics_server = tokio::spawn(crate::http::serve(metrics_listener, crate::http::metrics_router(http), write_timeout, shutdown_rx.clone()));
 
     let housekeeping = {
         let broker = broker.clone();

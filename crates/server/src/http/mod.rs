@@ -136,7 +136,10 @@ fn without_trailing_slash<B>(request: &mut hyper::Request<B>) {
 }
 
 /// Serves `router` on `listener` until `shutdown`, then lets requests in flight finish.
-pub async fn serve(listener: TcpListener, router: Router, mut shutdown: watch::Receiver<bool>) {
+/// `write_timeout`: a client that does not read its answer for this long is dropped (the
+/// configuration's `write-timeout`, as for AMQP), so that clients that never read cannot hold
+/// every connection slot.
+pub async fn serve(listener: TcpListener, router: Router, write_timeout: Duration, mut shutdown: watch::Receiver<bool>) {
     let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
     let mut connections = tokio::task::JoinSet::new();
     loop {
@@ -157,6 +160,9 @@ pub async fn serve(listener: TcpListener, router: Router, mut shutdown: watch::R
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let _ = stream.set_nodelay(true);
+        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+        stream.set_write_timeout(Some(write_timeout));
+        let stream = Box::pin(stream);
         let router = router.clone();
         let mut stop = shutdown.clone();
         connections.spawn(async move {
