@@ -34,6 +34,16 @@ def q(name):
     return urllib.parse.quote(name, safe="")
 
 
+def drain(ch, queue):
+    """Every body basic.get finds in the queue, in order (auto-ack)."""
+    bodies = []
+    while True:
+        method, props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            return bodies
+        bodies.append(body)
+
+
 def admin(broker, *args, check=True):
     """Runs Debian's rabbitmqadmin against the broker; returns its stdout."""
     if not shutil.which("rabbitmqadmin"):
@@ -180,13 +190,7 @@ def test_get_looks_requeues_takes_and_rejects(broker, ch, name):
     taken = requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json={"count": 4, "ackmode": "ack_requeue_false", "truncate": 1}).json()
     assert [m["payload"] for m in taken] == ["m"] * 4 and taken[0]["payload_bytes"] == 2
     assert requests.get(api(broker, f"/queues/%2F/{name}"), auth=AUTH).json()["messages"] == 6
-    got = []
-    while True:
-        method, props, body = ch.basic_get(name, auto_ack=True)
-        if method is None:
-            break
-        got.append(body)
-    assert got == [f"m{i}".encode() for i in range(4, 10)]
+    assert drain(ch, name) == [f"m{i}".encode() for i in range(4, 10)]
     assert requests.post(api(broker, f"/queues/%2F/{name}/get"), auth=AUTH, json={"count": 5}).json() == []
     # Rejected without requeue: dead-lettered.
     for i in range(3):
@@ -228,13 +232,7 @@ def test_a_message_published_over_http_is_durable_when_answered(broker, name):
     broker.start()
     c = broker.connection()
     ch = c.channel()
-    bodies = []
-    while True:
-        method, props, body = ch.basic_get(name, auto_ack=True)
-        if method is None:
-            break
-        bodies.append(body)
-    assert bodies == [bytes([i]) * 10 for i in range(20)]
+    assert drain(ch, name) == [bytes([i]) * 10 for i in range(20)]
     c.close()
 
 

@@ -295,11 +295,8 @@ impl Channel {
             message: entry.message.clone(),
             ack_when_written: if consumer.no_ack { AckWhenWritten::of(&consumer.queue, &entry) } else { None },
         });
-        use crate::stats::{add, Counter};
-        add(if consumer.no_ack { Counter::DeliveredConsumeAutoAck } else { Counter::DeliveredConsumeManualAck }, 1);
-        if entry.redelivered {
-            add(Counter::Redelivered, 1);
-        }
+        use crate::stats::Counter;
+        crate::stats::delivered(if consumer.no_ack { Counter::DeliveredConsumeAutoAck } else { Counter::DeliveredConsumeManualAck }, entry.redelivered);
         if consumer.no_ack {
             // Settled on delivery; the sink acks it in the store once written (`AckWhenWritten`).
             return Ok(Some(entry));
@@ -324,11 +321,8 @@ impl Channel {
             message: entry.message.clone(),
             ack_when_written: if no_ack { AckWhenWritten::of(queue, &entry) } else { None },
         });
-        use crate::stats::{add, Counter};
-        add(if no_ack { Counter::DeliveredGetAutoAck } else { Counter::DeliveredGetManualAck }, 1);
-        if entry.redelivered {
-            add(Counter::Redelivered, 1);
-        }
+        use crate::stats::Counter;
+        crate::stats::delivered(if no_ack { Counter::DeliveredGetAutoAck } else { Counter::DeliveredGetManualAck }, entry.redelivered);
         if no_ack {
             return Some(entry);
         }

@@ -51,6 +51,14 @@ pub fn add(counter: Counter, n: u64) {
     MY_SHARD.with(|shard| SHARD_COUNTERS[*shard].0[counter as usize].fetch_add(n, Ordering::Relaxed));
 }
 
+/// A delivery counted as `counter`, and as a redelivery if it is one.
+pub fn delivered(counter: Counter, redelivered: bool) {
+    add(counter, 1);
+    if redelivered {
+        add(Counter::Redelivered, 1);
+    }
+}
+
 /// The counter's total over every thread.
 pub fn get(counter: Counter) -> u64 {
     SHARD_COUNTERS.iter().map(|s| s.0[counter as usize].load(Ordering::Relaxed)).sum()

@@ -236,7 +236,7 @@ pub async fn negotiate(
         )
     })?;
     send(socket, 0, Method::ConnectionOpenOk(ConnectionOpenOk { reserved_1: String::new() })).await?;
-    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name, client_properties: start_ok.client_properties.clone() })
+    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name, client_properties: start_ok.client_properties })
 }
 
 fn unexpected(got: &Method, wanted: &str) -> ConnError {

@@ -179,7 +179,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         local: stream_local,
         user: negotiated.user.name.clone(),
         vhost: negotiated.vhost.name.clone(),
-        client_properties: negotiated.client_properties.clone(),
+        client_properties: negotiated.client_properties,
         frame_max: negotiated.frame_max,
         channel_max: negotiated.channel_max,
         heartbeat: negotiated.heartbeat,

@@ -55,12 +55,8 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
             "product_version": env!("CARGO_PKG_VERSION"), "parameters": [], "policies": [],
             "queues": queues, "exchanges": exchanges, "bindings": bindings}));
     }
-    let users: Vec<Value> = ctx.broker.users().iter()
-        .map(|u| json!({"name": u.name, "password_hash": "", "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}))
-        .collect();
-    let permissions: Vec<Value> = ctx.broker.users().iter()
-        .flat_map(|u| vhosts.iter().map(move |v| json!({"user": u.name, "vhost": v.name, "configure": ".*", "write": ".*", "read": ".*"})))
-        .collect();
+    let users: Vec<Value> = ctx.broker.users().iter().map(super::node::user_json).collect();
+    let permissions = super::node::all_permissions(ctx);
     Ok(json!({
         "rabbit_version": RABBITMQ_VERSION, "rabbitmq_version": RABBITMQ_VERSION, "product_name": "Warren",
         "product_version": env!("CARGO_PKG_VERSION"),
@@ -138,7 +134,7 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
     let bindings = entries(ctx, &defs, "bindings", into)?;
     for Entry { vhost: v, item } in &exchanges {
         let v = vhost(ctx, v)?;
-        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments").map_err(ApiError::bad_request)?;
+        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments")?;
         v.exchange_declare(&ExchangeDeclare {
             name: item["name"].as_str().unwrap_or_default(),
             kind: item.get("type").and_then(Value::as_str).unwrap_or("direct"),
@@ -151,7 +147,7 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
     }
     for Entry { vhost: v, item } in &queues {
         let v = vhost(ctx, v)?;
-        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments").map_err(ApiError::bad_request)?;
+        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments")?;
         v.queue_declare(&QueueDeclare {
             name: item["name"].as_str().unwrap_or_default(),
             passive: false,
@@ -164,7 +160,7 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
     }
     for Entry { vhost: v, item } in &bindings {
         let v = vhost(ctx, v)?;
-        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments").map_err(ApiError::bad_request)?;
+        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments")?;
         let source = item["source"].as_str().unwrap_or_default();
         let destination = item["destination"].as_str().unwrap_or_default();
         let routing_key = item.get("routing_key").and_then(Value::as_str).unwrap_or("");

@@ -193,7 +193,7 @@ fn properties_from_json(v: &Value) -> ApiResult<BasicProperties> {
     p.priority = number("priority", 255)?.map(|n| n as u8);
     p.timestamp = number("timestamp", u64::MAX)?;
     if let Some(h) = map.get("headers") {
-        p.headers = Some(fields::table_from_json(h, "properties.headers").map_err(ApiError::bad_request)?);
+        p.headers = Some(fields::table_from_json(h, "properties.headers")?);
     }
     Ok(p)
 }

@@ -223,7 +223,7 @@ pub async fn delete_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<
     Err(ApiError::bad_request(format!("cannot delete vhost '{name}': this Warren version serves one vhost per node, set by default-vhost")))
 }
 
-fn user_json(user: &warren_broker::User) -> Value {
+pub(super) fn user_json(user: &warren_broker::User) -> Value {
     json!({"name": user.name, "password_hash": "", "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": USER_TAGS, "limits": {}})
 }
 
@@ -235,7 +235,7 @@ pub async fn user(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>)
     ctx.broker.users().iter().find(|u| u.name == name).map(|u| Json(user_json(u))).ok_or_else(|| ApiError::not_found(format!("no user '{name}'")))
 }
 
-fn all_permissions(ctx: &HttpContext) -> Vec<Value> {
+pub(super) fn all_permissions(ctx: &HttpContext) -> Vec<Value> {
     let mut out = Vec::new();
     for u in ctx.broker.users() {
         for v in super::vhosts(ctx, None).unwrap_or_default() {
