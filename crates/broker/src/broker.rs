@@ -261,6 +261,13 @@ impl Broker {
         (user.password == password).then(|| user.clone())
     }
 
+    /// A user and the secret a signed request (CMQ's HMAC signature) is checked with: its password.
+    pub fn signing_secret(&self, name: &str) -> Option<(User, String)> {
+        let users = self.users.read();
+        let user = users.get(name)?;
+        Some((user.clone(), user.password.clone()))
+    }
+
     /// Whether a user may use a vhost. Every user has full permissions on every vhost for now.
     pub fn can_access(&self, _user: &User, vhost: &str) -> bool {
         self.vhost(vhost).is_some()

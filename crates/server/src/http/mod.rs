@@ -9,6 +9,7 @@
 //! never holds more than its answer in memory.
 
 pub mod auth;
+pub mod cmq;
 pub mod error;
 pub mod fields;
 pub mod list;
@@ -54,6 +55,8 @@ pub struct HttpContext {
     pub started: Instant,
     /// This node's name as the API shows it (`warren@HOST` or `warren@node-ID`).
     pub node_name: String,
+    /// The CMQ API's state: leases of received messages, its publisher session.
+    pub cmq: cmq::Cmq,
     /// The open file descriptor count and when it was taken (`open_files`).
     open_files: parking_lot::Mutex<Option<(Instant, u64)>>,
 }
@@ -71,7 +74,7 @@ impl HttpContext {
             Some(settings) => format!("warren@node-{}", settings.node_id),
             None => format!("warren@{}", hostname()),
         };
-        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, open_files: Default::default() })
+        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), open_files: Default::default() })
     }
 
     /// This process's open file descriptors, counted at most every 5 s: counting them lists
@@ -106,9 +109,13 @@ pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, String> {
     TcpListener::bind(addr).await.map_err(|e| format!("cannot listen for {what} on {addr}: {e}"))
 }
 
-/// The management port's router: the API under `/api`.
+/// The management port's router: RabbitMQ's API under `/api`, CMQ's at `/v2/index.php`.
 pub fn management_router(ctx: Arc<HttpContext>) -> Router {
-    Router::new().nest("/api", mgmt::router(ctx.clone())).layer(DefaultBodyLimit::max(MAX_BODY_BYTES)).fallback(error::not_found)
+    Router::new()
+        .nest("/api", mgmt::router(ctx.clone()))
+        .route(cmq::PATH, axum::routing::get(cmq::handle).post(cmq::handle).with_state(ctx.clone()))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .fallback(error::not_found)
 }
 
 /// The Prometheus port's router.

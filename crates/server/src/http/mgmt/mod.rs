@@ -7,7 +7,7 @@ mod definitions;
 mod exchanges;
 mod get;
 mod node;
-mod queues;
+pub mod queues;
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,0 +1,161 @@
+//! SendMessage, BatchSendMessage, ReceiveMessage, BatchReceiveMessage, DeleteMessage,
+//! BatchDeleteMessage.
+//!
+//! A message sent here is an AMQP message to the queue (default exchange, routing key the queue's
+//! name), persistent, with `message_id` its CMQ `msgId` and `timestamp` its `enqueueTime`; one
+//! published over AMQP is received here with those properties if it has them.
+
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+use warren_broker::Message;
+use warren_protocol::field::FieldValue;
+use warren_protocol::properties::BasicProperties;
+
+use super::queues::{self, find, int_arg};
+use super::receive::Received;
+use super::{answer, code, now_secs, CmqError, CmqResult, Request};
+
+/// Messages in one batch, at most (CMQ's limit).
+pub const MAX_BATCH: usize = 16;
+
+/// The message bodies of a (batch) send or publish: `msgBody`, or `msgBody.1` ... `msgBody.16`.
+pub fn bodies(request: &Request, batch: bool, max_bytes: usize) -> Result<Vec<&str>, CmqError> {
+    let bodies = if batch { request.params.numbered("msgBody", MAX_BATCH)? } else { vec![request.params.required("msgBody")?] };
+    if bodies.is_empty() {
+        return Err(CmqError::invalid("msgBody.1 is required (a batch of 1 to 16 messages)"));
+    }
+    if let Some(big) = bodies.iter().find(|b| b.len() > max_bytes) {
+        return Err(CmqError::new(code::MESSAGE_TOO_LARGE, format!("a message of {} bytes is larger than the {max_bytes} bytes allowed (maxMsgSize); nothing was sent", big.len())));
+    }
+    let delay = request.params.int("delaySeconds", 0, 0..=3_888_000)?;
+    if delay > 0 {
+        return Err(CmqError::invalid("delaySeconds: delayed messages are not available in this version of Warren yet; send with delaySeconds=0"));
+    }
+    Ok(bodies)
+}
+
+/// Refuses a send while a resource alarm blocks publishers (as AMQP publishers are blocked).
+pub fn check_alarms(request: &Request) -> Result<(), CmqError> {
+    let alarms = *request.ctx.alarms.borrow();
+    if alarms.blocks_publishers() {
+        return Err(CmqError::new(code::INTERNAL, format!("sending is blocked by a resource alarm ({}); nothing was sent, try again later", alarms.reason())));
+    }
+    Ok(())
+}
+
+/// An AMQP message of a CMQ body: persistent, with its msgId and enqueue time.
+pub fn message(exchange: &str, routing_key: &str, body: &str, msg_id: &str, headers: Option<warren_protocol::field::FieldTable>) -> Message {
+    let properties = BasicProperties { delivery_mode: Some(2), message_id: Some(msg_id.to_owned()), timestamp: Some(now_secs()), headers, ..Default::default() };
+    let mut raw = bytes::BytesMut::new();
+    properties.encode(&mut raw);
+    Message {
+        exchange: exchange.to_owned(),
+        routing_key: routing_key.to_owned(),
+        persistent: true,
+        expiration_ms: None,
+        properties: raw.freeze(),
+        body: bytes::Bytes::copy_from_slice(body.as_bytes()),
+    }
+}
+
+pub async fn send(request: &Request, batch: bool) -> CmqResult {
+    let name = request.params.required("queueName")?;
+    let q = find(request, name)?;
+    let max = int_arg(&q, queues::MAX_MSG_SIZE).unwrap_or(queues::MAX_MESSAGE_BYTES).min(request.ctx.config.max_message_size as i64) as usize;
+    let bodies = bodies(request, batch, max)?;
+    check_alarms(request)?;
+    let cmq = &request.ctx.cmq;
+    let ids: Vec<String> = bodies.iter().map(|_| cmq.message_id()).collect();
+    let messages = bodies.iter().zip(&ids).map(|(body, id)| message("", name, body, id, None)).collect();
+    let sent = cmq.confirms.publish(&request.vhost, "", messages)?;
+    if sent.routed.iter().any(|r| !r) {
+        return Err(CmqError::new(code::NOT_FOUND, format!("queue '{name}' was deleted while the message was sent")));
+    }
+    cmq.confirms.durable(request.ctx.broker.store(), &sent).await?;
+    if batch {
+        Ok(answer([("msgList", ids.into_iter().map(|id| json!({"msgId": id})).collect::<Vec<_>>().into())]))
+    } else {
+        Ok(answer([("msgId", ids.into_iter().next().unwrap_or_default().into())]))
+    }
+}
+
+pub async fn receive(request: &Request, batch: bool) -> CmqResult {
+    let name = request.params.required("queueName")?;
+    let q = find(request, name)?;
+    let n = if batch { request.params.int("numOfMsg", 0, 1..=MAX_BATCH as i64)? as usize } else { 1 };
+    let default_wait = int_arg(&q, queues::POLLING_WAIT_SECONDS).unwrap_or(0).clamp(0, queues::MAX_POLLING_WAIT_SECONDS);
+    let wait = request.params.int("pollingWaitSeconds", default_wait, 0..=queues::MAX_POLLING_WAIT_SECONDS)?;
+    let visibility = int_arg(&q, queues::VISIBILITY_TIMEOUT).unwrap_or(queues::DEFAULT_VISIBILITY_TIMEOUT).clamp(1, queues::MAX_VISIBILITY_TIMEOUT);
+    let received = request
+        .ctx
+        .cmq
+        .leases
+        .receive(&request.ctx, &request.vhost.name, &q, n, Duration::from_secs(wait as u64), Duration::from_secs(visibility as u64))
+        .await?;
+    if received.is_empty() {
+        return Err(CmqError::new(code::NO_MESSAGE, "no message"));
+    }
+    let next_visible = now_secs() + visibility as u64;
+    let mut infos = received.iter().map(|r| message_info(r, next_visible));
+    if batch {
+        Ok(answer([("msgInfoList", infos.map(Value::Object).collect::<Vec<_>>().into())]))
+    } else {
+        Ok(infos.next().unwrap_or_default())
+    }
+}
+
+/// A received message as CMQ shows it.
+fn message_info(r: &Received, next_visible: u64) -> Map<String, Value> {
+    let p = BasicProperties::decode(&r.message.properties).unwrap_or_default();
+    // A quorum queue counts returned deliveries (x-delivery-count); a classic queue only says
+    // whether the message was delivered before.
+    let returned = p.headers.as_ref().and_then(|h| h.get("x-delivery-count")).and_then(FieldValue::as_i64);
+    let dequeue_count = returned.map_or(if r.redelivered { 2 } else { 1 }, |n| n.max(0) + 1);
+    let now = now_secs();
+    answer([
+        ("msgBody", String::from_utf8_lossy(&r.message.body).into_owned().into()),
+        ("msgId", p.message_id.unwrap_or_default().into()),
+        ("receiptHandle", r.handle.clone().into()),
+        ("enqueueTime", p.timestamp.unwrap_or(now).into()),
+        ("firstDequeueTime", now.into()),
+        ("nextVisibleTime", next_visible.into()),
+        ("dequeueCount", dequeue_count.into()),
+    ])
+}
+
+pub async fn delete(request: &Request, batch: bool) -> CmqResult {
+    let name = request.params.required("queueName")?;
+    find(request, name)?;
+    let handles = if batch { request.params.numbered("receiptHandle", MAX_BATCH)? } else { vec![request.params.required("receiptHandle")?] };
+    if handles.is_empty() {
+        return Err(CmqError::invalid("receiptHandle.1 is required (1 to 16 receipt handles)"));
+    }
+    let leases = &request.ctx.cmq.leases;
+    let mut ticket = None;
+    let mut failed = Vec::new();
+    for handle in &handles {
+        match leases.delete(&request.vhost.name, name, handle) {
+            Ok(t) => ticket = ticket.max(t),
+            Err(e) => failed.push(json!({"code": e.code, "message": e.message, "receiptHandle": handle})),
+        }
+    }
+    if let Some(ticket) = ticket {
+        let mut durable = request.ctx.broker.store().durable();
+        let _ = tokio::time::timeout(Duration::from_secs(10), durable.wait_for(|at| *at >= ticket)).await;
+    }
+    match (batch, failed.len()) {
+        (_, 0) => Ok(answer([])),
+        (false, _) => {
+            let e = failed.remove(0);
+            Err(CmqError::new(e["code"].as_i64().unwrap_or(code::INVALID_RECEIPT_HANDLE), e["message"].as_str().unwrap_or_default()))
+        }
+        (true, n) => {
+            // CMQ answers code 6010 with the handles that failed in `errorList`; its SDK raises with
+            // the answer in `data`.
+            let mut e = CmqError::new(code::BATCH_DELETE_FAILED, format!("{n} of {} receipt handles failed (see errorList); the others were deleted", handles.len()));
+            e.extra.insert("errorList".into(), Value::Array(failed));
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! A CMQ receive is a delivery with a deadline. Each receive takes its messages on a channel of its
+//! own (not a connection's: `API_CONNECTION`), as unacknowledged deliveries: a *lease*. Deleting a
+//! message acks its delivery; when the lease's visibility timeout passes, its channel closes and
+//! whatever was not deleted goes back to the queue, redelivered, for the next receive (CMQ's
+//! `dequeueCount` + 1). Works on every kind of queue, on any node, as basic.get and basic.consume
+//! do.
+//!
+//! A receive first takes what is ready (basic.get); finding nothing, it waits up to
+//! `pollingWaitSeconds` as a consumer with a prefetch of what it still wants, so it answers as soon
+//! as a message arrives, and cancels the consumer before it answers (what arrived by then is
+//! answered too: the prefetch bounds it).
+//!
+//! Receipt handles are `LEASE-TAG-MAC`: the MAC (HMAC-SHA256 with a key random per start, over the
+//! vhost, queue, lease and tag) makes them unforgeable, and the lease and tag name one delivery; a
+//! handle whose lease ended (deleted, or timed out and redelivered) or from before a restart fails.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hmac::{Hmac, Mac};
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use warren_broker::channel::Delivery;
+use warren_broker::{Channel, ClientSink, ConsumerArgs, Got, MessageRef, Queue, Settle};
+use warren_store::SyncTicket;
+
+use super::{code, CmqError};
+use crate::http::mgmt::queues::API_CONNECTION;
+use crate::http::HttpContext;
+
+/// Received messages not yet deleted or timed out, on this node, at most: a client that receives
+/// and never deletes cannot make the node hold every queue's messages twice.
+const MAX_LEASED: usize = 100_000;
+/// How long one basic.get may wait for its queue (a read from disk, a quorum queue's commit).
+const GET_TIMEOUT: Duration = Duration::from_secs(10);
+const CONSUMER_TAG: &str = "cmq-receive";
+
+/// What a lease's channel was handed.
+#[derive(Default)]
+struct Taken {
+    items: Mutex<Vec<Received>>,
+    arrived: Notify,
+}
+
+impl ClientSink for Taken {
+    fn send(&self, delivery: Delivery) {
+        match delivery {
+            Delivery::Deliver { delivery_tag, redelivered, message, .. } | Delivery::GetOk { delivery_tag, redelivered, message, .. } => {
+                self.items.lock().push(Received { tag: delivery_tag, redelivered, message, handle: String::new() });
+                self.arrived.notify_one();
+            }
+            Delivery::Cancel { .. } => self.arrived.notify_one(),
+        }
+    }
+}
+
+/// A received message.
+pub struct Received {
+    tag: u64,
+    pub redelivered: bool,
+    pub message: MessageRef,
+    pub handle: String,
+}
+
+/// Messages received together, invisible until `deadline` unless deleted first.
+struct Lease {
+    channel: Arc<Channel>,
+    /// Woken when every message was deleted: the lease ends before its deadline.
+    all_deleted: Notify,
+    count: usize,
+}
+
+pub struct Leases {
+    key: [u8; 32],
+    next: AtomicU64,
+    live: Mutex<HashMap<u64, Arc<Lease>>>,
+    leased: AtomicUsize,
+}
+
+impl Default for Leases {
+    fn default() -> Leases {
+        Leases { key: rand::random(), next: AtomicU64::new(1), live: Mutex::new(HashMap::new()), leased: AtomicUsize::new(0) }
+    }
+}
+
+impl Leases {
+    fn mac(&self, vhost: &str, queue: &str, lease: u64, tag: u64) -> String {
+        let mut mac = Hmac::<sha2::Sha256>::new_from_slice(&self.key).expect("HMAC takes a key of any length");
+        for part in [vhost.as_bytes(), b"\0", queue.as_bytes(), b"\0", &lease.to_be_bytes(), &tag.to_be_bytes()] {
+            mac.update(part);
+        }
+        mac.finalize().into_bytes()[..10].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// Takes up to `n` messages off `queue`, waiting up to `wait` for the first; they stay
+    /// invisible for `visibility`. An empty answer when nothing came.
+    pub async fn receive(&self, ctx: &Arc<HttpContext>, vhost: &str, queue: &Arc<Queue>, n: usize, wait: Duration, visibility: Duration) -> Result<Vec<Received>, CmqError> {
+        if self.leased.load(Ordering::Relaxed) >= MAX_LEASED {
+            return Err(CmqError::new(
+                code::INTERNAL,
+                format!("{MAX_LEASED} received messages on this node are neither deleted nor timed out: delete what you received, or wait for visibility timeouts"),
+            ));
+        }
+        let taken = Arc::new(Taken::default());
+        let channel = Channel::new(1, API_CONNECTION, taken.clone());
+        let poll_deadline = Instant::now() + wait;
+        let outcome = self.take(queue, &channel, &taken, n, poll_deadline).await;
+        let mut received = std::mem::take(&mut *taken.items.lock());
+        if received.is_empty() {
+            channel.close();
+            return outcome.map(|_| Vec::new());
+        }
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        for r in &mut received {
+            r.handle = format!("{id}-{}-{}", r.tag, self.mac(vhost, &queue.name, id, r.tag));
+        }
+        let lease = Arc::new(Lease { channel, all_deleted: Notify::new(), count: received.len() });
+        self.leased.fetch_add(lease.count, Ordering::Relaxed);
+        self.live.lock().insert(id, lease.clone());
+        let deadline = Instant::now() + visibility;
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {}
+                _ = lease.all_deleted.notified() => {}
+            }
+            let leases = &ctx.cmq.leases;
+            leases.live.lock().remove(&id);
+            // What was not deleted goes back to its queue, redelivered.
+            lease.channel.close();
+            leases.leased.fetch_sub(lease.count, Ordering::Relaxed);
+        });
+        Ok(received)
+    }
+
+    async fn take(&self, queue: &Arc<Queue>, channel: &Arc<Channel>, taken: &Taken, n: usize, poll_deadline: Instant) -> Result<(), CmqError> {
+        // What is ready now.
+        while taken.items.lock().len() < n {
+            match queue.get(channel, false) {
+                Got::Message => {}
+                Got::Empty => break,
+                Got::Later(wait) => {
+                    if tokio::time::timeout(GET_TIMEOUT, queue.wait_for(wait)).await.is_err() {
+                        return Err(CmqError::new(code::INTERNAL, format!("queue '{}' did not answer within {} s", queue.name, GET_TIMEOUT.as_secs())));
+                    }
+                }
+                Got::Failed(text) => return Err(CmqError::new(code::INTERNAL, text)),
+            }
+        }
+        if !taken.items.lock().is_empty() || Instant::now() >= poll_deadline {
+            return Ok(());
+        }
+        // Long polling: a consumer that may hold what is still wanted, until something arrives.
+        channel.qos(n.min(u16::MAX as usize) as u16, false);
+        let consumer = channel.new_consumer(CONSUMER_TAG.into(), queue.clone(), false, false, ConsumerArgs::default());
+        queue.add_consumer(consumer.clone(), || {})?;
+        channel.add_consumer(consumer);
+        loop {
+            let arrived = taken.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
+            if !taken.items.lock().is_empty() || !channel.has_consumer(CONSUMER_TAG) {
+                break;
+            }
+            if tokio::time::timeout_at(poll_deadline, arrived).await.is_err() {
+                break;
+            }
+        }
+        channel.cancel(CONSUMER_TAG);
+        Ok(())
+    }
+
+    /// Deletes the message `handle` names (acks its delivery). Returns the store ticket of the ack,
+    /// if any.
+    pub fn delete(&self, vhost: &str, queue: &str, handle: &str) -> Result<Option<SyncTicket>, CmqError> {
+        let invalid = || CmqError::new(code::INVALID_RECEIPT_HANDLE, format!("receipt handle '{handle}' is not one of queue '{queue}'"));
+        let mut parts = handle.splitn(3, '-');
+        let (Some(lease), Some(tag), Some(mac)) = (parts.next(), parts.next(), parts.next()) else { return Err(invalid()) };
+        let (Ok(lease), Ok(tag)) = (lease.parse::<u64>(), tag.parse::<u64>()) else { return Err(invalid()) };
+        let expected = self.mac(vhost, queue, lease, tag);
+        if expected.len() != mac.len() || expected.bytes().zip(mac.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
+            return Err(invalid());
+        }
+        let expired = || {
+            CmqError::new(
+                code::INVALID_RECEIPT_HANDLE,
+                format!("receipt handle '{handle}' has expired: the message was deleted already, or its visibility timeout passed and it is visible again (receive it again for a new handle)"),
+            )
+        };
+        let Some(lease) = self.live.lock().get(&lease).cloned() else { return Err(expired()) };
+        let ticket = lease.channel.settle(tag, false, Settle::Ack).map_err(|_| expired())?;
+        if lease.channel.unacked_count() == 0 {
+            lease.all_deleted.notify_one();
+        }
+        Ok(ticket)
+    }
+}
