@@ -482,3 +482,35 @@ def test_a_power_cut_keeps_every_message_a_send_answered(tmp_path, monkeypatch, 
         if broker.alive():
             broker.proc.kill()
             broker.proc.wait(10)
+
+
+def test_a_client_gone_during_a_long_poll_leaves_no_consumer_behind(broker):
+    """A receive whose client hangs up while it waits must not leave its consumer on the queue
+    (which would take the next message into a lease nobody can see or delete)."""
+    import socket
+    import urllib.parse
+
+    acct = account(broker)
+    q = create_queue(acct, "hangup")
+    params = {"Action": "ReceiveMessage", "queueName": "hangup", "pollingWaitSeconds": "20", "SecretId": "guest",
+              "Nonce": "7", "Timestamp": str(int(time.time())), "SignatureMethod": "HmacSHA1"}
+    host = f"127.0.0.1:{broker.http_port}"
+    text = "POST" + host + "/v2/index.php?" + "&".join(f"{k}={params[k]}" for k in sorted(params))
+    params["Signature"] = base64.b64encode(hmac.new(b"guest", text.encode(), hashlib.sha1).digest()).decode()
+    body = urllib.parse.urlencode(params).encode()
+    for _ in range(3):
+        s = socket.create_connection(("127.0.0.1", broker.http_port))
+        s.sendall(b"POST /v2/index.php HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)
+        s.close()
+    time.sleep(0.5)
+    conn, ch = amqp(broker)
+    for i in range(3):
+        ch.basic_publish("", "hangup", f"after-{i}".encode())
+    conn.close()
+    got = []
+    for _ in range(3):
+        m = q.receive_message(polling_wait_seconds=5)
+        got.append(m.msgBody)
+        q.delete_message(m.receiptHandle)
+    assert sorted(got) == ["after-0", "after-1", "after-2"]

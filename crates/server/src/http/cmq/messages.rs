@@ -13,7 +13,7 @@ use warren_protocol::field::FieldValue;
 use warren_protocol::properties::BasicProperties;
 
 use super::queues::{self, find, int_arg};
-use super::receive::Received;
+use super::receive::{Leases, Received};
 use super::{answer, code, now_secs, CmqError, CmqResult, Request};
 
 /// Messages in one batch, at most (CMQ's limit).
@@ -87,12 +87,7 @@ pub async fn receive(request: &Request, batch: bool) -> CmqResult {
     let default_wait = int_arg(&q, queues::POLLING_WAIT_SECONDS).unwrap_or(0).clamp(0, queues::MAX_POLLING_WAIT_SECONDS);
     let wait = request.params.int("pollingWaitSeconds", default_wait, 0..=queues::MAX_POLLING_WAIT_SECONDS)?;
     let visibility = int_arg(&q, queues::VISIBILITY_TIMEOUT).unwrap_or(queues::DEFAULT_VISIBILITY_TIMEOUT).clamp(1, queues::MAX_VISIBILITY_TIMEOUT);
-    let received = request
-        .ctx
-        .cmq
-        .leases
-        .receive(&request.ctx, &request.vhost.name, &q, n, Duration::from_secs(wait as u64), Duration::from_secs(visibility as u64))
-        .await?;
+    let received = Leases::receive(&request.ctx, &request.vhost.name, &q, n, Duration::from_secs(wait as u64), Duration::from_secs(visibility as u64)).await?;
     if received.is_empty() {
         return Err(CmqError::new(code::NO_MESSAGE, "no message"));
     }

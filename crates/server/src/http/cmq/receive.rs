@@ -97,7 +97,31 @@ impl Leases {
 
     /// Takes up to `n` messages off `queue`, waiting up to `wait` for the first; they stay
     /// invisible for `visibility`. An empty answer when nothing came.
-    pub async fn receive(&self, ctx: &Arc<HttpContext>, vhost: &str, queue: &Arc<Queue>, n: usize, wait: Duration, visibility: Duration) -> Result<Vec<Received>, CmqError> {
+    ///
+    /// Runs on a task of its own, to the end, whatever its caller does: a request's future is
+    /// dropped when its client hangs up, and dropped halfway this would leave its consumer on the
+    /// queue or its messages unacknowledged on a channel nobody closes. A client gone while the
+    /// receive waits stops the wait, and what arrived meanwhile goes back to the queue.
+    pub async fn receive(ctx: &Arc<HttpContext>, vhost: &str, queue: &Arc<Queue>, n: usize, wait: Duration, visibility: Duration) -> Result<Vec<Received>, CmqError> {
+        let (ctx, vhost, queue) = (ctx.clone(), vhost.to_owned(), queue.clone());
+        // Dropped with this future (the client hung up): `gone` then resolves.
+        let (_caller, gone) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move { ctx.cmq.leases.receive_here(&ctx, &vhost, &queue, n, wait, visibility, gone).await })
+            .await
+            .map_err(|e| CmqError::new(code::INTERNAL, format!("the receive failed: {e}")))?
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn receive_here(
+        &self,
+        ctx: &Arc<HttpContext>,
+        vhost: &str,
+        queue: &Arc<Queue>,
+        n: usize,
+        wait: Duration,
+        visibility: Duration,
+        mut gone: tokio::sync::oneshot::Receiver<()>,
+    ) -> Result<Vec<Received>, CmqError> {
         if self.leased.load(Ordering::Relaxed) >= MAX_LEASED {
             return Err(CmqError::new(
                 code::INTERNAL,
@@ -107,9 +131,10 @@ impl Leases {
         let taken = Arc::new(Taken::default());
         let channel = Channel::new(1, API_CONNECTION, taken.clone());
         let poll_deadline = Instant::now() + wait;
-        let outcome = self.take(queue, &channel, &taken, n, poll_deadline).await;
+        let outcome = self.take(queue, &channel, &taken, n, poll_deadline, &mut gone).await;
         let mut received = std::mem::take(&mut *taken.items.lock());
-        if received.is_empty() {
+        if received.is_empty() || matches!(gone.try_recv(), Err(tokio::sync::oneshot::error::TryRecvError::Closed)) {
+            // Nothing, or nobody to answer: what was taken goes back.
             channel.close();
             return outcome.map(|_| Vec::new());
         }
@@ -136,7 +161,15 @@ impl Leases {
         Ok(received)
     }
 
-    async fn take(&self, queue: &Arc<Queue>, channel: &Arc<Channel>, taken: &Taken, n: usize, poll_deadline: Instant) -> Result<(), CmqError> {
+    async fn take(
+        &self,
+        queue: &Arc<Queue>,
+        channel: &Arc<Channel>,
+        taken: &Taken,
+        n: usize,
+        poll_deadline: Instant,
+        gone: &mut tokio::sync::oneshot::Receiver<()>,
+    ) -> Result<(), CmqError> {
         // What is ready now.
         while taken.items.lock().len() < n {
             match queue.get(channel, false) {
@@ -165,8 +198,10 @@ impl Leases {
             if !taken.items.lock().is_empty() || !channel.has_consumer(CONSUMER_TAG) {
                 break;
             }
-            if tokio::time::timeout_at(poll_deadline, arrived).await.is_err() {
-                break;
+            tokio::select! {
+                _ = tokio::time::sleep_until(poll_deadline) => break,
+                _ = &mut *gone => break,
+                _ = arrived => {}
             }
         }
         channel.cancel(CONSUMER_TAG);
