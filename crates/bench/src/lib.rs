@@ -9,6 +9,7 @@
 pub mod output;
 
 mod client;
+mod cmq;
 mod consumer;
 mod producer;
 mod stats;
@@ -105,6 +106,20 @@ pub struct BenchArgs {
     /// Seconds between progress lines on stderr (0: none).
     #[arg(long, default_value_t = 1.0)]
     pub progress_every: f64,
+    /// Drive CMQ's HTTP API at this URL (http://HOST:PORT, Warren's management port) instead of
+    /// AMQP: producers BatchSendMessage, consumers BatchReceiveMessage + BatchDeleteMessage, on
+    /// keep-alive connections; --queue, --queue-type, --size, --time, --pmessages, --json apply.
+    #[arg(long)]
+    pub cmq: Option<String>,
+    /// With --cmq: messages per send request (1: SendMessage; at most 16).
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// With --cmq: the SecretId (a user name).
+    #[arg(long, default_value = "guest")]
+    pub secret_id: String,
+    /// With --cmq: the SecretKey (the user's password).
+    #[arg(long, default_value = "guest")]
+    pub secret_key: String,
     /// Client threads (1: a current-thread runtime; the broker usually needs the other cores).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
@@ -288,6 +303,9 @@ impl Task {
 }
 
 async fn bench(args: BenchArgs) -> Result<u8, Error> {
+    if let Some(url) = &args.cmq {
+        return Ok(cmq::run(&args, url).await?);
+    }
     let uri = Uri::parse(&args.uri)?;
     let queues = queue_names(&args);
     if !args.predeclared {
