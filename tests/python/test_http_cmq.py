@@ -47,13 +47,19 @@ def error_code(f):
     return e.value.code
 
 
-def raw(broker, params, secret="guest", method="POST", host=None, sign=True):
-    """A CMQ request signed as the SDK signs it (or not, `sign=False`), sent with `requests`."""
-    host = host or f"127.0.0.1:{broker.http_port}"
+def signed(host, params, secret="guest", method="POST", sign=True):
+    """A CMQ request's parameters with the common ones, signed as the SDK signs them (or not)."""
     p = {"SecretId": "guest", "Nonce": str(random.randint(1, 1 << 30)), "Timestamp": str(int(time.time())), "SignatureMethod": "HmacSHA1", **params}
     if sign:
         text = method + host + "/v2/index.php?" + "&".join(f"{k.replace('_', '.')}={p[k]}" for k in sorted(p))
         p["Signature"] = base64.b64encode(hmac.new(secret.encode(), text.encode(), hashlib.sha1).digest()).decode()
+    return p
+
+
+def raw(broker, params, secret="guest", method="POST", host=None, sign=True):
+    """A CMQ request signed as the SDK signs it (or not, `sign=False`), sent with `requests`."""
+    host = host or f"127.0.0.1:{broker.http_port}"
+    p = signed(host, params, secret, method, sign)
     url = f"http://{host}/v2/index.php"
     r = requests.post(url, data=p, timeout=40) if method == "POST" else requests.get(url, params=p, timeout=40)
     assert r.status_code == 200, r.text
@@ -243,10 +249,8 @@ def test_signatures_are_checked_and_a_refused_request_changes_nothing(broker):
     assert refused[0]["code"] == refused[1]["code"] == refused[2]["code"] == 4100
     assert "Timestamp" in refused[2]["message"]
     # A signature over other parameters does not carry to these.
-    good = {"Action": "SendMessage", "queueName": "signed", "msgBody": "a", "SecretId": "guest", "Nonce": "1", "Timestamp": str(int(time.time())), "SignatureMethod": "HmacSHA1"}
     host = f"127.0.0.1:{broker.http_port}"
-    text = "POST" + host + "/v2/index.php?" + "&".join(f"{k}={good[k]}" for k in sorted(good))
-    good["Signature"] = base64.b64encode(hmac.new(b"guest", text.encode(), hashlib.sha1).digest()).decode()
+    good = signed(host, {"Action": "SendMessage", "queueName": "signed", "msgBody": "a"})
     tampered = dict(good, msgBody="b")
     r = requests.post(f"http://{host}/v2/index.php", data=tampered, timeout=10).json()
     assert r["code"] == 4100, r
@@ -284,6 +288,8 @@ def test_bad_input_gets_cmq_codes_and_changes_nothing(broker):
     acct = account(broker)
     q = create_queue(acct, "strict", maxMsgSize=1024)
     assert raw(broker, {"Action": "NoSuchAction"})["code"] == 4000
+    for stamp in ["-9223372036854775808", "9223372036854775807", "1e9", ""]:
+        assert raw(broker, {"Action": "ListQueue", "Timestamp": stamp})["code"] in (4000, 4100), stamp
     assert raw(broker, {"Action": "SendMessage", "queueName": "strict", "msgBody": "x" * 2000})["code"] == 4400
     many = {f"msgBody.{i}": "m" for i in range(1, 18)}
     assert raw(broker, {"Action": "BatchSendMessage", "queueName": "strict", **many})["code"] == 4000
@@ -492,12 +498,8 @@ def test_a_client_gone_during_a_long_poll_leaves_no_consumer_behind(broker):
 
     acct = account(broker)
     q = create_queue(acct, "hangup")
-    params = {"Action": "ReceiveMessage", "queueName": "hangup", "pollingWaitSeconds": "20", "SecretId": "guest",
-              "Nonce": "7", "Timestamp": str(int(time.time())), "SignatureMethod": "HmacSHA1"}
     host = f"127.0.0.1:{broker.http_port}"
-    text = "POST" + host + "/v2/index.php?" + "&".join(f"{k}={params[k]}" for k in sorted(params))
-    params["Signature"] = base64.b64encode(hmac.new(b"guest", text.encode(), hashlib.sha1).digest()).decode()
-    body = urllib.parse.urlencode(params).encode()
+    body = urllib.parse.urlencode(signed(host, {"Action": "ReceiveMessage", "queueName": "hangup", "pollingWaitSeconds": "20"})).encode()
     for _ in range(3):
         s = socket.create_connection(("127.0.0.1", broker.http_port))
         s.sendall(b"POST /v2/index.php HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)

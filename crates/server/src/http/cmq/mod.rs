@@ -161,10 +161,11 @@ fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri
     let secret_id = params.required("SecretId")?;
     let timestamp: i64 = params.required("Timestamp")?.parse().map_err(|_| CmqError::invalid("Timestamp must be a number of seconds since 1970"))?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
-    if (now - timestamp).abs() > MAX_CLOCK_SKEW_SECS {
+    let skew = now.saturating_sub(timestamp);
+    if skew.saturating_abs() > MAX_CLOCK_SKEW_SECS {
         return Err(CmqError::new(
             code::AUTH_FAILED,
-            format!("Timestamp {timestamp} is {} s from this server's clock (at most {MAX_CLOCK_SKEW_SECS} s): check the client's clock", now - timestamp),
+            format!("Timestamp {timestamp} is {skew} s from this server's clock (at most {MAX_CLOCK_SKEW_SECS} s): check the client's clock"),
         ));
     }
     let signature = params.required("Signature")?;
