@@ -148,13 +148,15 @@ def test_messages_cross_between_cmq_and_amqp_both_ways(broker):
 
 def test_an_undeleted_message_comes_back_after_its_visibility_timeout_and_stale_handles_fail(broker):
     acct = account(broker)
-    q = create_queue(acct, "vis", visibilityTimeout=1)
+    # 3 s: long enough that the check right after the receive cannot race the deadline on a
+    # loaded machine.
+    q = create_queue(acct, "vis", visibilityTimeout=3)
     q.send_message(Message("m"))
     first = q.receive_message(polling_wait_seconds=0)
     assert first.dequeueCount == 1
     assert first.nextVisibleTime >= int(time.time())
     assert error_code(lambda: q.receive_message(polling_wait_seconds=0)) == 7000, "invisible while leased"
-    again = q.receive_message(polling_wait_seconds=5)
+    again = q.receive_message(polling_wait_seconds=10)
     assert again.msgBody == "m" and again.msgId == first.msgId
     assert again.dequeueCount == 2
     assert again.receiptHandle != first.receiptHandle
