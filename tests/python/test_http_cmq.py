@@ -66,6 +66,17 @@ def raw(broker, params, secret="guest", method="POST", host=None, sign=True):
     return r.json()
 
 
+def take(q, wait):
+    """One BatchReceiveMessage of up to 16, deleted at once; [] when the answer is 7000 (none)."""
+    try:
+        msgs = q.batch_receive_message(16, polling_wait_seconds=wait)
+    except CMQServerException as e:
+        assert e.code == 7000
+        return []
+    q.batch_delete_message([m.receiptHandle for m in msgs])
+    return msgs
+
+
 def amqp(broker):
     conn = pika.BlockingConnection(pika.URLParameters(broker.url))
     return conn, conn.channel()
@@ -91,15 +102,9 @@ def test_queue_lifecycle_and_every_message_once_through_the_sdk(broker):
     assert q.get_attributes().activeMsgNum == len(sent)
 
     got = []
-    while True:
-        try:
-            msgs = q.batch_receive_message(16, polling_wait_seconds=0)
-        except CMQServerException as e:
-            assert e.code == 7000
-            break
+    while msgs := take(q, 0):
         got += [m.msgBody for m in msgs]
         assert all(m.dequeueCount == 1 for m in msgs)
-        q.batch_delete_message([m.receiptHandle for m in msgs])
     assert sorted(got) == sorted(sent), "every message received exactly once"
     assert got[:10] == sent[:10], "in the order sent"
     meta = q.get_attributes()
@@ -211,14 +216,9 @@ def test_concurrent_senders_and_receivers_see_every_message_once(broker):
         try:
             q = account(broker).get_queue("busy")
             while True:
-                try:
-                    msgs = q.batch_receive_message(16, polling_wait_seconds=1)
-                except CMQServerException as e:
-                    assert e.code == 7000
-                    if done_sending.is_set():
-                        return
-                    continue
-                q.batch_delete_message([m.receiptHandle for m in msgs])
+                msgs = take(q, 1)
+                if not msgs and done_sending.is_set():
+                    return
                 with lock:
                     received.extend(m.msgBody for m in msgs)
         except Exception as e:  # noqa: BLE001
@@ -362,13 +362,9 @@ def test_topics_route_by_tag_and_by_routing_key_and_amqp_can_subscribe(broker):
 
     def drain(name):
         q, out = acct.get_queue(name), []
-        while True:
-            try:
-                m = q.receive_message(polling_wait_seconds=0)
-            except CMQServerException:
-                return sorted(out)
-            out.append(m.msgBody)
-            q.delete_message(m.receiptHandle)
+        while msgs := take(q, 0):
+            out += [m.msgBody for m in msgs]
+        return sorted(out)
 
     assert drain("all") == sorted(["r1", "b1", "rb", "none", "r2", "r3"])
     assert drain("red") == sorted(["r1", "rb", "r2", "r3"])
@@ -416,14 +412,7 @@ def test_a_quorum_queue_through_any_node_of_a_cluster(cluster):
     for i in [3, 2, 1] * 20:
         if len(got) == len(sent):
             break
-        q = accts[i].get_queue("replicated")
-        try:
-            msgs = q.batch_receive_message(16, polling_wait_seconds=1)
-        except CMQServerException as e:
-            assert e.code == 7000
-            continue
-        got += [m.msgBody for m in msgs]
-        q.batch_delete_message([m.receiptHandle for m in msgs])
+        got += [m.msgBody for m in take(accts[i].get_queue("replicated"), 1)]
     assert sorted(got) == sorted(sent)
 
     q2, q3 = accts[2].get_queue("replicated"), accts[3].get_queue("replicated")

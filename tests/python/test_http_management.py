@@ -55,6 +55,16 @@ def admin(broker, *args, check=True):
     return out
 
 
+def broker_with_config(tmp_path, text):
+    """A broker started with a configuration file holding `text`; returns it and the file."""
+    config = tmp_path / "warren.toml"
+    config.write_text(text)
+    b = Broker(tmp_path / "data", tmp_path / "warren.log")
+    b.extra_args = ["--config", str(config)]
+    b.start()
+    return b, config
+
+
 def test_every_api_path_wants_credentials_and_says_how(broker):
     for path in ["/overview", "/queues", "/nodes", "/definitions", "/connections"]:
         r = requests.get(api(broker, path))
@@ -311,11 +321,7 @@ def test_a_resource_alarm_refuses_http_publishes_and_fails_the_alarm_check(tmp_p
     """As AMQP publishers are blocked during an alarm, an HTTP publish is refused (503), and the
     alarms health check says why; both recover when it clears."""
     import signal
-    config = tmp_path / "warren.toml"
-    config.write_text('memory-high-watermark = "0.4"\n')
-    b = Broker(tmp_path / "data", tmp_path / "warren.log")
-    b.extra_args = ["--config", str(config)]
-    b.start()
+    b, config = broker_with_config(tmp_path, 'memory-high-watermark = "0.4"\n')
     try:
         requests.put(api(b, f"/queues/%2F/{name}"), auth=AUTH, json={}).raise_for_status()
         publish = lambda: requests.post(api(b, "/exchanges/%2F/amq.default/publish"), auth=AUTH,
@@ -349,11 +355,7 @@ def test_a_client_that_never_reads_its_answer_is_dropped(tmp_path, name):
     """A 48 MB answer to a client that reads nothing: once the socket buffers are full, after
     write-timeout (here 2 s) the server drops the connection instead of holding it (and its slot)
     for ever. What the buffers held (a few MB) is all the client gets."""
-    config = tmp_path / "warren.toml"
-    config.write_text("write-timeout = 2\n")
-    b = Broker(tmp_path / "data", tmp_path / "warren.log")
-    b.extra_args = ["--config", str(config)]
-    b.start()
+    b, _ = broker_with_config(tmp_path, "write-timeout = 2\n")
     try:
         c = b.connection()
         c.channel().queue_declare(name)

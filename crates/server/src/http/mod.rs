@@ -104,6 +104,38 @@ fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_owned()).ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "localhost".to_owned())
 }
 
+/// How long one basic.get of the API may wait for its queue (a read from disk, a quorum queue's
+/// commit).
+const GET_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Takes ready messages off `queue` onto `channel` (basic.get with acks, for the API's own
+/// channels: `/api/queues/.../get`, CMQ's receive) while `more()` says so and the queue has some.
+/// An error says why the queue could not be asked; what was taken before it stays on the channel.
+pub async fn get_ready(queue: &Arc<warren_broker::Queue>, channel: &warren_broker::Channel, mut more: impl FnMut() -> bool) -> Result<(), String> {
+    use warren_broker::Got;
+    while more() {
+        match queue.get(channel, false) {
+            Got::Message => {}
+            Got::Empty => break,
+            Got::Later(wait) => {
+                if tokio::time::timeout(GET_TIMEOUT, queue.wait_for(wait)).await.is_err() {
+                    return Err(format!("queue '{}' did not answer within {} s", queue.name, GET_TIMEOUT.as_secs()));
+                }
+                // Asked again: the head is there now.
+            }
+            Got::Failed(text) => return Err(text),
+        }
+    }
+    Ok(())
+}
+
+/// Whether the store reaches `ticket` (what the caller wrote is on disk) within `within`.
+pub async fn durable_within(store: &warren_store::Store, ticket: warren_store::SyncTicket, within: Duration) -> bool {
+    let mut durable = store.durable();
+    let reached = matches!(tokio::time::timeout(within, durable.wait_for(|at| *at >= ticket)).await, Ok(Ok(_)));
+    reached
+}
+
 /// Binds the HTTP listener (`what` names it in the error).
 pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, String> {
     TcpListener::bind(addr).await.map_err(|e| format!("cannot listen for {what} on {addr}: {e}"))

@@ -12,9 +12,9 @@ use warren_broker::Message;
 use warren_protocol::field::FieldValue;
 use warren_protocol::properties::BasicProperties;
 
-use super::queues::{self, find, int_arg};
+use super::queues::{self, current, find};
 use super::receive::{Leases, Received};
-use super::{answer, code, now_secs, CmqError, CmqResult, Request};
+use super::{answer, code, now_secs, Answer, CmqError, CmqResult, Request};
 
 /// Messages in one batch, at most (CMQ's limit).
 pub const MAX_BATCH: usize = 16;
@@ -62,7 +62,7 @@ pub fn message(exchange: &str, routing_key: &str, body: &str, msg_id: &str, head
 pub async fn send(request: &Request, batch: bool) -> CmqResult {
     let name = request.params.required("queueName")?;
     let q = find(request, name)?;
-    let max = int_arg(&q, queues::MAX_MSG_SIZE).unwrap_or(queues::MAX_MESSAGE_BYTES).min(request.ctx.config.max_message_size as i64) as usize;
+    let max = current(&q, queues::MAX_MSG_SIZE).min(request.ctx.config.max_message_size as i64) as usize;
     let bodies = bodies(request, batch, max)?;
     check_alarms(request)?;
     let cmq = &request.ctx.cmq;
@@ -73,10 +73,15 @@ pub async fn send(request: &Request, batch: bool) -> CmqResult {
         return Err(CmqError::new(code::NOT_FOUND, format!("queue '{name}' was deleted while the message was sent")));
     }
     cmq.confirms.durable(request.ctx.broker.store(), &sent).await?;
+    Ok(sent_answer(ids, batch))
+}
+
+/// A (batch) send's or publish's answer: the messages' ids.
+pub fn sent_answer(ids: Vec<String>, batch: bool) -> Answer {
     if batch {
-        Ok(answer([("msgList", ids.into_iter().map(|id| json!({"msgId": id})).collect::<Vec<_>>().into())]))
+        answer([("msgList", ids.into_iter().map(|id| json!({"msgId": id})).collect::<Vec<_>>().into())])
     } else {
-        Ok(answer([("msgId", ids.into_iter().next().unwrap_or_default().into())]))
+        answer([("msgId", ids.into_iter().next().unwrap_or_default().into())])
     }
 }
 
@@ -84,9 +89,9 @@ pub async fn receive(request: &Request, batch: bool) -> CmqResult {
     let name = request.params.required("queueName")?;
     let q = find(request, name)?;
     let n = if batch { request.params.int("numOfMsg", 0, 1..=MAX_BATCH as i64)? as usize } else { 1 };
-    let default_wait = int_arg(&q, queues::POLLING_WAIT_SECONDS).unwrap_or(0).clamp(0, queues::MAX_POLLING_WAIT_SECONDS);
+    let default_wait = current(&q, queues::POLLING_WAIT_SECONDS).clamp(0, queues::MAX_POLLING_WAIT_SECONDS);
     let wait = request.params.int("pollingWaitSeconds", default_wait, 0..=queues::MAX_POLLING_WAIT_SECONDS)?;
-    let visibility = int_arg(&q, queues::VISIBILITY_TIMEOUT).unwrap_or(queues::DEFAULT_VISIBILITY_TIMEOUT).clamp(1, queues::MAX_VISIBILITY_TIMEOUT);
+    let visibility = current(&q, queues::VISIBILITY_TIMEOUT).clamp(1, queues::MAX_VISIBILITY_TIMEOUT);
     let received = Leases::receive(&request.ctx, &request.vhost.name, &q, n, Duration::from_secs(wait as u64), Duration::from_secs(visibility as u64)).await?;
     if received.is_empty() {
         return Err(CmqError::new(code::NO_MESSAGE, "no message"));
@@ -136,8 +141,7 @@ pub async fn delete(request: &Request, batch: bool) -> CmqResult {
         }
     }
     if let Some(ticket) = ticket {
-        let mut durable = request.ctx.broker.store().durable();
-        let _ = tokio::time::timeout(Duration::from_secs(10), durable.wait_for(|at| *at >= ticket)).await;
+        crate::http::durable_within(request.ctx.broker.store(), ticket, Duration::from_secs(10)).await;
     }
     match (batch, failed.len()) {
         (_, 0) => Ok(answer([])),

@@ -135,21 +135,12 @@ pub async fn handle(State(ctx): State<Arc<HttpContext>>, peer: Option<Extension<
         Ok(request) => run(request).await,
         Err(e) => Err(e),
     };
-    let mut out = Map::new();
-    match outcome {
-        Ok(fields) => {
-            out.insert("code".into(), 0.into());
-            out.insert("message".into(), "".into());
-            out.insert("requestId".into(), request_id.to_string().into());
-            out.extend(fields);
-        }
-        Err(e) => {
-            out.insert("code".into(), e.code.into());
-            out.insert("message".into(), e.message.into());
-            out.insert("requestId".into(), request_id.to_string().into());
-            out.extend(e.extra);
-        }
-    }
+    let (code, message, fields) = match outcome {
+        Ok(fields) => (0, String::new(), fields),
+        Err(e) => (e.code, e.message, e.extra),
+    };
+    let mut out = answer([("code", code.into()), ("message", message.into()), ("requestId", request_id.to_string().into())]);
+    out.extend(fields);
     ([(header::CONTENT_TYPE, "application/json")], Value::Object(out).to_string()).into_response()
 }
 

@@ -54,8 +54,19 @@ pub fn check_cmq_name(what: &str, name: &str) -> Result<(), CmqError> {
 }
 
 /// An integer argument of a queue.
-pub fn int_arg(q: &Queue, name: &str) -> Option<i64> {
+fn int_arg(q: &Queue, name: &str) -> Option<i64> {
     q.arguments.get(name).and_then(FieldValue::as_i64)
+}
+
+/// The value of the argument behind a CMQ attribute, or what it is without one (a queue declared
+/// over AMQP has none of the `cmq-` ones).
+pub fn current(q: &Queue, arg: &str) -> i64 {
+    int_arg(q, arg).unwrap_or(match arg {
+        VISIBILITY_TIMEOUT => DEFAULT_VISIBILITY_TIMEOUT,
+        MAX_MSG_SIZE => MAX_MESSAGE_BYTES,
+        "x-message-ttl" => DEFAULT_RETENTION_SECONDS * 1000,
+        _ => 0,
+    })
 }
 
 /// The queue arguments the request's CMQ attributes make.
@@ -135,15 +146,14 @@ pub fn list(request: &Request) -> CmqResult {
 pub fn attributes(request: &Request) -> CmqResult {
     let name = request.params.required("queueName")?;
     let q = find(request, name)?;
-    let ttl_secs = int_arg(&q, "x-message-ttl").map_or(DEFAULT_RETENTION_SECONDS, |ms| ms / 1000);
     Ok(answer([
         ("queueName", name.into()),
-        ("maxMsgHeapNum", int_arg(&q, "x-max-length").unwrap_or(0).into()),
-        ("pollingWaitSeconds", int_arg(&q, POLLING_WAIT_SECONDS).unwrap_or(0).into()),
-        ("visibilityTimeout", int_arg(&q, VISIBILITY_TIMEOUT).unwrap_or(DEFAULT_VISIBILITY_TIMEOUT).into()),
-        ("maxMsgSize", int_arg(&q, MAX_MSG_SIZE).unwrap_or(MAX_MESSAGE_BYTES).into()),
-        ("msgRetentionSeconds", ttl_secs.into()),
-        ("rewindSeconds", int_arg(&q, "x-retention-seconds").unwrap_or(0).into()),
+        ("maxMsgHeapNum", current(&q, "x-max-length").into()),
+        ("pollingWaitSeconds", current(&q, POLLING_WAIT_SECONDS).into()),
+        ("visibilityTimeout", current(&q, VISIBILITY_TIMEOUT).into()),
+        ("maxMsgSize", current(&q, MAX_MSG_SIZE).into()),
+        ("msgRetentionSeconds", (current(&q, "x-message-ttl") / 1000).into()),
+        ("rewindSeconds", current(&q, "x-retention-seconds").into()),
         ("activeMsgNum", q.message_count().into()),
         ("inactiveMsgNum", q.unacked_count().into()),
         ("delayMsgNum", 0.into()),
@@ -176,12 +186,7 @@ pub fn set_attributes(request: &Request) -> CmqResult {
             continue;
         }
         let want = wanted.get(arg).and_then(FieldValue::as_i64).unwrap_or(0);
-        let have = int_arg(&q, arg).unwrap_or(match arg {
-            VISIBILITY_TIMEOUT => DEFAULT_VISIBILITY_TIMEOUT,
-            MAX_MSG_SIZE => MAX_MESSAGE_BYTES,
-            "x-message-ttl" => DEFAULT_RETENTION_SECONDS * 1000,
-            _ => 0,
-        });
+        let have = current(&q, arg);
         if want != have {
             return Err(CmqError::invalid(format!(
                 "Warren cannot change {cmq} of an existing queue (its arguments are fixed once declared, as in AMQP): queue '{name}' has {}; create a new queue with the attributes you want",
@@ -203,7 +208,7 @@ pub fn rewind(request: &Request) -> CmqResult {
     let name = request.params.required("queueName")?;
     let q = find(request, name)?;
     request.params.int("startConsumeTime", 0, 0..=i64::MAX)?;
-    if int_arg(&q, "x-retention-seconds").unwrap_or(0) == 0 {
+    if current(&q, "x-retention-seconds") == 0 {
         return Err(CmqError::invalid(format!("queue '{name}' keeps no consumed messages (rewindSeconds 0): nothing to rewind to")));
     }
     Err(CmqError::invalid("RewindQueue is not available in this version of Warren yet (rewind is being built); nothing was changed"))

@@ -24,18 +24,16 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use warren_broker::channel::Delivery;
-use warren_broker::{Channel, ClientSink, ConsumerArgs, Got, MessageRef, Queue, Settle};
+use warren_broker::{Channel, ClientSink, ConsumerArgs, MessageRef, Queue, Settle};
 use warren_store::SyncTicket;
 
 use super::{code, CmqError};
 use crate::http::mgmt::queues::API_CONNECTION;
-use crate::http::HttpContext;
+use crate::http::{get_ready, HttpContext};
 
 /// Received messages not yet deleted or timed out, on this node, at most: a client that receives
 /// and never deletes cannot make the node hold every queue's messages twice.
 const MAX_LEASED: usize = 100_000;
-/// How long one basic.get may wait for its queue (a read from disk, a quorum queue's commit).
-const GET_TIMEOUT: Duration = Duration::from_secs(10);
 const CONSUMER_TAG: &str = "cmq-receive";
 
 /// What a lease's channel was handed.
@@ -171,18 +169,7 @@ impl Leases {
         gone: &mut tokio::sync::oneshot::Receiver<()>,
     ) -> Result<(), CmqError> {
         // What is ready now.
-        while taken.items.lock().len() < n {
-            match queue.get(channel, false) {
-                Got::Message => {}
-                Got::Empty => break,
-                Got::Later(wait) => {
-                    if tokio::time::timeout(GET_TIMEOUT, queue.wait_for(wait)).await.is_err() {
-                        return Err(CmqError::new(code::INTERNAL, format!("queue '{}' did not answer within {} s", queue.name, GET_TIMEOUT.as_secs())));
-                    }
-                }
-                Got::Failed(text) => return Err(CmqError::new(code::INTERNAL, text)),
-            }
-        }
+        get_ready(queue, channel, || taken.items.lock().len() < n).await.map_err(|text| CmqError::new(code::INTERNAL, text))?;
         if !taken.items.lock().is_empty() || Instant::now() >= poll_deadline {
             return Ok(());
         }
@@ -215,8 +202,7 @@ impl Leases {
         let mut parts = handle.splitn(3, '-');
         let (Some(lease), Some(tag), Some(mac)) = (parts.next(), parts.next(), parts.next()) else { return Err(invalid()) };
         let (Ok(lease), Ok(tag)) = (lease.parse::<u64>(), tag.parse::<u64>()) else { return Err(invalid()) };
-        let expected = self.mac(vhost, queue, lease, tag);
-        if expected.len() != mac.len() || expected.bytes().zip(mac.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) != 0 {
+        if !super::sign::same(&self.mac(vhost, queue, lease, tag), mac) {
             return Err(invalid());
         }
         let expired = || {

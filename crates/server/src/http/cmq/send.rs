@@ -80,9 +80,7 @@ impl Confirms {
         let deadline = tokio::time::Instant::now() + DURABLE_TIMEOUT;
         let late = || CmqError::new(code::INTERNAL, format!("the message is not durable after {} s (the store or the queue's group is behind); it may still be delivered", DURABLE_TIMEOUT.as_secs()));
         if let Some(ticket) = sent.ticket {
-            let mut durable = store.durable();
-            let reached = matches!(tokio::time::timeout_at(deadline, durable.wait_for(|at| *at >= ticket)).await, Ok(Ok(_)));
-            if !reached {
+            if !crate::http::durable_within(store, ticket, DURABLE_TIMEOUT).await {
                 return Err(late());
             }
         }

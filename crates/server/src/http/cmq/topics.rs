@@ -35,9 +35,9 @@ fn string(s: &str) -> FieldValue {
 fn find(request: &Request, name: &str) -> Result<Arc<Exchange>, CmqError> {
     request
         .vhost
-        .exchanges()
-        .into_iter()
-        .find(|e| e.name == name && is_topic(e))
+        .exchange(name)
+        .ok()
+        .filter(|e| is_topic(e))
         .ok_or_else(|| CmqError::new(code::NOT_FOUND, format!("no topic '{name}' in vhost '{}'", request.vhost.name)))
 }
 
@@ -61,7 +61,7 @@ pub fn create(request: &Request) -> CmqResult {
         _ => "topic",
     };
     let max_size = request.params.int("maxMsgSize", queues::MAX_MESSAGE_BYTES, 1024..=queues::MAX_MESSAGE_BYTES)?;
-    if request.vhost.exchanges().iter().any(|e| e.name == name) {
+    if request.vhost.exchange(name).is_ok() {
         return Err(CmqError::new(code::ALREADY_EXISTS, format!("topic '{name}' already exists in vhost '{}'", request.vhost.name)));
     }
     let mut arguments = FieldTable::new();
@@ -137,11 +137,7 @@ pub async fn publish(request: &Request, batch: bool) -> CmqResult {
     let batch_of = bodies.iter().zip(&ids).map(|(body, id)| messages::message(&e.name, routing_key, body, id, headers.clone())).collect();
     let sent = cmq.confirms.publish(&request.vhost, &e.name, batch_of)?;
     cmq.confirms.durable(request.ctx.broker.store(), &sent).await?;
-    if batch {
-        Ok(answer([("msgList", ids.into_iter().map(|id| json!({"msgId": id})).collect::<Vec<_>>().into())]))
-    } else {
-        Ok(answer([("msgId", ids.into_iter().next().unwrap_or_default().into())]))
-    }
+    Ok(messages::sent_answer(ids, batch))
 }
 
 /// A subscription: its queue, binding keys and tags (from its bindings).

@@ -149,10 +149,7 @@ pub async fn publish(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name
         return Err(ApiError::bad_request("a queue refused the message (x-overflow reject-publish)"));
     }
     if let Some(ticket) = outcome.ticket {
-        let store = ctx.broker.store().clone();
-        let mut durable = store.durable();
-        let reached = tokio::time::timeout(PUBLISH_DURABLE_TIMEOUT, durable.wait_for(|at| *at >= ticket)).await;
-        if !matches!(reached, Ok(Ok(_))) {
+        if !crate::http::durable_within(ctx.broker.store(), ticket, PUBLISH_DURABLE_TIMEOUT).await {
             return Err(ApiError::unavailable("the message was routed but is not durable yet (the store is behind or stopping)"));
         }
     }

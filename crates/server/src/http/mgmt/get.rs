@@ -14,30 +14,32 @@ use base64::Engine;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 use warren_broker::channel::Delivery;
-use warren_broker::{Channel, ClientSink, Got, MessageRef, Settle};
+use warren_broker::{Channel, ClientSink, MessageRef, Settle};
 use warren_protocol::properties::BasicProperties;
 
 use super::queues::API_CONNECTION;
 use super::{body_object, vhost};
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::fields;
-use crate::http::HttpContext;
+use crate::http::{durable_within, get_ready, HttpContext};
 
 /// The most messages one request takes (each is held in memory until answered).
 const MAX_COUNT: u64 = 1000;
 /// Once the bodies taken reach this, no more are taken (the answer holds them all, base64 perhaps).
 const MAX_BYTES: usize = 16 << 20;
-/// How long one basic.get may wait for its queue (a read from disk, a quorum queue's commit).
-const GET_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the settlement may take to be durable before the answer goes anyway.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The API's channel's client side: it keeps what basic.get hands it.
+/// The API's channel's client side: it keeps what basic.get hands it, and their bodies' bytes.
 #[derive(Default)]
-struct Collected(Mutex<Vec<(bool, u32, MessageRef)>>);
+struct Collected(Mutex<(Vec<(bool, u32, MessageRef)>, usize)>);
 
 impl ClientSink for Collected {
     fn send(&self, delivery: Delivery) {
         if let Delivery::GetOk { redelivered, message_count, message, .. } = delivery {
-            self.0.lock().push((redelivered, message_count, message));
+            let mut taken = self.0.lock();
+            taken.1 += message.body.len();
+            taken.0.push((redelivered, message_count, message));
         }
     }
 }
@@ -76,41 +78,25 @@ pub async fn get(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): 
 
     let sink = Arc::new(Collected::default());
     let channel = Channel::new(1, API_CONNECTION, sink.clone());
-    let mut failure = None;
-    'messages: for _ in 0..count {
-        if sink.0.lock().iter().map(|(_, _, m)| m.body.len()).sum::<usize>() >= MAX_BYTES {
-            break;
-        }
-        loop {
-            match queue.get(&channel, false) {
-                Got::Message => break,
-                Got::Empty => break 'messages,
-                Got::Later(wait) => {
-                    if tokio::time::timeout(GET_TIMEOUT, queue.wait_for(wait)).await.is_err() {
-                        failure = Some(ApiError::unavailable(format!("queue '{name}' did not answer within {} s", GET_TIMEOUT.as_secs())));
-                        break 'messages;
-                    }
-                }
-                Got::Failed(text) => {
-                    failure = Some(ApiError::unavailable(text));
-                    break 'messages;
-                }
-            }
-        }
-    }
+    let failure = get_ready(&queue, &channel, || {
+        let (taken, bytes) = &*sink.0.lock();
+        (taken.len() as u64) < count && *bytes < MAX_BYTES
+    })
+    .await
+    .err()
+    .map(ApiError::unavailable);
     // Settles everything the channel took (tag 0, multiple: all of them), then closes it.
-    let settled = if sink.0.lock().is_empty() { Ok(None) } else { channel.settle(0, true, how) };
+    let settled = if sink.0.lock().0.is_empty() { Ok(None) } else { channel.settle(0, true, how) };
     channel.close();
     if let Some(ticket) = settled.map_err(ApiError::from)? {
-        let mut durable = ctx.broker.store().durable();
-        let _ = tokio::time::timeout(GET_TIMEOUT, durable.wait_for(|at| *at >= ticket)).await;
+        durable_within(ctx.broker.store(), ticket, SETTLE_TIMEOUT).await;
     }
     if let Some(e) = failure {
-        if sink.0.lock().is_empty() {
+        if sink.0.lock().0.is_empty() {
             return Err(e);
         }
     }
-    let taken = std::mem::take(&mut *sink.0.lock());
+    let taken = std::mem::take(&mut sink.0.lock().0);
     Ok(Json(Value::Array(taken.into_iter().map(|(redelivered, message_count, m)| message_json(&m, redelivered, message_count, encoding, truncate)).collect())))
 }
 
