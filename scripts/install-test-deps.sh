@@ -2,7 +2,7 @@
 # Installs what the end-to-end tests need on a fresh Debian machine. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pika, pytest, pytest_timeout, requests, cmq.account" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout requests qcloud-cmq-sdk-py3
+python3 -c "import pika, pytest, pytest_timeout, requests, cmq.account, selenium" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout requests qcloud-cmq-sdk-py3 selenium
 (cd tests/go && go mod download)
 # Fault tests (tests/cluster): `ip` and `tc` (iproute2) make the network namespaces and cut links.
 if { ! command -v ip >/dev/null || ! command -v tc >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -14,6 +14,11 @@ fi
 if { ! command -v rabbitmqadmin >/dev/null || ! command -v prometheus >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q rabbitmq-server prometheus; } \
     || echo "install-test-deps: could not install rabbitmq-server/prometheus (HTTP tests that need them skip)" >&2
+fi
+# The web UI's test (tests/python/test_http_ui.py): Debian's chromium, headless, driven by its chromedriver.
+if { ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver; } \
+    || echo "install-test-deps: could not install chromium/chromium-driver (the UI test skips)" >&2
 fi
 if command -v java >/dev/null && command -v mvn >/dev/null; then
   bash scripts/install-perftest.sh

@@ -182,6 +182,60 @@ def test_queue_counts_follow_amqp_traffic(broker, conn, name):
     assert o["queue_totals"]["messages_unacknowledged"] >= 30
 
 
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_message_rates_count_what_moved(broker, conn, name, kind):
+    """Each queue's message_stats count its publishes, deliveries and acks; the rates are the change
+    between two samples (every 5 s), and the overview carries samples for the UI's charts."""
+    ch = conn.channel()
+    ch.confirm_delivery()
+    window = "?msg_rates_age=60&msg_rates_incr=5&lengths_age=60&lengths_incr=5"
+
+    def newest_sample_ms():
+        stats = requests.get(api(broker, "/overview" + window), auth=AUTH).json()["message_stats"]
+        return stats["publish_details"]["samples"][0]["timestamp"] if stats else 0
+
+    def stats(queue):
+        return requests.get(api(broker, f"/queues/%2F/{q(queue)}"), auth=AUTH).json()["message_stats"]
+
+    # The traffic must fall between two samples to be one interval's rate: retried on a fresh
+    # queue if a sample fell in the middle of it (a slow machine).
+    for attempt in range(3):
+        queue = f"{name}-{attempt}"
+        ch.queue_declare(queue, durable=True, arguments={"x-queue-type": kind})
+        before = newest_sample_ms()
+        start = eventually(lambda: (t := newest_sample_ms()) > before and t, timeout=12, interval=0.1)
+        for i in range(200):
+            ch.basic_publish("", queue, b"r%d" % i, pika.BasicProperties(delivery_mode=2))
+        for _ in range(50):
+            method, _, _ = ch.basic_get(queue)
+            ch.basic_ack(method.delivery_tag)
+        method, _, _ = ch.basic_get(queue)
+        ch.basic_nack(method.delivery_tag, requeue=True)
+        ch.basic_get(queue, auto_ack=True)  # the redelivery
+        ended = time.time() * 1000
+        end = eventually(lambda: (t := newest_sample_ms()) > start and t, timeout=12, interval=0.1)
+        counted = stats(queue)
+        overview = requests.get(api(broker, "/overview" + window), auth=AUTH).json()
+        # What was read is still that interval's (no later sample came while reading).
+        if ended + 100 < end and overview["message_stats"]["publish_details"]["samples"][0]["timestamp"] == end:
+            break
+    else:
+        pytest.fail("the traffic never fitted between two samples")
+    assert (counted["publish"], counted["deliver_get"], counted["ack"], counted["redeliver"]) == (200, 52, 50, 1), counted
+    seconds = (end - start) / 1000
+    for key, n in (("publish", 200), ("deliver_get", 52), ("ack", 50), ("redeliver", 1)):
+        assert abs(counted[key + "_details"]["rate"] * seconds - n) < 0.05 * n, (key, counted, seconds)
+    publish = overview["message_stats"]["publish_details"]
+    assert overview["message_stats"]["publish"] >= 200 and len(publish["samples"]) >= 2
+    stamps = [s["timestamp"] for s in publish["samples"]]
+    assert stamps == sorted(stamps, reverse=True), "samples come newest first"
+    assert publish["samples"][0]["sample"] >= 200 and publish["rate"] > 0
+    assert overview["queue_totals"]["messages_ready_details"]["samples"][0]["sample"] >= 149
+    # Without the window parameters there are rates but no samples.
+    plain = requests.get(api(broker, "/overview"), auth=AUTH).json()
+    assert "rate" in plain["message_stats"]["publish_details"] and "samples" not in plain["message_stats"]["publish_details"]
+
+
 def test_get_looks_requeues_takes_and_rejects(broker, ch, name):
     """rabbitmqadmin get, each ackmode, counted through AMQP."""
     ch.confirm_delivery()

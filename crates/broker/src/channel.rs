@@ -297,6 +297,7 @@ impl Channel {
         });
         use crate::stats::Counter;
         crate::stats::delivered(if consumer.no_ack { Counter::DeliveredConsumeAutoAck } else { Counter::DeliveredConsumeManualAck }, entry.redelivered);
+        consumer.queue.stats.delivered(entry.redelivered);
         if consumer.no_ack {
             // Settled on delivery; the sink acks it in the store once written (`AckWhenWritten`).
             return Ok(Some(entry));
@@ -323,6 +324,7 @@ impl Channel {
         });
         use crate::stats::Counter;
         crate::stats::delivered(if no_ack { Counter::DeliveredGetAutoAck } else { Counter::DeliveredGetManualAck }, entry.redelivered);
+        queue.stats.delivered(entry.redelivered);
         if no_ack {
             return Some(entry);
         }
@@ -553,6 +555,9 @@ impl Channel {
         }
         let mut released = 0;
         for u in &taken {
+            if matches!(how, Settle::Ack) {
+                u.queue.stats.acked(1);
+            }
             if let Some(c) = &u.consumer {
                 c.unacked.fetch_sub(1, Ordering::Relaxed);
             }

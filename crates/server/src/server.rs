@@ -174,6 +174,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     tracing::info!("serving Prometheus metrics on http://{}/metrics", metrics_listener.local_addr()?);
     let write_timeout = Duration::from_secs(config.write_timeout as u64);
     let http_server = tokio::spawn(crate::http::serve(http_listener, crate::http::management_router(http.clone()), write_timeout, shutdown_rx.clone()));
+    let rate_sampler = tokio::spawn(crate::http::rates::run(http.rates.clone(), broker.clone(), shutdown_rx.clone()));
     let metrics_server = tokio::spawn(crate::http::serve(metrics_listener, crate::http::metrics_router(http), write_timeout, shutdown_rx.clone()));
 
     let housekeeping = {
@@ -233,6 +234,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let _ = tokio::time::timeout(Duration::from_secs(6), async {
         let _ = http_server.await;
         let _ = metrics_server.await;
+        let _ = rate_sampler.await;
     })
     .await;
     let drained = tokio::time::timeout(Duration::from_secs(10), async {

@@ -251,6 +251,9 @@ pub struct Queue {
     /// A quorum queue on a node outside its group: the member its consumers and basic.gets go
     /// through (`remote::relay`), set at the first of them.
     member_relay: std::sync::OnceLock<remote::RemoteHome>,
+    /// Messages published to, delivered from and acknowledged on this queue (the management
+    /// API's rates).
+    pub stats: crate::stats::QueueStats,
 }
 
 /// A read of a lane's span, and the store's durable watermark just before it: messages become readable
@@ -355,6 +358,7 @@ impl Queue {
             home: std::sync::OnceLock::new(),
             transient: std::sync::OnceLock::new(),
             member_relay: std::sync::OnceLock::new(),
+            stats: Default::default(),
         })
     }
 

@@ -1,6 +1,8 @@
 //! HTTP Basic authentication against the broker's users, as RabbitMQ's management plugin does it:
 //! a missing or wrong `Authorization` gets 401 with `WWW-Authenticate`, and a loopback-only user
-//! (`loopback-users`, `guest` by default) is refused from any other address, as on AMQP.
+//! (`loopback-users`, `guest` by default) is refused from any other address, as on AMQP. A script's
+//! request (`X-Requested-With: XMLHttpRequest`, as the web UI sends) gets its 401 without
+//! `WWW-Authenticate`, so that the browser shows no password dialog of its own.
 
 use std::sync::Arc;
 
@@ -26,7 +28,16 @@ pub async fn require_user(State(ctx): State<Arc<HttpContext>>, mut request: Requ
             request.extensions_mut().insert(AuthUser(user));
             next.run(request).await
         }
-        Err(e) => e.into_response(),
+        Err(e) => {
+            let from_script = request.headers().get("x-requested-with").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"XMLHttpRequest"));
+            let mut response = e.into_response();
+            if from_script {
+                // The web UI asks with its own login form: `WWW-Authenticate` would make the browser
+                // open its password dialog over it (and hold the request until it is answered).
+                response.headers_mut().remove(header::WWW_AUTHENTICATE);
+            }
+            response
+        }
     }
 }
 

@@ -1,6 +1,6 @@
-//! The HTTP side of a node: the management API (RabbitMQ's, `mgmt`) on `--http-port`, and
-//! Prometheus metrics (`metrics`) on `--prometheus-port`. One axum router per port, served on the
-//! server's runtime.
+//! The HTTP side of a node: the management API (RabbitMQ's, `mgmt`), CMQ's API (`cmq`) and the web
+//! UI (`ui`) on `--http-port`, and Prometheus metrics (`metrics`) on `--prometheus-port`. One axum
+//! router per port, served on the server's runtime.
 //!
 //! Limits every route has, whatever the client: a request body of at most [`MAX_BODY_BYTES`]
 //! (`DefaultBodyLimit`), JSON nested at most 128 deep (serde_json's recursion limit), request
@@ -15,6 +15,8 @@ pub mod fields;
 pub mod list;
 pub mod metrics;
 pub mod mgmt;
+pub mod rates;
+pub mod ui;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -57,6 +59,8 @@ pub struct HttpContext {
     pub node_name: String,
     /// The CMQ API's state: leases of received messages, its publisher session.
     pub cmq: cmq::Cmq,
+    /// Message rates, sampled by `rates::run`.
+    pub rates: Arc<rates::Rates>,
     /// The open file descriptor count and when it was taken (`open_files`).
     open_files: parking_lot::Mutex<Option<(Instant, u64)>>,
 }
@@ -74,7 +78,7 @@ impl HttpContext {
             Some(settings) => format!("warren@node-{}", settings.node_id),
             None => format!("warren@{}", hostname()),
         };
-        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), open_files: Default::default() })
+        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), rates: Default::default(), open_files: Default::default() })
     }
 
     /// This process's open file descriptors, counted at most every 5 s: counting them lists
@@ -146,6 +150,7 @@ pub fn management_router(ctx: Arc<HttpContext>) -> Router {
     Router::new()
         .nest("/api", mgmt::router(ctx.clone()))
         .route(cmq::PATH, axum::routing::get(cmq::handle).post(cmq::handle).with_state(ctx.clone()))
+        .merge(ui::router())
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .fallback(error::not_found)
 }

@@ -12,6 +12,7 @@ use crate::http::list;
 use super::{rate, Params, RABBITMQ_VERSION};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ApiResult};
+use crate::http::rates::Window;
 use crate::http::HttpContext;
 
 /// Every user may do everything on every vhost until users and permissions come (issue 37): the
@@ -19,7 +20,7 @@ use crate::http::HttpContext;
 const USER_TAGS: [&str; 1] = ["administrator"];
 const ALL: &str = ".*";
 
-pub async fn overview(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
+pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> Json<Value> {
     let (mut ready, mut unacked, mut queues, mut exchanges, mut consumers) = (0u64, 0u64, 0usize, 0usize, 0u64);
     for v in ctx.broker.vhosts() {
         for q in v.queues() {
@@ -33,6 +34,7 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
     let connections = ctx.connections.list();
     let channels: usize = connections.iter().map(|c| c.channels.lock().len()).sum();
     let listeners: Vec<Value> = listeners(&ctx);
+    let [messages_details, ready_details, unacked_details] = ctx.rates.length_details(Window::from_query(&query, "lengths"));
     let exchange_types: Vec<Value> =
         ["direct", "fanout", "headers", "topic"].iter().map(|t| json!({"name": t, "description": format!("AMQP {t} exchange"), "enabled": true})).collect();
     Json(json!({
@@ -48,12 +50,12 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
         "erlang_full_version": "none (Warren is written in Rust)",
         "disable_stats": false,
         "enable_queue_totals": true,
-        "message_stats": {},
+        "message_stats": ctx.rates.message_stats(Window::from_query(&query, "msg_rates")),
         "churn_rates": {},
         "queue_totals": {
-            "messages": ready + unacked, "messages_details": rate(0.0),
-            "messages_ready": ready, "messages_ready_details": rate(0.0),
-            "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
+            "messages": ready + unacked, "messages_details": messages_details,
+            "messages_ready": ready, "messages_ready_details": ready_details,
+            "messages_unacknowledged": unacked, "messages_unacknowledged_details": unacked_details,
         },
         "object_totals": {
             "channels": channels, "connections": connections.len(), "consumers": consumers,

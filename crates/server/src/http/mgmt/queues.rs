@@ -55,7 +55,7 @@ pub fn queue_json(ctx: &HttpContext, vhost: &VHost, q: &Queue) -> Value {
         "messages": ready + unacked, "messages_details": rate(0.0),
         "messages_ready": ready, "messages_ready_details": rate(0.0),
         "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
-        "message_stats": {},
+        "message_stats": crate::http::rates::queue_message_stats(&q.stats),
     });
     if q.is_quorum() {
         let members: Vec<u64> = q.recorded_members().unwrap_or_else(|| vec![this_node_id(ctx)]);

@@ -1,0 +1,216 @@
+"""The management web UI in a real headless browser: Debian's chromium driven through chromedriver
+(selenium). A person's path through it: log in, add a queue, publish to it, watch the counts move
+as an AMQP client consumes, get a message, purge, delete, close a connection. Every check reads
+the page as a person would, and checks the broker's side through AMQP or the API.
+
+Names come from clients: a queue named like HTML must show as its characters and run nothing."""
+
+import shutil
+import time
+import urllib.parse
+
+import pika
+import pytest
+import requests
+
+from conftest import eventually
+
+pytestmark = pytest.mark.warren_only
+
+selenium = pytest.importorskip("selenium", reason="selenium is not installed (scripts/install-test-deps.sh installs it)")
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+HOSTILE_NAME = '<img src=x onerror="window.pwned=1">q'
+
+
+@pytest.fixture
+def browser():
+    if not CHROMIUM or not CHROMEDRIVER:
+        pytest.skip("chromium and chromedriver are not installed (scripts/install-test-deps.sh installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1000"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    yield driver
+    driver.quit()
+
+
+def ui(broker):
+    return f"http://127.0.0.1:{broker.http_port}/"
+
+
+def text_of(driver, css):
+    return driver.find_element(By.CSS_SELECTOR, css).text
+
+
+def wait_text(driver, css, predicate, timeout=15):
+    """Polls until the element's text satisfies `predicate` (the page refreshes every 5 s)."""
+    return eventually(lambda: predicate(text_of(driver, css)) and text_of(driver, css), timeout=timeout, interval=0.1)
+
+
+def log_in(driver, broker, user="guest", password="guest"):
+    driver.get(ui(broker))
+    eventually(lambda: driver.find_elements(By.CSS_SELECTOR, "#login input[name=username]"))
+    driver.find_element(By.CSS_SELECTOR, "#login input[name=username]").send_keys(user)
+    driver.find_element(By.CSS_SELECTOR, "#login input[name=password]").send_keys(password)
+    driver.find_element(By.CSS_SELECTOR, "#login button[type=submit]").click()
+
+
+def click_twice(driver, button_text):
+    """A danger button asks to be pressed again."""
+    button = eventually(lambda: next((b for b in driver.find_elements(By.CSS_SELECTOR, "button.danger") if b.text == button_text), None))
+    button.click()
+    eventually(lambda: button.text.startswith("Really"))
+    button.click()
+
+
+def row_cells(driver, table_css, first_cells):
+    """The cells of the table row whose leading cells read `first_cells`."""
+    for row in driver.find_elements(By.CSS_SELECTOR, f"{table_css} tbody tr"):
+        cells = [c.text for c in row.find_elements(By.TAG_NAME, "td")]
+        if cells[: len(first_cells)] == list(first_cells):
+            return cells
+    return None
+
+
+def cell(driver, table_css, column):
+    """The text under the column titled `column` in a one-row table."""
+    titles = [th.text for th in driver.find_elements(By.CSS_SELECTOR, f"{table_css} thead th")]
+    cells = driver.find_elements(By.CSS_SELECTOR, f"{table_css} tbody tr td")
+    return cells[titles.index(column)].text
+
+
+def wait_cell(driver, table_css, column, expected, timeout=15):
+    eventually(lambda: cell(driver, table_css, column) == expected, timeout=timeout, interval=0.1)
+
+
+def script_errors(driver):
+    """Console entries that mean the page broke: uncaught errors and blocked (CSP) content."""
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE" and ("Uncaught" in e["message"] or "Content Security Policy" in e["message"])]
+
+
+def test_ui_is_embedded_and_locked_down(broker):
+    page = requests.get(ui(broker), timeout=5)
+    assert page.status_code == 200 and "text/html" in page.headers["Content-Type"]
+    assert '<script src="/ui/app.js"' in page.text
+    csp = page.headers["Content-Security-Policy"]
+    assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
+    assert page.headers["X-Frame-Options"] == "DENY"
+    for asset, kind in (("ui/app.js", "javascript"), ("ui/app.css", "css")):
+        r = requests.get(ui(broker) + asset, timeout=5)
+        assert r.status_code == 200 and kind in r.headers["Content-Type"] and len(r.content) > 1000
+    # The files need no login; the API behind them does. A script's 401 comes without
+    # WWW-Authenticate (the browser would open its own password dialog over the login form).
+    refused = requests.get(ui(broker) + "api/overview", timeout=5)
+    assert refused.status_code == 401 and refused.headers["WWW-Authenticate"].startswith("Basic")
+    refused = requests.get(ui(broker) + "api/overview", headers={"X-Requested-With": "XMLHttpRequest"}, auth=("guest", "wrong"), timeout=5)
+    assert refused.status_code == 401 and "WWW-Authenticate" not in refused.headers
+
+
+def test_log_in_add_publish_watch_counts_get_purge_delete(broker, browser):
+    log_in(browser, broker, password="wrong")
+    wait_text(browser, "#flash", lambda t: "wrong user name or password" in t)
+    assert not browser.find_elements(By.CSS_SELECTOR, "#user")
+
+    log_in(browser, broker)
+    wait_text(browser, "#user", lambda t: t == "guest")
+    wait_text(browser, "#totals", lambda t: "Ready" in t and "Queues" in t)
+    assert browser.find_element(By.ID, "queued-chart").is_displayed()
+
+    # Add a quorum queue and a classic one through the form.
+    browser.find_element(By.LINK_TEXT, "Queues").click()
+    form = eventually(lambda: browser.find_element(By.ID, "add-queue"))
+    for name, kind in (("ui-classic", "classic"), ("ui-quorum", "quorum")):
+        form.find_element(By.NAME, "name").clear()
+        form.find_element(By.NAME, "name").send_keys(name)
+        form.find_element(By.CSS_SELECTOR, f"select[name=type] option[value={kind}]").click()
+        form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        eventually(lambda: row_cells(browser, "#queues", ["/", name]))
+        assert row_cells(browser, "#queues", ["/", name])[2] == kind
+    api = f"http://127.0.0.1:{broker.http_port}/api/queues/%2F/"
+    assert requests.get(api + "ui-quorum", auth=("guest", "guest"), timeout=5).json()["type"] == "quorum"
+
+    # Publish three messages from the queue's page; the counts show them.
+    browser.find_element(By.LINK_TEXT, "ui-classic").click()
+    publish = eventually(lambda: browser.find_element(By.ID, "publish"))
+    for i in range(3):
+        publish.find_element(By.NAME, "payload").clear()
+        publish.find_element(By.NAME, "payload").send_keys(f"from the UI {i}")
+        publish.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        # One at a time, so that they are queued in order.
+        eventually(lambda: requests.get(api + "ui-classic", auth=("guest", "guest"), timeout=5).json()["messages_ready"] == i + 1)
+    wait_text(browser, "#flash", lambda t: "published" in t)
+    wait_cell(browser, "#queue", "Ready", "3")
+
+    # An AMQP client takes one: the page's count moves on its own (polling).
+    conn = broker.connection()
+    ch = conn.channel()
+    method, _, body = ch.basic_get("ui-classic", auto_ack=True)
+    assert body == b"from the UI 0"
+    wait_cell(browser, "#queue", "Ready", "2")
+
+    # Get one and remove it; the page shows its payload.
+    get = browser.find_element(By.ID, "get")
+    get.find_element(By.CSS_SELECTOR, "select[name=ackmode] option[value=ack_requeue_false]").click()
+    get.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    wait_text(browser, "#got", lambda t: "from the UI 1" in t)
+    wait_cell(browser, "#queue", "Ready", "1")
+
+    # Purge (two presses), then delete: back on the list, and gone from the broker.
+    click_twice(browser, "Purge")
+    wait_cell(browser, "#queue", "Ready", "0")
+    assert ch.queue_declare("ui-classic", passive=True).method.message_count == 0
+    click_twice(browser, "Delete")
+    eventually(lambda: browser.current_url.endswith("#/queues"))
+    assert requests.get(api + "ui-classic", auth=("guest", "guest"), timeout=5).status_code == 404
+    eventually(lambda: row_cells(browser, "#queues", ["/", "ui-quorum"]) and not row_cells(browser, "#queues", ["/", "ui-classic"]))
+    conn.close()
+    assert script_errors(browser) == []
+
+
+def test_a_name_that_looks_like_html_is_shown_as_text(broker, browser):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(HOSTILE_NAME)
+    ch.basic_publish("", HOSTILE_NAME, b"<script>window.pwned=2</script>")
+    log_in(browser, broker)
+    wait_text(browser, "#user", lambda t: t == "guest")
+    browser.get(ui(broker) + "#/queues")
+    eventually(lambda: row_cells(browser, "#queues", ["/", HOSTILE_NAME]))
+    assert not browser.find_elements(By.CSS_SELECTOR, "#queues img")
+    # Its page, and its message's payload, also as text.
+    browser.get(ui(broker) + "#/queues/%2F/" + urllib.parse.quote(HOSTILE_NAME, safe=""))
+    wait_text(browser, "#queue-name", lambda t: t == HOSTILE_NAME)
+    browser.find_element(By.CSS_SELECTOR, "#get button[type=submit]").click()
+    wait_text(browser, "#got", lambda t: "<script>window.pwned=2</script>" in t)
+    assert not browser.find_elements(By.CSS_SELECTOR, "#main img, #got script")
+    assert browser.execute_script("return window.pwned === undefined")
+    conn.close()
+
+
+def test_close_a_connection_from_the_ui(broker, browser):
+    conn = broker.connection(client_properties={"product": "ui-test-client"})
+    log_in(browser, broker)
+    wait_text(browser, "#user", lambda t: t == "guest")
+    browser.find_element(By.LINK_TEXT, "Connections").click()
+    wait_text(browser, "#connections", lambda t: "ui-test-client" in t)
+    click_twice(browser, "Close")
+    wait_text(browser, "#connections", lambda t: "ui-test-client" not in t)
+
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            conn.process_data_events(time_limit=0.1)
+    assert closed.value.reply_code == 320 and "Closed from the management UI" in closed.value.reply_text
+    # Logging out forgets the credentials: a reload asks again.
+    browser.find_element(By.ID, "logout").click()
+    browser.get(ui(broker))
+    eventually(lambda: browser.find_elements(By.CSS_SELECTOR, "#login"))
+    assert script_errors(browser) == []
