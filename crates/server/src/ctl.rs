@@ -1,5 +1,7 @@
 //! `warren ctl`: asks a running node about its cluster, or to change it, over the node's cluster
-//! port (authenticated with the cluster secret, as `rabbitmqctl` is with the Erlang cookie).
+//! port (authenticated with the cluster secret, as `rabbitmqctl` is with the Erlang cookie); and,
+//! like `rabbitmqadmin`, lists and changes queues, exchanges, bindings, connections and definitions
+//! over the management HTTP API (`ctl_api`).
 //!
 //! The node and the secret are found the way `warren server` finds its own settings (flags,
 //! `WARREN_*` variables, `--config FILE`): `--node HOST:PORT` if given, else the node's
@@ -27,6 +29,22 @@ pub struct CtlArgs {
     /// Seconds to wait for the answer
     #[arg(long, value_name = "S", default_value_t = 15, global = true)]
     pub timeout: u64,
+
+    /// The management API to ask, http://HOST:PORT [default: this configuration's http-port on its bind address]
+    #[arg(long, value_name = "URL", global = true)]
+    pub url: Option<String>,
+
+    /// The management API's user
+    #[arg(long, env = "WARREN_CTL_USER", default_value = "guest", global = true)]
+    pub user: String,
+
+    /// Its password
+    #[arg(long, env = "WARREN_CTL_PASSWORD", default_value = "guest", hide_env_values = true, global = true)]
+    pub password: String,
+
+    /// The vhost the command is about
+    #[arg(long, default_value = "/", global = true)]
+    pub vhost: String,
 
     #[command(flatten)]
     pub server: ServerArgs,
@@ -69,6 +87,8 @@ pub enum CtlCommand {
         #[arg(value_name = "NODE")]
         to: u64,
     },
+    #[command(flatten)]
+    Api(crate::ctl_api::ApiCommand),
 }
 
 pub fn run(args: CtlArgs) -> std::process::ExitCode {
@@ -90,6 +110,11 @@ pub fn run(args: CtlArgs) -> std::process::ExitCode {
 
 fn run_inner(args: CtlArgs) -> Result<String, String> {
     let config = Config::load(&args.server).map_err(|e| e.to_string())?;
+    let timeout = Duration::from_secs(args.timeout.max(1));
+    if let CtlCommand::Api(command) = &args.command {
+        let target = crate::ctl_api::Target::new(args.url.as_deref(), &config, args.user.clone(), args.password.clone(), args.vhost.clone(), timeout);
+        return crate::ctl_api::run(command, &target, args.json);
+    }
     let addr = match (&args.node, config.cluster()) {
         (Some(n), _) => n.clone(),
         (None, Some(c)) if c.listen.ip().is_unspecified() => format!("127.0.0.1:{}", c.listen.port()),
@@ -99,7 +124,6 @@ fn run_inner(args: CtlArgs) -> Result<String, String> {
     if config.cluster_secret.is_empty() {
         return Err("no cluster secret: give --cluster-secret, WARREN_CLUSTER_SECRET or the node's configuration".into());
     }
-    let timeout = Duration::from_secs(args.timeout.max(1));
     let (rpc, payload) = match &args.command {
         CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),
         CtlCommand::AddNode { id, addr } => (Rpc::Admin, admin(AdminRequest::AddNode { node: *id, addr: addr.clone() })?),
@@ -109,6 +133,7 @@ fn run_inner(args: CtlArgs) -> Result<String, String> {
         CtlCommand::TransferLeader { group, to } => {
             (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *to })?)
         }
+        CtlCommand::Api(_) => unreachable!("answered above"),
     };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     let answer = runtime.block_on(ctl_request(&addr, config.cluster_secret.as_bytes(), rpc, 0, &payload, timeout))?;

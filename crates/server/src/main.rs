@@ -6,6 +6,7 @@ mod cluster;
 mod config;
 mod connection;
 mod ctl;
+mod ctl_api;
 mod http;
 mod metadata_group;
 mod powercut;
@@ -100,6 +101,15 @@ mod cli_tests {
             &["warren", "ctl", "add-node", "4", "127.0.0.1:2"],
             &["warren", "ctl", "remove-node", "4"],
             &["warren", "ctl", "grow", "4"],
+            &["warren", "ctl", "--url", "http://h:1", "list", "queues", "--all-vhosts", "--json"],
+            &["warren", "ctl", "declare", "queue", "q", "--type", "quorum", "--arg", "x-max-length=1"],
+            &["warren", "ctl", "declare", "binding", "e", "q", "--routing-key", "k", "--vhost", "v"],
+            &["warren", "ctl", "delete", "exchange", "e", "--if-unused"],
+            &["warren", "ctl", "purge", "q"],
+            &["warren", "ctl", "close-connection", "c", "--reason", "r"],
+            &["warren", "ctl", "export", "-"],
+            &["warren", "ctl", "get", "q", "--count", "3", "--ackmode", "ack_requeue_false"],
+            &["warren", "ctl", "publish", "--routing-key", "q", "--payload", "p", "--user", "u", "--password", "p"],
         ] {
             let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
             assert!(matches!(cli.command, Command::Ctl(_)));

@@ -1,0 +1,477 @@
+//! `warren ctl` over the management HTTP API, as `rabbitmqadmin` works: list, declare, delete and
+//! purge queues, exchanges and bindings, close connections, export and import definitions, publish
+//! and get. Tables by default, the API's JSON with `--json`.
+//!
+//! The node is `--url` (default: this configuration's management port on its `bind` address, or
+//! 127.0.0.1), the user `--user`/`--password` (`WARREN_CTL_USER`/`WARREN_CTL_PASSWORD`, default
+//! guest/guest, which the node accepts from loopback only).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::{Subcommand, ValueEnum};
+use http_body_util::{BodyExt, Full};
+use hyper::header;
+use serde_json::{json, Value};
+
+use crate::config::Config;
+
+/// The commands that go through the management API.
+#[derive(Subcommand, Debug)]
+pub enum ApiCommand {
+    /// The node's totals: messages, queues, connections, rates
+    Overview,
+    /// Lists objects of a kind, in the --vhost or (with --all-vhosts) every vhost
+    List {
+        what: Listed,
+        /// Every vhost, not only --vhost
+        #[arg(long)]
+        all_vhosts: bool,
+    },
+    /// Declares a queue, an exchange or a binding
+    #[command(subcommand)]
+    Declare(Declare),
+    /// Deletes a queue, an exchange or a binding
+    #[command(subcommand)]
+    Delete(Delete),
+    /// Removes every ready message of a queue
+    Purge {
+        /// The queue
+        queue: String,
+    },
+    /// Closes a client connection (its client gets connection.close 320 with the reason)
+    CloseConnection {
+        /// The connection's name, as `list connections` shows it
+        name: String,
+        #[arg(long, default_value = "Closed by warren ctl")]
+        reason: String,
+    },
+    /// Writes every definition (vhosts, users, queues, exchanges, bindings) as JSON, RabbitMQ's format
+    Export {
+        /// The file to write; - for standard output
+        file: String,
+    },
+    /// Declares the definitions of a JSON file (RabbitMQ's format); checked whole before anything changes
+    Import {
+        /// The file to read; - for standard input
+        file: String,
+    },
+    /// Publishes a message (persistent unless --transient) and says whether a queue took it
+    Publish {
+        /// The exchange ("" or amq.default: the default exchange, which routes by queue name)
+        #[arg(long, default_value = "amq.default")]
+        exchange: String,
+        #[arg(long, default_value = "")]
+        routing_key: String,
+        /// The body; standard input without it
+        #[arg(long)]
+        payload: Option<String>,
+        #[arg(long)]
+        transient: bool,
+    },
+    /// Takes messages off a queue: look (requeued) by default, --ackmode ack_requeue_false to remove them
+    Get {
+        queue: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[arg(long, default_value = "ack_requeue_true", value_parser = ["ack_requeue_true", "ack_requeue_false", "reject_requeue_true", "reject_requeue_false"])]
+        ackmode: String,
+    },
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listed {
+    Queues,
+    Exchanges,
+    Bindings,
+    Connections,
+    Channels,
+    Consumers,
+    Nodes,
+    Vhosts,
+    Users,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Declare {
+    /// A queue
+    Queue {
+        name: String,
+        /// classic or quorum
+        #[arg(long = "type", default_value = "classic", value_parser = ["classic", "quorum"])]
+        kind: String,
+        /// Not durable (a classic queue only)
+        #[arg(long)]
+        transient: bool,
+        #[arg(long)]
+        auto_delete: bool,
+        /// An argument, KEY=VALUE; VALUE is read as JSON when it parses (x-max-length=1000), else as a string
+        #[arg(long = "arg", value_name = "KEY=VALUE")]
+        arguments: Vec<String>,
+    },
+    /// An exchange
+    Exchange {
+        name: String,
+        /// direct, fanout, topic or headers
+        #[arg(long = "type", default_value = "direct", value_parser = ["direct", "fanout", "topic", "headers"])]
+        kind: String,
+        #[arg(long)]
+        transient: bool,
+        #[arg(long)]
+        auto_delete: bool,
+        #[arg(long)]
+        internal: bool,
+        #[arg(long = "arg", value_name = "KEY=VALUE")]
+        arguments: Vec<String>,
+    },
+    /// A binding from an exchange to a queue (or, with --to-exchange, to an exchange)
+    Binding {
+        source: String,
+        destination: String,
+        #[arg(long, default_value = "")]
+        routing_key: String,
+        #[arg(long)]
+        to_exchange: bool,
+        #[arg(long = "arg", value_name = "KEY=VALUE")]
+        arguments: Vec<String>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Delete {
+    /// A queue and its messages
+    Queue {
+        name: String,
+        /// Only if it has no consumers
+        #[arg(long)]
+        if_unused: bool,
+        /// Only if it has no messages
+        #[arg(long)]
+        if_empty: bool,
+    },
+    /// An exchange and its bindings
+    Exchange {
+        name: String,
+        /// Only if nothing is bound to or from it
+        #[arg(long)]
+        if_unused: bool,
+    },
+    /// Every binding from SOURCE to DESTINATION with this routing key (and these arguments)
+    Binding {
+        source: String,
+        destination: String,
+        #[arg(long, default_value = "")]
+        routing_key: String,
+        #[arg(long)]
+        to_exchange: bool,
+        #[arg(long = "arg", value_name = "KEY=VALUE")]
+        arguments: Vec<String>,
+    },
+}
+
+/// Where and as whom the API is asked.
+pub struct Target {
+    /// `http://HOST:PORT`, no trailing slash.
+    pub url: String,
+    pub user: String,
+    pub password: String,
+    pub vhost: String,
+    pub timeout: Duration,
+}
+
+impl Target {
+    /// From the command line, or the node's configuration: its management port on its address.
+    pub fn new(url: Option<&str>, config: &Config, user: String, password: String, vhost: String, timeout: Duration) -> Target {
+        let url = match url {
+            Some(u) => u.trim_end_matches('/').to_owned(),
+            None => {
+                let host = if config.bind.is_unspecified() { "127.0.0.1".to_owned() } else { config.bind.to_string() };
+                let host = if host.contains(':') { format!("[{host}]") } else { host };
+                format!("http://{host}:{}", config.http_port)
+            }
+        };
+        Target { url, user, password, vhost, timeout }
+    }
+}
+
+/// Runs `command`; the text to print.
+pub fn run(command: &ApiCommand, target: &Target, as_json: bool) -> Result<String, String> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    runtime.block_on(async {
+        match tokio::time::timeout(target.timeout, execute(command, target, as_json)).await {
+            Ok(result) => result,
+            Err(_) => Err(format!("{} did not answer within {} s", target.url, target.timeout.as_secs())),
+        }
+    })
+}
+
+fn seg(s: &str) -> String {
+    // Path segments are percent-encoded whole: "/" (the default vhost) becomes %2F, as the API wants.
+    form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>().replace('+', "%20")
+}
+
+async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<String, String> {
+    let vh = seg(&t.vhost);
+    match command {
+        ApiCommand::Overview => {
+            let o = request(t, "GET", "/api/overview", None).await?;
+            if as_json {
+                return pretty(&o);
+            }
+            let totals = &o["queue_totals"];
+            let objects = &o["object_totals"];
+            let rate = |key: &str| o["message_stats"][format!("{key}_details")]["rate"].as_f64().unwrap_or(0.0);
+            Ok(format!(
+                "{} {} on {}\nmessages: {} ready, {} unacked\nqueues {}, exchanges {}, connections {}, channels {}, consumers {}\nrates: publish {:.1}/s, deliver/get {:.1}/s, ack {:.1}/s",
+                text(&o["product_name"]), text(&o["product_version"]), text(&o["node"]),
+                text(&totals["messages_ready"]), text(&totals["messages_unacknowledged"]),
+                text(&objects["queues"]), text(&objects["exchanges"]), text(&objects["connections"]), text(&objects["channels"]), text(&objects["consumers"]),
+                rate("publish"), rate("deliver_get"), rate("ack"),
+            ))
+        }
+        ApiCommand::List { what, all_vhosts } => {
+            let scoped = |kind: &str| if *all_vhosts { format!("/api/{kind}") } else { format!("/api/{kind}/{vh}") };
+            let path = match what {
+                Listed::Queues => scoped("queues"),
+                Listed::Exchanges => scoped("exchanges"),
+                Listed::Bindings => scoped("bindings"),
+                Listed::Consumers => scoped("consumers"),
+                Listed::Connections if !*all_vhosts => format!("/api/vhosts/{vh}/connections"),
+                Listed::Channels if !*all_vhosts => format!("/api/vhosts/{vh}/channels"),
+                Listed::Connections => "/api/connections".into(),
+                Listed::Channels => "/api/channels".into(),
+                Listed::Nodes => "/api/nodes".into(),
+                Listed::Vhosts => "/api/vhosts".into(),
+                Listed::Users => "/api/users".into(),
+            };
+            let items = request(t, "GET", &path, None).await?;
+            if as_json {
+                return pretty(&items);
+            }
+            Ok(table(columns(*what), items.as_array().map(Vec::as_slice).unwrap_or(&[])))
+        }
+        ApiCommand::Declare(Declare::Queue { name, kind, transient, auto_delete, arguments }) => {
+            let mut args = parse_arguments(arguments)?;
+            args["x-queue-type"] = kind.as_str().into();
+            let body = json!({"durable": !*transient || kind == "quorum", "auto_delete": auto_delete, "arguments": args});
+            request(t, "PUT", &format!("/api/queues/{vh}/{}", seg(name)), Some(body)).await?;
+            Ok(format!("queue declared: {name}"))
+        }
+        ApiCommand::Declare(Declare::Exchange { name, kind, transient, auto_delete, internal, arguments }) => {
+            let body = json!({"type": kind, "durable": !*transient, "auto_delete": auto_delete, "internal": internal, "arguments": parse_arguments(arguments)?});
+            request(t, "PUT", &format!("/api/exchanges/{vh}/{}", seg(name)), Some(body)).await?;
+            Ok(format!("exchange declared: {name}"))
+        }
+        ApiCommand::Declare(Declare::Binding { source, destination, routing_key, to_exchange, arguments }) => {
+            let kind = if *to_exchange { "e" } else { "q" };
+            let body = json!({"routing_key": routing_key, "arguments": parse_arguments(arguments)?});
+            request(t, "POST", &format!("/api/bindings/{vh}/e/{}/{kind}/{}", seg(source), seg(destination)), Some(body)).await?;
+            Ok(format!("binding declared: {source} -> {destination} ({routing_key:?})"))
+        }
+        ApiCommand::Delete(Delete::Queue { name, if_unused, if_empty }) => {
+            let mut path = format!("/api/queues/{vh}/{}", seg(name));
+            let conditions: Vec<&str> = [(*if_unused, "if-unused=true"), (*if_empty, "if-empty=true")].iter().filter(|c| c.0).map(|c| c.1).collect();
+            if !conditions.is_empty() {
+                path = format!("{path}?{}", conditions.join("&"));
+            }
+            request(t, "DELETE", &path, None).await?;
+            Ok(format!("queue deleted: {name}"))
+        }
+        ApiCommand::Delete(Delete::Exchange { name, if_unused }) => {
+            let path = format!("/api/exchanges/{vh}/{}{}", seg(name), if *if_unused { "?if-unused=true" } else { "" });
+            request(t, "DELETE", &path, None).await?;
+            Ok(format!("exchange deleted: {name}"))
+        }
+        ApiCommand::Delete(Delete::Binding { source, destination, routing_key, to_exchange, arguments }) => {
+            let kind = if *to_exchange { "e" } else { "q" };
+            let between = format!("/api/bindings/{vh}/e/{}/{kind}/{}", seg(source), seg(destination));
+            let wanted = parse_arguments(arguments)?;
+            let existing = request(t, "GET", &between, None).await?;
+            let matching: Vec<&Value> = existing
+                .as_array()
+                .map(|a| a.iter().filter(|b| b["routing_key"] == routing_key.as_str() && b["arguments"] == wanted).collect())
+                .unwrap_or_default();
+            let Some(binding) = matching.first() else {
+                return Err(format!("no binding from '{source}' to '{destination}' with routing key {routing_key:?} and these arguments in vhost '{}'", t.vhost));
+            };
+            let key = binding["properties_key"].as_str().ok_or("the binding has no properties_key")?;
+            request(t, "DELETE", &format!("{between}/{}", seg(key)), None).await?;
+            Ok(format!("binding deleted: {source} -> {destination} ({routing_key:?})"))
+        }
+        ApiCommand::Purge { queue } => {
+            request(t, "DELETE", &format!("/api/queues/{vh}/{}/contents", seg(queue)), None).await?;
+            Ok(format!("queue purged: {queue}"))
+        }
+        ApiCommand::CloseConnection { name, reason } => {
+            request_with(t, "DELETE", &format!("/api/connections/{}", seg(name)), None, &[("x-reason", reason)]).await?;
+            Ok(format!("connection closed: {name}"))
+        }
+        ApiCommand::Export { file } => {
+            let definitions = request(t, "GET", "/api/definitions", None).await?;
+            let text = serde_json::to_string_pretty(&definitions).map_err(|e| e.to_string())?;
+            if file == "-" {
+                return Ok(text);
+            }
+            std::fs::write(file, text + "\n").map_err(|e| format!("cannot write {file}: {e}"))?;
+            Ok(format!("definitions exported to {file}"))
+        }
+        ApiCommand::Import { file } => {
+            let text = if file == "-" {
+                std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read standard input: {e}"))?
+            } else {
+                std::fs::read_to_string(file).map_err(|e| format!("cannot read {file}: {e}"))?
+            };
+            let definitions: Value = serde_json::from_str(&text).map_err(|e| format!("{file} is not JSON: {e}"))?;
+            request(t, "POST", "/api/definitions", Some(definitions)).await?;
+            Ok(format!("definitions imported from {file}"))
+        }
+        ApiCommand::Publish { exchange, routing_key, payload, transient } => {
+            let payload = match payload {
+                Some(p) => p.clone(),
+                None => std::io::read_to_string(std::io::stdin()).map_err(|e| format!("cannot read standard input: {e}"))?,
+            };
+            let exchange = if exchange.is_empty() { "amq.default" } else { exchange };
+            let body = json!({"routing_key": routing_key, "payload": payload, "payload_encoding": "string",
+                              "properties": {"delivery_mode": if *transient { 1 } else { 2 }}});
+            let answer = request(t, "POST", &format!("/api/exchanges/{vh}/{}/publish", seg(exchange)), Some(body)).await?;
+            if as_json {
+                return pretty(&answer);
+            }
+            Ok(if answer["routed"] == true { "message published".into() } else { "message published but not routed: no queue took it".into() })
+        }
+        ApiCommand::Get { queue, count, ackmode } => {
+            let body = json!({"count": count, "ackmode": ackmode, "encoding": "auto"});
+            let messages = request(t, "POST", &format!("/api/queues/{vh}/{}/get", seg(queue)), Some(body)).await?;
+            if as_json {
+                return pretty(&messages);
+            }
+            Ok(table(
+                &[("routing_key", "/routing_key"), ("exchange", "/exchange"), ("redelivered", "/redelivered"), ("message_count", "/message_count"), ("payload", "/payload"), ("payload_encoding", "/payload_encoding")],
+                messages.as_array().map(Vec::as_slice).unwrap_or(&[]),
+            ))
+        }
+    }
+}
+
+/// The columns of a list's table: title and JSON pointer.
+fn columns(what: Listed) -> &'static [(&'static str, &'static str)] {
+    match what {
+        Listed::Queues => &[("vhost", "/vhost"), ("name", "/name"), ("type", "/type"), ("node", "/node"), ("messages_ready", "/messages_ready"), ("messages_unacknowledged", "/messages_unacknowledged"), ("consumers", "/consumers")],
+        Listed::Exchanges => &[("vhost", "/vhost"), ("name", "/name"), ("type", "/type"), ("durable", "/durable"), ("internal", "/internal")],
+        Listed::Bindings => &[("vhost", "/vhost"), ("source", "/source"), ("destination", "/destination"), ("destination_type", "/destination_type"), ("routing_key", "/routing_key")],
+        Listed::Connections => &[("name", "/name"), ("user", "/user"), ("vhost", "/vhost"), ("peer_host", "/peer_host"), ("peer_port", "/peer_port"), ("channels", "/channels")],
+        Listed::Channels => &[("name", "/name"), ("user", "/user"), ("vhost", "/vhost"), ("state", "/state")],
+        Listed::Consumers => &[("queue", "/queue/name"), ("consumer_tag", "/consumer_tag"), ("connection", "/channel_details/connection_name"), ("ack_required", "/ack_required"), ("prefetch_count", "/prefetch_count")],
+        Listed::Nodes => &[("name", "/name"), ("running", "/running"), ("mem_used", "/mem_used"), ("mem_alarm", "/mem_alarm"), ("disk_free", "/disk_free"), ("disk_free_alarm", "/disk_free_alarm")],
+        Listed::Vhosts => &[("name", "/name"), ("messages", "/messages")],
+        Listed::Users => &[("name", "/name"), ("tags", "/tags")],
+    }
+}
+
+/// A value as a table cell: strings bare, nothing as empty, anything else as JSON.
+fn text(v: &Value) -> String {
+    match v {
+        Value::Null => String::new(),
+        Value::String(s) => s.clone(),
+        Value::Array(items) => items.iter().map(text).collect::<Vec<_>>().join(","),
+        other => other.to_string(),
+    }
+}
+
+/// Rows under a header, columns padded to their widest cell (control characters shown escaped, so a
+/// name cannot move the terminal's cursor).
+fn table(columns: &[(&str, &str)], rows: &[Value]) -> String {
+    if rows.is_empty() {
+        return "(none)".into();
+    }
+    let cells: Vec<Vec<String>> = rows
+        .iter()
+        .map(|row| columns.iter().map(|(_, pointer)| text(row.pointer(pointer).unwrap_or(&Value::Null)).escape_default().to_string()).collect())
+        .collect();
+    let widths: Vec<usize> =
+        columns.iter().enumerate().map(|(i, (title, _))| cells.iter().map(|r| r[i].chars().count()).max().unwrap_or(0).max(title.len())).collect();
+    let line = |values: Vec<&str>| {
+        values.iter().zip(&widths).map(|(v, w)| format!("{v:<w$}")).collect::<Vec<_>>().join("  ").trim_end().to_owned()
+    };
+    let mut out = vec![line(columns.iter().map(|c| c.0).collect())];
+    out.extend(cells.iter().map(|r| line(r.iter().map(String::as_str).collect())));
+    out.join("\n")
+}
+
+/// `KEY=VALUE` arguments as a JSON object: VALUE as JSON when it parses, else as a string.
+fn parse_arguments(arguments: &[String]) -> Result<Value, String> {
+    let mut out = serde_json::Map::new();
+    for a in arguments {
+        let (key, value) = a.split_once('=').ok_or_else(|| format!("argument '{a}' is not KEY=VALUE"))?;
+        out.insert(key.to_owned(), serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_owned())));
+    }
+    Ok(Value::Object(out))
+}
+
+fn pretty(v: &Value) -> Result<String, String> {
+    serde_json::to_string_pretty(v).map_err(|e| e.to_string())
+}
+
+async fn request(t: &Target, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    request_with(t, method, path, body, &[]).await
+}
+
+/// One request to the API; its JSON answer (null for an empty one), or the API's `reason` as the error.
+async fn request_with(t: &Target, method: &str, path: &str, body: Option<Value>, extra: &[(&str, &str)]) -> Result<Value, String> {
+    let authority = t.url.strip_prefix("http://").ok_or_else(|| format!("--url must start with http:// (not {})", t.url))?;
+    let authority = authority.split('/').next().unwrap_or(authority);
+    let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| format!("cannot connect to {}: {e}", t.url))?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(|e| format!("{}: {e}", t.url))?;
+    tokio::spawn(connection);
+    let credentials = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, format!("{}:{}", t.user, t.password));
+    let mut builder = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, authority)
+        .header(header::AUTHORIZATION, format!("Basic {credentials}"))
+        .header(header::CONTENT_TYPE, "application/json");
+    for (name, value) in extra {
+        builder = builder.header(*name, *value);
+    }
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let request = builder.body(Full::new(Bytes::from(body))).map_err(|e| format!("cannot build the request: {e}"))?;
+    let response = sender.send_request(request).await.map_err(|e| format!("{}: {e}", t.url))?;
+    let status = response.status();
+    let bytes = response.into_body().collect().await.map_err(|e| format!("{}: {e}", t.url))?.to_bytes();
+    let answer: Value = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned())) };
+    if status.is_success() {
+        return Ok(answer);
+    }
+    let reason = answer.get("reason").map(text).unwrap_or_else(|| text(&answer));
+    Err(match status.as_u16() {
+        401 => format!("{} refused user '{}': {reason} (give --user and --password)", t.url, t.user),
+        code => format!("{reason} (HTTP {code} to {method} {path})"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arguments_are_json_when_they_parse() {
+        let args = parse_arguments(&["x-max-length=10".into(), "x-dead-letter-exchange=dlx".into(), "flag=true".into(), "e=".into()]).unwrap();
+        assert_eq!(args, json!({"x-max-length": 10, "x-dead-letter-exchange": "dlx", "flag": true, "e": ""}));
+        assert!(parse_arguments(&["novalue".into()]).is_err());
+    }
+
+    #[test]
+    fn tables_pad_columns_and_escape_control_characters() {
+        let rows = vec![json!({"name": "a", "n": 1}), json!({"name": "long\u{1b}[2J", "n": null})];
+        let out = table(&[("name", "/name"), ("n", "/n")], &rows);
+        assert_eq!(out, "name           n\na              1\nlong\\u{1b}[2J");
+        assert_eq!(table(&[("name", "/name")], &[]), "(none)");
+    }
+
+    #[test]
+    fn the_default_vhost_is_one_path_segment() {
+        assert_eq!(seg("/"), "%2F");
+        assert_eq!(seg("a b/c"), "a%20b%2Fc");
+    }
+}
