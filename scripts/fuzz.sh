@@ -15,7 +15,7 @@ seconds=${1:-25}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(frames methods properties field_tables store_recovery metadata_recovery quorum_machine classic_wire)
+  targets=(frames methods properties field_tables store_recovery metadata_recovery quorum_machine classic_wire http_api)
 fi
 
 if ! rustup toolchain list 2>/dev/null | grep -q '^nightly'; then

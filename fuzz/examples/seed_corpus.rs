@@ -3,7 +3,7 @@
 //! same on every build (so a crash input reproduces in another process).
 //! `cargo run --manifest-path fuzz/Cargo.toml --example seed_corpus` (stable is enough).
 
-use warren_fuzz::{classic, metadata, protocol, quorum, seeds, store};
+use warren_fuzz::{classic, http, metadata, protocol, quorum, seeds, store};
 
 fn main() {
     let again = [store::build_base(0), store::build_base(1)];
@@ -18,7 +18,8 @@ fn main() {
     let meta = metadata::seeds().into_iter().map(|(name, bytes)| ("metadata_recovery", name, bytes));
     let quorum_seeds = quorum::seeds().into_iter().map(|(name, bytes)| ("quorum_machine", name, bytes));
     let classic_seeds = classic::seeds().into_iter().map(|(name, bytes)| ("classic_wire", name, bytes));
-    for (target, name, bytes) in seeds::protocol_seeds().into_iter().chain(seeds::store_seeds()).chain(meta).chain(quorum_seeds).chain(classic_seeds) {
+    let http_seeds = http::seeds().into_iter().map(|(name, bytes)| ("http_api", name, bytes));
+    for (target, name, bytes) in seeds::protocol_seeds().into_iter().chain(seeds::store_seeds()).chain(meta).chain(quorum_seeds).chain(classic_seeds).chain(http_seeds) {
         match target {
             "frames" => protocol::check_frame_stream(&bytes),
             "methods" => protocol::check_method(&bytes),
@@ -27,6 +28,7 @@ fn main() {
             "metadata_recovery" => metadata::check_metadata(&bytes),
             "quorum_machine" => quorum::check_quorum(&bytes),
             "classic_wire" => classic::check_classic(&bytes),
+            "http_api" => http::check_http(&bytes),
             _ => store::check_recovery(&bytes),
         }
         let dir = root.join(target);

@@ -1,21 +1,8 @@
 //! The `warren` binary.
 
-mod alarms;
-mod classic_home;
-mod cluster;
-mod config;
-mod connection;
-mod ctl;
-mod ctl_api;
-mod http;
-mod metadata_group;
-mod powercut;
-mod queue_members;
-mod quorum;
-mod server;
-
 use clap::{Parser, Subcommand};
-use config::{Config, ServerArgs};
+use warren_server::config::{Config, ServerArgs};
+use warren_server::{ctl, server};
 // Not eprintln!: it panics when stderr is a closed pipe.
 use warren_bench::output;
 
@@ -32,7 +19,8 @@ enum Command {
     Server(ServerArgs),
     /// Load any AMQP 0-9-1 broker (Warren or RabbitMQ) and report rates and latencies.
     Bench(warren_bench::BenchArgs),
-    /// Ask a running cluster node about the cluster, or change it.
+    /// Ask a running node about its cluster or change it (cluster port); list and change queues,
+    /// exchanges, bindings, connections and definitions (management API).
     Ctl(ctl::CtlArgs),
 }
 

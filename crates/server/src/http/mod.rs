@@ -179,6 +179,35 @@ fn without_trailing_slash<B>(request: &mut hyper::Request<B>) {
     }
 }
 
+/// What the server does to each request before its router sees it.
+pub fn prepare<B>(request: &mut hyper::Request<B>, peer: SocketAddr) {
+    request.extensions_mut().insert(Peer(peer));
+    without_trailing_slash(request);
+}
+
+/// The management port's router on a standalone broker opened in `data_dir`, with no listener:
+/// what the HTTP fuzz target (`fuzz/fuzz_targets/http_api.rs`) sends its requests to, after
+/// [`prepare`]. Must be called within a tokio runtime.
+pub fn standalone_router(data_dir: &std::path::Path) -> Result<Router, String> {
+    let config = Config { data_dir: data_dir.to_owned(), ..Config::default() };
+    let options = warren_broker::BrokerOptions {
+        default_vhost: config.default_vhost.clone(),
+        default_user: config.default_user.clone(),
+        default_pass: config.default_pass.clone(),
+        loopback_users: config.loopback_users.clone(),
+        store: Default::default(),
+        quorum_body_bytes: warren_broker::DEFAULT_NODE_BODY_BYTES,
+    };
+    let (broker, report) = Broker::open(data_dir, options).map_err(|e| e.to_string())?;
+    let (raft_logs, _) = warren_cluster::RaftLogs::open_discarding_damaged(broker.store().clone(), &report.store_queues, &[]).map_err(|e| e.to_string())?;
+    let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
+    broker.set_quorum_host(crate::quorum::QuorumGroups::new(raft_logs, 0, node_addr));
+    let (_, alarms) = watch::channel(AlarmState::default());
+    let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
+    let ctx = HttpContext::new(broker, config, None, Arc::new(ConnectionRegistry::default()), alarms, limits);
+    Ok(management_router(ctx))
+}
+
 /// Serves `router` on `listener` until `shutdown`, then lets requests in flight finish.
 /// `write_timeout`: a client that does not read its answer for this long is dropped (the
 /// configuration's `write-timeout`, as for AMQP), so that clients that never read cannot hold
@@ -212,8 +241,7 @@ pub async fn serve(listener: TcpListener, router: Router, write_timeout: Duratio
         connections.spawn(async move {
             let _permit = permit;
             let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-                request.extensions_mut().insert(Peer(peer));
-                without_trailing_slash(&mut request);
+                prepare(&mut request, peer);
                 router.clone().oneshot(request)
             });
             let conn = hyper::server::conn::http1::Builder::new()
