@@ -194,7 +194,7 @@ def test_power_cut_after_a_purge_keeps_the_bodies_only_in_retained_entries(tmp_p
     loses none of it, nor a confirmed new one."""
     monkeypatch.setenv("WARREN_TEST_SIMULATED_DISK", "1")
     monkeypatch.setenv("WARREN_TEST_FSYNC_DELAY_MS", "3")
-    monkeypatch.setenv("WARREN_LOG", "info,warren::quorum=debug")
+    monkeypatch.setenv("WARREN_LOG", "info,warren_server::quorum=debug")
     broker = Broker(tmp_path / "data", tmp_path / "warren.log")
     queue, arguments = "power-retained", KINDS["quorum"]
     rng = random.Random(20261127)

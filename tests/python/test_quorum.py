@@ -410,7 +410,7 @@ def test_a_body_is_written_once_in_its_entry_which_outlives_the_snapshot(broker,
     copy. A kill -9 brings the bodies back from the replayed log; after the group's quiet snapshot
     (5 s after the last entry) and the purge of its log, the entries with live bodies are kept
     (pinned by the replica), and a kill -9 brings the bodies back from them."""
-    monkeypatch.setenv("WARREN_LOG", "info,warren::quorum=debug")
+    monkeypatch.setenv("WARREN_LOG", "info,warren_server::quorum=debug")
     broker.restart()
     conn = broker.connection()
     ch = conn.channel()

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use clap::{Subcommand, ValueEnum};
+use clap::{Args, Subcommand, ValueEnum};
 use http_body_util::{BodyExt, Full};
 use hyper::header;
 use serde_json::{json, Value};
@@ -125,16 +125,28 @@ pub enum Declare {
         arguments: Vec<String>,
     },
     /// A binding from an exchange to a queue (or, with --to-exchange, to an exchange)
-    Binding {
-        source: String,
-        destination: String,
-        #[arg(long, default_value = "")]
-        routing_key: String,
-        #[arg(long)]
-        to_exchange: bool,
-        #[arg(long = "arg", value_name = "KEY=VALUE")]
-        arguments: Vec<String>,
-    },
+    Binding(Binding),
+}
+
+/// A binding, as `declare binding` and `delete binding` name it.
+#[derive(Args, Debug)]
+pub struct Binding {
+    source: String,
+    destination: String,
+    #[arg(long, default_value = "")]
+    routing_key: String,
+    #[arg(long)]
+    to_exchange: bool,
+    #[arg(long = "arg", value_name = "KEY=VALUE")]
+    arguments: Vec<String>,
+}
+
+impl Binding {
+    /// `/api/bindings/{vhost}/e/{source}/{q or e}/{destination}`.
+    fn path(&self, vhost: &str) -> String {
+        let kind = if self.to_exchange { "e" } else { "q" };
+        format!("/api/bindings/{vhost}/e/{}/{kind}/{}", seg(&self.source), seg(&self.destination))
+    }
 }
 
 #[derive(Subcommand, Debug)]
@@ -156,17 +168,8 @@ pub enum Delete {
         #[arg(long)]
         if_unused: bool,
     },
-    /// Every binding from SOURCE to DESTINATION with this routing key (and these arguments)
-    Binding {
-        source: String,
-        destination: String,
-        #[arg(long, default_value = "")]
-        routing_key: String,
-        #[arg(long)]
-        to_exchange: bool,
-        #[arg(long = "arg", value_name = "KEY=VALUE")]
-        arguments: Vec<String>,
-    },
+    /// The binding from SOURCE to DESTINATION with this routing key (and these arguments)
+    Binding(Binding),
 }
 
 /// Where and as whom the API is asked.
@@ -262,11 +265,10 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
             request(t, "PUT", &format!("/api/exchanges/{vh}/{}", seg(name)), Some(body)).await?;
             Ok(format!("exchange declared: {name}"))
         }
-        ApiCommand::Declare(Declare::Binding { source, destination, routing_key, to_exchange, arguments }) => {
-            let kind = if *to_exchange { "e" } else { "q" };
-            let body = json!({"routing_key": routing_key, "arguments": parse_arguments(arguments)?});
-            request(t, "POST", &format!("/api/bindings/{vh}/e/{}/{kind}/{}", seg(source), seg(destination)), Some(body)).await?;
-            Ok(format!("binding declared: {source} -> {destination} ({routing_key:?})"))
+        ApiCommand::Declare(Declare::Binding(b)) => {
+            let body = json!({"routing_key": b.routing_key, "arguments": parse_arguments(&b.arguments)?});
+            request(t, "POST", &b.path(&vh), Some(body)).await?;
+            Ok(format!("binding declared: {} -> {} ({:?})", b.source, b.destination, b.routing_key))
         }
         ApiCommand::Delete(Delete::Queue { name, if_unused, if_empty }) => {
             let mut path = format!("/api/queues/{vh}/{}", seg(name));
@@ -282,21 +284,20 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
             request(t, "DELETE", &path, None).await?;
             Ok(format!("exchange deleted: {name}"))
         }
-        ApiCommand::Delete(Delete::Binding { source, destination, routing_key, to_exchange, arguments }) => {
-            let kind = if *to_exchange { "e" } else { "q" };
-            let between = format!("/api/bindings/{vh}/e/{}/{kind}/{}", seg(source), seg(destination));
-            let wanted = parse_arguments(arguments)?;
+        ApiCommand::Delete(Delete::Binding(b)) => {
+            // A binding's path ends with its properties_key: found among those between the two.
+            let between = b.path(&vh);
+            let wanted = parse_arguments(&b.arguments)?;
             let existing = request(t, "GET", &between, None).await?;
-            let matching: Vec<&Value> = existing
-                .as_array()
-                .map(|a| a.iter().filter(|b| b["routing_key"] == routing_key.as_str() && b["arguments"] == wanted).collect())
-                .unwrap_or_default();
-            let Some(binding) = matching.first() else {
-                return Err(format!("no binding from '{source}' to '{destination}' with routing key {routing_key:?} and these arguments in vhost '{}'", t.vhost));
+            let found = existing.as_array().and_then(|a| a.iter().find(|x| x["routing_key"] == b.routing_key.as_str() && x["arguments"] == wanted));
+            let Some(key) = found.and_then(|x| x["properties_key"].as_str()) else {
+                return Err(format!(
+                    "no binding from '{}' to '{}' with routing key {:?} and these arguments in vhost '{}'",
+                    b.source, b.destination, b.routing_key, t.vhost
+                ));
             };
-            let key = binding["properties_key"].as_str().ok_or("the binding has no properties_key")?;
             request(t, "DELETE", &format!("{between}/{}", seg(key)), None).await?;
-            Ok(format!("binding deleted: {source} -> {destination} ({routing_key:?})"))
+            Ok(format!("binding deleted: {} -> {} ({:?})", b.source, b.destination, b.routing_key))
         }
         ApiCommand::Purge { queue } => {
             request(t, "DELETE", &format!("/api/queues/{vh}/{}/contents", seg(queue)), None).await?;

@@ -190,6 +190,28 @@ function ratePoints(details) {
 
 const pages = {};
 
+// A form publishing through an exchange: with `routingKey` fixed (a queue's page, through the
+// default exchange), else with a routing key field. Says whether a queue took the message.
+function publishForm(vhost, exchange, routingKey) {
+  const form = h('form', { id: 'publish' },
+    routingKey === null ? h('label', {}, 'Routing key ', h('input', { type: 'text', name: 'key' })) : null,
+    h('label', {}, 'Payload', h('br'), h('textarea', { name: 'payload' })),
+    h('label', {}, h('input', { type: 'checkbox', name: 'persistent', checked: true }), ' persistent'),
+    h('button', { type: 'submit' }, 'Publish message'));
+  form.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const f = form.elements;
+    act(async () => {
+      const answer = await api('POST', '/exchanges/' + enc(vhost) + '/' + enc(exchange) + '/publish', {
+        routing_key: routingKey === null ? f.key.value : routingKey, payload: f.payload.value, payload_encoding: 'string',
+        properties: { delivery_mode: f.persistent.checked ? 2 : 1 },
+      });
+      if (!answer || !answer.routed) throw new ApiError('The message was published, but no queue took it.');
+    }, 'Message published.');
+  });
+  return form;
+}
+
 pages.overview = (main) => {
   main.append(
     h('h1', {}, 'Overview'),
@@ -283,19 +305,7 @@ pages.queues = async (main) => {
 
 pages.queue = (main, vhost, name) => {
   const path = '/queues/' + enc(vhost) + '/' + enc(name);
-  const publish = h('form', { id: 'publish' },
-    h('label', {}, 'Payload', h('br'), h('textarea', { name: 'payload' })),
-    h('label', {}, h('input', { type: 'checkbox', name: 'persistent', checked: true }), ' persistent'),
-    h('button', { type: 'submit' }, 'Publish message'));
-  publish.addEventListener('submit', (e) => {
-    e.preventDefault();
-    const f = publish.elements;
-    act(async () => {
-      const answer = await api('POST', '/exchanges/' + enc(vhost) + '/amq.default/publish',
-        { routing_key: name, payload: f.payload.value, payload_encoding: 'string', properties: { delivery_mode: f.persistent.checked ? 2 : 1 } });
-      if (!answer || !answer.routed) throw new ApiError('The message was not routed to a queue.');
-    }, 'Message published.');
-  });
+  const publish = publishForm(vhost, 'amq.default', name);
   const got = h('div', { id: 'got' });
   const get = h('form', { class: 'inline', id: 'get' },
     h('label', {}, 'Ack mode ', h('select', { name: 'ackmode' },
@@ -386,19 +396,7 @@ pages.exchange = (main, vhost, name) => {
     const f = bind.elements;
     act(() => api('POST', '/bindings/' + enc(vhost) + '/e/' + enc(name) + '/q/' + enc(f.queue.value), { routing_key: f.key.value, arguments: {} }), 'Bound.');
   });
-  const publish = h('form', { id: 'publish' },
-    h('label', {}, 'Routing key ', h('input', { type: 'text', name: 'key' })),
-    h('label', {}, 'Payload', h('br'), h('textarea', { name: 'payload' })),
-    h('label', {}, h('input', { type: 'checkbox', name: 'persistent', checked: true }), ' persistent'),
-    h('button', { type: 'submit' }, 'Publish message'));
-  publish.addEventListener('submit', (e) => {
-    e.preventDefault();
-    const f = publish.elements;
-    act(async () => {
-      const answer = await api('POST', path + '/publish', { routing_key: f.key.value, payload: f.payload.value, payload_encoding: 'string', properties: { delivery_mode: f.persistent.checked ? 2 : 1 } });
-      flash(answer && answer.routed ? 'Message published.' : 'Message published, but no queue took it.', !(answer && answer.routed));
-    });
-  });
+  const publish = publishForm(vhost, name, null);
   main.append(
     h('h1', {}, 'Exchange ', h('span', {}, name), h('span', { class: 'muted' }, ' in ' + vhost)),
     h('div', { id: 'exchange' }),
