@@ -556,7 +556,7 @@ impl Channel {
         let mut released = 0;
         for u in &taken {
             if matches!(how, Settle::Ack) {
-                u.queue.stats.acked(1);
+                u.queue.stats.acked();
             }
             if let Some(c) = &u.consumer {
                 c.unacked.fetch_sub(1, Ordering::Relaxed);

@@ -116,8 +116,8 @@ pub struct QueueRates {
 }
 
 impl QueueStats {
-    pub fn published(&self, n: u64) {
-        self.published.0.fetch_add(n, Ordering::Relaxed);
+    pub fn published(&self) {
+        self.published.0.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn delivered(&self, redelivered: bool) {
@@ -127,8 +127,8 @@ impl QueueStats {
         }
     }
 
-    pub fn acked(&self, n: u64) {
-        self.consumed.0[2].fetch_add(n, Ordering::Relaxed);
+    pub fn acked(&self) {
+        self.consumed.0[2].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn counts(&self) -> QueueCounts {
@@ -181,9 +181,9 @@ mod tests {
     fn a_queue_s_rates_are_the_change_between_samples() {
         let stats = QueueStats::default();
         let t0 = stats.sampled.lock().at;
-        stats.published(10);
+        (0..10).for_each(|_| stats.published());
         (0..4).for_each(|i| stats.delivered(i == 0));
-        stats.acked(2);
+        (0..2).for_each(|_| stats.acked());
         assert_eq!(stats.rates(), QueueRates::default(), "no rate before the first sample");
         // The first sample counts from the queue's creation.
         stats.sample(t0 + std::time::Duration::from_secs(2));

@@ -838,7 +838,7 @@ impl VHost {
         for q in queues {
             match q.publish(&message, &header, now, lazy_ok, publisher)? {
                 Enqueued::Accepted { ticket, slow_publishers, store_behind } => {
-                    q.stats.published(1);
+                    q.stats.published();
                     outcome.store_behind |= store_behind;
                     if let Some(t) = ticket {
                         outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t)));

@@ -111,10 +111,21 @@ pub fn run(args: CtlArgs) -> std::process::ExitCode {
 fn run_inner(args: CtlArgs) -> Result<String, String> {
     let config = Config::load(&args.server).map_err(|e| e.to_string())?;
     let timeout = Duration::from_secs(args.timeout.max(1));
-    if let CtlCommand::Api(command) = &args.command {
-        let target = crate::ctl_api::Target::new(args.url.as_deref(), &config, args.user.clone(), args.password.clone(), args.vhost.clone(), timeout);
-        return crate::ctl_api::run(command, &target, args.json);
-    }
+    let (rpc, payload) = match &args.command {
+        CtlCommand::Api(command) => {
+            let target = crate::ctl_api::Target::new(args.url.as_deref(), &config, args.user.clone(), args.password.clone(), args.vhost.clone(), timeout);
+            return crate::ctl_api::run(command, &target, args.json);
+        }
+        CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),
+        CtlCommand::AddNode { id, addr } => (Rpc::Admin, admin(AdminRequest::AddNode { node: *id, addr: addr.clone() })?),
+        CtlCommand::RemoveNode { id } => (Rpc::Admin, admin(AdminRequest::RemoveNode { node: *id })?),
+        CtlCommand::Grow { id } => (Rpc::Admin, admin(AdminRequest::Grow { node: *id })?),
+        CtlCommand::Rebalance => (Rpc::Admin, admin(AdminRequest::Rebalance)?),
+        CtlCommand::TransferLeader { group, to } => {
+            (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *to })?)
+        }
+    };
+    // The cluster commands: to the cluster port, with the cluster secret.
     let addr = match (&args.node, config.cluster()) {
         (Some(n), _) => n.clone(),
         (None, Some(c)) if c.listen.ip().is_unspecified() => format!("127.0.0.1:{}", c.listen.port()),
@@ -124,17 +135,6 @@ fn run_inner(args: CtlArgs) -> Result<String, String> {
     if config.cluster_secret.is_empty() {
         return Err("no cluster secret: give --cluster-secret, WARREN_CLUSTER_SECRET or the node's configuration".into());
     }
-    let (rpc, payload) = match &args.command {
-        CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),
-        CtlCommand::AddNode { id, addr } => (Rpc::Admin, admin(AdminRequest::AddNode { node: *id, addr: addr.clone() })?),
-        CtlCommand::RemoveNode { id } => (Rpc::Admin, admin(AdminRequest::RemoveNode { node: *id })?),
-        CtlCommand::Grow { id } => (Rpc::Admin, admin(AdminRequest::Grow { node: *id })?),
-        CtlCommand::Rebalance => (Rpc::Admin, admin(AdminRequest::Rebalance)?),
-        CtlCommand::TransferLeader { group, to } => {
-            (Rpc::Admin, admin(AdminRequest::TransferLeader { group: *group, node: *to })?)
-        }
-        CtlCommand::Api(_) => unreachable!("answered above"),
-    };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     let answer = runtime.block_on(ctl_request(&addr, config.cluster_secret.as_bytes(), rpc, 0, &payload, timeout))?;
     match args.command {

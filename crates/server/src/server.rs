@@ -59,6 +59,24 @@ impl StoreActivity {
 /// Re-reads the configuration (file, environment, flags) on SIGHUP.
 pub type Reload = Box<dyn Fn() -> Result<Config, crate::config::ConfigError> + Send + Sync>;
 
+/// The broker's options from the node's configuration.
+pub fn broker_options(config: &Config, store: StoreOptions, quorum_body_bytes: u64) -> BrokerOptions {
+    BrokerOptions {
+        default_vhost: config.default_vhost.clone(),
+        default_user: config.default_user.clone(),
+        default_pass: config.default_pass.clone(),
+        loopback_users: config.loopback_users.clone(),
+        store,
+        quorum_body_bytes,
+    }
+}
+
+/// The quorum queues' groups of a node outside any cluster: each on this node alone.
+pub fn standalone_quorum_groups(config: &Config, raft_logs: Arc<warren_cluster::RaftLogs>) -> Arc<crate::quorum::QuorumGroups> {
+    let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
+    crate::quorum::QuorumGroups::new(raft_logs, STANDALONE_NODE_ID, node_addr)
+}
+
 pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::error::Error>> {
     // Installed before anything else: a SIGTERM, SIGINT or SIGHUP that comes during recovery or just
     // after the listener binds is then handled, instead of killing the process (their default action).
@@ -83,18 +101,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let (disk, data_dir) = crate::powercut::disk(&config.data_dir)?;
     config.data_dir = data_dir;
     let limits = Limits::from_config(&config);
-    let (broker, report) = Broker::open_on(
-        &config.data_dir,
-        BrokerOptions {
-            default_vhost: config.default_vhost.clone(),
-            default_user: config.default_user.clone(),
-            default_pass: config.default_pass.clone(),
-            loopback_users: config.loopback_users.clone(),
-            store,
-            quorum_body_bytes: quorum_body_bytes(&limits),
-        },
-        disk,
-    )?;
+    let (broker, report) = Broker::open_on(&config.data_dir, broker_options(&config, store, quorum_body_bytes(&limits)), disk)?;
     tracing::info!(
         queues = report.queues,
         messages = report.messages,
@@ -137,10 +144,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
             let peers = settings.peers.iter().map(|(id, _)| *id).collect();
             crate::quorum::QuorumGroups::clustered(raft_logs.clone(), node.clone(), peers)
         }
-        _ => {
-            let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
-            crate::quorum::QuorumGroups::new(raft_logs.clone(), STANDALONE_NODE_ID, node_addr)
-        }
+        _ => standalone_quorum_groups(&config, raft_logs.clone()),
     };
     broker.set_quorum_host(quorum_groups.clone());
     if let Some(node) = &cluster {

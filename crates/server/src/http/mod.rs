@@ -190,18 +190,10 @@ pub fn prepare<B>(request: &mut hyper::Request<B>, peer: SocketAddr) {
 /// [`prepare`]. Must be called within a tokio runtime.
 pub fn standalone_router(data_dir: &std::path::Path) -> Result<Router, String> {
     let config = Config { data_dir: data_dir.to_owned(), ..Config::default() };
-    let options = warren_broker::BrokerOptions {
-        default_vhost: config.default_vhost.clone(),
-        default_user: config.default_user.clone(),
-        default_pass: config.default_pass.clone(),
-        loopback_users: config.loopback_users.clone(),
-        store: Default::default(),
-        quorum_body_bytes: warren_broker::DEFAULT_NODE_BODY_BYTES,
-    };
+    let options = crate::server::broker_options(&config, Default::default(), warren_broker::DEFAULT_NODE_BODY_BYTES);
     let (broker, report) = Broker::open(data_dir, options).map_err(|e| e.to_string())?;
     let (raft_logs, _) = warren_cluster::RaftLogs::open_discarding_damaged(broker.store().clone(), &report.store_queues, &[]).map_err(|e| e.to_string())?;
-    let node_addr = warren_cluster::NodeAddr { cluster_addr: String::new(), amqp_addr: config.amqp_addr().to_string() };
-    broker.set_quorum_host(crate::quorum::QuorumGroups::new(raft_logs, 0, node_addr));
+    broker.set_quorum_host(crate::server::standalone_quorum_groups(&config, raft_logs));
     let (_, alarms) = watch::channel(AlarmState::default());
     let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
     let ctx = HttpContext::new(broker, config, None, Arc::new(ConnectionRegistry::default()), alarms, limits);
