@@ -42,28 +42,32 @@ impl Client {
     async fn call(&mut self, action: &str, params: &[(String, String)], ok_codes: &[i64]) -> Result<Value, Error> {
         self.nonce += 1;
         let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let mut all: Vec<(String, String)> = vec![
-            ("Action".into(), action.into()),
-            ("SecretId".into(), self.secret_id.clone()),
-            ("Nonce".into(), self.nonce.to_string()),
-            ("Timestamp".into(), now.to_string()),
-            ("SignatureMethod".into(), "HmacSHA1".into()),
-        ];
-        all.extend_from_slice(params);
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        let text = format!("POST{}/v2/index.php?{}", self.host, all.iter().map(|(k, v)| format!("{}={v}", k.replace('_', "."))).collect::<Vec<_>>().join("&"));
+        let (nonce, timestamp) = (self.nonce.to_string(), now.to_string());
+        let mut all: Vec<(&str, &str)> = vec![("Action", action), ("SecretId", &self.secret_id), ("Nonce", &nonce), ("Timestamp", &timestamp), ("SignatureMethod", "HmacSHA1")];
+        all.extend(params.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        // The SDK's signature, hashed piece by piece (a batch's text is as long as its bodies).
         let mut mac = Hmac::<sha1::Sha1>::new_from_slice(self.secret_key.as_bytes()).map_err(|e| e.to_string())?;
-        mac.update(text.as_bytes());
-        all.push(("Signature".into(), base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())));
-        let body = form_urlencoded::Serializer::new(String::new()).extend_pairs(all.iter()).finish();
-        let head = format!(
-            "POST /v2/index.php HTTP/1.1\r\nHost: {}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n",
-            self.host,
-            body.len()
-        );
-        let s = self.stream.get_mut();
-        s.write_all(head.as_bytes()).await.map_err(|e| e.to_string())?;
-        s.write_all(body.as_bytes()).await.map_err(|e| e.to_string())?;
+        mac.update(b"POST");
+        mac.update(self.host.as_bytes());
+        mac.update(b"/v2/index.php?");
+        for (i, (k, v)) in all.iter().enumerate() {
+            if i > 0 {
+                mac.update(b"&");
+            }
+            mac.update(k.replace('_', ".").as_bytes());
+            mac.update(b"=");
+            mac.update(v.as_bytes());
+        }
+        let signature = base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes());
+        all.push(("Signature", &signature));
+        let form_len: usize = all.iter().map(|(k, v)| k.len() + v.len() + 2).sum();
+        let mut form = String::with_capacity(form_len + form_len / 4);
+        form_urlencoded::Serializer::new(&mut form).extend_pairs(all.iter());
+        // Head and body in one write: one segment for a small request, not two.
+        let mut request = format!("POST /v2/index.php HTTP/1.1\r\nHost: {}\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n\r\n", self.host, form.len());
+        request.push_str(&form);
+        self.stream.get_mut().write_all(request.as_bytes()).await.map_err(|e| e.to_string())?;
         let mut line = String::new();
         let mut length = None;
         let mut status = 0;

@@ -105,6 +105,15 @@ pub async fn receive(request: &Request, batch: bool) -> CmqResult {
     }
 }
 
+/// A body as text: CMQ's bodies are strings (one published over AMQP that is not UTF-8 shows its
+/// invalid bytes as U+FFFD).
+fn text(body: &[u8]) -> String {
+    match std::str::from_utf8(body) {
+        Ok(s) => s.to_owned(),
+        Err(_) => String::from_utf8_lossy(body).into_owned(),
+    }
+}
+
 /// A received message as CMQ shows it.
 fn message_info(r: &Received, next_visible: u64) -> Map<String, Value> {
     let p = BasicProperties::decode(&r.message.properties).unwrap_or_default();
@@ -114,7 +123,7 @@ fn message_info(r: &Received, next_visible: u64) -> Map<String, Value> {
     let dequeue_count = returned.map_or(if r.redelivered { 2 } else { 1 }, |n| n.max(0) + 1);
     let now = now_secs();
     answer([
-        ("msgBody", String::from_utf8_lossy(&r.message.body).into_owned().into()),
+        ("msgBody", text(&r.message.body).into()),
         ("msgId", p.message_id.unwrap_or_default().into()),
         ("receiptHandle", r.handle.clone().into()),
         ("enqueueTime", p.timestamp.unwrap_or(now).into()),

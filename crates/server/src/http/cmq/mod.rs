@@ -8,6 +8,7 @@
 //! (`topics`). A receive is a delivery with a deadline (`receive`). `SendMessage` answers once
 //! the message is durable, as a publisher confirm (`send`). See docs/http.md.
 
+mod json;
 mod messages;
 mod params;
 mod queues;
@@ -139,16 +140,13 @@ pub async fn handle(State(ctx): State<Arc<HttpContext>>, peer: Option<Extension<
         Ok(fields) => (0, String::new(), fields),
         Err(e) => (e.code, e.message, e.extra),
     };
-    let mut out = answer([("code", code.into()), ("message", message.into()), ("requestId", request_id.to_string().into())]);
-    out.extend(fields);
-    ([(header::CONTENT_TYPE, "application/json")], Value::Object(out).to_string()).into_response()
+    ([(header::CONTENT_TYPE, "application/json")], json::answer(code, &message, request_id, &fields)).into_response()
 }
 
 fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Result<Request, CmqError> {
     // The SDK posts the form without a Content-Type: a POST's body is the form whatever it says.
     let raw = if *method == Method::GET { uri.query().unwrap_or("").as_bytes() } else { body };
-    let pairs = params::parse_form(raw)?;
-    let params = Params::new(pairs.clone())?;
+    let params = Params::parse(raw)?;
     let secret_id = params.required("SecretId")?;
     let timestamp: i64 = params.required("Timestamp")?.parse().map_err(|_| CmqError::invalid("Timestamp must be a number of seconds since 1970"))?;
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
@@ -167,7 +165,7 @@ fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri
         tracing::warn!(user = %secret_id, peer = ?peer.map(|p| p.0), "CMQ request refused: unknown SecretId");
         refused()
     })?;
-    if !sign::verify(signature_method, &secret, &sign::canonical(method.as_str(), host, PATH, &pairs), signature) {
+    if !sign::verify(signature_method, &secret, method.as_str(), host, PATH, &params, signature) {
         tracing::warn!(user = %secret_id, peer = ?peer.map(|p| p.0), "CMQ request refused: wrong signature");
         return Err(refused());
     }

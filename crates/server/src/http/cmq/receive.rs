@@ -15,6 +15,7 @@
 //! handle whose lease ended (deleted, or timed out and redelivered) or from before a restart fails.
 
 use std::collections::HashMap;
+use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,7 +91,11 @@ impl Leases {
         for part in [vhost.as_bytes(), b"\0", queue.as_bytes(), b"\0", &lease.to_be_bytes(), &tag.to_be_bytes()] {
             mac.update(part);
         }
-        mac.finalize().into_bytes()[..10].iter().map(|b| format!("{b:02x}")).collect()
+        let mut hex = String::with_capacity(20);
+        for b in &mac.finalize().into_bytes()[..10] {
+            let _ = write!(hex, "{b:02x}");
+        }
+        hex
     }
 
     /// Takes up to `n` messages off `queue`, waiting up to `wait` for the first; they stay

@@ -7,6 +7,8 @@
 use base64::Engine;
 use hmac::{Hmac, Mac};
 
+use super::Params;
+
 /// `SignatureMethod`: HmacSHA1 when absent, as the SDK's default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Method {
@@ -24,47 +26,61 @@ impl Method {
     }
 }
 
-/// The string a request's signature is computed over.
-pub fn canonical(http_method: &str, host: &str, path: &str, params: &[(String, String)]) -> String {
+/// Feeds the text a request's signature is computed over to `out`, piece by piece (a batch's text
+/// is as long as its bodies: it is never built, only hashed).
+fn write_canonical(http_method: &str, host: &str, path: &str, params: &Params, mut out: impl FnMut(&[u8])) {
     let post = http_method.eq_ignore_ascii_case("POST");
-    let mut signed: Vec<&(String, String)> = params.iter().filter(|(k, v)| k != "Signature" && !(post && v.starts_with('@'))).collect();
-    signed.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut out = String::with_capacity(64 + params.iter().map(|(k, v)| k.len() + v.len() + 2).sum::<usize>());
-    out.push_str(&http_method.to_ascii_uppercase());
-    out.push_str(host);
-    out.push_str(path);
-    out.push('?');
-    for (i, (k, v)) in signed.into_iter().enumerate() {
-        if i > 0 {
-            out.push('&');
+    out(http_method.to_ascii_uppercase().as_bytes());
+    out(host.as_bytes());
+    out(path.as_bytes());
+    out(b"?");
+    let mut first = true;
+    // `Params` iterates sorted by name, as the SDK sorts.
+    for (k, v) in params.iter().filter(|(k, v)| *k != "Signature" && !(post && v.starts_with('@'))) {
+        if !first {
+            out(b"&");
         }
-        out.push_str(&k.replace('_', "."));
-        out.push('=');
-        out.push_str(v);
+        first = false;
+        for (i, part) in k.split('_').enumerate() {
+            if i > 0 {
+                out(b".");
+            }
+            out(part.as_bytes());
+        }
+        out(b"=");
+        out(v.as_bytes());
     }
-    out
+}
+
+/// The string a request's signature is computed over.
+pub fn canonical(http_method: &str, host: &str, path: &str, params: &Params) -> String {
+    let mut text = Vec::new();
+    write_canonical(http_method, host, path, params, |piece| text.extend_from_slice(piece));
+    String::from_utf8_lossy(&text).into_owned()
+}
+
+fn hmac<M: Mac + hmac::digest::KeyInit>(key: &str, feed: impl FnOnce(&mut dyn FnMut(&[u8]))) -> String {
+    let mut mac = <M as hmac::digest::KeyInit>::new_from_slice(key.as_bytes()).expect("HMAC takes a key of any length");
+    feed(&mut |piece| mac.update(piece));
+    base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
 }
 
 /// The base64 signature of `text` with `key`.
 pub fn sign(method: Method, key: &str, text: &str) -> String {
-    let digest = match method {
-        Method::Sha1 => {
-            let mut mac = Hmac::<sha1::Sha1>::new_from_slice(key.as_bytes()).expect("HMAC takes a key of any length");
-            mac.update(text.as_bytes());
-            mac.finalize().into_bytes().to_vec()
-        }
-        Method::Sha256 => {
-            let mut mac = Hmac::<sha2::Sha256>::new_from_slice(key.as_bytes()).expect("HMAC takes a key of any length");
-            mac.update(text.as_bytes());
-            mac.finalize().into_bytes().to_vec()
-        }
-    };
-    base64::engine::general_purpose::STANDARD.encode(digest)
+    match method {
+        Method::Sha1 => hmac::<Hmac<sha1::Sha1>>(key, |out| out(text.as_bytes())),
+        Method::Sha256 => hmac::<Hmac<sha2::Sha256>>(key, |out| out(text.as_bytes())),
+    }
 }
 
-/// Whether `given` is the signature of `text` with `key` (compared in constant time).
-pub fn verify(method: Method, key: &str, text: &str, given: &str) -> bool {
-    same(&sign(method, key, text), given)
+/// Whether `given` is the signature with `key` of a request with these parameters (compared in
+/// constant time).
+pub fn verify(method: Method, key: &str, http_method: &str, host: &str, path: &str, params: &Params, given: &str) -> bool {
+    let expected = match method {
+        Method::Sha1 => hmac::<Hmac<sha1::Sha1>>(key, |out| write_canonical(http_method, host, path, params, out)),
+        Method::Sha256 => hmac::<Hmac<sha2::Sha256>>(key, |out| write_canonical(http_method, host, path, params, out)),
+    };
+    same(&expected, given)
 }
 
 /// Whether a MAC the server computed equals the one a client gave, in time that does not depend on
@@ -77,8 +93,9 @@ pub fn same(expected: &str, given: &str) -> bool {
 mod tests {
     use super::*;
 
-    fn params(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
-        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    fn params(pairs: &[(&str, &str)]) -> Params {
+        let form = form_urlencoded::Serializer::new(String::new()).extend_pairs(pairs).finish();
+        Params::parse(form.as_bytes()).unwrap()
     }
 
     #[test]
@@ -96,11 +113,14 @@ mod tests {
         let text = "POSTh/v2/index.php?a=1";
         assert_eq!(sign(Method::Sha1, "key", text), "YvXBdg7BQWEgM3dky4QYy59FfSc=");
         assert_eq!(sign(Method::Sha256, "key", text), "5fndFVNUC3hqUqSL7+nkKcLAYuW1oA2eFh1NDyaZjZU=");
-        assert!(verify(Method::Sha1, "key", text, "YvXBdg7BQWEgM3dky4QYy59FfSc="));
-        assert!(!verify(Method::Sha1, "key", text, "YvXBdg7BQWEgM3dky4QYy59FfSd="));
-        assert!(!verify(Method::Sha1, "kez", text, "YvXBdg7BQWEgM3dky4QYy59FfSc="));
-        assert!(!verify(Method::Sha256, "key", text, "YvXBdg7BQWEgM3dky4QYy59FfSc="));
-        assert!(!verify(Method::Sha1, "key", text, ""));
+        let p = params(&[("a", "1")]);
+        let verify = |m, key, given| verify(m, key, "POST", "h", "/v2/index.php", &p, given);
+        assert!(verify(Method::Sha1, "key", "YvXBdg7BQWEgM3dky4QYy59FfSc="));
+        assert!(verify(Method::Sha256, "key", "5fndFVNUC3hqUqSL7+nkKcLAYuW1oA2eFh1NDyaZjZU="));
+        assert!(!verify(Method::Sha1, "key", "YvXBdg7BQWEgM3dky4QYy59FfSd="));
+        assert!(!verify(Method::Sha1, "kez", "YvXBdg7BQWEgM3dky4QYy59FfSc="));
+        assert!(!verify(Method::Sha256, "key", "YvXBdg7BQWEgM3dky4QYy59FfSc="));
+        assert!(!verify(Method::Sha1, "key", ""));
     }
 
     #[test]
