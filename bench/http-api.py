@@ -6,6 +6,7 @@ machine: `GET /api/queues` and a scrape of `/metrics` and `/metrics/per-object` 
     python3 bench/http-api.py                       # RabbitMQ from ../shared/anchors, Warren from target/release
     python3 bench/http-api.py --queues 1000 --reps 3
     WARREN_BIN=/path/to/warren python3 bench/http-api.py --brokers warren
+    python3 bench/http-api.py --brokers warren --under-load 20   # + the scrape's cost under load
 
 RabbitMQ runs with the management and prometheus plugins (`PLUGINS=... start_cluster.sh 1`: AMQP
 5672, HTTP 15672, metrics 15692); Warren on AMQP 5682, HTTP 15682, metrics 15683."""
@@ -66,11 +67,59 @@ def run(name, amqp, http, prom, args):
     }
 
 
+def cpu_seconds(pid):
+    """User + system CPU of a process so far, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_rate(amqp, seconds):
+    """`warren bench` workload A (1 producer with confirms, 1 consumer) on a queue of its own: msg/s."""
+    import json
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([BIN, "bench", "--uri", f"amqp://guest:guest@127.0.0.1:{amqp}/%2F", "--producers", "1", "--consumers", "1",
+                        "--confirm", "1000", "--multi-ack-every", "100", "--time", str(seconds), "--queue", "bench-load",
+                        "--progress-every", "0", "--json", f.name], capture_output=True, check=True)
+        summary = json.loads(Path(f.name).read_text())
+    return summary["consume_rate"]
+
+
+def under_load(pid, amqp, prom, seconds):
+    """What a per-object scrape costs the broker: its CPU per scrape when idle (the same work under
+    load), and under workload A the scrape's latency and the workload's rate with and without a
+    scrape every second (15 times Prometheus's usual interval)."""
+    url = f"http://127.0.0.1:{prom}/metrics/per-object"
+    before = cpu_seconds(pid)
+    for _ in range(20):
+        requests.get(url, timeout=60).raise_for_status()
+    per_scrape = (cpu_seconds(pid) - before) / 20
+    quiet = bench_rate(amqp, seconds)
+    import threading
+    stop, latencies = threading.Event(), []
+
+    def scrape():
+        while not stop.wait(1.0):
+            t0 = time.perf_counter()
+            requests.get(url, timeout=60).raise_for_status()
+            latencies.append(time.perf_counter() - t0)
+
+    t = threading.Thread(target=scrape)
+    t.start()
+    scraped = bench_rate(amqp, seconds)
+    stop.set()
+    t.join()
+    print(f"per-object scrape: broker CPU {per_scrape * 1000:.1f} ms each when idle = {per_scrape / 15 * 100:.2f}% of a core at a 15 s interval; "
+          f"under workload A: scrape median {statistics.median(latencies):.3f} s, max {max(latencies):.3f} s ({len(latencies)} scrapes); "
+          f"workload A {quiet:,.0f} msg/s without scrapes, {scraped:,.0f} msg/s with one every second", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--queues", type=int, default=10000)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--brokers", default="warren,rabbitmq")
+    p.add_argument("--under-load", type=float, default=0, metavar="SECONDS",
+                   help="Warren only: also measure the scrape's CPU and its effect on a workload of SECONDS")
     args = p.parse_args()
     print(f"started {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}", flush=True)
     results = {}
@@ -87,6 +136,8 @@ def main():
                 except requests.ConnectionError:
                     time.sleep(0.1)
             results["warren"] = run("warren", 5682, 15682, 15683, args)
+            if args.under_load:
+                under_load(proc.pid, 5682, 15683, args.under_load)
         finally:
             proc.terminate()
             proc.wait(30)
