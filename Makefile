@@ -17,13 +17,16 @@ hooks:
 deps:
 	bash scripts/install-test-deps.sh
 
+# Each step is timed and pytest names its slowest tests, so a CI log shows where the time goes
+# (CI must stay under 45 minutes on a 2-core machine).
+test: SHELL := /bin/bash
 test: deps build hooks
-	cargo test --workspace --release --features warren-store/test-hooks,warren-cluster/test-hooks
+	time cargo test --workspace --release --features warren-store/test-hooks,warren-cluster/test-hooks
 	cargo build --release
-	python3 -m pytest -q --timeout=120 tests/python
-	python3 -m pytest -q --timeout=300 tests/cluster
-	cd tests/go && go test ./... -count=1
-	FUZZ_SEED=20261123 bash scripts/fuzz.sh 25
+	time python3 -m pytest -q --timeout=120 --durations=25 tests/python
+	time python3 -m pytest -q --timeout=300 --durations=10 tests/cluster
+	time (cd tests/go && go test ./... -count=1)
+	time FUZZ_SEED=20261123 bash scripts/fuzz.sh 25
 
 # Longer fuzzing: `make fuzz FUZZ_SECONDS=600`.
 FUZZ_SECONDS ?= 300
