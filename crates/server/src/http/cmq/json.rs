@@ -17,12 +17,16 @@ pub fn answer(code: i64, message: &str, request_id: u64, fields: &super::Answer)
     out.push('"');
     for (k, v) in fields {
         out.push(',');
-        write_str(&mut out, k);
-        out.push(':');
-        write_value(&mut out, v);
+        write_field(&mut out, k, v);
     }
     out.push('}');
     out
+}
+
+fn write_field(out: &mut String, name: &str, v: &Value) {
+    write_str(out, name);
+    out.push(':');
+    write_value(out, v);
 }
 
 fn write_value(out: &mut String, v: &Value) {
@@ -44,9 +48,7 @@ fn write_value(out: &mut String, v: &Value) {
                 if i > 0 {
                     out.push(',');
                 }
-                write_str(out, k);
-                out.push(':');
-                write_value(out, v);
+                write_field(out, k, v);
             }
             out.push('}');
         }

@@ -52,35 +52,37 @@ fn write_canonical(http_method: &str, host: &str, path: &str, params: &Params, m
     }
 }
 
-/// The string a request's signature is computed over.
-pub fn canonical(http_method: &str, host: &str, path: &str, params: &Params) -> String {
+/// The string a request's signature is computed over (the tests compare it with the SDK's).
+#[cfg(test)]
+fn canonical(http_method: &str, host: &str, path: &str, params: &Params) -> String {
     let mut text = Vec::new();
     write_canonical(http_method, host, path, params, |piece| text.extend_from_slice(piece));
     String::from_utf8_lossy(&text).into_owned()
 }
 
-fn hmac<M: Mac + hmac::digest::KeyInit>(key: &str, feed: impl FnOnce(&mut dyn FnMut(&[u8]))) -> String {
-    let mut mac = <M as hmac::digest::KeyInit>::new_from_slice(key.as_bytes()).expect("HMAC takes a key of any length");
-    feed(&mut |piece| mac.update(piece));
-    base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+/// The base64 signature, with `key`, of the text `feed` writes.
+fn signature(method: Method, key: &str, feed: impl FnOnce(&mut dyn FnMut(&[u8]))) -> String {
+    fn hmac<M: Mac + hmac::digest::KeyInit>(key: &str, feed: impl FnOnce(&mut dyn FnMut(&[u8]))) -> String {
+        let mut mac = <M as hmac::digest::KeyInit>::new_from_slice(key.as_bytes()).expect("HMAC takes a key of any length");
+        feed(&mut |piece| mac.update(piece));
+        base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())
+    }
+    match method {
+        Method::Sha1 => hmac::<Hmac<sha1::Sha1>>(key, feed),
+        Method::Sha256 => hmac::<Hmac<sha2::Sha256>>(key, feed),
+    }
 }
 
 /// The base64 signature of `text` with `key`.
-pub fn sign(method: Method, key: &str, text: &str) -> String {
-    match method {
-        Method::Sha1 => hmac::<Hmac<sha1::Sha1>>(key, |out| out(text.as_bytes())),
-        Method::Sha256 => hmac::<Hmac<sha2::Sha256>>(key, |out| out(text.as_bytes())),
-    }
+#[cfg(test)]
+fn sign(method: Method, key: &str, text: &str) -> String {
+    signature(method, key, |out| out(text.as_bytes()))
 }
 
 /// Whether `given` is the signature with `key` of a request with these parameters (compared in
 /// constant time).
 pub fn verify(method: Method, key: &str, http_method: &str, host: &str, path: &str, params: &Params, given: &str) -> bool {
-    let expected = match method {
-        Method::Sha1 => hmac::<Hmac<sha1::Sha1>>(key, |out| write_canonical(http_method, host, path, params, out)),
-        Method::Sha256 => hmac::<Hmac<sha2::Sha256>>(key, |out| write_canonical(http_method, host, path, params, out)),
-    };
-    same(&expected, given)
+    same(&signature(method, key, |out| write_canonical(http_method, host, path, params, out)), given)
 }
 
 /// Whether a MAC the server computed equals the one a client gave, in time that does not depend on
