@@ -184,21 +184,25 @@ def test_the_declaring_node_leads_a_quorum_queue_first_unless_balanced(cluster):
 def test_a_leadership_transfer_to_a_node_that_stops_is_sent_elsewhere(cluster):
     """A leader transferring its leadership takes no writes until the target wins; a target that
     stopped (SIGSTOP) never does. The leader sends the transfer again to a
-    live caught-up voter after 3 s, so the queue takes publishes again instead of stalling for good."""
+    live caught-up voter after 3 s, so the queue takes publishes again instead of stalling for good. A publish taken meanwhile waits
+    for the transfer to land or be sent elsewhere: it is not forwarded to the stopped target (its
+    outcome would be unknown, so nacked)."""
     name = QUEUES[0]
     declare_on_one(cluster, name)
     group = eventually(lambda: (lambda gs: gs[0] if len(gs) == 1 and gs[0]["state"] == "leader" else None)(queue_groups(cluster[1])), timeout=10)
     leader = group["leader"]
     target, other = [n for n in (1, 2, 3) if n != leader]
+    # Connected first, so the publish reaches the leader while the stopped target is not yet seen
+    # down (1.2 s of silence): the leader must not forward it to the target its transfer names.
+    c = cluster[leader].connection()
+    ch = c.channel()
+    ch.confirm_delivery()
     cluster[target].proc.send_signal(signal.SIGSTOP)
     try:
         # Reachable or already seen down, the transfer is started and does not land.
         out = ctl(cluster[leader], "transfer-leader", str(group["group"]), str(target))
         assert "leadership transfer to node" in out, out
         started = time.time()
-        c = cluster[leader].connection()
-        ch = c.channel()
-        ch.confirm_delivery()
         ch.basic_publish("", name, b"after-transfer", pika.BasicProperties(delivery_mode=2))  # NackError fails the test
         print(f"confirmed {time.time() - started:.1f} s after the stuck transfer")
         c.close()

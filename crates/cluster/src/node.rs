@@ -299,10 +299,21 @@ struct Handle<SM: RaftStateMachine<TypeConfig>> {
 fn write_outcome<T>(r: Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>, ok: impl FnOnce(T) -> Reply) -> WriteOutcome {
     match r {
         Ok(t) => WriteOutcome::Applied(ok(t)),
-        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => WriteOutcome::NotLeader(f.leader_id),
+        Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => not_leader(&f),
         Err(RaftError::APIError(e @ ClientWriteError::LogEntryDiscarded(_))) => WriteOutcome::Unknown(e.to_string()),
         Err(RaftError::APIError(e)) => WriteOutcome::Fatal(e.to_string()),
         Err(RaftError::Fatal(e)) => WriteOutcome::Fatal(e.to_string()),
+    }
+}
+
+/// A command this replica refused because it does not lead (or no longer takes writes). A leader
+/// handing its leadership over names the target, which does not lead yet and may never (it can be
+/// stopped or cut off, not yet seen down): no hint then, so the caller retries through its own view
+/// of the leader instead of sending the command where its outcome could only become unknown.
+fn not_leader(f: &openraft::error::ForwardToLeader<TypeConfig>) -> WriteOutcome {
+    match f.reason {
+        ForwardReason::LeadershipTransfer => WriteOutcome::NotLeader(None),
+        _ => WriteOutcome::NotLeader(f.leader_id),
     }
 }
 
@@ -378,7 +389,7 @@ where
             use openraft::error::LinearizableReadError;
             match raft.get_read_log_id(openraft::raft::ReadPolicy::ReadIndex).await {
                 Ok((read, _)) => WriteOutcome::Applied(Reply(Bytes::copy_from_slice(&read.log_id().index().to_le_bytes()))),
-                Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => WriteOutcome::NotLeader(f.leader_id),
+                Err(RaftError::APIError(LinearizableReadError::ForwardToLeader(f))) => not_leader(&f),
                 // No quorum answered the leader: it may not lead any more; try again until the deadline.
                 Err(RaftError::APIError(LinearizableReadError::QuorumNotEnough(_))) => WriteOutcome::NotLeader(None),
                 Err(RaftError::Fatal(e)) => WriteOutcome::Fatal(e.to_string()),
