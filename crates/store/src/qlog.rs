@@ -328,14 +328,14 @@ impl QueueLog {
     /// length (`MAX_RAFT_EXTENTS`). Elsewhere the live records are copied into the queue's own
     /// files, so that a slow queue never keeps another queue's messages on disk. Returns bytes
     /// written.
-    pub fn spill(&mut self, seg_size: u64) -> std::io::Result<u64> {
+    pub fn spill(&mut self, now_ms: u64, seg_size: u64) -> std::io::Result<u64> {
         let mut written = 0;
         while let Some(head) = self.tail.front() {
             let base = head.wal.base;
             let run = 1 + self.tail.iter().skip(1).take_while(|r| r.wal.base == base && r.follows_own).count();
-            let live = |r: &TailRecord| !self.gone.contains(r.seq);
-            let first = self.tail.iter().take(run).position(live);
-            let last = self.tail.iter().take(run).rposition(live);
+            let kept = |r: &TailRecord| self.keeps(r, now_ms);
+            let first = self.tail.iter().take(run).position(kept);
+            let last = self.tail.iter().take(run).rposition(kept);
             if let (Some(first), Some(last)) = (first, last) {
                 let (a, b) = (&self.tail[first], &self.tail[last]);
                 let (start, end) = (a.wal.offset, b.wal.offset + b.record.len() as u64);
@@ -352,7 +352,7 @@ impl QueueLog {
                 }
             }
             for rec in self.tail.drain(..run).collect::<Vec<_>>() {
-                if !self.gone.contains(rec.seq) {
+                if self.keeps(&rec, now_ms) {
                     self.write_record(&rec.record, rec.seq, rec.timestamp_ms, seg_size)?;
                     written += rec.record.len() as u64;
                 }
@@ -367,6 +367,13 @@ impl QueueLog {
         }
         self.file_next_seq = self.next_seq;
         Ok(written)
+    }
+
+    /// Whether `spill` keeps a tail record: it is live, or consumed but within the queue's
+    /// retention (a rewind may deliver it again). A message acked before the next checkpoint (the
+    /// usual case) is otherwise never written out, and its WAL segment goes after the checkpoint.
+    fn keeps(&self, rec: &TailRecord, now_ms: u64) -> bool {
+        !self.gone.contains(rec.seq) || (self.retention_ms > 0 && rec.timestamp_ms.saturating_add(self.retention_ms) > now_ms)
     }
 
     /// Checkpoint, after `spill`: rewrites sparse segments (see `COMPACT_LIVE_PERCENT`) but the
@@ -540,6 +547,20 @@ impl QueueLog {
         self.gone.insert(start, end.min(self.next_seq));
         self.live_bytes = self.live_bytes.saturating_sub(bytes);
         self.dirty = true;
+    }
+
+    /// When the first consumed segment held only for the queue's retention may go (unix ms): nothing
+    /// else dirties a quiet store, so the writer checkpoints then to let it go (see `collect_garbage`).
+    pub fn retention_ends_at(&self, now_ms: u64) -> Option<u64> {
+        if self.retention_ms == 0 {
+            return None;
+        }
+        self.segments
+            .values()
+            .filter(|seg| self.gone.count_in(seg.first_seq, seg.end_seq) == seg.end_seq - seg.first_seq)
+            .map(|seg| seg.last_ts.saturating_add(self.retention_ms))
+            .filter(|&ends| ends > now_ms)
+            .min()
     }
 
     /// Deletes segments whose seqs are all gone and whose retention has passed; the newest one only if

@@ -506,6 +506,9 @@ pub(crate) struct Writer {
     prev_enqueue: Option<(u64, u64)>,
     last_checkpoint_pos: u64,
     last_checkpoint: Instant,
+    /// When a consumed segment kept only for its queue's retention may go (see
+    /// `QueueLog::retention_ends_at`): a quiet store checkpoints then, so its disk space comes back.
+    retention_ends: Option<Instant>,
     /// The WAL is durable up to here (the last fsync's end): what the next group's synced mark says.
     synced: u64,
     /// The test-only fsync delay (`FSYNC_DELAY_ENV`).
@@ -534,6 +537,8 @@ impl Writer {
             // Recovery made everything it found durable before the writer starts.
             synced: start.pos,
             last_checkpoint: Instant::now(),
+            // Recovery applied no retention: the first checkpoint looks.
+            retention_ends: Some(Instant::now()),
             fsync_delay: fsync_delay_for_tests(),
             shared,
         }
@@ -565,7 +570,7 @@ impl Writer {
                     let deadline = match (unsynced, interval) {
                         (Some(_), Some(iv)) => Some(last_sync + iv),
                         _ if checkpoint_due => Some(self.last_checkpoint + self.shared.checkpoint_idle),
-                        _ => None,
+                        _ => self.retention_checkpoint_at(),
                     };
                     match deadline {
                         Some(d) if Instant::now() >= d => break,
@@ -623,8 +628,9 @@ impl Writer {
                     self.shared.applied(pos);
                 }
             }
-            let quiet_due = self.last_checkpoint.elapsed() >= self.shared.checkpoint_idle
-                && (self.applied > self.last_checkpoint_pos || self.shared.logs.any_dirty_hint());
+            let quiet_due = (self.last_checkpoint.elapsed() >= self.shared.checkpoint_idle
+                && (self.applied > self.last_checkpoint_pos || self.shared.logs.any_dirty_hint()))
+                || self.retention_checkpoint_at().is_some_and(|at| Instant::now() >= at);
             let due_at = checkpoint_due_at(self.shared.checkpoint_bytes, self.tail_queues.len());
             if unsynced.is_none()
                 && (closing || self.applied - self.last_checkpoint_pos >= due_at || self.tail_bytes >= due_at || quiet_due)
@@ -635,6 +641,13 @@ impl Writer {
                 break;
             }
         }
+    }
+
+    /// When a quiet store checkpoints to free segments whose retention ended: not before it ends,
+    /// nor sooner than ten idle periods after the last checkpoint (queues whose retention ends one
+    /// after another do not keep the store checkpointing).
+    fn retention_checkpoint_at(&self) -> Option<Instant> {
+        self.retention_ends.map(|at| at.max(self.last_checkpoint + 10 * self.shared.checkpoint_idle))
     }
 
     /// Prepares an empty buffer for appenders so that, once taken, it can be written to the WAL as it is
@@ -798,9 +811,10 @@ impl Writer {
         let mut extents: HashMap<u64, Vec<(u64, u64)>> = HashMap::new();
         let mut compact_budget = crate::qlog::COMPACT_READ_BUDGET;
         let mut obsolete = Vec::new();
+        let mut retention_ends: Option<u64> = None;
         for log in shared.logs.all() {
             let mut log = log.lock();
-            match log.spill(shared.queue_segment_size) {
+            match log.spill(now, shared.queue_segment_size) {
                 Ok(n) => spilled += n,
                 Err(e) => fatal("writing a queue segment", &crate::qlog::queue_dir(&shared.dir, log.id), &e),
             }
@@ -813,6 +827,9 @@ impl Writer {
             }
             let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
+            if let Some(at) = log.retention_ends_at(now) {
+                retention_ends = Some(retention_ends.map_or(at, |r| r.min(at)));
+            }
             log.dirty = false;
             for (base, start, end) in log.extents() {
                 extents.entry(base).or_default().push((start, end));
@@ -858,6 +875,7 @@ impl Writer {
         }
         self.last_checkpoint_pos = self.applied;
         self.last_checkpoint = Instant::now();
+        self.retention_ends = retention_ends.map(|at| self.last_checkpoint + Duration::from_millis(at.saturating_sub(now)));
         // WAL segments that end at or before the checkpoint are no longer needed, unless a queue's extent
         // is in them: deleted by the reclaimer (see `crate::reclaim`).
         let mut delete = Vec::new();

@@ -277,6 +277,53 @@ fn retention_keeps_consumed_messages_and_seek_time_finds_them() {
     assert!(store.read(4, 0, 10, 1 << 20).unwrap().messages.is_empty());
 }
 
+/// The usual case: messages acked before the next checkpoint (here, before any). Their WAL segments
+/// go after the checkpoint, so the checkpoint must write the retained ones to the queue's files.
+#[test]
+fn retention_keeps_messages_acked_before_the_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = StoreOptions { checkpoint_bytes: 256 << 10, ..opts() };
+    let (store, _) = open(dir.path(), o.clone());
+    store.set_retention(4, 3_600_000);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    put_at(&store, 4, 0..100, 1000, now - 10_000);
+    ack(&store, 4, 0..100, 1000);
+    put(&store, 6, 0..100, 1000); // acked too, no retention: not kept
+    ack(&store, 6, 0..100, 1000);
+    let start = store.stats().checkpoints;
+    put(&store, 9, 0..1000, 1000); // ~1 MB: several checkpoints, the WAL segments before them deleted
+    assert!(checkpoints_since(&store, start, 2) >= 2, "no checkpoint");
+    store.close().unwrap();
+    let (store, _) = open(dir.path(), o);
+    assert_eq!(store.seek_time(4, now - 10_000 + 50).unwrap(), Some(50), "the consumed messages are still on disk");
+    assert_eq!(store.seek_time(4, 0).unwrap(), Some(0));
+    assert!(files_with_ext(&dir.path().join("queues/6"), "qseg").is_empty(), "without retention, nothing consumed is written out");
+    assert!(store.read(4, 0, 10, 1 << 20).unwrap().messages.is_empty(), "consumed: not read back as ready");
+}
+
+/// Nothing is appended once the retention of consumed messages ends: the store still frees them.
+#[test]
+fn a_quiet_store_frees_consumed_messages_when_their_retention_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _) = open(dir.path(), StoreOptions { checkpoint_idle_ms: 100, ..opts() });
+    store.set_retention(4, 1_500);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    put_at(&store, 4, 0..50, 1000, now);
+    ack(&store, 4, 0..50, 1000);
+    let files = || files_with_ext(&dir.path().join("queues/4"), "qseg").len();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while files() == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(files() > 0, "the idle checkpoint writes the retained messages out");
+    let written = Instant::now();
+    while files() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(files(), 0, "retention ended {} ms after the checkpoint wrote them; still on disk", 1_500);
+    assert!(written.elapsed() >= Duration::from_millis(1_000), "freed before the retention ended");
+}
+
 #[test]
 fn dropped_queue_files_go_and_its_acks_are_ignored() {
     let dir = tempfile::tempdir().unwrap();
