@@ -2,7 +2,7 @@
 # Installs what the end-to-end tests need on a fresh Debian machine. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pika, pytest, pytest_timeout, requests, cmq.account, selenium" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout requests qcloud-cmq-sdk-py3 selenium
+python3 -c "import pika, pytest, pytest_timeout, xdist, requests, cmq.account, selenium" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout pytest-xdist requests qcloud-cmq-sdk-py3 selenium
 (cd tests/go && go mod download)
 # Fault tests (tests/cluster): `ip` and `tc` (iproute2) make the network namespaces and cut links.
 if { ! command -v ip >/dev/null || ! command -v tc >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
