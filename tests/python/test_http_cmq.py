@@ -388,6 +388,43 @@ def test_topics_route_by_tag_and_by_routing_key_and_amqp_can_subscribe(broker):
     assert error_code(lambda: acct.get_topic("colours").publish_message(Message("x"))) == 4440
 
 
+@pytest.mark.needs_process
+def test_received_messages_are_kept_for_rewind_seconds_across_checkpoints_and_kill9(broker):
+    """rewindSeconds keeps what was received and deleted (rewindmsgNum, the management API's
+    messages_retained, a Prometheus gauge), past the checkpoint after which the WAL that held them
+    goes (before: kept only until then) and a kill -9; it lets them go once the time has passed,
+    on a broker that meanwhile does nothing else. A queue without it keeps nothing."""
+    acct = account(broker)
+    kept = create_queue(acct, "kept", rewindSeconds=3600)
+    brief = create_queue(acct, "brief", rewindSeconds=3)
+    plain = create_queue(acct, "plain")
+    for q in (kept, brief, plain):
+        for b in range(4):
+            q.batch_send_message([Message(f"m-{b}-{i}") for i in range(16)])
+        got = []
+        while msgs := take(q, 0):
+            got += msgs
+        assert len(got) == 64
+    retained = lambda q: q.get_attributes().rewindmsgNum  # noqa: E731
+    assert (retained(kept), retained(brief), retained(plain)) == (64, 64, 0)
+    api = requests.get(f"http://127.0.0.1:{broker.http_port}/api/queues/%2F/kept", auth=("guest", "guest"), timeout=10).json()
+    assert (api["messages_retained"], api["messages"]) == (64, 0)
+    assert "messages_retained" not in requests.get(f"http://127.0.0.1:{broker.http_port}/api/queues/%2F/plain", auth=("guest", "guest"), timeout=10).json()
+    metrics = requests.get(f"http://127.0.0.1:{broker.prometheus_port}/metrics/per-object", timeout=10).text
+    assert 'warren_queue_messages_retained{vhost="/",queue="kept"} 64' in metrics, metrics
+
+    time.sleep(2.5)  # a quiet second: the checkpoint writes the store's tail out, the WAL before it goes
+    assert retained(kept) == 64
+    broker.kill9()
+    broker.start()
+    acct = account(broker)  # the SDK's kept-alive connection died with the broker
+    kept, brief = acct.get_queue("kept"), acct.get_queue("brief")
+    assert retained(kept) == 64, "kept across kill -9"
+    # Three seconds after they were sent, plus the quiet store's wait between checkpoints (10 s).
+    eventually(lambda: retained(brief) == 0, timeout=30, interval=0.5)
+    assert retained(kept) == 64
+
+
 @pytest.fixture
 def cluster(tmp_path):
     yield from three_node_cluster(tmp_path, "cmq-test-secret-0123456789")

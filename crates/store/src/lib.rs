@@ -38,7 +38,7 @@ pub use batch::Batch;
 pub use error::StoreError;
 pub use format::Damage;
 pub use io::{Disk, DiskFile};
-pub use qlog::{ReadBatch, StoredMessage};
+pub use qlog::{ReadBatch, RetentionStats, StoredMessage};
 pub use damaged::damaged_dir;
 pub use recovery::{CorruptSegment, LostMessages, RecoveredQueue, Recovery, RecoveryMode, TornTail};
 pub use store::{Store, StoreOptions, StoreStats, SyncPolicy};

@@ -105,6 +105,15 @@ pub struct StoredMessage {
     pub payload: Bytes,
 }
 
+/// What a queue keeps for its retention ([`crate::Store::retention_stats`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionStats {
+    /// Consumed messages still on disk (a rewind could deliver them again).
+    pub consumed: u64,
+    /// When the oldest message on disk, consumed or not, was enqueued (unix ms).
+    pub oldest_ms: Option<u64>,
+}
+
 /// The result of [`crate::Store::read`].
 #[derive(Debug, Default)]
 pub struct ReadBatch {
@@ -549,17 +558,37 @@ impl QueueLog {
         self.dirty = true;
     }
 
+    /// The consumed messages kept for the queue's retention, and the oldest message's time; zero
+    /// without retention. Counts segment by segment (and the tail's records), not message by message.
+    pub fn retention_stats(&self) -> RetentionStats {
+        if self.retention_ms == 0 {
+            return RetentionStats::default();
+        }
+        let in_segments: u64 = self.segments.values().map(|seg| self.gone.count_in(seg.first_seq, seg.end_seq)).sum();
+        let in_tail = self.tail.iter().filter(|r| self.gone.contains(r.seq)).count() as u64;
+        let oldest_ms = match self.segments.values().next() {
+            Some(seg) if seg.end_seq > seg.first_seq => Some(seg.first_ts),
+            _ => self.tail.front().map(|r| r.timestamp_ms),
+        };
+        RetentionStats { consumed: in_segments + in_tail, oldest_ms }
+    }
+
     /// When the first consumed segment held only for the queue's retention may go (unix ms): nothing
     /// else dirties a quiet store, so the writer checkpoints then to let it go (see `collect_garbage`).
-    pub fn retention_ends_at(&self, now_ms: u64) -> Option<u64> {
+    /// One whose retention ended but that `collect_garbage` kept (the newest, small and in use) may
+    /// go once the queue has been idle `keep_active_idle_ms`.
+    pub fn retention_ends_at(&self, now_ms: u64, keep_active_idle_ms: u64) -> Option<u64> {
         if self.retention_ms == 0 {
             return None;
         }
         self.segments
             .values()
             .filter(|seg| self.gone.count_in(seg.first_seq, seg.end_seq) == seg.end_seq - seg.first_seq)
-            .map(|seg| seg.last_ts.saturating_add(self.retention_ms))
-            .filter(|&ends| ends > now_ms)
+            .map(|seg| match seg.last_ts.saturating_add(self.retention_ms) {
+                ended if ended <= now_ms => self.last_enqueue_ms.saturating_add(keep_active_idle_ms),
+                ends => ends,
+            })
+            .filter(|&at| at > now_ms)
             .min()
     }
 

@@ -312,6 +312,11 @@ impl Store {
             .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
     }
 
+    /// The consumed messages `queue` keeps for its retention (see [`Store::set_retention`]).
+    pub fn retention_stats(&self, queue: u64) -> crate::RetentionStats {
+        self.inner.shared.logs.get(queue).map(|log| log.lock().retention_stats()).unwrap_or_default()
+    }
+
     /// Keeps `queue`'s consumed messages on disk for `retention_ms` after they were enqueued (0: delete
     /// them as soon as they are consumed). Takes effect for the queue's segments at the next checkpoint.
     pub fn set_retention(&self, queue: u64, retention_ms: u64) {

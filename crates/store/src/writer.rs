@@ -827,7 +827,7 @@ impl Writer {
             }
             let (freed, files) = log.collect_garbage(now, true, shared.active_segment_idle_ms);
             shared.counters.note_freed(freed, files);
-            if let Some(at) = log.retention_ends_at(now) {
+            if let Some(at) = log.retention_ends_at(now, shared.active_segment_idle_ms) {
                 retention_ends = Some(retention_ends.map_or(at, |r| r.min(at)));
             }
             log.dirty = false;

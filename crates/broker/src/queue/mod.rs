@@ -468,6 +468,18 @@ impl Queue {
         ready_count(&st).min(u32::MAX as u64) as u32
     }
 
+    /// The consumed messages a classic queue with `x-retention-seconds` keeps on disk (a rewind could
+    /// deliver them again), over its lanes, and when its oldest message on disk was enqueued. Zero
+    /// for other queues, and for a classic queue homed on another node (its home knows).
+    pub fn retention_stats(&self) -> warren_store::RetentionStats {
+        if self.replica.is_some() || self.args.retention_ms == 0 || self.remote_home().is_some() {
+            return warren_store::RetentionStats::default();
+        }
+        self.store_ids().map(|id| self.store.retention_stats(id)).fold(warren_store::RetentionStats::default(), |a, b| {
+            warren_store::RetentionStats { consumed: a.consumed + b.consumed, oldest_ms: a.oldest_ms.into_iter().chain(b.oldest_ms).min() }
+        })
+    }
+
     /// A classic queue living on another node: its home's counts for queue.declare-ok (this node's
     /// copy holds nothing). None for a queue whose counts are this node's.
     pub fn home_counts(&self) -> Option<(u32, u32)> {

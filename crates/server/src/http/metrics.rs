@@ -112,6 +112,8 @@ struct QueueSample {
     ready: u64,
     unacked: u64,
     consumers: u64,
+    /// Consumed messages kept for the queue's retention (`x-retention-seconds`).
+    retained: u64,
 }
 
 /// Every queue's numbers; `named`: with their names, sorted (per-object output), else without
@@ -133,6 +135,7 @@ fn queue_samples(ctx: &HttpContext, vhosts: &[String], named: bool) -> Vec<Queue
                 ready: q.message_count() as u64,
                 unacked: q.unacked_count(),
                 consumers: q.consumer_count() as u64,
+                retained: q.retention_stats().consumed,
             });
         }
     }
@@ -162,11 +165,12 @@ fn render(ctx: &HttpContext, scope: Scope) -> String {
     out.single("rabbitmq_queues", "gauge", "Queues available", queues.len());
     out.single("rabbitmq_consumers", "gauge", "Consumers currently connected", queues.iter().map(|q| q.consumers).sum::<u64>());
 
-    let queue_families: [(&str, &str, fn(&QueueSample) -> u64); 4] = [
+    let queue_families: [(&str, &str, fn(&QueueSample) -> u64); 5] = [
         ("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers", |q| q.ready),
         ("rabbitmq_queue_messages_unacked", "Messages delivered to consumers but not yet acknowledged", |q| q.unacked),
         ("rabbitmq_queue_messages", "Sum of ready and unacknowledged messages - total queue depth", |q| q.ready + q.unacked),
         ("rabbitmq_queue_consumers", "Consumers on a queue", |q| q.consumers),
+        ("warren_queue_messages_retained", "Consumed messages kept on disk for the queue's retention (x-retention-seconds)", |q| q.retained),
     ];
     for (name, help, value) in queue_families {
         out.family(name, "gauge", help);

@@ -157,7 +157,7 @@ pub fn attributes(request: &Request) -> CmqResult {
         ("activeMsgNum", q.message_count().into()),
         ("inactiveMsgNum", q.unacked_count().into()),
         ("delayMsgNum", 0.into()),
-        ("rewindmsgNum", 0.into()),
+        ("rewindmsgNum", q.retention_stats().consumed.into()),
         ("minMsgTime", 0.into()),
         // Warren's own: what AMQP sees of the queue.
         ("queueType", if q.is_quorum() { "quorum" } else { "classic" }.into()),

@@ -57,6 +57,10 @@ pub fn queue_json(ctx: &HttpContext, vhost: &VHost, q: &Queue) -> Value {
         "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
         "message_stats": crate::http::rates::queue_message_stats(&q.stats),
     });
+    if q.args.retention_ms > 0 {
+        // Warren's own: consumed messages kept for x-retention-seconds.
+        v["messages_retained"] = q.retention_stats().consumed.into();
+    }
     if q.is_quorum() {
         let members: Vec<u64> = q.recorded_members().unwrap_or_else(|| vec![this_node_id(ctx)]);
         let leader = match &ctx.cluster {
