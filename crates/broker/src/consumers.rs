@@ -11,10 +11,33 @@
 //! With every consumer at one priority (the usual case) there is one group and the choice is a plain
 //! round-robin cursor, as cheap as a single list.
 
-use crate::channel::Consumer;
+use crate::channel::Channel;
 use crate::error::{BrokerError, Result};
+use crate::queue::Queue;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use warren_protocol::field::FieldTable;
+
+/// A consumer registered on a queue by basic.consume.
+pub struct Consumer {
+    pub tag: Arc<str>,
+    pub channel: Arc<Channel>,
+    pub queue: Arc<Queue>,
+    pub no_ack: bool,
+    pub exclusive: bool,
+    /// Per-consumer prefetch (basic.qos global=false at the time of consume); 0 = unlimited.
+    pub prefetch: u32,
+    /// `x-priority` (see `consumers`).
+    pub priority: i32,
+    /// Unacknowledged deliveries of this consumer (kept by its channel).
+    pub(crate) unacked: AtomicU32,
+}
+
+impl Consumer {
+    pub fn has_credit(&self) -> bool {
+        self.no_ack || self.prefetch == 0 || self.unacked.load(Ordering::Relaxed) < self.prefetch
+    }
+}
 
 /// The consume arguments Warren accepts. `x-cancel-on-ha-failover` concerns mirrored queues failing
 /// over to another node, which cannot happen on one node: accepted and has nothing to do.

@@ -25,6 +25,7 @@ pub mod publisher;
 pub mod queue_args;
 pub mod quorum;
 pub mod routing;
+pub mod sink;
 pub mod stats;
 pub mod vhost;
 
