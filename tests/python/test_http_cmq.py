@@ -388,6 +388,32 @@ def test_topics_route_by_tag_and_by_routing_key_and_amqp_can_subscribe(broker):
     assert error_code(lambda: acct.get_topic("colours").publish_message(Message("x"))) == 4440
 
 
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_dequeue_count_counts_every_return_to_the_queue(broker, kind):
+    """dequeueCount is one more than the times the message came back unacknowledged: leases that
+    ended and AMQP nacks with requeue alike (a classic queue's stopped at 2)."""
+    assert raw(broker, {"Action": "CreateQueue", "queueName": "retried", "queueType": kind, "visibilityTimeout": "1"})["code"] == 0
+    q = account(broker).get_queue("retried")
+    q.send_message(Message("poison"))
+    counts = []
+    for _ in range(3):
+        m = q.receive_message(polling_wait_seconds=5)  # not deleted: back when its lease ends
+        counts.append(m.dequeueCount)
+    conn, ch = amqp(broker)
+    for _ in range(2):
+        method = None
+        deadline = time.time() + 5
+        while method is None and time.time() < deadline:
+            method, _, body = ch.basic_get("retried")
+        assert body == b"poison"
+        ch.basic_nack(method.delivery_tag, requeue=True)
+    conn.close()
+    m = q.receive_message(polling_wait_seconds=5)
+    counts.append(m.dequeueCount)
+    q.delete_message(m.receiptHandle)
+    assert counts == [1, 2, 3, 6]
+
+
 @pytest.mark.needs_process
 def test_received_messages_are_kept_for_rewind_seconds_across_checkpoints_and_kill9(broker):
     """rewindSeconds keeps what was received and deleted (rewindmsgNum, the management API's

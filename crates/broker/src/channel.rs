@@ -171,6 +171,7 @@ impl Channel {
             consumer_tag: consumer.tag.clone(),
             delivery_tag: tag,
             redelivered: entry.redelivered,
+            returned: entry.returned,
             message: entry.message.clone(),
             ack_when_written: if consumer.no_ack { AckWhenWritten::of(&consumer.queue, &entry) } else { None },
         });
@@ -197,6 +198,7 @@ impl Channel {
             channel: self.number,
             delivery_tag: tag,
             redelivered: entry.redelivered,
+            returned: entry.returned,
             message_count,
             message: entry.message.clone(),
             ack_when_written: if no_ack { AckWhenWritten::of(queue, &entry) } else { None },
@@ -274,7 +276,7 @@ impl Channel {
         let Some(consumer_tag) = st.reply.as_ref().map(|r| r.tag.clone()) else { return false };
         let delivery_tag = st.next_tag;
         st.next_tag += 1;
-        self.sink.send(Delivery::Deliver { channel: self.number, consumer_tag, delivery_tag, redelivered: false, message, ack_when_written: None });
+        self.sink.send(Delivery::Deliver { channel: self.number, consumer_tag, delivery_tag, redelivered: false, returned: 0, message, ack_when_written: None });
         true
     }
 

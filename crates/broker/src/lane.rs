@@ -151,7 +151,7 @@ mod tests {
             properties: bytes::Bytes::new(),
             body: bytes::Bytes::from_static(b"abc"),
         });
-        Entry { message, seq, stored_bytes: 0, expires_at_ms: None, redelivered: false }
+        Entry { message, seq, stored_bytes: 0, expires_at_ms: None, redelivered: false, returned: 0 }
     }
 
     #[test]

@@ -16,6 +16,8 @@ pub enum Delivery {
         consumer_tag: Arc<str>,
         delivery_tag: u64,
         redelivered: bool,
+        /// Times the queue got it back unacknowledged (`Entry::returned`; 0 when not known).
+        returned: u32,
         message: MessageRef,
         ack_when_written: Option<AckWhenWritten>,
     },
@@ -23,6 +25,7 @@ pub enum Delivery {
         channel: u16,
         delivery_tag: u64,
         redelivered: bool,
+        returned: u32,
         message_count: u32,
         message: MessageRef,
         ack_when_written: Option<AckWhenWritten>,

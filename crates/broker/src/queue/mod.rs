@@ -68,6 +68,10 @@ pub struct Entry {
     pub stored_bytes: u64,
     pub expires_at_ms: Option<u64>,
     pub redelivered: bool,
+    /// How many times it came back to this queue unacknowledged (rejected or nacked with requeue, its
+    /// channel closed, a CMQ lease ended) since this node took it: CMQ's `dequeueCount` is one more.
+    /// Not stored: after a restart a message counts from its redelivered flag again.
+    pub returned: u32,
 }
 
 impl Entry {
@@ -688,7 +692,7 @@ impl Queue {
             st.select(level);
             if self.args.overflow != Overflow::DropHead && self.is_full(&st, message.body_len() as u64) {
                 if self.args.overflow == Overflow::RejectPublishDlx {
-                    let entry = Entry { message: message.clone(), seq: 0, stored_bytes: 0, expires_at_ms: None, redelivered: false };
+                    let entry = Entry { message: message.clone(), seq: 0, stored_bytes: 0, expires_at_ms: None, redelivered: false, returned: 0 };
                     self.dead_letter_into(&mut after, entry, DeathReason::MaxLen);
                 }
                 drop(st);
@@ -734,7 +738,7 @@ impl Queue {
                 let expires_at_ms = self.expiry_for(message, now_ms);
                 st.ready_bytes += message.body_len() as u64;
                 st.ready_mem += message.memory_bytes() as u64;
-                st.ready.push_back(Entry { message: message.clone(), seq, stored_bytes, expires_at_ms, redelivered: false });
+                st.ready.push_back(Entry { message: message.clone(), seq, stored_bytes, expires_at_ms, redelivered: false, returned: 0 });
             }
             self.drop_head_over_limit(&mut st, &mut after);
             self.dispatch_locked(&mut st, now_ms, &mut after);
@@ -895,7 +899,7 @@ impl Queue {
             st.ready_bytes += message.body_len() as u64;
             st.ready_mem += message.memory_bytes() as u64;
             let redelivered = m.seq < st.redelivered_below;
-            st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered });
+            st.ready.push_back(Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered, returned: 0 });
         }
         if st.span_count == 0 {
             st.span_bytes = 0;
@@ -1488,6 +1492,7 @@ impl Queue {
                     Settle::Reject { requeue: true } => {
                         let mut entry = entry;
                         entry.redelivered = true;
+                        entry.returned = entry.returned.saturating_add(1);
                         st.select(self.level_of(&entry.message));
                         push_ready_sorted(&mut st, entry);
                     }

@@ -1132,7 +1132,7 @@ impl QuorumReplica {
                 forget(st, self.group, d.msg_id, &mut after.acks);
             }
             let message = message.map(|m| if d.delivery_count > 0 { with_delivery_count(&m, d.delivery_count) } else { m });
-            entries.push(message.map(|message| Entry { message, seq: d.msg_id, stored_bytes: 0, expires_at_ms: None, redelivered: d.redelivered }));
+            entries.push(message.map(|message| Entry { message, seq: d.msg_id, stored_bytes: 0, expires_at_ms: None, redelivered: d.redelivered, returned: 0 }));
         }
         if let Some(last) = msgs.iter().map(|d| d.msg_id).max().filter(|_| known) {
             self.read_ahead(queue, st, last);

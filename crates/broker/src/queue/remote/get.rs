@@ -112,7 +112,7 @@ impl RemoteHome {
             return Ok(false);
         };
         let seq = if no_ack { 0 } else { self.relays.hold_got(relay, got.delivery.tag) };
-        let entry = Entry { message: Arc::new(stored.message), seq, stored_bytes: 0, expires_at_ms: None, redelivered: got.delivery.redelivered };
+        let entry = Entry { message: Arc::new(stored.message), seq, stored_bytes: 0, expires_at_ms: None, redelivered: got.delivery.redelivered, returned: 0 };
         channel.deliver_get(queue, entry, no_ack, got.remaining);
         Ok(true)
     }

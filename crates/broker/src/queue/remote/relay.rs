@@ -229,7 +229,7 @@ impl RemoteHome {
                     let seq = RELAY_SEQ | *next_seq;
                     held.insert(seq, (relay, tag));
                     r.backlog_bytes += message.memory_bytes();
-                    r.backlog.push_back(Entry { message, seq, stored_bytes: 0, expires_at_ms: None, redelivered });
+                    r.backlog.push_back(Entry { message, seq, stored_bytes: 0, expires_at_ms: None, redelivered, returned: 0 });
                 }
                 hand_over(r, held);
             }

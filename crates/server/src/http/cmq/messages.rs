@@ -117,10 +117,10 @@ fn text(body: &[u8]) -> String {
 /// A received message as CMQ shows it.
 fn message_info(r: &Received, next_visible: u64) -> Map<String, Value> {
     let p = BasicProperties::decode(&r.message.properties).unwrap_or_default();
-    // A quorum queue counts returned deliveries (x-delivery-count); a classic queue only says
-    // whether the message was delivered before.
+    // A quorum queue counts returned deliveries (x-delivery-count); a classic queue counts them in
+    // memory (`Entry::returned`), and after a restart knows only whether it was delivered before.
     let returned = p.headers.as_ref().and_then(|h| h.get("x-delivery-count")).and_then(FieldValue::as_i64);
-    let dequeue_count = returned.map_or(if r.redelivered { 2 } else { 1 }, |n| n.max(0) + 1);
+    let dequeue_count = returned.map_or_else(|| i64::from(r.returned).max(i64::from(r.redelivered)) + 1, |n| n.max(0) + 1);
     let now = now_secs();
     answer([
         ("msgBody", text(&r.message.body).into()),

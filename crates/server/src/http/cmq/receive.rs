@@ -47,8 +47,8 @@ struct Taken {
 impl ClientSink for Taken {
     fn send(&self, delivery: Delivery) {
         match delivery {
-            Delivery::Deliver { delivery_tag, redelivered, message, .. } | Delivery::GetOk { delivery_tag, redelivered, message, .. } => {
-                self.items.lock().push(Received { tag: delivery_tag, redelivered, message, handle: String::new() });
+            Delivery::Deliver { delivery_tag, redelivered, returned, message, .. } | Delivery::GetOk { delivery_tag, redelivered, returned, message, .. } => {
+                self.items.lock().push(Received { tag: delivery_tag, redelivered, returned, message, handle: String::new() });
                 self.arrived.notify_one();
             }
             Delivery::Cancel { .. } => self.arrived.notify_one(),
@@ -60,6 +60,8 @@ impl ClientSink for Taken {
 pub struct Received {
     tag: u64,
     pub redelivered: bool,
+    /// Times its queue got it back unacknowledged (`Entry::returned`).
+    pub returned: u32,
     pub message: MessageRef,
     pub handle: String,
 }
