@@ -257,9 +257,12 @@ def test_signatures_are_checked_and_a_refused_request_changes_nothing(broker):
     r = requests.post(f"http://{host}/v2/index.php", data=tampered, timeout=10).json()
     assert r["code"] == 4100, r
     assert requests.post(f"http://{host}/v2/index.php", data=good, timeout=10).json()["code"] == 0
+    # The same request again (a captured one, replayed within its Timestamp's 300 s): refused.
+    replayed = requests.post(f"http://{host}/v2/index.php", data=good, timeout=10).json()
+    assert replayed["code"] == 4100 and "new Nonce" in replayed["message"], replayed
     acct = account(broker)
     assert [q["queueName"] for q in acct.list_queue()[1]] == ["signed"], "the refused creates made nothing"
-    assert acct.get_queue("signed").get_attributes().activeMsgNum == 1, "the tampered send sent nothing"
+    assert acct.get_queue("signed").get_attributes().activeMsgNum == 1, "the tampered and the replayed sends sent nothing"
     # HmacSHA256 and GET, as the SDK offers them.
     for method, sign in [("GET", "sha1"), ("POST", "sha256"), ("GET", "sha256")]:
         a = account(broker, method=method, sign=sign)

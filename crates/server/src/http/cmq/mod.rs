@@ -13,6 +13,7 @@ mod messages;
 mod params;
 mod queues;
 mod receive;
+mod replay;
 mod send;
 pub mod sign;
 mod topics;
@@ -95,6 +96,8 @@ pub type CmqResult = Result<Answer, CmqError>;
 pub struct Cmq {
     pub leases: receive::Leases,
     pub confirms: send::Confirms,
+    /// Requests taken lately, so a copy is refused (`replay`).
+    seen: replay::SeenRequests,
     next_request: AtomicU64,
     /// Message ids are this (random per start, so ids do not repeat across restarts) plus a count.
     id_prefix: u64,
@@ -106,6 +109,7 @@ impl Default for Cmq {
         Cmq {
             leases: receive::Leases::default(),
             confirms: send::Confirms::default(),
+            seen: replay::SeenRequests::default(),
             next_request: AtomicU64::new(1),
             id_prefix: rand::random::<u32>() as u64,
             next_message: AtomicU64::new(1),
@@ -171,6 +175,20 @@ fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri
     }
     if user.loopback_only && !peer.is_some_and(|p| p.0.ip().is_loopback()) {
         return Err(CmqError::new(code::AUTH_FAILED, format!("user '{}' can only connect via localhost", user.name)));
+    }
+    // Last: only a request that would run is remembered.
+    match ctx.cmq.seen.admit(timestamp, signature, now.saturating_sub(MAX_CLOCK_SKEW_SECS)) {
+        Ok(()) => {}
+        Err(replay::Refused::Seen) => {
+            tracing::warn!(user = %secret_id, peer = ?peer.map(|p| p.0), "CMQ request refused: a copy of one taken before");
+            return Err(CmqError::new(code::AUTH_FAILED, "this request (same parameters, Nonce and Timestamp) was taken before: send each request with a new Nonce"));
+        }
+        Err(replay::Refused::TooOld { floor }) => {
+            return Err(CmqError::new(
+                code::AUTH_FAILED,
+                format!("Timestamp {timestamp} is too old for this server under its current load (at most second {floor} is refused): sign requests just before sending them and check the client's clock"),
+            ));
+        }
     }
     let vhost_name = params.get("vhost").unwrap_or("/");
     let vhost = ctx.broker.vhost(vhost_name).filter(|_| ctx.broker.can_access(&user, vhost_name)).ok_or_else(|| CmqError::new(code::NOT_FOUND, format!("no vhost '{vhost_name}'")))?;
