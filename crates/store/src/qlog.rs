@@ -382,7 +382,17 @@ impl QueueLog {
     /// retention (a rewind may deliver it again). A message acked before the next checkpoint (the
     /// usual case) is otherwise never written out, and its WAL segment goes after the checkpoint.
     fn keeps(&self, rec: &TailRecord, now_ms: u64) -> bool {
-        !self.gone.contains(rec.seq) || (self.retention_ms > 0 && rec.timestamp_ms.saturating_add(self.retention_ms) > now_ms)
+        !self.gone.contains(rec.seq) || self.retains(rec.timestamp_ms, now_ms)
+    }
+
+    /// Whether consumed messages enqueued at `timestamp_ms` are still within the queue's retention.
+    fn retains(&self, timestamp_ms: u64, now_ms: u64) -> bool {
+        self.retention_ms > 0 && timestamp_ms.saturating_add(self.retention_ms) > now_ms
+    }
+
+    /// Whether every seq of `seg` is gone (consumed, or never stored).
+    fn all_gone(&self, seg: &QSeg) -> bool {
+        self.gone.count_in(seg.first_seq, seg.end_seq) == seg.end_seq - seg.first_seq
     }
 
     /// Checkpoint, after `spill`: rewrites sparse segments (see `COMPACT_LIVE_PERCENT`) but the
@@ -402,7 +412,7 @@ impl QueueLog {
         self.compact_judged.retain(|first, _| candidates.iter().any(|s| s.first_seq == *first));
         for seg in candidates {
             let span = seg.len.saturating_sub(seg.start);
-            let retained = self.retention_ms > 0 && seg.last_ts.saturating_add(self.retention_ms) > now_ms;
+            let retained = self.retains(seg.last_ts, now_ms);
             let from = seg.first_seq.max(floor);
             if *budget == 0 || span < min_span || retained || from >= seg.end_seq {
                 continue;
@@ -583,7 +593,7 @@ impl QueueLog {
         }
         self.segments
             .values()
-            .filter(|seg| self.gone.count_in(seg.first_seq, seg.end_seq) == seg.end_seq - seg.first_seq)
+            .filter(|seg| self.all_gone(seg))
             .map(|seg| match seg.last_ts.saturating_add(self.retention_ms) {
                 ended if ended <= now_ms => self.last_enqueue_ms.saturating_add(keep_active_idle_ms),
                 ends => ends,
@@ -609,8 +619,7 @@ impl QueueLog {
             if newest && all_gone && (!newest_too || (busy && small_own)) {
                 break;
             }
-            let retained = seg.last_ts.saturating_add(self.retention_ms) > now_ms && self.retention_ms > 0;
-            if !all_gone || retained {
+            if !all_gone || self.retains(seg.last_ts, now_ms) {
                 break;
             }
             let seg = *seg;
@@ -627,9 +636,7 @@ impl QueueLog {
             // slow first message): an extent in the middle must not pin its WAL segment.
             let middle: Vec<QSeg> = self.segments.values().rev().skip(1).copied().collect();
             for seg in middle {
-                let all_gone = self.gone.count_in(seg.first_seq, seg.end_seq) == seg.end_seq - seg.first_seq;
-                let retained = seg.last_ts.saturating_add(self.retention_ms) > now_ms && self.retention_ms > 0;
-                if all_gone && !retained {
+                if self.all_gone(&seg) && !self.retains(seg.last_ts, now_ms) {
                     if let Some(n) = self.remove_segment(&seg, false) {
                         freed += n;
                         files += u64::from(seg.wal.is_none());
