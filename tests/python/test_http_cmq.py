@@ -454,6 +454,34 @@ def test_received_messages_are_kept_for_rewind_seconds_across_checkpoints_and_ki
     assert retained(kept) == 64
 
 
+def test_rewind_queue_with_the_sdk_receives_deleted_messages_again(broker):
+    """RewindQueue (the SDK's rewindQueue, unix seconds): what was received and deleted since then
+    is received again, in order; what was sent before is not; a queue without rewindSeconds says
+    why."""
+    acct = account(broker)
+    q = create_queue(acct, "rewound", rewindSeconds=3600)
+    q.batch_send_message([Message(f"old-{i}") for i in range(5)])
+    time.sleep(1.1)
+    since = int(time.time())
+    time.sleep(0.01)
+    for b in range(2):
+        q.batch_send_message([Message(f"new-{b}-{i}") for i in range(16)])
+    got = []
+    while msgs := take(q, 0):
+        got += [m.msgBody for m in msgs]
+    assert len(got) == 37
+    q.rewindQueue(since)
+    answer = raw(broker, {"Action": "RewindQueue", "queueName": "rewound", "startConsumeTime": str(since)})
+    assert (answer["code"], answer["rewoundMsgNum"]) == (0, 0), "the first rewind made them ready: nothing consumed since"
+    assert q.get_attributes().activeMsgNum == 32
+    again = []
+    while msgs := take(q, 0):
+        again += [m.msgBody for m in msgs]
+    assert again == [f"new-{b}-{i}" for b in range(2) for i in range(16)]
+    plain = create_queue(acct, "unkept")
+    assert error_code(lambda: plain.rewindQueue(since)) == 4000
+
+
 @pytest.fixture
 def cluster(tmp_path):
     yield from three_node_cluster(tmp_path, "cmq-test-secret-0123456789")

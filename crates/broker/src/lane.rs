@@ -14,7 +14,7 @@
 //! swaps another level in (two moves of a small struct) for a priority queue.
 
 use crate::queue::Entry;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use warren_store::SyncTicket;
 
 /// One FIFO of ready messages and its place in the store.
@@ -62,6 +62,56 @@ pub(crate) struct Lane {
     /// Seq after the last enqueue this lane appended to the store. The store keeps a queue's messages
     /// in seq order and cannot take a lower seq after a higher one (see `Queue::store_message`).
     pub stored_until: u64,
+    /// Consumed messages a rewind made ready again, still only in the store (`queue::rewind`).
+    pub rewound: Rewound,
+}
+
+/// The seq ranges a rewind made ready again and the window has not taken yet: all below the span
+/// (a rewind stops at `span_from`), read back range by range, lowest first, and merged into the
+/// window by seq. Memory is one entry per range (a rewind over messages still unacked or ready
+/// splits its range around them), not per message.
+#[derive(Default)]
+pub(crate) struct Rewound {
+    /// start -> end (exclusive), disjoint.
+    ranges: BTreeMap<u64, u64>,
+    count: u64,
+}
+
+impl Rewound {
+    /// Adds ranges a rewind made live (`Store::take_rewound`: disjoint from every range here, which
+    /// were live before it).
+    pub fn add(&mut self, ranges: &[(u64, u64)]) {
+        for &(a, b) in ranges.iter().filter(|(a, b)| a < b) {
+            self.ranges.insert(a, b);
+            self.count += b - a;
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// The lowest range.
+    pub fn first(&self) -> Option<(u64, u64)> {
+        self.ranges.first_key_value().map(|(a, b)| (*a, *b))
+    }
+
+    /// The lowest range was read (or skipped) up to `seq`: what is below it leaves.
+    pub fn taken_to(&mut self, seq: u64) {
+        let Some((a, b)) = self.first() else { return };
+        self.ranges.remove(&a);
+        let upto = seq.clamp(a, b);
+        self.count -= upto - a;
+        if upto < b {
+            self.ranges.insert(upto, b);
+        }
+    }
+
+    /// Empties it (purge, delete); returns the ranges.
+    pub fn take_all(&mut self) -> Vec<(u64, u64)> {
+        self.count = 0;
+        std::mem::take(&mut self.ranges).into_iter().collect()
+    }
 }
 
 impl Lane {
@@ -69,9 +119,15 @@ impl Lane {
         Lane { store_id, ..Lane::default() }
     }
 
-    /// Ready messages: the window and the span.
+    /// Ready messages: the window, the span and the rewound ones.
     pub fn count(&self) -> u64 {
-        self.ready.len() as u64 + self.span_count
+        self.ready.len() as u64 + self.span_count + self.rewound.count()
+    }
+
+    /// The lowest rewound message comes before the window's head (or the window is empty): it must
+    /// be read before anything is delivered.
+    pub fn rewound_due(&self) -> bool {
+        self.rewound.first().is_some_and(|(a, _)| self.ready.front().is_none_or(|e| e.seq > a))
     }
 
     /// Body bytes of its ready messages.
@@ -152,6 +208,29 @@ mod tests {
             body: bytes::Bytes::from_static(b"abc"),
         });
         Entry { message, seq, stored_bytes: 0, expires_at_ms: None, redelivered: false, returned: 0 }
+    }
+
+    #[test]
+    fn rewound_ranges_are_taken_lowest_first_and_counted() {
+        let mut r = Rewound::default();
+        r.add(&[(50, 150), (160, 170)]);
+        r.add(&[(10, 20)]);
+        assert_eq!((r.count(), r.first()), (120, Some((10, 20))));
+        r.taken_to(15);
+        assert_eq!((r.count(), r.first()), (115, Some((15, 20))));
+        r.taken_to(30); // past the range: all of it
+        assert_eq!((r.count(), r.first()), (110, Some((50, 150))));
+        let mut lane = Lane::new(1);
+        lane.rewound = r;
+        assert!(lane.rewound_due(), "an empty window");
+        lane.ready.push_back(entry(40));
+        assert!(!lane.rewound_due(), "the window's head comes first");
+        lane.ready.clear();
+        lane.ready.push_back(entry(151));
+        assert!(lane.rewound_due());
+        assert_eq!(lane.count(), 111);
+        assert_eq!(lane.rewound.take_all(), vec![(50, 150), (160, 170)]);
+        assert_eq!(lane.count(), 1);
     }
 
     #[test]

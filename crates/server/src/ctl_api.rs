@@ -39,6 +39,14 @@ pub enum ApiCommand {
         /// The queue
         queue: String,
     },
+    /// Makes the consumed messages a queue keeps (x-retention-seconds) ready again from a point in time
+    Rewind {
+        /// The queue
+        queue: String,
+        /// Unix milliseconds, an RFC 3339 time (2026-11-29T10:00:00Z) or a time ago (-90m, -2h, -1d)
+        #[arg(long, allow_hyphen_values = true)]
+        to: String,
+    },
     /// Closes a client connection (its client gets connection.close 320 with the reason)
     CloseConnection {
         /// The connection's name, as `list connections` shows it
@@ -303,6 +311,24 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
             request(t, "DELETE", &format!("/api/queues/{vh}/{}/contents", seg(queue)), None).await?;
             Ok(format!("queue purged: {queue}"))
         }
+        ApiCommand::Rewind { queue, to } => {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+            let to_ms = crate::time_point::parse(to, now)?;
+            let answer = request(t, "POST", &format!("/api/queues/{vh}/{}/rewind", seg(queue)), Some(json!({"to": to_ms}))).await?;
+            if as_json {
+                return pretty(&answer);
+            }
+            let rewound = answer["rewound"].as_u64().unwrap_or(0);
+            Ok(match answer["from"].as_u64() {
+                Some(from) if answer["clamped"] == true => format!(
+                    "queue rewound: {queue}, {rewound} messages ready again from {} (the oldest it keeps; {} was asked)",
+                    rfc3339(from),
+                    rfc3339(to_ms)
+                ),
+                Some(from) => format!("queue rewound: {queue}, {rewound} messages ready again from {}", rfc3339(from)),
+                None => format!("queue rewound: {queue}, nothing kept from {} on", rfc3339(to_ms)),
+            })
+        }
         ApiCommand::CloseConnection { name, reason } => {
             request_with(t, "DELETE", &format!("/api/connections/{}", seg(name)), None, &[("x-reason", reason)]).await?;
             Ok(format!("connection closed: {name}"))
@@ -475,4 +501,12 @@ mod tests {
         assert_eq!(seg("/"), "%2F");
         assert_eq!(seg("a b/c"), "a%20b%2Fc");
     }
+}
+
+/// Unix ms as an RFC 3339 time (UTC, milliseconds).
+fn rfc3339(ms: u64) -> String {
+    i64::try_from(ms)
+        .ok()
+        .and_then(chrono::DateTime::from_timestamp_millis)
+        .map_or_else(|| ms.to_string(), |t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
 }

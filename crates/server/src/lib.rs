@@ -15,3 +15,4 @@ pub mod powercut;
 pub mod queue_members;
 pub mod quorum;
 pub mod server;
+pub mod time_point;

@@ -14,6 +14,8 @@ pub struct Batch {
     drops: Vec<u64>,
     /// (queue, up_to) delivered marks.
     delivered: Vec<(u64, u64)>,
+    /// (queue, from, until) rewinds.
+    rewinds: Vec<(u64, u64, u64)>,
     /// Encoded acks and drops, built by `seal` outside the store's lock.
     pub(crate) tail: Vec<u8>,
     /// Largest payload added, checked by `append` (enqueue itself cannot fail).
@@ -61,13 +63,20 @@ impl Batch {
         self.delivered.push((queue, up_to));
     }
 
+    /// Makes the gone seqs of `queue` in `[from, until)` that are still on disk live again (a rewind:
+    /// see `QueueLog::rewind`); [`crate::Store::take_rewound`] tells which, once it is readable.
+    /// Applied after the batch's acks and delivered marks.
+    pub fn rewind(&mut self, queue: u64, from: u64, until: u64) {
+        self.rewinds.push((queue, from, until));
+    }
+
     /// Records that `queue` was deleted: its files go, later acks for it are ignored.
     pub fn drop_queue(&mut self, queue: u64) {
         self.drops.push(queue);
     }
 
     pub fn is_empty(&self) -> bool {
-        self.enqueues == 0 && self.acks.is_empty() && self.drops.is_empty() && self.delivered.is_empty()
+        self.enqueues == 0 && self.acks.is_empty() && self.drops.is_empty() && self.delivered.is_empty() && self.rewinds.is_empty()
     }
 
     pub fn clear(&mut self) {
@@ -76,6 +85,7 @@ impl Batch {
         self.acks.clear();
         self.drops.clear();
         self.delivered.clear();
+        self.rewinds.clear();
         self.tail.clear();
         self.largest_payload = 0;
     }
@@ -99,13 +109,16 @@ impl Batch {
         for &(q, up_to) in &self.delivered {
             format::encode_delivered(&mut self.tail, q, up_to);
         }
+        for &(q, from, until) in &self.rewinds {
+            format::encode_rewind(&mut self.tail, q, from, until);
+        }
         for &q in &self.drops {
             format::encode_drop(&mut self.tail, q);
         }
     }
 
     pub(crate) fn record_count(&self) -> u64 {
-        (self.enqueues + self.acks.len() + self.drops.len() + self.delivered.len()) as u64
+        (self.enqueues + self.acks.len() + self.drops.len() + self.delivered.len() + self.rewinds.len()) as u64
     }
 
     pub(crate) fn max_payload() -> usize {

@@ -31,6 +31,8 @@
 //!         KIND_DROP    u8 | queue u64
 //!         KIND_DELIVERED u8 | queue u64 | up_to u64   every seq below up_to may have been delivered
 //!         KIND_SYNCED  u8 | synced_to u64 | at u64    the last record of each group (see below)
+//!         KIND_REWIND  u8 | queue u64 | from u64 | until u64   gone seqs in [from, until) still on
+//!                                                  disk are live again (a rewind; `QueueLog::rewind`)
 //! queue:  KIND_ENQUEUE u8 | queue u64 | seq u64 | timestamp_ms u64 | payload   (the WAL record, copied)
 //! ```
 //! A queue's enqueues carry strictly increasing seqs below `u64::MAX` (the queue assigns them under its
@@ -85,6 +87,9 @@ pub const KIND_ACKS: u8 = 2;
 pub const KIND_DROP: u8 = 3;
 pub const KIND_DELIVERED: u8 = 4;
 pub const KIND_SYNCED: u8 = 5;
+/// Written only by a rewind: a store that never rewound stays readable by binaries without it (one
+/// that did is not: they report this kind as damage).
+pub const KIND_REWIND: u8 = 6;
 /// Enqueue body bytes before the payload: kind, queue, seq, timestamp.
 pub const ENQUEUE_FIXED_LEN: usize = 1 + 8 + 8 + 8;
 /// Acks body bytes before the ranges: kind, queue, bytes, count.
@@ -92,6 +97,7 @@ pub const ACKS_FIXED_LEN: usize = 1 + 8 + 8 + 4;
 pub const DROP_LEN: usize = 1 + 8;
 pub const DELIVERED_LEN: usize = 1 + 8 + 8;
 pub const SYNCED_LEN: usize = 1 + 8 + 8;
+pub const REWIND_LEN: usize = 1 + 8 + 8 + 8;
 /// Bytes a synced mark takes in the log.
 pub const SYNCED_RECORD_LEN: usize = RECORD_HEADER_SIZE + SYNCED_LEN;
 pub const WAL_EXT: &str = "wlog";
@@ -192,6 +198,8 @@ pub enum Record<'a> {
     /// The end of a group: when it was taken, the WAL was durable up to `synced_to`; the mark itself
     /// is at position `at` (see the module docs).
     Synced { synced_to: u64, at: u64 },
+    /// The gone seqs of `queue` in `[from, until)` that are still on disk are live again.
+    Rewind { queue: u64, from: u64, until: u64 },
 }
 
 /// The `[start, end)` ranges of an acks record, decoded lazily.
@@ -253,7 +261,8 @@ fn decode(buf: &[u8], verify: bool) -> Result<(Record<'_>, usize), Damage> {
         KIND_DROP if len == DROP_LEN => Record::Drop { queue: u64_at(1) },
         KIND_DELIVERED if len == DELIVERED_LEN => Record::Delivered { queue: u64_at(1), up_to: u64_at(9) },
         KIND_SYNCED if len == SYNCED_LEN => Record::Synced { synced_to: u64_at(1), at: u64_at(9) },
-        KIND_ENQUEUE | KIND_ACKS | KIND_DROP | KIND_DELIVERED | KIND_SYNCED => return Err(Damage::Malformed { kind, len }),
+        KIND_REWIND if len == REWIND_LEN => Record::Rewind { queue: u64_at(1), from: u64_at(9), until: u64_at(17) },
+        KIND_ENQUEUE | KIND_ACKS | KIND_DROP | KIND_DELIVERED | KIND_SYNCED | KIND_REWIND => return Err(Damage::Malformed { kind, len }),
         kind => return Err(Damage::UnknownKind { kind }),
     };
     Ok((record, RECORD_HEADER_SIZE + len))
@@ -275,6 +284,7 @@ pub fn find_record(buf: &[u8], from: usize) -> Option<usize> {
                 KIND_DROP => len == DROP_LEN,
                 KIND_DELIVERED => len == DELIVERED_LEN,
                 KIND_SYNCED => len == SYNCED_LEN,
+                KIND_REWIND => len == REWIND_LEN,
                 _ => false,
             };
         plausible && decode_record(&buf[at..]).is_ok()
@@ -351,6 +361,17 @@ pub fn encode_delivered(out: &mut Vec<u8>, queue: u64, up_to: u64) {
 /// `at`, and everything before `synced_to` was durable when the group was taken.
 pub fn encode_synced(out: &mut Vec<u8>, synced_to: u64, at: u64) {
     encode_kind_and_two(out, KIND_SYNCED, synced_to, at);
+}
+
+pub fn encode_rewind(out: &mut Vec<u8>, queue: u64, from: u64, until: u64) {
+    let start = out.len();
+    out.extend_from_slice(&(REWIND_LEN as u32).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    out.push(KIND_REWIND);
+    for v in [queue, from, until] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    seal(out, start);
 }
 
 /// A record whose body is its kind and two u64s (`DELIVERED_LEN`, `SYNCED_LEN`).

@@ -81,6 +81,44 @@ impl GoneSet {
         (end - start) - already
     }
 
+    /// Makes the gone seqs of `[start, end)` not gone (a rewind: `QueueLog::rewind`). Returns the
+    /// ranges that were gone, in order.
+    pub fn remove(&mut self, start: u64, end: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        if start >= end {
+            return out;
+        }
+        // The floor's part: everything below `start` stays gone, `[end, floor)` becomes a range.
+        if start < self.floor {
+            let old_floor = self.floor;
+            out.push((start, end.min(old_floor)));
+            self.floor = start;
+            if end < old_floor {
+                self.ranges.insert(end, old_floor);
+            }
+        }
+        // A range starting before `start` that reaches into it.
+        if let Some((&s, &e)) = self.ranges.range(..start).next_back() {
+            if e > start {
+                self.ranges.insert(s, start);
+                out.push((start, e.min(end)));
+                if e > end {
+                    self.ranges.insert(end, e);
+                }
+            }
+        }
+        let inside: Vec<(u64, u64)> = self.ranges.range(start..end).map(|(a, b)| (*a, *b)).collect();
+        for (s, e) in inside {
+            self.ranges.remove(&s);
+            out.push((s, e.min(end)));
+            if e > end {
+                self.ranges.insert(end, e);
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
     /// How many seqs in `[start, end)` are gone.
     pub fn count_in(&self, start: u64, end: u64) -> u64 {
         if start >= end {
@@ -150,6 +188,25 @@ mod tests {
     }
 
     #[test]
+    fn remove_makes_gone_seqs_live_again_and_says_which() {
+        let mut g = GoneSet::new(10);
+        g.insert(15, 20);
+        g.insert(25, 30);
+        assert_eq!(g.remove(5, 17), vec![(5, 10), (15, 17)]);
+        assert_eq!(g.floor(), 5);
+        assert!(g.contains(4) && !g.contains(5) && !g.contains(12) && !g.contains(16) && g.contains(17));
+        assert_eq!(g.remove(0, 100), vec![(0, 5), (17, 20), (25, 30)]);
+        assert_eq!((g.floor(), g.range_count()), (0, 0));
+        assert_eq!(g.remove(0, 100), vec![]);
+        // Inside the floor: the part above the removed range stays gone.
+        let mut g = GoneSet::new(100);
+        assert_eq!(g.remove(40, 60), vec![(40, 60)]);
+        assert_eq!((g.floor(), g.ranges().collect::<Vec<_>>()), (40, vec![(60, 100)]));
+        assert_eq!(g.insert(40, 60), 20);
+        assert_eq!((g.floor(), g.range_count()), (100, 0));
+    }
+
+    #[test]
     fn random_against_a_model() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
@@ -163,9 +220,19 @@ mod tests {
             for i in a..b {
                 model[i as usize] = true;
             }
+            if rng.gen_range(0..4) == 0 {
+                let a = rng.gen_range(0..300u64);
+                let b = (a + rng.gen_range(1..30)).min(300);
+                let removed: u64 = g.remove(a, b).iter().map(|(x, y)| y - x).sum();
+                assert_eq!(removed, (a..b).filter(|&i| model[i as usize]).count() as u64);
+                for i in a..b {
+                    model[i as usize] = false;
+                }
+            }
             let s = rng.gen_range(0..300u64);
             let e = rng.gen_range(s..=300);
             assert_eq!(g.count_in(s, e), (s..e).filter(|&i| model[i as usize]).count() as u64);
+            assert_eq!(g.next_live(s), (s..300).find(|&i| !model[i as usize]).unwrap_or(300).max(s));
             assert_eq!(g.contains(s), model[s as usize]);
         }
     }

@@ -124,6 +124,9 @@ pub struct ReadBatch {
     /// Messages that could not be read back because a queue segment was damaged (logged); they are now
     /// counted as gone.
     pub lost: u64,
+    /// Seqs that were live but have no record: a rewind made them live (`QueueLog::rewind` goes by
+    /// segment ranges, and a seq in one may never have been stored). They are gone now.
+    pub holes: u64,
 }
 
 /// An enqueue record that is only in the WAL so far.
@@ -229,6 +232,8 @@ pub(crate) struct QueueLog {
     /// Seq after the last record the files account for: seqs from here on are in `tail` or gone.
     file_next_seq: u64,
     pub gone: GoneSet,
+    /// Seq ranges rewinds made live since the queue last took them (`Store::take_rewound`).
+    rewound: Vec<(u64, u64)>,
     /// Payload bytes of the live messages.
     pub live_bytes: u64,
     pub retention_ms: u64,
@@ -263,6 +268,7 @@ impl QueueLog {
             tail: VecDeque::new(),
             file_next_seq: 0,
             gone: GoneSet::new(0),
+            rewound: Vec::new(),
             live_bytes: 0,
             retention_ms: 0,
             delivered_until: 0,
@@ -568,6 +574,60 @@ impl QueueLog {
         self.dirty = true;
     }
 
+    /// A rewind: the gone seqs of `[from, until)` still on disk (in a segment's seq range, or a record
+    /// of the tail) are live again, so reads return them and nothing lets them go. Applied by the
+    /// writer and by replay alike, from the same state: replay lets nothing go by time (see
+    /// `recovery::replay`), so a rewind that was answered finds the same seqs after a crash. A seq in a
+    /// segment's range that was never stored (a store error at publish) becomes live without a record:
+    /// `read` finds it missing and makes it gone again (`ReadBatch::holes`). Live bytes grow by an
+    /// estimate (each segment's average). Returns how many seqs became live.
+    pub fn rewind(&mut self, from: u64, until: u64) -> std::io::Result<u64> {
+        self.flush()?;
+        let until = until.min(self.next_seq);
+        if from >= until {
+            return Ok(0);
+        }
+        let mut made_live = Vec::new();
+        let overlapping: Vec<QSeg> = self.segments.range(..until).map(|(_, s)| *s).filter(|s| s.end_seq > from).collect();
+        for seg in overlapping {
+            let per_message = seg.len.saturating_sub(seg.start) / seg.end_seq.saturating_sub(seg.first_seq).max(1);
+            for (a, b) in self.gone.remove(from.max(seg.first_seq), until.min(seg.end_seq)) {
+                self.live_bytes = self.live_bytes.saturating_add((b - a).saturating_mul(per_message));
+                push_merged(&mut made_live, a, b);
+            }
+        }
+        let tail_live: Vec<(u64, u64)> = self
+            .tail
+            .iter()
+            .filter(|r| (from..until).contains(&r.seq) && r.seq >= self.file_next_seq && self.gone.contains(r.seq))
+            .map(|r| (r.seq, r.payload().len() as u64))
+            .collect();
+        for (seq, bytes) in tail_live {
+            self.gone.remove(seq, seq + 1);
+            self.live_bytes = self.live_bytes.saturating_add(bytes);
+            push_merged(&mut made_live, seq, seq + 1);
+        }
+        let count = made_live.iter().map(|(a, b)| b - a).sum();
+        if count > 0 {
+            self.dirty = true;
+        }
+        self.rewound.extend(made_live);
+        Ok(count)
+    }
+
+    /// The seq ranges rewinds made live since the last call, in order of the rewinds.
+    pub fn take_rewound(&mut self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.rewound)
+    }
+
+    /// Live seqs `[from, to)` that a read found without a record (see `rewind`): gone now.
+    fn holes_found(&mut self, from: u64, to: u64, out: &mut ReadBatch) {
+        if from < to {
+            out.holes += self.gone.insert(from, to);
+            self.dirty = true;
+        }
+    }
+
     /// The consumed messages kept for the queue's retention, and the oldest message's time; zero
     /// without retention. Counts segment by segment (and the tail's records), not message by message.
     pub fn retention_stats(&self) -> RetentionStats {
@@ -702,7 +762,11 @@ impl QueueLog {
                 _ => (seg.start, seg.first_seq),
             };
             if offset >= seg.len {
-                break; // the rest of this segment is not written yet
+                // Every record of the segment is behind us (its length and end seq move together at a
+                // flush): the live seqs left in its range have none.
+                self.holes_found(seq, seg.end_seq, &mut out);
+                out.next_seq = self.gone.next_live(seg.end_seq);
+                continue;
             }
             let want = (max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64;
             let mut chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize, direct)?;
@@ -745,6 +809,11 @@ impl QueueLog {
                             // Before where this read starts: `next_seq` must not go back to it, or the
                             // next chunk would continue from here.
                             continue;
+                        }
+                        if rseq > out.next_seq {
+                            // Records come in seq order: the live seqs passed have none.
+                            let from = out.next_seq;
+                            self.holes_found(from, rseq, &mut out);
                         }
                         out.next_seq = self.gone.next_live(rseq + 1);
                         if self.gone.contains(rseq) {
@@ -860,6 +929,11 @@ impl QueueLog {
     /// The first seq whose message was enqueued at or after `timestamp_ms` (gone ones included, as long as
     /// they are still on disk), or `next_seq` if there is none.
     pub fn seek_time(&mut self, timestamp_ms: u64) -> std::io::Result<u64> {
+        Ok(self.first_at_or_after(timestamp_ms)?.map_or(self.next_seq, |(seq, _)| seq))
+    }
+
+    /// The first message on disk (gone or not) enqueued at or after `timestamp_ms`: (seq, when).
+    pub fn first_at_or_after(&mut self, timestamp_ms: u64) -> std::io::Result<Option<(u64, u64)>> {
         let candidates: Vec<QSeg> = self.segments.values().copied().collect();
         for seg in candidates {
             if seg.last_ts < timestamp_ms {
@@ -869,14 +943,14 @@ impl QueueLog {
             let mut pos = 0;
             while let Ok((record, n)) = format::decode_record(&data[pos..]) {
                 if let Record::Enqueue { queue, seq, timestamp_ms: ts, .. } = record {
-                    if queue == self.id && ts >= timestamp_ms {
-                        return Ok(seq);
+                    if queue == self.id && ts >= timestamp_ms && seq < seg.end_seq {
+                        return Ok(Some((seq, ts)));
                     }
                 }
                 pos += n;
             }
         }
-        Ok(self.tail.iter().find(|r| r.timestamp_ms >= timestamp_ms).map_or(self.next_seq, |r| r.seq))
+        Ok(self.tail.iter().find(|r| r.timestamp_ms >= timestamp_ms).map(|r| (r.seq, r.timestamp_ms)))
     }
 
     /// Removes the queue's files (the queue was deleted).
@@ -984,6 +1058,14 @@ fn surviving_records(path: &Path, start: u64, len: u64, first_seq: u64) -> (u64,
     ((at as u64).min(len).max(start.min(len)), next)
 }
 
+/// Appends `[a, b)` to ranges in rising order, merged with the last one if they touch.
+fn push_merged(ranges: &mut Vec<(u64, u64)>, a: u64, b: u64) {
+    match ranges.last_mut() {
+        Some(last) if last.1 == a => last.1 = b,
+        _ => ranges.push((a, b)),
+    }
+}
+
 /// The timestamp of the first enqueue record in `buf`.
 fn first_timestamp(buf: &[u8]) -> Option<u64> {
     match format::decode_record(buf) {
@@ -1059,9 +1141,13 @@ impl QueueLogs {
         self.logs.lock().remove(&id)
     }
 
-    /// Applies an acks, drop or delivered-mark record (enqueues go through `QueueLog::push_tail` or
+    /// Applies an acks, drop, delivered-mark or rewind record (enqueues go through `QueueLog::push_tail` or
     /// `append`): the WAL replay and the writer thread share this. Returns the (bytes, files) of segments deleted.
-    pub fn apply_gone(&self, record: Record<'_>, now_ms: u64, newest_too: bool, keep_active_idle_ms: u64) -> std::io::Result<(u64, u64)> {
+    /// `now_ms` None (replay): nothing is let go. A queue created since the last checkpoint has no
+    /// retention yet while the WAL is replayed (the broker sets it after the start), and a rewind
+    /// further on must find on disk what it found when it was answered, however late the start: the
+    /// first checkpoint after it lets go what is consumed.
+    pub fn apply_gone(&self, record: Record<'_>, now_ms: Option<u64>, newest_too: bool, keep_active_idle_ms: u64) -> std::io::Result<(u64, u64)> {
         let freed = match record {
             Record::Acks { queue, bytes, ranges } => {
                 let Some(log) = self.get(queue) else { return Ok((0, 0)) };
@@ -1073,7 +1159,10 @@ impl QueueLogs {
                     log.ack(start, end, if first { bytes } else { 0 });
                     first = false;
                 }
-                log.collect_garbage(now_ms, newest_too, keep_active_idle_ms)
+                match now_ms {
+                    Some(now_ms) => log.collect_garbage(now_ms, newest_too, keep_active_idle_ms),
+                    None => (0, 0),
+                }
             }
             Record::Delivered { queue, up_to } => {
                 if let Some(log) = self.get(queue) {
@@ -1088,6 +1177,12 @@ impl QueueLogs {
             Record::Drop { queue } => {
                 if let Some(log) = self.remove(queue) {
                     log.lock().destroy();
+                }
+                (0, 0)
+            }
+            Record::Rewind { queue, from, until } => {
+                if let Some(log) = self.get(queue) {
+                    log.lock().rewind(from, until)?;
                 }
                 (0, 0)
             }

@@ -332,7 +332,6 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
     }
 
     // Then replay.
-    let now = crate::now_ms();
     let damaged = damaged_dir(dir);
     let mut active: Option<(u64, usize)> = None;
     let mut set_aside: Vec<(PathBuf, u64, u64)> = Vec::new();
@@ -342,7 +341,7 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
         let cut_at = j.cut.as_ref().map_or(usize::MAX, |(offset, _)| *offset);
         for &(start, end) in j.scan.records.iter().take_while(|&&(start, _)| start < cut_at) {
             if j.base + start as u64 >= cp.wal_pos {
-                replay(&j.data[start..end], dir, &logs, queue_segment_size, now, &mut out)?;
+                replay(&j.data[start..end], dir, &logs, queue_segment_size, &mut out)?;
             }
         }
         let disk_len = j.data.len() as u64;
@@ -436,7 +435,9 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
     file.sync_data().map_err(StoreError::io("fsyncing", segment::path(&wal, base)))?;
 
     for log in logs.all() {
-        let log = log.lock();
+        let mut log = log.lock();
+        // What replayed rewinds made live is simply live now: no queue is waiting to take it.
+        log.take_rewound();
         let floor = log.gone.floor();
         out.queues.push(RecoveredQueue {
             queue: log.id,
@@ -464,7 +465,7 @@ pub(crate) fn recover(disk: &Disk, dir: &Path, queue_segment_size: u64, mode: Re
 }
 
 /// Applies one valid WAL record to the queue logs.
-fn replay(record: &[u8], dir: &Path, logs: &QueueLogs, queue_segment_size: u64, now_ms: u64, out: &mut Recovery) -> Result<(), StoreError> {
+fn replay(record: &[u8], dir: &Path, logs: &QueueLogs, queue_segment_size: u64, out: &mut Recovery) -> Result<(), StoreError> {
     let Ok((decoded, _)) = format::decode_record(record) else { return Ok(()) };
     out.replayed_bytes += record.len() as u64;
     match decoded {
@@ -475,8 +476,9 @@ fn replay(record: &[u8], dir: &Path, logs: &QueueLogs, queue_segment_size: u64, 
                 .map_err(StoreError::io("writing", crate::qlog::queue_dir(dir, queue)))
         }
         Record::Synced { .. } => Ok(()),
-        other @ (Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. }) => {
-            logs.apply_gone(other, now_ms, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
+        other @ (Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. } | Record::Rewind { .. }) => {
+            // Replay lets nothing go (see `apply_gone`).
+            logs.apply_gone(other, None, true, 0).map_err(StoreError::io("writing", dir.join("queues")))?;
             Ok(())
         }
     }

@@ -312,6 +312,28 @@ impl Store {
             .map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
     }
 
+    /// Live messages of `queue` in `seqs`, in order (as [`Store::read`]): a rewound range
+    /// ([`Store::take_rewound`]) is read this way.
+    pub fn read_range(&self, queue: u64, seqs: std::ops::Range<u64>, max_count: usize, max_bytes: usize) -> Result<ReadBatch, StoreError> {
+        self.read_from(queue, seqs, max_count, max_bytes, false)
+    }
+
+    /// The seq ranges of `queue` that rewinds ([`Batch::rewind`]) made live again since the last call,
+    /// once they are readable: the queue delivers them again. Empty after a restart (what a rewind made
+    /// live is simply live then).
+    pub fn take_rewound(&self, queue: u64) -> Vec<(u64, u64)> {
+        self.inner.shared.logs.get(queue).map(|log| log.lock().take_rewound()).unwrap_or_default()
+    }
+
+    /// The first message of `queue` still on disk (consumed or not) that was enqueued at or after
+    /// `timestamp_ms`: (seq, enqueue time); None if there is none. Reads segments whole under the
+    /// queue log's lock (a sparse time index is future work): for rewinds, not the message path.
+    pub fn first_at_or_after(&self, queue: u64, timestamp_ms: u64) -> Result<Option<(u64, u64)>, StoreError> {
+        let Some(log) = self.inner.shared.logs.get(queue) else { return Ok(None) };
+        let mut log = log.lock();
+        log.first_at_or_after(timestamp_ms).map_err(StoreError::io("reading", crate::qlog::queue_dir(&self.inner.shared.dir, queue)))
+    }
+
     /// The consumed messages `queue` keeps for its retention (see [`Store::set_retention`]).
     pub fn retention_stats(&self, queue: u64) -> crate::RetentionStats {
         self.inner.shared.logs.get(queue).map(|log| log.lock().retention_stats()).unwrap_or_default()

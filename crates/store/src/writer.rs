@@ -791,7 +791,7 @@ impl Writer {
                     debug_assert!(false, "{regression}");
                 }
             }
-            Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. } => {
+            Record::Acks { .. } | Record::Drop { .. } | Record::Delivered { .. } | Record::Rewind { .. } => {
                 last = None;
                 apply_other(&shared, record, now);
             }
@@ -930,7 +930,7 @@ impl Writer {
 
 /// Applies an acks or drop record to the queue logs and counts what it freed.
 fn apply_other(shared: &Shared, record: Record<'_>, now_ms: u64) {
-    match shared.logs.apply_gone(record, now_ms, false, shared.active_segment_idle_ms) {
+    match shared.logs.apply_gone(record, Some(now_ms), false, shared.active_segment_idle_ms) {
         Ok((freed, files)) => shared.counters.note_freed(freed, files),
         Err(e) => fatal("writing a queue segment", &shared.dir.join("queues"), &e),
     }

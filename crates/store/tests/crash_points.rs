@@ -10,6 +10,8 @@
 //!   with its payload, unless an ack of it was durable too;
 //! - nothing whose ack was durable came back; a durable drop stays dropped;
 //! - a durable delivered mark did not go backwards;
+//! - queue 6 keeps what was consumed (retention): a durable rewind brings it back, and it stays
+//!   back (unless acked again) through every cut, the clean restart and the replay;
 //! - the store takes and confirms new messages on top.
 //!
 //! Every kind of operation is crashed at (a deterministic sample of each kind: all of the rare ones,
@@ -58,7 +60,14 @@ struct Durable {
     drop_appended: BTreeSet<u64>,
     /// The highest delivered mark per queue whose ticket was durable.
     delivered: HashMap<u64, u64>,
+    /// Seqs of queue 6 a durable rewind made live again.
+    rewound: BTreeSet<u64>,
+    /// Seqs of queue 6 any rewind appended covers (durable or not: it may have reached the disk).
+    rewind_appended: BTreeSet<u64>,
 }
+
+/// The queue with retention: its consumed messages stay on disk for rewinds.
+const RETAINED: u64 = 6;
 
 /// One batch of the workload, and what it will mean once durable.
 #[derive(Default)]
@@ -68,6 +77,8 @@ struct Step {
     acks: Vec<(u64, u64)>,
     drop: Option<u64>,
     delivered: Option<(u64, u64)>,
+    /// Seqs of queue 6 the rewind in `batch` covers (all consumed and acked durably before it).
+    rewind: Vec<u64>,
 }
 
 impl Step {
@@ -95,6 +106,7 @@ fn run_steps(store: &Store, steps: Vec<Step>, d: &mut Durable) -> bool {
         }
         d.ack_appended.extend(step.acks.iter().copied());
         d.drop_appended.extend(step.drop);
+        d.rewind_appended.extend(step.rewind.iter().copied());
         match store.append(&mut step.batch) {
             Ok(ticket) => waiting.push((ticket, step)),
             Err(_) => break,
@@ -107,6 +119,7 @@ fn run_steps(store: &Store, steps: Vec<Step>, d: &mut Durable) -> bool {
                     d.enqueued.insert((q, s), len);
                 }
                 d.acked.extend(step.acks);
+                d.rewound.extend(step.rewind);
                 if let Some(q) = step.drop {
                     d.dropped.insert(q);
                 }
@@ -132,7 +145,12 @@ const MID: usize = 12 << 10;
 /// rolls and a clean restart. Returns the durable facts and whether it ran to the end.
 fn workload(sim: &Arc<SimDisk>, dir: &Path, o: &StoreOptions) -> (Durable, bool) {
     let mut d = Durable::default();
-    let open = || Store::open_on(dir, o.clone(), Disk::simulated(sim.clone())).ok().map(|(s, _)| s);
+    let open = || {
+        let store = Store::open_on(dir, o.clone(), Disk::simulated(sim.clone())).ok().map(|(s, _)| s)?;
+        // (Enqueue times are the seqs: long past. A retention reaching back to 1970.)
+        store.set_retention(RETAINED, u64::MAX / 4);
+        Some(store)
+    };
     let Some(mut store) = open() else { return (d, false) };
     let mut ok = true;
     // Each entry is one step, or several appended without waiting.
@@ -141,6 +159,9 @@ fn workload(sim: &Arc<SimDisk>, dir: &Path, o: &StoreOptions) -> (Durable, bool)
         steps.push(Box::new(move || {
             let mut s = Step::default();
             s.enqueue(2, i, SMALL).enqueue(3, i, SMALL);
+            if i < 20 {
+                s.enqueue(RETAINED, i, SMALL);
+            }
             if i % 5 == 4 {
                 s.ack(2, i - 4..i - 1, SMALL); // seq i-1 stays unacked for a while: out of order
                 s.batch.delivered(3, i + 1);
@@ -196,12 +217,20 @@ fn workload(sim: &Arc<SimDisk>, dir: &Path, o: &StoreOptions) -> (Durable, bool)
                             s.ack(2, g + 3..g + 5, SMALL);
                         }
                         s.ack(3, 0..30, SMALL);
+                        s.ack(RETAINED, 0..20, SMALL); // consumed: kept for the retention
                     }
                     s
                 })
                 .collect()
         }));
     }
+    steps.push(Box::new(|| {
+        // Before the restart: the replay after a cut must make the same seqs live again.
+        let mut s = Step::default();
+        s.batch.rewind(RETAINED, 4, 12);
+        s.rewind = (4..12).collect();
+        vec![s]
+    }));
     steps.push(Box::new(Vec::new)); // a clean restart: queue 5 is in its own files
     steps.push(Box::new(|| {
         // Seq 4 stays: its file, whose first record is gone, is rewritten at the final checkpoint
@@ -213,6 +242,13 @@ fn workload(sim: &Arc<SimDisk>, dir: &Path, o: &StoreOptions) -> (Durable, bool)
     steps.push(Box::new(|| {
         let mut s = Step::default();
         s.ack(1, 40..120, BIG); // the middle of the backlog first
+        s.ack(RETAINED, 4..6, SMALL); // two rewound ones consumed again
+        vec![s]
+    }));
+    steps.push(Box::new(|| {
+        let mut s = Step::default();
+        s.batch.rewind(RETAINED, 0, 20);
+        s.rewind = (0..20).collect();
         vec![s]
     }));
     steps.push(Box::new(|| {
@@ -298,6 +334,25 @@ fn check(sim: &Arc<SimDisk>, dir: &Path, d: &Durable, what: &str) {
             assert!(store.delivered_until(q) >= mark, "{what}: queue {q}'s durable delivered mark {mark} went back");
         }
     }
+    // Queue 6: live is what a rewind brought back and nothing consumed again; a durable rewind's
+    // seqs are there unless an ack of them was appended after it (the acks of 4..6 follow the first).
+    let got = read_all(&store, RETAINED);
+    let seqs: Vec<u64> = got.iter().map(|(s, _)| *s).collect();
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{what}: queue 6 in order, each once: {seqs:?}");
+    for (s, p) in &got {
+        assert_eq!(p[..], payload(RETAINED, *s, SMALL)[..], "{what}: queue 6 seq {s} payload");
+        let acked = d.acked.contains(&(RETAINED, *s));
+        assert!(!acked || d.rewind_appended.contains(s), "{what}: queue 6 seq {s} was consumed durably, never rewound, and came back");
+    }
+    let second_rewind_durable = d.rewound.contains(&0);
+    for s in &d.rewound {
+        let consumed_again = (4..6).contains(s) && d.ack_appended.contains(&(RETAINED, *s)) && !second_rewind_durable;
+        if !consumed_again {
+            assert!(seqs.contains(s), "{what}: queue 6 seq {s} was rewound durably and is not there: {seqs:?}");
+        }
+    }
+    let reported = rec.queues.iter().find(|r| r.queue == RETAINED).map_or(0, |r| r.live_count);
+    assert_eq!(reported, got.len() as u64, "{what}: queue 6's live count matches what reads back");
     // The store works on top of what it recovered.
     let mut b = Batch::new();
     b.enqueue(9, 0, 0, &[b"after"]);

@@ -14,6 +14,9 @@
 pub mod body_memory;
 pub mod remote;
 pub mod replica;
+mod rewind;
+
+pub use rewind::RewindOutcome;
 
 use crate::channel::{Channel, Consumer, Settle};
 use crate::consumers::Consumers;
@@ -258,6 +261,8 @@ pub struct Queue {
     /// Messages published to, delivered from and acknowledged on this queue (the management
     /// API's rates).
     pub stats: crate::stats::QueueStats,
+    /// One rewind at a time (`rewind`).
+    rewinding: tokio::sync::Mutex<()>,
 }
 
 /// A read of a lane's span, and the store's durable watermark just before it: messages become readable
@@ -363,6 +368,7 @@ impl Queue {
             transient: std::sync::OnceLock::new(),
             member_relay: std::sync::OnceLock::new(),
             stats: Default::default(),
+            rewinding: tokio::sync::Mutex::new(()),
         })
     }
 
@@ -810,6 +816,12 @@ impl Queue {
     /// it under the lock. Without a runtime (startup, tests) it reads here.
     fn refill_locked(&self, st: &mut QueueState, after: &mut AfterUnlock) {
         let (window_messages, window) = self.window();
+        // Rewound messages below the window's head first (`rewind`).
+        while st.rewound_due() && !st.refill_in_flight {
+            if !self.refill_rewound_locked(st, after) {
+                return;
+            }
+        }
         while st.span_count > 0 && st.ready.len() < window_messages / 2 && st.ready_mem < window / 2 && !st.refill_in_flight {
             if let Some(watermark) = st.refill_found_nothing {
                 if !self.store.is_readable(watermark + 1) {
@@ -966,6 +978,13 @@ impl Queue {
     fn lane_head(&self, st: &mut QueueState, now_ms: u64, inclusive: bool, after: &mut AfterUnlock) -> Option<Head> {
         self.refill_locked(st, after);
         self.expire_locked(st, now_ms, inclusive, after);
+        if st.rewound_due() {
+            // (What expired may have uncovered a rewound message below the new head.)
+            self.refill_locked(st, after);
+            if st.refill_in_flight {
+                return Some(Head::Refilling);
+            }
+        }
         if !st.ready.is_empty() {
             return Some(Head::Ready);
         }
@@ -1640,6 +1659,10 @@ fn drain_lane(lane: &mut Lane, acks: &mut Batch) {
     lane.span_count = 0;
     lane.span_bytes = 0;
     lane.span_store_bytes = 0;
+    for (start, end) in lane.rewound.take_all() {
+        // (Their bytes are not known here: the store's count of live bytes keeps an estimate.)
+        acks.ack_range(lane.store_id, start, end, 0);
+    }
 }
 
 fn pop_ready(st: &mut QueueState) -> Option<Entry> {

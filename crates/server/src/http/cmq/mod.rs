@@ -203,7 +203,7 @@ async fn run(request: Request) -> CmqResult {
         "GetQueueAttributes" => queues::attributes(&request),
         "SetQueueAttributes" => queues::set_attributes(&request),
         "DeleteQueue" => queues::delete(&request),
-        "RewindQueue" => queues::rewind(&request),
+        "RewindQueue" => queues::rewind(&request).await,
         "SendMessage" => messages::send(&request, false).await,
         "BatchSendMessage" => messages::send(&request, true).await,
         "ReceiveMessage" => messages::receive(&request, false).await,

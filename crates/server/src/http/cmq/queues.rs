@@ -204,12 +204,16 @@ pub fn delete(request: &Request) -> CmqResult {
     Ok(answer([]))
 }
 
-pub fn rewind(request: &Request) -> CmqResult {
+/// RewindQueue: the consumed messages the queue keeps (`rewindSeconds`) published at or after
+/// `startConsumeTime` (unix seconds) are received again (`Queue::rewind`). Beyond CMQ, the answer
+/// says how many (`rewoundMsgNum`) and from when (`rewoundFromTime`, unix seconds; 0 if none).
+pub async fn rewind(request: &Request) -> CmqResult {
     let name = request.params.required("queueName")?;
     let q = find(request, name)?;
-    request.params.int("startConsumeTime", 0, 0..=i64::MAX)?;
+    let start = request.params.int("startConsumeTime", 0, 0..=i64::MAX / 1000)?;
     if current(&q, "x-retention-seconds") == 0 {
         return Err(CmqError::invalid(format!("queue '{name}' keeps no consumed messages (rewindSeconds 0): nothing to rewind to")));
     }
-    Err(CmqError::invalid("RewindQueue is not available in this version of Warren yet (rewind is being built); nothing was changed"))
+    let outcome = q.rewind(start as u64 * 1000).await?;
+    Ok(answer([("rewoundMsgNum", json!(outcome.rewound)), ("rewoundFromTime", json!(outcome.from_ms.map_or(0, |ms| ms / 1000)))]))
 }

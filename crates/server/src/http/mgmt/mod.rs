@@ -71,6 +71,7 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/queues/{vhost}", get(queues::list_vhost))
         .route("/queues/{vhost}/{name}", get(queues::show).put(queues::declare).delete(queues::delete))
         .route("/queues/{vhost}/{name}/contents", axum::routing::delete(queues::purge))
+        .route("/queues/{vhost}/{name}/rewind", post(queues::rewind))
         .route("/queues/{vhost}/{name}/bindings", get(queues::bindings))
         .route("/queues/{vhost}/{name}/get", post(get::get))
         .route("/exchanges", get(exchanges::list_all))

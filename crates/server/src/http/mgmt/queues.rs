@@ -157,6 +157,23 @@ pub async fn purge(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name))
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// POST `{"to": <unix ms, or an RFC 3339 time or a time ago like "-90m">}`: makes the consumed
+/// messages published since then that the queue still keeps (`x-retention-seconds`) ready again
+/// (`Queue::rewind`). 200 `{"rewound": N, "from": <publish time of the first kept message at or
+/// after "to", or null>, "to": <asked, unix ms>, "clamped": <"to" is before the oldest one kept>}`.
+pub async fn rewind(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
+    let v = vhost(&ctx, &vhost_name)?;
+    let q = find(&v, &name)?;
+    let body = body_object(&body)?;
+    let to = match body.get("to") {
+        Some(Value::Number(n)) => n.as_u64().ok_or_else(|| ApiError::bad_request(format!("\"to\" must be unix milliseconds (a whole number from 0), not {n}")))?,
+        Some(Value::String(text)) => crate::time_point::parse(text, warren_broker::now_ms()).map_err(ApiError::bad_request)?,
+        _ => return Err(ApiError::bad_request("give the point in time to rewind to as \"to\": unix milliseconds, an RFC 3339 time or a time ago like \"-90m\"")),
+    };
+    let outcome = q.rewind(to).await?;
+    Ok(Json(json!({"rewound": outcome.rewound, "from": outcome.from_ms, "to": to, "clamped": outcome.clamped})))
+}
+
 pub async fn bindings(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
     let v = vhost(&ctx, &vhost_name)?;
     find(&v, &name)?;
