@@ -13,6 +13,7 @@ import time
 
 import pika
 import pytest
+import requests
 
 from conftest import eventually, three_node_cluster
 
@@ -335,3 +336,31 @@ def test_a_redeclare_on_another_node_renews_x_expires(cluster):
     # Unused from then on, it goes (a look renews it: look once, after the countdown).
     time.sleep(5)
     assert gone_from_home()
+
+
+def test_a_classic_queue_is_rewound_through_any_node_and_the_rewind_survives_a_kill9_of_its_home(cluster):
+    """`POST .../rewind` on a node that is not the queue's home is done by the home (wire op
+    REWIND): what was consumed comes back in order; a refusal says why; the answered rewind holds
+    after the home is killed with SIGKILL."""
+    name = "classic-rewound"
+    declare_on(cluster, f"{name}-plain", 1)
+    c = cluster[1].connection()
+    c.channel().queue_declare(name, durable=True, arguments={"x-retention-seconds": 3600})
+    c.close()
+    eventually(lambda: all(counts_on(b, name) == (0, 0) for b in cluster.values()), timeout=10)
+    bodies = [b"r-%d" % i for i in range(50)]
+    assert publish_confirmed(cluster[2], name, bodies) == (bodies, [])
+    assert drain_by_get(cluster[1], name) == bodies
+
+    def rewind(node, queue):
+        return requests.post(f"http://127.0.0.1:{node.http_port}/api/queues/%2F/{queue}/rewind", json={"to": 0}, auth=("guest", "guest"), timeout=90)
+
+    r = rewind(cluster[3], f"{name}-plain")
+    assert r.status_code == 400 and "x-retention-seconds" in r.json()["reason"], r.text
+    r = rewind(cluster[3], name)
+    assert r.status_code == 200, r.text
+    assert (r.json()["rewound"], r.json()["clamped"]) == (50, True)
+    assert counts_on(cluster[2], name)[0] == 50
+    cluster[1].kill9()
+    cluster[1].start()
+    eventually(lambda: drain_by_get(cluster[1], name) == bodies, timeout=30, interval=0.5)

@@ -494,7 +494,8 @@ def test_a_quorum_queue_through_any_node_of_a_cluster(cluster):
 
     # queueType is Warren's own parameter: the SDK's QueueMeta cannot send it.
     eventually(lambda: raw(cluster[1], {"Action": "CreateQueue", "queueName": "replicated", "queueType": "quorum", "visibilityTimeout": "2"})["code"] == 0, timeout=30)
-    assert raw(cluster[2], {"Action": "GetQueueAttributes", "queueName": "replicated"})["queueType"] == "quorum"
+    # (A declaration waits for every node it reaches; one a moment from joining learns it after.)
+    eventually(lambda: raw(cluster[2], {"Action": "GetQueueAttributes", "queueName": "replicated"}).get("queueType") == "quorum", timeout=10)
     sent = []
     for i, acct in accts.items():
         q = acct.get_queue("replicated")

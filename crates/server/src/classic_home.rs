@@ -138,6 +138,11 @@ impl ClassicHome {
                 let n = q.purge().map_err(|e| e.to_string())?;
                 Ok(encode_ids(&[n as u64]))
             }
+            Request::Rewind { queue, to_ms } => {
+                let q = self.home_queue(&broker, &queue)?;
+                let outcome = q.rewind(to_ms).await.map_err(|e| e.to_string())?;
+                Ok(encode_ids(&[outcome.rewound, outcome.from_ms.map_or(0, |ms| ms.saturating_add(1)), u64::from(outcome.clamped)]))
+            }
             Request::Stat { queue } => {
                 let q = self.home_queue(&broker, &queue)?;
                 // Asked by a queue.declare on another node: as a declare here, it renews x-expires.

@@ -51,7 +51,9 @@ impl Queue {
                 self.name
             )));
         }
-        self.check_home("rewind it")?;
+        if let Some(remote) = self.remote_home() {
+            return remote.rewind(self, to_ms).await;
+        }
         if self.args.retention_ms == 0 {
             return Err(BrokerError::precondition_failed(format!(
                 "queue '{}' keeps no consumed messages: declare it with x-retention-seconds (CMQ: rewindSeconds) to rewind it",

@@ -24,6 +24,8 @@ use crate::queue::{Entry, GetWait, Got, Queue};
 
 /// How `ask_counts` says the home did not answer in time.
 const NO_ANSWER: &str = "no answer";
+/// How long a rewind asked of the home may take (it seeks segments and waits for an fsync).
+const REWIND_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a passive queue.declare waits for the home's counts before answering without them.
 const STAT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -138,6 +140,26 @@ impl RemoteHome {
             let outcome = if e.starts_with(NO_ANSWER) { "; its outcome is unknown: the home may still purge the queue" } else { "" };
             BrokerError::internal(format!("the purge of classic queue '{}' failed on its home node {}: {e}{outcome}", queue.name, self.home()))
         })
+    }
+
+    /// A rewind, done by the home (`Queue::rewind`); waits for its answer, at most `REWIND_TIMEOUT`.
+    pub(in crate::queue) async fn rewind(&self, queue: &Arc<Queue>, to_ms: u64) -> Result<crate::queue::RewindOutcome> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.request(
+            &Request::Rewind { queue: super::queue_ref(queue), to_ms },
+            Box::new(move |answer| {
+                let _ = tx.send(answer.and_then(|a| wire::decode_ids(&a).map_err(|e| e.to_string())));
+            }),
+        );
+        let failed = |e: String| BrokerError::internal(format!("the rewind of classic queue '{}' failed on its home node {}: {e}", queue.name, self.home()));
+        match tokio::time::timeout(REWIND_TIMEOUT, rx).await {
+            Ok(Ok(Ok(c))) if c.len() == 3 => Ok(crate::queue::RewindOutcome { rewound: c[0], from_ms: c[1].checked_sub(1), clamped: c[2] != 0 }),
+            Ok(Ok(Ok(c))) => Err(failed(format!("an answer of {} counts, not 3", c.len()))),
+            // The home's refusal (no retention, ...) is its reply text: said as it is.
+            Ok(Ok(Err(e))) => Err(BrokerError::precondition_failed(e)),
+            Ok(Err(_)) => Err(failed("the request was dropped".into())),
+            Err(_) => Err(failed(format!("{NO_ANSWER} within {} s; its outcome is unknown: the home may still rewind the queue", REWIND_TIMEOUT.as_secs()))),
+        }
     }
 
     /// The home's counts of ready messages and consumers (queue.declare-ok); zeros if the home does

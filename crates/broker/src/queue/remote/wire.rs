@@ -20,6 +20,8 @@
 //!   then, if found, `tag varint | redelivered | remaining varint | varint len | store encoding`.
 //! - `PURGE` (to the home): `queue`; answer `version | 1 | count` (the messages it removed).
 //! - `STAT` (to the home): `queue`; answer `version | 2 | messages | consumers`.
+//! - `REWIND` (to the home): `queue | to_ms varint`; answer `version | 3 | rewound | from_ms + 1
+//!   (0: none) | clamped` (`Queue::rewind`). A node without it answers "unknown request".
 //! - `REPLY`: `vhost | varint len | store encoding`: a direct reply for a consumer of this node.
 //! - `APPLIED`: `index varint`: answered (empty) once this node has applied metadata-group entry
 //!   `index` (a declaration's -ok waits for every reachable node: read-your-writes on each).
@@ -43,6 +45,7 @@ const OP_PURGE: u8 = 9;
 const OP_STAT: u8 = 10;
 const OP_REPLY: u8 = 11;
 const OP_APPLIED: u8 = 12;
+const OP_REWIND: u8 = 13;
 
 /// A queue as nodes name it to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +79,8 @@ pub enum Request {
     /// A queue.declare on another node: the counts for its declare-ok. The home takes it as a
     /// declare of its own: it renews the queue's x-expires.
     Stat { queue: QueueRef },
+    /// A rewind asked of another node (the management API, CMQ).
+    Rewind { queue: QueueRef, to_ms: u64 },
     /// A direct reply (`amq.rabbitmq.reply-to.n<node>.…`) published on another node, for the reply
     /// consumer on this one: the message in its store encoding.
     Reply { vhost: String, message: Bytes },
@@ -189,6 +194,11 @@ impl Request {
                 out.put_u8(OP_STAT);
                 put_queue(&mut out, queue);
             }
+            Request::Rewind { queue, to_ms } => {
+                out.put_u8(OP_REWIND);
+                put_queue(&mut out, queue);
+                put_var(&mut out, *to_ms);
+            }
             Request::Reply { vhost, message } => {
                 out.reserve(message.len() + vhost.len() + 10);
                 out.put_u8(OP_REPLY);
@@ -271,6 +281,7 @@ impl Request {
             OP_GET => Request::Get { queue: get_queue(&mut r)?, relay: r.var()?, no_ack: r.bool()? },
             OP_PURGE => Request::Purge { queue: get_queue(&mut r)? },
             OP_STAT => Request::Stat { queue: get_queue(&mut r)? },
+            OP_REWIND => Request::Rewind { queue: get_queue(&mut r)?, to_ms: r.var()? },
             OP_REPLY => Request::Reply { vhost: get_str(&mut r)?, message: get_blob(&mut r, buf)? },
             OP_APPLIED => Request::Applied { index: r.var()? },
             other => return err(format!("unknown classic queue request {other}")),
@@ -415,6 +426,7 @@ mod tests {
             Request::Get { queue: queue(), relay: 1 << 33 | 2, no_ack: true },
             Request::Purge { queue: queue() },
             Request::Stat { queue: queue() },
+            Request::Rewind { queue: queue(), to_ms: 1_764_412_800_000 },
             Request::Reply { vhost: "/".into(), message: Bytes::from_static(b"a reply") },
             Request::Applied { index: u64::MAX },
         ];
