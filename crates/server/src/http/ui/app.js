@@ -124,7 +124,7 @@ async function act(action, success) {
   const page = location.hash;
   try {
     await action();
-    if (success) flash(success);
+    if (success) flash(typeof success === 'function' ? success() : success);
     if (location.hash === page) await refresh(); // else the new page is on its way (hashchange)
   } catch (e) {
     flash(e.message, true);
@@ -324,12 +324,27 @@ pages.queue = (main, vhost, name) => {
         h('pre', { class: 'payload' }, m.payload))) : [h('p', { class: 'muted' }, 'The queue is empty.')]));
     });
   });
+  const rewind = h('form', { class: 'inline', id: 'rewind' },
+    h('label', {}, 'To ', h('input', { type: 'text', name: 'to', value: '-1h', size: 26,
+      title: 'unix ms, an RFC 3339 time (2026-11-29T10:00:00Z) or a time ago (-90m, -2h, -1d)' })),
+    h('button', { type: 'submit' }, 'Rewind'));
+  rewind.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const to = rewind.elements.to.value.trim();
+    let answer = {};
+    act(async () => { answer = await api('POST', path + '/rewind', { to: /^[0-9]+$/.test(to) ? Number(to) : to }); },
+      () => 'Rewound ' + fmt.num(answer.rewound) + ' messages' + (answer.from ? ' from ' + new Date(answer.from).toISOString() : '')
+        + (answer.clamped ? ' (the oldest the queue keeps)' : '') + '.');
+  });
   main.append(
     h('h1', {}, 'Queue ', h('span', { id: 'queue-name' }, name), h('span', { class: 'muted' }, ' in ' + vhost)),
     h('div', { id: 'queue' }),
     h('h2', {}, 'Bindings'), h('div', { id: 'bindings' }),
     h('h2', {}, 'Publish a message'), publish,
     h('h2', {}, 'Get messages'), get, got,
+    h('h2', {}, 'Rewind'),
+    h('p', { class: 'muted' }, 'A classic queue with x-retention-seconds keeps what was consumed: a rewind makes what was published since then ready again.'),
+    rewind,
     h('h2', {}, 'Purge or delete'),
     dangerButton('Purge', () => act(() => api('DELETE', path + '/contents'), 'Queue purged.')), ' ',
     dangerButton('Delete', () => act(async () => { await api('DELETE', path); location.hash = '#/queues'; }, 'Queue deleted.')));
@@ -346,6 +361,7 @@ pages.queue = (main, vhost, name) => {
       ['Ready', () => fmt.num(q.messages_ready), 'num'],
       ['Unacked', () => fmt.num(q.messages_unacknowledged), 'num'],
       ['Total', () => fmt.num(q.messages), 'num'],
+      ['Retained', () => (q.messages_retained === undefined ? '' : fmt.num(q.messages_retained)), 'num'],
       ['Incoming', () => fmt.rate(m.publish_details), 'num'],
       ['Deliver / get', () => fmt.rate(m.deliver_get_details), 'num'],
       ['Ack', () => fmt.rate(m.ack_details), 'num'],
