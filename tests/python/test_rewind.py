@@ -242,3 +242,27 @@ def test_a_rewind_racing_publishers_and_consumers_brings_back_what_it_should_in_
     assert again == sorted(again), "rewound messages in publish order"
     late = [i for i, (start, _) in published.items() if start > rewind_end and len(seen[i]) > 1]
     assert not late, f"published after the rewind, delivered twice: {late[:20]}"
+
+
+def test_a_rewound_message_past_its_ttl_is_neither_delivered_nor_dead_lettered_again(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(f"{name}-dlq", durable=True)
+    ch.queue_declare(name, durable=True, arguments={**RETAINED, "x-message-ttl": 5000, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{name}-dlq"})
+    ch.confirm_delivery()
+    publish(ch, name, range(3))
+    assert [i for i, _ in get_all(ch, name)] == [0, 1, 2]  # consumed in time
+    publish(ch, name, [3])  # expires in the queue: dead-lettered once
+    eventually(lambda: ch.queue_declare(f"{name}-dlq", passive=True).method.message_count == 1, timeout=20, interval=0.2)
+    fresh_from = now_ms()
+    time.sleep(0.01)
+    publish(ch, name, range(4, 6))
+    time.sleep(0.01)
+    answer = rewind(broker, name, 0)
+    assert answer["rewound"] == 4, answer  # 0..3 consumed or expired; 4, 5 still ready
+    assert [i for i, _ in get_all(ch, name)] == [4, 5], "the expired ones are not delivered again"
+    # Within their TTL (5 s) they do come back.
+    assert rewind(broker, name, fresh_from)["rewound"] == 2
+    assert [i for i, _ in get_all(ch, name)] == [4, 5]
+    assert ch.queue_declare(f"{name}-dlq", passive=True).method.message_count == 1, "nor dead-lettered again"
+    conn.close()

@@ -258,7 +258,7 @@ impl Broker {
     pub fn authenticate(&self, name: &str, password: &str) -> Option<User> {
         let users = self.users.read();
         let user = users.get(name)?;
-        (user.password == password).then(|| user.clone())
+        same_secret(user.password.as_bytes(), password.as_bytes()).then(|| user.clone())
     }
 
     /// A user and the secret a signed request (CMQ's HMAC signature) is checked with: its password.
@@ -433,5 +433,30 @@ impl Broker {
         if let Err(e) = self.store.close() {
             tracing::error!(error = %e, "closing the message store failed");
         }
+    }
+}
+
+/// Compares two secrets in a time that depends on their lengths only, not on how much of them
+/// matches: `==` stops at the first differing byte, which lets a client time its guesses byte by
+/// byte.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
+    }
+    std::hint::black_box(diff) == 0
+}
+
+#[cfg(test)]
+mod secret_tests {
+    #[test]
+    fn same_secret_only_for_equal_bytes() {
+        use super::same_secret;
+        assert!(same_secret(b"guest", b"guest"));
+        assert!(same_secret(b"", b""));
+        assert!(!same_secret(b"guest", b"guesT"));
+        assert!(!same_secret(b"guest", b"guest\0"), "a longer one padded with zeros");
+        assert!(!same_secret(b"guest", b"gues"));
+        assert!(!same_secret(b"", b"\0"));
     }
 }

@@ -195,6 +195,7 @@ impl Queue {
         };
         let covered = if batch.next_seq > start { batch.next_seq } else { st.rewound.first().map_or(start, |(_, b)| b) };
         st.rewound.taken_to(covered);
+        let now = crate::now_ms();
         for m in batch.messages {
             let stored_bytes = m.payload.len() as u64;
             let Some(stored) = decode_stored(&m.payload) else {
@@ -209,6 +210,12 @@ impl Queue {
                 continue;
             }
             let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
+            if expires_at_ms.is_some_and(|at| at <= now) {
+                // Past its TTL: never delivered again, and not dead-lettered a second time (it was
+                // when it expired, if it did in the queue).
+                after.acks.ack(st.store_id, m.seq, stored_bytes);
+                continue;
+            }
             let entry = Entry { message, seq: m.seq, stored_bytes, expires_at_ms, redelivered: true, returned: 0 };
             push_ready_sorted(st, entry);
         }
