@@ -576,8 +576,8 @@ impl QueueLog {
 
     /// A rewind: the gone seqs of `[from, until)` still on disk (in a segment's seq range, or a record
     /// of the tail) are live again, so reads return them and nothing lets them go. Applied by the
-    /// writer and by replay alike, from the same state: replay lets nothing go by time (see
-    /// `recovery::replay`), so a rewind that was answered finds the same seqs after a crash. A seq in a
+    /// writer and by replay alike, from the same state: replay lets nothing go (see
+    /// `QueueLogs::apply_gone`), so a rewind that was answered finds the same seqs after a crash. A seq in a
     /// segment's range that was never stored (a store error at publish) becomes live without a record:
     /// `read` finds it missing and makes it gone again (`ReadBatch::holes`). Live bytes grow by an
     /// estimate (each segment's average). Returns how many seqs became live.

@@ -857,6 +857,16 @@ impl Queue {
     /// Merges a read of a lane's span made off the lock (see `refill_locked`), unless the span changed
     /// meanwhile (purged, deleted: the read is dropped), then delivers.
     fn refilled_from_store(self: &Arc<Self>, store_id: u64, from: u64, epoch: u64, read: SpanRead) {
+        self.merge_read(store_id, |me, st, after| {
+            if st.span_epoch == epoch && st.span_from == from && me.take_read(st, after, read) {
+                me.drop_head_over_limit(st, after);
+            }
+        });
+    }
+
+    /// Merges a read made off the lock into the lane of `store_id` (`take`, which drops a stale
+    /// one), then delivers and wakes basic.gets waiting for it.
+    fn merge_read(self: &Arc<Self>, store_id: u64, take: impl FnOnce(&Self, &mut QueueState, &mut AfterUnlock)) {
         let mut after = AfterUnlock::default();
         {
             let mut st = self.state.lock();
@@ -864,9 +874,7 @@ impl Queue {
             if !st.deleted {
                 st.select(store_id.saturating_sub(self.id) as usize);
                 st.refill_in_flight = false;
-                if st.span_epoch == epoch && st.span_from == from && self.take_read(&mut st, &mut after, read) {
-                    self.drop_head_over_limit(&mut st, &mut after);
-                }
+                take(self, &mut st, &mut after);
                 self.dispatch_locked(&mut st, crate::now_ms(), &mut after);
             }
         }

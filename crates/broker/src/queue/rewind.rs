@@ -162,22 +162,12 @@ impl Queue {
     /// Merges a read of rewound messages made off the lock, unless the lane was emptied meanwhile
     /// (purge, delete: it acked them), then delivers.
     fn refilled_rewound(self: &Arc<Self>, store_id: u64, start: u64, epoch: u64, read: SpanRead) {
-        let mut after = AfterUnlock::default();
-        {
-            let mut st = self.state.lock();
-            st.refills_done += 1;
-            if !st.deleted {
-                st.select(store_id.saturating_sub(self.id) as usize);
-                st.refill_in_flight = false;
-                if st.span_epoch == epoch && st.rewound.first().is_some_and(|(a, _)| a == start) {
-                    self.take_rewound_read(&mut st, &mut after, start, read);
-                    self.drop_head_over_limit(&mut st, &mut after);
-                }
-                self.dispatch_locked(&mut st, crate::now_ms(), &mut after);
+        self.merge_read(store_id, |me, st, after| {
+            if st.span_epoch == epoch && st.rewound.first().is_some_and(|(a, _)| a == start) {
+                me.take_rewound_read(st, after, start, read);
+                me.drop_head_over_limit(st, after);
             }
-        }
-        self.refilled.notify_waiters();
-        self.finish(after);
+        });
     }
 
     /// Puts rewound messages into the window by seq, redelivered; what the read covered leaves the
