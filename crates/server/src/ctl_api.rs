@@ -319,13 +319,14 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
                 return pretty(&answer);
             }
             let rewound = answer["rewound"].as_u64().unwrap_or(0);
+            let messages = if rewound == 1 { "1 message".to_owned() } else { format!("{rewound} messages") };
             Ok(match answer["from"].as_u64() {
                 Some(from) if answer["clamped"] == true => format!(
-                    "queue rewound: {queue}, {rewound} messages ready again from {} (the oldest it keeps; {} was asked)",
+                    "queue rewound: {queue}, {messages} ready again from {} (the oldest it keeps; {} was asked)",
                     rfc3339(from),
                     rfc3339(to_ms)
                 ),
-                Some(from) => format!("queue rewound: {queue}, {rewound} messages ready again from {}", rfc3339(from)),
+                Some(from) => format!("queue rewound: {queue}, {messages} ready again from {}", rfc3339(from)),
                 None => format!("queue rewound: {queue}, nothing kept from {} on", rfc3339(to_ms)),
             })
         }
