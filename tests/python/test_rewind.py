@@ -266,3 +266,20 @@ def test_a_rewound_message_past_its_ttl_is_neither_delivered_nor_dead_lettered_a
     assert [i for i, _ in get_all(ch, name)] == [4, 5]
     assert ch.queue_declare(f"{name}-dlq", passive=True).method.message_count == 1, "nor dead-lettered again"
     conn.close()
+
+
+def test_a_priority_queue_rewinds_every_level_and_delivers_by_priority_then_order(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(name, durable=True, arguments={**RETAINED, "x-max-priority": 5})
+    ch.confirm_delivery()
+    for i in range(12):
+        ch.basic_publish("", name, b"m-%d" % i, pika.BasicProperties(delivery_mode=2, priority=[0, 3, 5][i % 3]))
+    first = [i for i, _ in get_all(ch, name)]
+    assert first == [2, 5, 8, 11, 1, 4, 7, 10, 0, 3, 6, 9]
+    answer = rewind(broker, name, 0)
+    assert answer["rewound"] == 12, answer
+    again = get_all(ch, name)
+    assert [i for i, _ in again] == first, "each level in publish order, the highest first"
+    assert all(r for _, r in again)
+    conn.close()
