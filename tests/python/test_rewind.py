@@ -283,3 +283,34 @@ def test_a_priority_queue_rewinds_every_level_and_delivers_by_priority_then_orde
     assert [i for i, _ in again] == first, "each level in publish order, the highest first"
     assert all(r for _, r in again)
     conn.close()
+
+
+def test_rewound_messages_purged_stay_purged_after_kill9_and_concurrent_rewinds_duplicate_nothing(broker, name):
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(name, durable=True, arguments=RETAINED)
+    ch.confirm_delivery()
+    publish(ch, name, range(40))
+    assert len(get_all(ch, name)) == 40
+    # Four rewinds at once: one at a time on the broker, the later ones find nothing consumed.
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(rewind(broker, name, 0))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(a["rewound"] for a in answers) == [0, 0, 0, 40], answers
+    assert ch.queue_declare(name, passive=True).method.message_count == 40
+    # Purged before any was read back: gone for good, also after kill -9.
+    assert ch.queue_purge(name).method.message_count == 40
+    conn.close()
+    broker.kill9()
+    broker.start()
+    conn = broker.connection()
+    ch = conn.channel()
+    assert ch.queue_declare(name, passive=True).method.message_count == 0
+    assert get_all(ch, name) == []
+    # Still retained: a rewind brings them back once more.
+    assert rewind(broker, name, 0)["rewound"] == 40
+    assert [i for i, _ in get_all(ch, name)] == list(range(40))
+    conn.close()
