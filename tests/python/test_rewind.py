@@ -314,3 +314,22 @@ def test_rewound_messages_purged_stay_purged_after_kill9_and_concurrent_rewinds_
     assert rewind(broker, name, 0)["rewound"] == 40
     assert [i for i, _ in get_all(ch, name)] == list(range(40))
     conn.close()
+
+
+def test_a_rewind_past_x_max_length_drops_the_oldest_the_rewound_ones(broker, name):
+    """Drop-head over x-max-length drops from the head, which after a rewind is the rewound
+    messages (older than the ready ones), dead-lettered with reason maxlen; the ready ones stay."""
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare(f"{name}-dlq", durable=True)
+    ch.queue_declare(name, durable=True, arguments={**RETAINED, "x-max-length": 10, "x-dead-letter-exchange": "", "x-dead-letter-routing-key": f"{name}-dlq"})
+    ch.confirm_delivery()
+    publish(ch, name, range(10))
+    assert len(get_all(ch, name)) == 10
+    publish(ch, name, range(10, 20))
+    assert rewind(broker, name, 0)["rewound"] == 10
+    eventually(lambda: ch.queue_declare(f"{name}-dlq", passive=True).method.message_count == 10, timeout=10)
+    assert ch.queue_declare(name, passive=True).method.message_count == 10
+    assert [i for i, _ in get_all(ch, name)] == list(range(10, 20)), "the ready ones stayed"
+    assert [i for i, _ in get_all(ch, f"{name}-dlq")] == list(range(10)), "the rewound ones, oldest, were dropped"
+    conn.close()

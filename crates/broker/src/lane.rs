@@ -80,10 +80,20 @@ pub(crate) struct Rewound {
 impl Rewound {
     /// Adds ranges a rewind made live (`Store::take_rewound`: disjoint from every range here, which
     /// were live before it).
+    /// A range may overlap one here only where a read found holes and made them gone, and a later
+    /// rewind made them live again: merged, counted once.
     pub fn add(&mut self, ranges: &[(u64, u64)]) {
         for &(a, b) in ranges.iter().filter(|(a, b)| a < b) {
-            self.ranges.insert(a, b);
-            self.count += b - a;
+            let (mut start, mut end) = (a, b);
+            let touching: Vec<(u64, u64)> = self.ranges.range(..=b).filter(|(_, &e)| e >= a).map(|(s, e)| (*s, *e)).collect();
+            for (s, e) in touching {
+                self.ranges.remove(&s);
+                self.count -= e - s;
+                start = start.min(s);
+                end = end.max(e);
+            }
+            self.ranges.insert(start, end);
+            self.count += end - start;
         }
     }
 
@@ -216,6 +226,7 @@ mod tests {
         r.add(&[(50, 150), (160, 170)]);
         r.add(&[(10, 20)]);
         assert_eq!((r.count(), r.first()), (120, Some((10, 20))));
+
         r.taken_to(15);
         assert_eq!((r.count(), r.first()), (115, Some((15, 20))));
         r.taken_to(30); // past the range: all of it
@@ -231,6 +242,17 @@ mod tests {
         assert_eq!(lane.count(), 111);
         assert_eq!(lane.rewound.take_all(), vec![(50, 150), (160, 170)]);
         assert_eq!(lane.count(), 1);
+    }
+
+    #[test]
+    fn overlapping_rewound_ranges_merge_and_count_once() {
+        let mut r = Rewound::default();
+        r.add(&[(10, 20), (50, 150), (160, 170)]);
+        r.add(&[(10, 12), (148, 155)]);
+        assert_eq!((r.count(), r.first()), (125, Some((10, 20))));
+        r.add(&[(150, 160)]); // touching both sides: one range
+        assert_eq!((r.count(), r.ranges.len()), (130, 2));
+        assert_eq!(r.take_all(), vec![(10, 20), (50, 170)]);
     }
 
     #[test]

@@ -786,7 +786,11 @@ impl QueueLog {
                     Ok((Record::Enqueue { queue, seq: rseq, timestamp_ms, payload }, n)) if queue == self.id && rseq < seg.end_seq => {
                         if rseq >= end_seq && rseq >= own_next {
                             // Past the range: the cursor stays at this record, where the read of the
-                            // next range starts.
+                            // next range starts. Live seqs before it have no record (see below).
+                            if rseq > out.next_seq && out.next_seq >= seq {
+                                let from = out.next_seq;
+                                self.holes_found(from, rseq, &mut out);
+                            }
                             out.next_seq = rseq;
                             break;
                         }

@@ -898,7 +898,8 @@ impl Queue {
             return false;
         }
         st.span_from = batch.next_seq;
-        st.span_count = st.span_count.saturating_sub(batch.messages.len() as u64 + batch.lost);
+        // (Holes: seqs a rewind made live without a record, e.g. before a restart; not there.)
+        st.span_count = st.span_count.saturating_sub(batch.messages.len() as u64 + batch.lost + batch.holes);
         for m in batch.messages {
             st.span_store_bytes = st.span_store_bytes.saturating_sub(m.payload.len() as u64);
             let stored_bytes = m.payload.len() as u64;
@@ -1025,6 +1026,10 @@ impl Queue {
             // The head: of the highest priority, in a priority queue (as RabbitMQ drops).
             st.select_highest();
             self.refill_locked(st, after);
+            if st.rewound_due() {
+                // The oldest are rewound messages still being read: the read's merge drops them.
+                break;
+            }
             let Some(entry) = pop_ready(st) else { break };
             self.dead_letter_into(after, entry, DeathReason::MaxLen);
         }

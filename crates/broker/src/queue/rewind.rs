@@ -128,6 +128,7 @@ impl Queue {
                 }
                 st.rewound.add(ranges);
                 rewound += ranges.iter().map(|(a, b)| b - a).sum::<u64>();
+                self.drop_head_over_limit(&mut st, &mut after);
             }
             self.dispatch_locked(&mut st, crate::now_ms(), &mut after);
         }

@@ -210,6 +210,7 @@ pub fn delete(request: &Request) -> CmqResult {
 pub async fn rewind(request: &Request) -> CmqResult {
     let name = request.params.required("queueName")?;
     let q = find(request, name)?;
+    request.params.required("startConsumeTime")?;
     let start = request.params.int("startConsumeTime", 0, 0..=i64::MAX / 1000)?;
     if current(&q, "x-retention-seconds") == 0 {
         return Err(CmqError::invalid(format!("queue '{name}' keeps no consumed messages (rewindSeconds 0): nothing to rewind to")));

@@ -163,7 +163,9 @@ pub async fn purge(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name))
 /// after "to", or null>, "to": <asked, unix ms>, "clamped": <"to" is before the oldest one kept>}`.
 pub async fn rewind(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
     let v = vhost(&ctx, &vhost_name)?;
-    let q = find(&v, &name)?;
+    find(&v, &name)?;
+    // As a purge: an exclusive queue belongs to its connection.
+    let q = v.queue(&name, API_CONNECTION)?;
     let body = body_object(&body)?;
     let to = match body.get("to") {
         Some(Value::Number(n)) => n.as_u64().ok_or_else(|| ApiError::bad_request(format!("\"to\" must be unix milliseconds (a whole number from 0), not {n}")))?,
