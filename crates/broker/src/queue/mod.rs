@@ -903,20 +903,12 @@ impl Queue {
         for m in batch.messages {
             st.span_store_bytes = st.span_store_bytes.saturating_sub(m.payload.len() as u64);
             let stored_bytes = m.payload.len() as u64;
-            let Some(stored) = decode_stored(&m.payload) else {
-                tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
-                after.acks.ack(st.store_id, m.seq, stored_bytes);
-                continue;
-            };
-            let message = Arc::new(stored.message);
+            let Some((message, expires_at_ms)) = self.decode_read(st.store_id, &m, after) else { continue };
             st.span_bytes = st.span_bytes.saturating_sub(message.body_len() as u64);
-            let recovered = m.seq < st.recovered_until;
-            if recovered && !(self.durable && message.persistent) {
-                // A transient message paged out before a restart: it does not survive one.
+            if self.lost_to_restart(st, m.seq, &message) {
                 after.acks.ack(st.store_id, m.seq, stored_bytes);
                 continue;
             }
-            let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
             st.ready_bytes += message.body_len() as u64;
             st.ready_mem += message.memory_bytes() as u64;
             let redelivered = m.seq < st.redelivered_below;
@@ -927,6 +919,24 @@ impl Queue {
             st.span_store_bytes = 0;
         }
         true
+    }
+
+    /// A message read back from a lane's store queue, with its expiry; an unreadable one is dropped
+    /// (acked in the store, logged).
+    fn decode_read(&self, store_id: u64, m: &warren_store::StoredMessage, after: &mut AfterUnlock) -> Option<(Arc<Message>, Option<u64>)> {
+        let Some(stored) = decode_stored(&m.payload) else {
+            tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
+            after.acks.ack(store_id, m.seq, m.payload.len() as u64);
+            return None;
+        };
+        let message = Arc::new(stored.message);
+        let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
+        Some((message, expires_at_ms))
+    }
+
+    /// A transient message the store held from before a restart: it does not survive one.
+    fn lost_to_restart(&self, st: &QueueState, seq: u64, message: &Message) -> bool {
+        seq < st.recovered_until && !(self.durable && message.persistent)
     }
 
     /// The store queue ids this queue's messages are written under: one per lane (see `lane`).

@@ -14,7 +14,7 @@
 //! record is applied is rewound; one acked after it is not. After a restart the rewound messages are
 //! simply live, and the span holds them.
 
-use super::{decode_stored, push_ready_sorted, AfterUnlock, Entry, Queue, QueueState, SpanRead};
+use super::{push_ready_sorted, AfterUnlock, Entry, Queue, QueueState, SpanRead};
 use crate::error::{BrokerError, Result};
 use std::sync::Arc;
 use std::time::Duration;
@@ -189,18 +189,11 @@ impl Queue {
         let now = crate::now_ms();
         for m in batch.messages {
             let stored_bytes = m.payload.len() as u64;
-            let Some(stored) = decode_stored(&m.payload) else {
-                tracing::error!(queue = %self.name, seq = m.seq, "unreadable message in the store; dropping it");
-                after.acks.ack(st.store_id, m.seq, stored_bytes);
-                continue;
-            };
-            let message = Arc::new(stored.message);
-            if m.seq < st.recovered_until && !(self.durable && message.persistent) {
-                // A transient message from before a restart: it does not survive one.
+            let Some((message, expires_at_ms)) = self.decode_read(st.store_id, &m, after) else { continue };
+            if self.lost_to_restart(st, m.seq, &message) {
                 after.acks.ack(st.store_id, m.seq, stored_bytes);
                 continue;
             }
-            let expires_at_ms = self.expiry_for(&message, stored.expires_at_ms.unwrap_or(m.timestamp_ms));
             if expires_at_ms.is_some_and(|at| at <= now) {
                 // Past its TTL: never delivered again, and not dead-lettered a second time (it was
                 // when it expired, if it did in the queue).
