@@ -54,6 +54,8 @@ pub struct Broker {
     next_queue_id: Arc<AtomicU64>,
     /// Starts the Raft groups of quorum queues (set by the server: `set_quorum_host`).
     quorum: Arc<QuorumRuntime>,
+    /// Delayed messages (`crate::delay`); its timer starts with `start_delays`.
+    delays: Arc<crate::delay::Delays>,
 }
 
 /// What recovery found, for the startup log.
@@ -99,8 +101,8 @@ impl Broker {
         if let Some(offset) = opened.torn_tail_at {
             tracing::warn!(offset, "the metadata log had a torn tail (an unacknowledged change a crash interrupted); it was cut and kept aside");
         }
-        // Ids from `RAFT_STATE_QUEUES` on are the cluster's Raft logs, then the transient queues'.
-        if metadata.next_queue_id() >= warren_store::RAFT_STATE_QUEUES {
+        // Ids from `DELAY_SLOT_QUEUES` on are delay slots, then the cluster's Raft logs, then the transient queues'.
+        if metadata.next_queue_id() >= crate::delay::DELAY_SLOT_QUEUES {
             // Only a damaged or forged log gets here; handing out such ids would mix queues.
             return Err(OpenError::QueueIds(metadata.next_queue_id()));
         }
@@ -114,6 +116,7 @@ impl Broker {
             metadata: metadata.clone(),
             next_queue_id: next_queue_id.clone(),
             quorum: Arc::default(),
+            delays: crate::delay::Delays::new(store.clone(), &recovery.queues),
         });
         broker.quorum.bodies().set_limit(opts.quorum_body_bytes);
         broker.add_user(&opts.default_user, &opts.default_pass, opts.loopback_users.contains(&opts.default_user));
@@ -153,7 +156,8 @@ impl Broker {
             }
         }
         let mut orphans = Batch::new();
-        for rec in recovery.queues.iter().filter(|rec| !warren_store::is_raft_queue(rec.queue)) {
+        // Raft groups' queues are the cluster's, delay slots `delay::Delays`'s.
+        for rec in recovery.queues.iter().filter(|rec| !warren_store::is_raft_queue(rec.queue) && !crate::delay::is_delay_slot(rec.queue)) {
             match by_id.get(&rec.queue) {
                 // A transient queue of a cluster, of the previous run: its messages ended with it.
                 Some(q) if !q.durable => {
@@ -205,12 +209,22 @@ impl Broker {
         &self.store
     }
 
+    /// Starts firing delayed messages (`crate::delay`). Call from the runtime, before serving clients.
+    pub fn start_delays(self: &Arc<Self>) {
+        self.delays.start(Arc::downgrade(self));
+    }
+
+    /// The node's delayed messages.
+    pub fn delays(&self) -> &Arc<crate::delay::Delays> {
+        &self.delays
+    }
+
     pub fn add_vhost(&self, name: &str) -> Arc<VHost> {
         let mut vhosts = self.vhosts.write();
         vhosts
             .entry(name.to_string())
             .or_insert_with(|| {
-                VHost::new(name.to_string(), self.store.clone(), self.metadata.clone(), self.next_queue_id.clone(), self.quorum.clone())
+                VHost::new(name.to_string(), self.store.clone(), self.metadata.clone(), self.next_queue_id.clone(), self.quorum.clone(), self.delays.clone())
             })
             .clone()
     }

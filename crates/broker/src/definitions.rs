@@ -108,7 +108,7 @@ pub fn load_legacy(path: &Path) -> std::io::Result<(u64, BTreeMap<String, VHostD
 pub fn exchange_def(ex: &Exchange) -> ExchangeDef {
     ExchangeDef {
         name: ex.name.clone(),
-        kind: ex.kind.as_str().to_string(),
+        kind: ex.type_name().to_string(),
         auto_delete: ex.auto_delete,
         internal: ex.internal,
         arguments: table_to_json(&ex.arguments),
@@ -142,11 +142,12 @@ pub fn binding_def(source: &str, b: &crate::exchange::Binding) -> BindingDef {
 /// Rebuilds a vhost's durable topology. Returns the queues by store id.
 pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::queue::Queue>> {
     for e in &defs.exchanges {
-        let Ok(kind) = ExchangeKind::parse(&e.kind) else {
+        let arguments = table_from_json(&e.arguments);
+        let Ok((kind, delayed)) = ExchangeKind::parse_declared(&e.kind, &arguments) else {
             tracing::warn!(exchange = %e.name, kind = %e.kind, "skipping exchange of unknown type in definitions");
             continue;
         };
-        vhost.restore_exchange(Exchange::new(e.name.clone(), kind, true, e.auto_delete, e.internal, table_from_json(&e.arguments)));
+        vhost.restore_exchange(Exchange::new(e.name.clone(), kind, delayed, true, e.auto_delete, e.internal, arguments));
     }
     let mut queues = Vec::new();
     for q in &defs.queues {

@@ -27,6 +27,27 @@ impl ExchangeKind {
             ))),
         }
     }
+    /// The type a client declares: one of the four, or `x-delayed-message` (a delayed exchange, as
+    /// the rabbitmq-delayed-message-exchange plugin) whose `x-delayed-type` argument names how it
+    /// routes. Returns the routing kind and whether the exchange delays (`crate::delay`).
+    pub fn parse_declared(kind: &str, arguments: &FieldTable) -> Result<(ExchangeKind, bool)> {
+        if kind != DELAYED_TYPE {
+            return Ok((ExchangeKind::parse(kind)?, false));
+        }
+        let routes_as = arguments.get("x-delayed-type").and_then(|v| v.as_str());
+        match routes_as.map(ExchangeKind::parse) {
+            Some(Ok(kind)) => Ok((kind, true)),
+            _ => Err(BrokerError::precondition_failed(format!(
+                "invalid argument 'x-delayed-type' for an exchange of type '{DELAYED_TYPE}': {}; it must name how the exchange routes \
+                 (direct, fanout, topic or headers)",
+                match routes_as {
+                    Some(t) => format!("'{t}' is not one of them"),
+                    None => "it is missing or not a string".to_string(),
+                }
+            ))),
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ExchangeKind::Direct => "direct",
@@ -36,6 +57,9 @@ impl ExchangeKind {
         }
     }
 }
+
+/// The exchange type of delayed exchanges (`ExchangeKind::parse_declared`).
+pub const DELAYED_TYPE: &str = "x-delayed-message";
 
 #[derive(Clone)]
 pub enum Destination {
@@ -86,7 +110,11 @@ pub struct Binding {
 
 pub struct Exchange {
     pub name: String,
+    /// How it routes (for a delayed exchange, its `x-delayed-type`).
     pub kind: ExchangeKind,
+    /// An `x-delayed-message` exchange: a message with a positive `x-delay` header waits that long
+    /// in the node's delay store before its queues get it (`crate::delay`).
+    pub delayed: bool,
     pub durable: bool,
     pub auto_delete: bool,
     pub internal: bool,
@@ -120,6 +148,7 @@ impl Exchange {
     pub fn new(
         name: String,
         kind: ExchangeKind,
+        delayed: bool,
         durable: bool,
         auto_delete: bool,
         internal: bool,
@@ -129,7 +158,16 @@ impl Exchange {
             .get("alternate-exchange")
             .and_then(|v| v.as_str())
             .map(str::to_string);
-        Arc::new(Exchange { name, kind, durable, auto_delete, internal, arguments, alternate, bindings: RwLock::new(Bindings::default()) })
+        Arc::new(Exchange { name, kind, delayed, durable, auto_delete, internal, arguments, alternate, bindings: RwLock::new(Bindings::default()) })
+    }
+
+    /// The type as declared and shown: the routing kind's name, or `x-delayed-message`.
+    pub fn type_name(&self) -> &'static str {
+        if self.delayed {
+            DELAYED_TYPE
+        } else {
+            self.kind.as_str()
+        }
     }
 
     /// Adds a binding; returns false if an identical one exists (binding is idempotent).

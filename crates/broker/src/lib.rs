@@ -13,6 +13,7 @@ pub mod channel;
 pub mod consumers;
 pub mod deadletter;
 pub mod deadletter_confirms;
+pub mod delay;
 pub mod direct_reply;
 pub mod definitions;
 pub mod error;

@@ -5,6 +5,7 @@ use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterW
 use crate::definitions::{binding_def, exchange_def, table_from_json, table_to_json, BindingDef, QueueDef, TransientDef, VHostDefs};
 use crate::direct_reply::{self, ReplyConsumers};
 use crate::error::{BrokerError, Result};
+use crate::delay::Delays;
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
 use crate::metadata::{GroupCommitError, Metadata, Op};
@@ -98,6 +99,8 @@ pub struct VHost {
     pub replies: Arc<ReplyConsumers>,
     /// The node's quorum-queue runtime (`queue::replica`).
     quorum: Arc<QuorumRuntime>,
+    /// The node's delayed messages (`crate::delay`), for delayed exchanges.
+    delays: Arc<Delays>,
 }
 
 /// Dead letters a caller re-publishes before handing the rest to a task (see `VHost::dead_letter`).
@@ -119,7 +122,7 @@ const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
 ];
 
 impl VHost {
-    pub fn new(name: String, store: Store, metadata: Arc<Metadata>, next_queue_id: Arc<AtomicU64>, quorum: Arc<QuorumRuntime>) -> Arc<VHost> {
+    pub fn new(name: String, store: Store, metadata: Arc<Metadata>, next_queue_id: Arc<AtomicU64>, quorum: Arc<QuorumRuntime>, delays: Arc<Delays>) -> Arc<VHost> {
         let confirms = crate::deadletter_confirms::DeadLetterConfirms::new(store.clone());
         let vhost = Arc::new_cyclic(|me| VHost {
             name,
@@ -138,13 +141,14 @@ impl VHost {
             me: me.clone(),
             replies: Arc::new(ReplyConsumers::new(quorum.clone())),
             quorum,
+            delays,
         });
         {
             let mut exchanges = vhost.exchanges.write();
             for (name, kind) in DEFAULT_EXCHANGES {
                 exchanges.insert(
                     name.to_string(),
-                    Exchange::new(name.to_string(), *kind, true, false, false, FieldTable::new()),
+                    Exchange::new(name.to_string(), *kind, false, true, false, false, FieldTable::new()),
                 );
             }
         }
@@ -260,8 +264,8 @@ impl VHost {
                 d.name
             )));
         }
-        let kind = ExchangeKind::parse(d.kind)?;
-        let exchange = Exchange::new(d.name.to_string(), kind, d.durable, d.auto_delete, d.internal, d.arguments.clone());
+        let (kind, delayed) = ExchangeKind::parse_declared(d.kind, d.arguments)?;
+        let exchange = Exchange::new(d.name.to_string(), kind, delayed, d.durable, d.auto_delete, d.internal, d.arguments.clone());
         if d.durable {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
             let op = Op::ExchangeDeclared { vhost: self.name.clone(), exchange: exchange_def(&exchange) };
@@ -280,15 +284,15 @@ impl VHost {
 
     /// A re-declaration must match the exchange (406 naming the first difference, as RabbitMQ).
     fn check_exchange_equivalence(&self, existing: &Exchange, d: &ExchangeDeclare) -> Result<()> {
-        let received = ExchangeKind::parse(d.kind)?;
+        let (received, delayed) = ExchangeKind::parse_declared(d.kind, d.arguments)?;
         let inequivalent = |arg: &str, got: String, cur: String| {
             BrokerError::precondition_failed(format!(
                 "inequivalent arg '{arg}' for exchange '{}' in vhost '{}': received '{got}' but current is '{cur}'",
                 d.name, self.name
             ))
         };
-        if received != existing.kind {
-            return Err(inequivalent("type", d.kind.to_string(), existing.kind.as_str().to_string()));
+        if received != existing.kind || delayed != existing.delayed {
+            return Err(inequivalent("type", d.kind.to_string(), existing.type_name().to_string()));
         }
         if d.durable != existing.durable {
             return Err(inequivalent("durable", d.durable.to_string(), existing.durable.to_string()));
@@ -798,6 +802,16 @@ impl VHost {
     /// message reaches tell the session once their group applied (or refused) it, and the confirm
     /// waits for that as well as for the store ticket of the classic queues it reached.
     pub fn publish_by(&self, exchange: &str, message: Message, confirmed: bool, publisher: Option<Publisher>) -> Result<PublishOutcome> {
+        self.publish_routed(exchange, message, confirmed, publisher, None)
+    }
+
+    /// Routes a message through `exchange` now and holds it for `delay_ms` before its queues get it
+    /// (whatever the exchange's type): CMQ's `delaySeconds`. Durable once the ticket is.
+    pub fn publish_delayed(&self, exchange: &str, message: Message, delay_ms: u64) -> Result<PublishOutcome> {
+        self.publish_routed(exchange, message, true, None, Some(delay_ms))
+    }
+
+    fn publish_routed(&self, exchange: &str, message: Message, confirmed: bool, publisher: Option<Publisher>, delay_ms: Option<u64>) -> Result<PublishOutcome> {
         let ex = self.publishable_exchange(exchange)?;
         if ex.name.is_empty() && message.routing_key.starts_with(direct_reply::PREFIX) {
             // A direct reply: straight to the waiting channel, no queue; on its node, if that is
@@ -822,7 +836,50 @@ impl VHost {
         }
         use crate::stats::Counter;
         crate::stats::add(if queues.is_empty() { Counter::Unroutable } else { Counter::Routed }, 1);
+        let delay_ms = delay_ms.or_else(|| ex.delayed.then(|| crate::delay::record::requested_delay(&message)).flatten().map(|d| d as u64));
+        if let Some(delay_ms) = delay_ms.filter(|d| *d > 0) {
+            return self.hold_delayed(&message, &queues, delay_ms);
+        }
         self.deliver_to_queues(Arc::new(message), &queues, !confirmed, publisher)
+    }
+
+    /// A message a delayed exchange routed, with a positive `x-delay`: held in the node's delay
+    /// store until due (`crate::delay`), durable (and confirmed) as any persistent message. Routed
+    /// now: mandatory and returns work as usual.
+    fn hold_delayed(&self, message: &Message, queues: &[Arc<Queue>], delay_ms: u64) -> Result<PublishOutcome> {
+        if queues.is_empty() {
+            return Ok(PublishOutcome::default());
+        }
+        let ids: Vec<u64> = queues.iter().map(|q| q.id).collect();
+        let ticket = self.delays.hold(&self.name, &ids, message, delay_ms)?;
+        Ok(PublishOutcome { routed: true, ticket: Some(ticket), store_behind: self.store.is_behind(), ..Default::default() })
+    }
+
+    /// A delayed message now due, to the queues it was routed to: published as at-least-once
+    /// dead letters are (`crate::deadletter_confirms`); `settle` is told true once every queue
+    /// holds it durably (or dropped it: a classic queue at its `x-max-length` with
+    /// `reject-publish`, as the plugin's publish would be), false when one refused it and it must
+    /// be tried again.
+    pub fn publish_due(&self, message: Message, queues: &[Arc<Queue>], settle: crate::deadletter::SettleDeadLetter) {
+        let (session, seq) = self.dead_letter_confirms.publisher();
+        let publisher = Publisher { session: &session, seq };
+        match self.deliver_to_queues(Arc::new(message), queues, false, Some(publisher)) {
+            Ok(outcome) => {
+                if outcome.rejected {
+                    tracing::debug!(vhost = %self.name, "a due delayed message was refused by a full queue (x-overflow reject-publish) and dropped there");
+                }
+                self.dead_letter_confirms.track(seq, outcome.ticket, false, settle);
+            }
+            Err(e) => {
+                tracing::warn!(vhost = %self.name, error = %e, "could not publish a due delayed message; trying again");
+                self.dead_letter_confirms.track(seq, None, true, settle);
+            }
+        }
+    }
+
+    /// Delayed messages held for `queue` (`crate::delay`).
+    pub fn delayed_count(&self, queue: &Queue) -> u64 {
+        self.delays.count(queue.id)
     }
 
     fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>], lazy_ok: bool, publisher: Option<Publisher>) -> Result<PublishOutcome> {
@@ -1116,11 +1173,12 @@ impl VHost {
                 if self.find_exchange(&def.name).is_some() {
                     return;
                 }
-                let Ok(kind) = ExchangeKind::parse(&def.kind) else {
+                let arguments = table_from_json(&def.arguments);
+                let Ok((kind, delayed)) = ExchangeKind::parse_declared(&def.kind, &arguments) else {
                     tracing::warn!(exchange = %def.name, kind = %def.kind, "not declaring an exchange of unknown type");
                     return;
                 };
-                let exchange = Exchange::new(def.name.clone(), kind, true, def.auto_delete, def.internal, table_from_json(&def.arguments));
+                let exchange = Exchange::new(def.name.clone(), kind, delayed, true, def.auto_delete, def.internal, arguments);
                 self.exchanges.write().entry(def.name.clone()).or_insert(exchange);
             }
             Op::ExchangeDeleted { name, .. } => {

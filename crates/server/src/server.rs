@@ -147,6 +147,8 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
         _ => standalone_quorum_groups(&config, raft_logs.clone()),
     };
     broker.set_quorum_host(quorum_groups.clone());
+    // Delayed messages due while the node was down leave now.
+    broker.start_delays();
     if let Some(node) = &cluster {
         // Classic queues across the nodes: publishes and consumers of other nodes, deliveries to ours.
         let _ = quorum_groups.classic.set(crate::classic_home::ClassicHome::start(Arc::downgrade(&broker), node.clone()));

@@ -114,6 +114,8 @@ struct QueueSample {
     consumers: u64,
     /// Consumed messages kept for the queue's retention (`x-retention-seconds`).
     retained: u64,
+    /// Delayed messages held for it (`x-delayed-message` exchanges).
+    delayed: u64,
 }
 
 /// Every queue's numbers; `named`: with their names, sorted (per-object output), else without
@@ -136,6 +138,7 @@ fn queue_samples(ctx: &HttpContext, vhosts: &[String], named: bool) -> Vec<Queue
                 unacked: q.unacked_count(),
                 consumers: q.consumer_count() as u64,
                 retained: q.retention_stats().consumed,
+                delayed: v.delayed_count(&q),
             });
         }
     }
@@ -165,12 +168,13 @@ fn render(ctx: &HttpContext, scope: Scope) -> String {
     out.single("rabbitmq_queues", "gauge", "Queues available", queues.len());
     out.single("rabbitmq_consumers", "gauge", "Consumers currently connected", queues.iter().map(|q| q.consumers).sum::<u64>());
 
-    let queue_families: [(&str, &str, fn(&QueueSample) -> u64); 5] = [
+    let queue_families: [(&str, &str, fn(&QueueSample) -> u64); 6] = [
         ("rabbitmq_queue_messages_ready", "Messages ready to be delivered to consumers", |q| q.ready),
         ("rabbitmq_queue_messages_unacked", "Messages delivered to consumers but not yet acknowledged", |q| q.unacked),
         ("rabbitmq_queue_messages", "Sum of ready and unacknowledged messages - total queue depth", |q| q.ready + q.unacked),
         ("rabbitmq_queue_consumers", "Consumers on a queue", |q| q.consumers),
         ("warren_queue_messages_retained", "Consumed messages kept on disk for the queue's retention (x-retention-seconds)", |q| q.retained),
+        ("warren_queue_messages_delayed", "Messages a delayed exchange holds for the queue until due (x-delay)", |q| q.delayed),
     ];
     for (name, help, value) in queue_families {
         out.family(name, "gauge", help);

@@ -28,11 +28,13 @@ pub fn bodies(request: &Request, batch: bool, max_bytes: usize) -> Result<Vec<&s
     if let Some(big) = bodies.iter().find(|b| b.len() > max_bytes) {
         return Err(CmqError::new(code::MESSAGE_TOO_LARGE, format!("a message of {} bytes is larger than the {max_bytes} bytes allowed (maxMsgSize); nothing was sent", big.len())));
     }
-    let delay = request.params.int("delaySeconds", 0, 0..=3_888_000)?;
-    if delay > 0 {
-        return Err(CmqError::invalid("delaySeconds: delayed messages are not available in this version of Warren yet; send with delaySeconds=0"));
-    }
     Ok(bodies)
+}
+
+/// A send's `delaySeconds` (0 to 45 days, CMQ's bounds) in milliseconds: the messages wait in the
+/// node's delay store (`warren_broker::delay`) and reach their queues once due.
+pub fn delay_ms(request: &Request) -> Result<u64, CmqError> {
+    Ok(request.params.int("delaySeconds", 0, 0..=3_888_000)? as u64 * 1000)
 }
 
 /// Refuses a send while a resource alarm blocks publishers (as AMQP publishers are blocked).
@@ -64,11 +66,12 @@ pub async fn send(request: &Request, batch: bool) -> CmqResult {
     let q = find(request, name)?;
     let max = current(&q, queues::MAX_MSG_SIZE).min(request.ctx.config.max_message_size as i64) as usize;
     let bodies = bodies(request, batch, max)?;
+    let delay = delay_ms(request)?;
     check_alarms(request)?;
     let cmq = &request.ctx.cmq;
     let ids: Vec<String> = bodies.iter().map(|_| cmq.message_id()).collect();
     let messages = bodies.iter().zip(&ids).map(|(body, id)| message("", name, body, id, None)).collect();
-    let sent = cmq.confirms.publish(&request.vhost, "", messages)?;
+    let sent = cmq.confirms.publish(&request.vhost, "", messages, delay)?;
     if sent.routed.iter().any(|r| !r) {
         return Err(CmqError::new(code::NOT_FOUND, format!("queue '{name}' was deleted while the message was sent")));
     }

@@ -156,7 +156,7 @@ pub fn attributes(request: &Request) -> CmqResult {
         ("rewindSeconds", current(&q, "x-retention-seconds").into()),
         ("activeMsgNum", q.message_count().into()),
         ("inactiveMsgNum", q.unacked_count().into()),
-        ("delayMsgNum", 0.into()),
+        ("delayMsgNum", request.vhost.delayed_count(&q).into()),
         ("rewindmsgNum", q.retention_stats().consumed.into()),
         ("minMsgTime", 0.into()),
         // Warren's own: what AMQP sees of the queue.

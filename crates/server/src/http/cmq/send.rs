@@ -57,14 +57,19 @@ pub struct Sent {
 }
 
 impl Confirms {
-    /// Publishes `messages` through `exchange`, confirmed.
-    pub fn publish(&self, vhost: &VHost, exchange: &str, messages: Vec<Message>) -> Result<Sent, BrokerError> {
+    /// Publishes `messages` through `exchange`, confirmed; with `delay_ms` > 0 they are held that
+    /// long before their queues get them.
+    pub fn publish(&self, vhost: &VHost, exchange: &str, messages: Vec<Message>, delay_ms: u64) -> Result<Sent, BrokerError> {
         let mut sent = Sent { routed: Vec::with_capacity(messages.len()), rejected: false, seqs: None, ticket: None };
         let _order = self.order.lock();
         for message in messages {
             let seq = self.session.next_seq();
             sent.seqs = Some((sent.seqs.map_or(seq, |(first, _)| first), seq));
-            let outcome = vhost.publish_by(exchange, message, true, Some(Publisher { session: &self.session, seq }))?;
+            let outcome = if delay_ms > 0 {
+                vhost.publish_delayed(exchange, message, delay_ms)?
+            } else {
+                vhost.publish_by(exchange, message, true, Some(Publisher { session: &self.session, seq }))?
+            };
             sent.routed.push(outcome.routed);
             sent.rejected |= outcome.rejected;
             if let Some(t) = outcome.ticket {

@@ -92,7 +92,7 @@ pub fn attributes(request: &Request) -> CmqResult {
         // A topic keeps nothing itself: its messages are in the subscriptions' queues.
         ("msgRetentionSeconds", 0.into()),
         ("filterType", filter_type(&e).into()),
-        ("exchangeType", e.kind.as_str().into()),
+        ("exchangeType", e.type_name().into()),
     ]))
 }
 
@@ -135,7 +135,7 @@ pub async fn publish(request: &Request, batch: bool) -> CmqResult {
     let cmq = &request.ctx.cmq;
     let ids: Vec<String> = bodies.iter().map(|_| cmq.message_id()).collect();
     let batch_of = bodies.iter().zip(&ids).map(|(body, id)| messages::message(&e.name, routing_key, body, id, headers.clone())).collect();
-    let sent = cmq.confirms.publish(&request.vhost, &e.name, batch_of)?;
+    let sent = cmq.confirms.publish(&request.vhost, &e.name, batch_of, messages::delay_ms(request)?)?;
     cmq.confirms.durable(request.ctx.broker.store(), &sent).await?;
     Ok(messages::sent_answer(ids, batch))
 }

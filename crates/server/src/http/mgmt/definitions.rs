@@ -33,7 +33,7 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
         let mut es = v.exchanges();
         es.sort_by(|a, b| a.name.cmp(&b.name));
         for e in es.iter().filter(|e| e.durable && !e.name.is_empty() && !e.name.starts_with("amq.")) {
-            exchanges.push(json!({"name": e.name, "vhost": v.name, "type": e.kind.as_str(), "durable": true,
+            exchanges.push(json!({"name": e.name, "vhost": v.name, "type": e.type_name(), "durable": true,
                 "auto_delete": e.auto_delete, "internal": e.internal, "arguments": fields::table_to_json(&e.arguments)}));
         }
         for e in es.iter().filter(|e| !e.name.is_empty()) {

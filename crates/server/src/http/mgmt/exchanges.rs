@@ -42,7 +42,7 @@ fn exchange_json(v: &VHost, e: &Exchange) -> Value {
     json!({
         "name": e.name,
         "vhost": v.name,
-        "type": e.kind.as_str(),
+        "type": e.type_name(),
         "durable": e.durable,
         "auto_delete": e.auto_delete,
         "internal": e.internal,

@@ -55,6 +55,9 @@ pub fn queue_json(ctx: &HttpContext, vhost: &VHost, q: &Queue) -> Value {
         "messages": ready + unacked, "messages_details": rate(0.0),
         "messages_ready": ready, "messages_ready_details": rate(0.0),
         "messages_unacknowledged": unacked, "messages_unacknowledged_details": rate(0.0),
+        // Warren's own: held by a delayed exchange until due (not in `messages`, as RabbitMQ's
+        // plugin holds them outside the queue).
+        "messages_delayed": vhost.delayed_count(q),
         "message_stats": crate::http::rates::queue_message_stats(&q.stats),
     });
     if q.args.retention_ms > 0 {
