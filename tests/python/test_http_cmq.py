@@ -303,7 +303,8 @@ def test_bad_input_gets_cmq_codes_and_changes_nothing(broker):
     assert raw(broker, {"Action": "SendMessage", "queueName": "nope", "msgBody": "x"})["code"] == 4440
     assert raw(broker, {"Action": "CreateQueue", "queueName": "bad name!"})["code"] == 4000
     assert raw(broker, {"Action": "CreateQueue", "queueName": "x", "visibilityTimeout": "-1"})["code"] == 4000
-    assert raw(broker, {"Action": "SendMessage", "queueName": "strict", "msgBody": "x", "delaySeconds": "5"})["code"] == 4000
+    for delay in ["-1", "3888001", "soon"]:
+        assert raw(broker, {"Action": "SendMessage", "queueName": "strict", "msgBody": "x", "delaySeconds": delay})["code"] == 4000
     r = requests.post(f"http://127.0.0.1:{broker.http_port}/v2/index.php", data=b"\xff\xfe%%%&&&=", timeout=10)
     assert r.status_code == 200 and r.json()["code"] in (4000, 4100)
     assert q.get_attributes().activeMsgNum == 0
@@ -313,6 +314,31 @@ def test_bad_input_gets_cmq_codes_and_changes_nothing(broker):
     q.set_attributes(meta)
     meta.visibilityTimeout = 99
     assert error_code(lambda: q.set_attributes(meta)) == 4000
+
+
+def test_delay_seconds_holds_messages_until_due_through_the_sdk_and_kill9(broker):
+    acct = account(broker)
+    q = create_queue(acct, "later", pollingWaitSeconds=0)
+    sent_at = time.time()
+    q.send_message(Message("single"), delayTime=2)
+    q.batch_send_message([Message(f"batch-{i}") for i in range(16)], delayTime=1)
+    q.send_message(Message("now"))
+    meta = q.get_attributes()
+    assert (meta.activeMsgNum, meta.delayMsgNum) == (1, 17)
+    assert [m.msgBody for m in take(q, 0)] == ["now"]
+    # Still held after kill -9, and counted again after the restart.
+    broker.kill9()
+    broker.start()
+    eventually(lambda: q.get_attributes().delayMsgNum + q.get_attributes().activeMsgNum == 17, timeout=10)
+    got = []
+    deadline = time.time() + 15
+    while len(got) < 17 and time.time() < deadline:
+        for m in take(q, 1):
+            got.append((m.msgBody, time.time()))
+    assert sorted(b for b, _ in got) == sorted(["single"] + [f"batch-{i}" for i in range(16)])
+    assert all(at >= sent_at + 1 for b, at in got if b.startswith("batch"))
+    assert [at >= sent_at + 2 for b, at in got if b == "single"] == [True]
+    assert q.get_attributes().delayMsgNum == 0
 
 
 def test_a_full_queue_refuses_sends(broker):

@@ -4,7 +4,7 @@
 //!
 //! **Where they wait.** Node-wide *slots*, each a store queue of its own holding the messages due
 //! in one span of time, bodies included ([`record`]): a *fine* slot per second for what is due
-//! within [`FINE_HORIZON_MS`], a *coarse* slot per hour beyond. A publish appends one record (one
+//! within an hour (the horizon), a *coarse* slot per hour beyond. A publish appends one record (one
 //! body, whatever the number of queues it reached) to its slot and is confirmed once that is
 //! durable, as any persistent message. Nothing is kept in memory per message: the slot directory
 //! (≤ ~7,200 fine and 8,800 coarse slots), and the records of the slots about to fire.
@@ -36,11 +36,20 @@ use warren_store::{Batch, RecoveredQueue, Store, SyncTicket};
 /// ranges (`warren_store::RAFT_STATE_QUEUES`); queue ids stay below it.
 pub const DELAY_SLOT_QUEUES: u64 = 1 << 60;
 
-/// Fine slots are one second each, for messages due within this long of their publish.
-pub const FINE_HORIZON_MS: u64 = 3600 * 1000;
+/// Fine slots are one second each, for messages due within the horizon (an hour) of their
+/// publish; coarse slots are as long as the horizon, and moved into fine slots a horizon ahead.
+const HORIZON_MS: u64 = 3600 * 1000;
 const FINE_MS: u64 = 1000;
-/// Coarse slots are one hour each.
-const COARSE_MS: u64 = 3600 * 1000;
+
+/// The horizon: `HORIZON_MS`, or in test builds `WARREN_TEST_DELAY_HORIZON_MS` (so that a test
+/// sees coarse slots moved within seconds).
+pub(crate) fn horizon_ms() -> u64 {
+    static HORIZON: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *HORIZON.get_or_init(|| {
+        warren_store::test_hooks::millis("WARREN_TEST_DELAY_HORIZON_MS", "delayed messages due later than this go to coarse slots this long")
+            .map_or(HORIZON_MS, |d| (d.as_millis() as u64).max(FINE_MS))
+    })
+}
 
 /// A slot: its level (0 fine, 1 coarse) and index (its start / its width).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -54,7 +63,7 @@ impl SlotKey {
         if self.level == 0 {
             FINE_MS
         } else {
-            COARSE_MS
+            horizon_ms()
         }
     }
     fn start_ms(self) -> u64 {
@@ -97,8 +106,8 @@ struct Directory {
 impl Directory {
     /// The slot a message due at `due_ms` goes to when published at `now_ms`.
     fn slot_for(&self, due_ms: u64, now_ms: u64) -> SlotKey {
-        if due_ms >= now_ms.saturating_add(FINE_HORIZON_MS) {
-            let index = due_ms / COARSE_MS;
+        if due_ms >= now_ms.saturating_add(horizon_ms()) {
+            let index = due_ms / horizon_ms();
             if index >= self.open_from[1] {
                 return SlotKey { level: 1, index };
             }
@@ -131,6 +140,7 @@ impl Delays {
         }
         // A slot of the previous run that was dropped is not reused while the clock goes forward.
         dir.open_from[0] = crate::now_ms() / FINE_MS;
+        horizon_ms(); // read (and a test's setting logged) at the start
         Arc::new(Delays {
             store,
             dir: Mutex::new(dir),
@@ -254,9 +264,9 @@ mod tests {
         let dir = Directory::default();
         let now = 1_800_000_000_000;
         assert_eq!(dir.slot_for(now + 1500, now), SlotKey { level: 0, index: (now + 1500) / 1000 });
-        assert_eq!(dir.slot_for(now + FINE_HORIZON_MS - 1, now).level, 0);
+        assert_eq!(dir.slot_for(now + HORIZON_MS - 1, now).level, 0);
         let far = dir.slot_for(now + 90 * 24 * 3600 * 1000, now);
-        assert_eq!((far.level, far.index), (1, (now + 90 * 24 * 3600 * 1000) / COARSE_MS));
+        assert_eq!((far.level, far.index), (1, (now + 90 * 24 * 3600 * 1000) / HORIZON_MS));
         for key in [SlotKey { level: 0, index: now / 1000 }, far] {
             assert!(is_delay_slot(key.store_id()));
             assert_eq!(SlotKey::of_store_id(key.store_id()), Some(key));
@@ -269,11 +279,11 @@ mod tests {
     fn closed_slots_take_no_records() {
         let mut dir = Directory::default();
         let now = 1_800_000_000_000;
-        dir.open_from = [now / 1000 + 5, (now + 2 * COARSE_MS) / COARSE_MS + 1];
+        dir.open_from = [now / 1000 + 5, (now + 2 * HORIZON_MS) / HORIZON_MS + 1];
         // Due in a closed fine slot (or already due): the first open one.
         assert_eq!(dir.slot_for(now + 10, now), SlotKey { level: 0, index: now / 1000 + 5 });
         // Due in a closed coarse slot (being moved): a fine slot.
-        assert_eq!(dir.slot_for(now + 2 * COARSE_MS, now).level, 0);
-        assert_eq!(dir.slot_for(now + 30 * COARSE_MS, now).level, 1);
+        assert_eq!(dir.slot_for(now + 2 * HORIZON_MS, now).level, 0);
+        assert_eq!(dir.slot_for(now + 30 * HORIZON_MS, now).level, 1);
     }
 }

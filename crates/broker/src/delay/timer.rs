@@ -2,7 +2,7 @@
 //! before they start, publishes each message when due, drops a slot once all it held is durable
 //! in its queues, and moves coarse slots into fine ones an hour ahead.
 
-use super::{counted, record, Delays, SlotKey, FINE_HORIZON_MS};
+use super::{counted, horizon_ms, record, Delays, SlotKey};
 use crate::queue::Queue;
 use crate::vhost::VHost;
 use crate::Broker;
@@ -259,7 +259,7 @@ impl Timer {
         }
     }
 
-    /// Moves the coarse slots starting within `FINE_HORIZON_MS` into fine slots, at most
+    /// Moves the coarse slots starting within the horizon into fine slots, at most
     /// `MOVE_BUDGET` bytes per call: each part's copies and the ack of its originals in one batch.
     fn move_coarse(&mut self, now: u64) {
         let mut budget = MOVE_BUDGET;
@@ -270,7 +270,7 @@ impl Timer {
                     .slots
                     .range(SlotKey { level: 1, index: 0 }..)
                     .next()
-                    .filter(|(k, _)| k.start_ms() <= now + FINE_HORIZON_MS)
+                    .filter(|(k, _)| k.start_ms() <= now + horizon_ms())
                     .map(|(k, s)| (*k, s.next_seq, s.last_ticket));
                 let Some((key, until, last_ticket)) = next else { return };
                 if !self.delays.store.is_readable(last_ticket) {
