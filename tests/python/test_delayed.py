@@ -150,6 +150,22 @@ def test_order_by_due_time_and_publish_order_for_the_same_delay(broker, name):
     assert headers[b"5"]["x-delay"] == 0 and "x-delay" not in headers[b"6"]
 
 
+def test_queues_declared_a_moment_ago_get_their_delayed_messages(broker, name):
+    """The timer resolves queue ids in a cache: one declared after it was filled is still found."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare_delayed(ch, name)
+    ch.confirm_delivery()
+    for i in range(20):
+        q = f"{name}-{i}"
+        ch.queue_declare(q, durable=True)
+        ch.queue_bind(q, name, q)
+        publish(ch, name, q, b"%d" % i, 5 + i % 3)
+        time.sleep(0.01)
+    for i in range(20):
+        eventually(lambda: ch.queue_declare(f"{name}-{i}", passive=True).method.message_count == 1, timeout=5)
+
+
 def test_unroutable_delayed_message_is_returned_at_publish(broker, name):
     conn = broker.connection()
     ch = conn.channel()

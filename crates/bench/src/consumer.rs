@@ -29,6 +29,8 @@ pub struct ConsumerConfig {
     pub stop: watch::Receiver<bool>,
     /// Incremented once consuming has started (every basic.consume-ok is in).
     pub ready: Arc<AtomicUsize>,
+    /// Messages were published with this delay: latency counts from the send time plus it.
+    pub delay_ns: u64,
 }
 
 /// basic.deliver's delivery tag and redelivered bit, read in place: class, method, consumer tag
@@ -179,8 +181,12 @@ pub async fn run(mut cfg: ConsumerConfig, stats: Arc<Stats>) -> Result<(), Error
                             consumed += 1;
                             bytes += d.body_size;
                             last_tag = d.tag;
-                            if let Some(ts) = d.sent_ns.filter(|ts| *ts <= now) {
-                                lat.push(now - ts);
+                            if let Some(due) = d.sent_ns.map(|ts| ts + cfg.delay_ns) {
+                                if due <= now {
+                                    lat.push(now - due);
+                                } else if cfg.delay_ns > 0 {
+                                    Counters::add(&stats.counters.early, 1);
+                                }
                             }
                             if !cfg.auto_ack {
                                 unacked += 1;

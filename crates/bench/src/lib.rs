@@ -81,9 +81,14 @@ pub struct BenchArgs {
     /// "": the default exchange.
     #[arg(long, default_value = "")]
     pub exchange: String,
-    /// Type of the exchange declared for --exchange (direct, fanout, topic, headers).
+    /// Type of the exchange declared for --exchange (direct, fanout, topic, headers, or
+    /// x-delayed-message: a delayed exchange routing as direct).
     #[arg(long, default_value = "direct")]
     pub exchange_type: String,
+    /// Publish with header `x-delay` = N (for a delayed exchange); end-to-end latency is then
+    /// counted from the send time plus N (the lateness), and a delivery before that as `early`.
+    #[arg(long, default_value_t = 0)]
+    pub delay_ms: u32,
     /// x-queue-type of the declared queues (not sent unless given).
     #[arg(long, value_parser = ["classic", "quorum", "stream"])]
     pub queue_type: Option<String>,
@@ -256,7 +261,11 @@ async fn setup(uri: &Uri, args: &BenchArgs, queues: &[String]) -> Result<(), Err
     let arguments = queue_arguments(args)?;
     // amq.* exchanges exist already and may not be declared (RabbitMQ refuses with 403).
     if !args.exchange.is_empty() && !args.exchange.starts_with("amq.") {
-        let m = ExchangeDeclare { exchange: args.exchange.clone(), kind: args.exchange_type.clone(), durable: true, ..Default::default() };
+        let mut arguments = warren_protocol::field::FieldTable::new();
+        if args.exchange_type == "x-delayed-message" {
+            arguments.insert("x-delayed-type".to_string(), warren_protocol::field::FieldValue::LongString("direct".into()));
+        }
+        let m = ExchangeDeclare { exchange: args.exchange.clone(), kind: args.exchange_type.clone(), durable: true, arguments, ..Default::default() };
         c.call(Method::ExchangeDeclare(m)).await.map_err(|e| format!("declaring exchange {:?}: {e}", args.exchange))?;
     }
     for q in queues {
@@ -344,6 +353,7 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
                 messages: args.cmessages.unwrap_or(0),
                 stop: consumer_stop.clone(),
                 ready: ready.clone(),
+                delay_ns: u64::from(args.delay_ms) * 1_000_000,
             };
             Task { what: format!("consumer {id}"), handle: Some(tokio::spawn(consumer::run(cfg, stats.clone()))) }
         })
@@ -386,6 +396,7 @@ async fn bench(args: BenchArgs) -> Result<u8, Error> {
                     messages: args.pmessages.unwrap_or(0),
                     stop: producer_stop.clone(),
                     drain: CONFIRM_DRAIN,
+                    delay_ms: args.delay_ms,
                 };
                 Task { what: format!("producer {id}"), handle: Some(tokio::spawn(producer::run(cfg, stats.clone()))) }
             })
@@ -651,7 +662,7 @@ impl Summary {
         if args.consumers > 0 {
             out += &format!("  consumed  {:>11}  {:>10.0} msg/s  {:>8.1} MB/s\n", t.consumed, self.rate(e.consumed), self.consumed_mb());
         }
-        out += &format!("  returned {}, redelivered {}\n", t.returned, t.redelivered);
+        out += &format!("  returned {}, redelivered {}, early {}\n", t.returned, t.redelivered, t.early);
         for (name, v) in [("confirm latency", &self.confirm), ("end-to-end latency", &self.e2e)] {
             if v[5] > 0 {
                 out += &format!(
@@ -679,7 +690,7 @@ impl Summary {
             "elapsed_s": self.elapsed,
             "size": self.size,
             "sent": t.sent, "confirmed": t.confirmed, "nacked": t.nacked,
-            "returned": t.returned, "consumed": t.consumed, "redelivered": t.redelivered,
+            "returned": t.returned, "consumed": t.consumed, "redelivered": t.redelivered, "early": t.early,
             "send_rate": self.rate(e.sent), "confirm_rate": self.rate(e.confirmed), "consume_rate": self.rate(e.consumed),
             "send_mb_s": self.mb(e.sent), "confirm_mb_s": self.mb(e.confirmed), "consume_mb_s": self.consumed_mb(),
             "confirm_p50_us": self.confirm[0], "confirm_p95_us": self.confirm[1], "confirm_p99_us": self.confirm[2],

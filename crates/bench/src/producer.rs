@@ -38,6 +38,8 @@ pub struct ProducerConfig {
     pub stop: watch::Receiver<bool>,
     /// After the last message, how long to wait for outstanding confirms.
     pub drain: Duration,
+    /// Header `x-delay` on every message (0: none).
+    pub delay_ms: u32,
 }
 
 /// Most bytes of messages encoded into one socket write (without confirms; with confirms the window
@@ -57,7 +59,12 @@ struct Template {
 
 fn templates(cfg: &ProducerConfig, frame_max: u32) -> Vec<Template> {
     let mut props = BytesMut::new();
-    let p = BasicProperties { delivery_mode: Some(if cfg.persistent { 2 } else { 1 }), ..Default::default() };
+    let headers = (cfg.delay_ms > 0).then(|| {
+        let mut h = warren_protocol::field::FieldTable::new();
+        h.insert("x-delay".to_string(), warren_protocol::field::FieldValue::I64(i64::from(cfg.delay_ms)));
+        h
+    });
+    let p = BasicProperties { delivery_mode: Some(if cfg.persistent { 2 } else { 1 }), headers, ..Default::default() };
     p.encode(&mut props);
     let body = vec![0u8; cfg.size];
     cfg.routing_keys
@@ -321,6 +328,7 @@ mod tests {
             messages: 0,
             stop: watch::channel(false).1,
             drain: Duration::from_secs(1),
+            delay_ms: 0,
         }
     }
 

@@ -27,6 +27,8 @@ pub struct Counters {
     /// Body bytes consumed (consume-only runs do not know the size the producer used).
     pub consumed_bytes: AtomicU64,
     pub redelivered: AtomicU64,
+    /// Delivered before the send time plus `--delay-ms`.
+    pub early: AtomicU64,
 }
 
 /// A snapshot of the counters.
@@ -39,6 +41,7 @@ pub struct Counts {
     pub consumed: u64,
     pub consumed_bytes: u64,
     pub redelivered: u64,
+    pub early: u64,
 }
 
 impl Counters {
@@ -52,6 +55,7 @@ impl Counters {
             consumed: l(&self.consumed),
             consumed_bytes: l(&self.consumed_bytes),
             redelivered: l(&self.redelivered),
+            early: l(&self.early),
         }
     }
 

@@ -145,7 +145,7 @@ impl Delays {
             store,
             dir: Mutex::new(dir),
             counts: Mutex::new(HashMap::new()),
-            next_wake_ms: AtomicU64::new(0),
+            next_wake_ms: AtomicU64::new(u64::MAX),
             wake: Notify::new(),
             timer_started: AtomicBool::new(false),
         })

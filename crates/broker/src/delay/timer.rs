@@ -24,6 +24,10 @@ const READ_COUNT: usize = 4096;
 const MOVE_BUDGET: usize = 8 << 20;
 /// A message its queues refused (no majority in time, a home node down) is tried again this much later.
 const RETRY_MS: u64 = 5000;
+/// The timer looks the queues up again this often: a queue declared since then (a record names
+/// only queues that existed at its publish, so only one deleted and declared again, or one of a
+/// vhost made since) is found at the next look.
+const RESOLVE_EVERY_MS: u64 = 100;
 /// While fired messages wait for their queues' confirms, the timer looks again this often.
 const SETTLE_POLL_MS: u64 = 10;
 
@@ -66,14 +70,19 @@ struct Timer {
     moving: Option<Moving>,
     /// A slot holds records the store has not made readable yet.
     waiting_for_records: bool,
+    /// Vhosts and their queues by id, as of `resolved_at`: a record names queues by id.
+    vhosts: HashMap<String, Option<(Arc<VHost>, HashMap<u64, Arc<Queue>>)>>,
+    resolved_at: u64,
 }
 
 pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
     crate::blocking::run(|| count_recovered(&delays));
     let mut readable = delays.store.readable();
-    let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false };
+    let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false, vhosts: HashMap::new(), resolved_at: 0 };
     loop {
         let Some(broker) = broker.upgrade() else { return };
+        // While this round runs, any publish wakes the next one (it may have missed this round's load).
+        delays.next_wake_ms.store(u64::MAX, Ordering::Release);
         let now = crate::now_ms();
         crate::blocking::run(|| {
             timer.move_coarse(now);
@@ -178,7 +187,15 @@ impl Timer {
 
     /// Publishes every loaded message that is due.
     fn fire(&mut self, broker: &Broker, now: u64) {
-        let mut vhosts: HashMap<String, Option<(Arc<VHost>, HashMap<u64, Arc<Queue>>)>> = HashMap::new();
+        if self.due.first_key_value().is_none_or(|((due, _, _), _)| *due > now) {
+            return;
+        }
+        if now >= self.resolved_at + RESOLVE_EVERY_MS {
+            self.vhosts.clear();
+            self.resolved_at = now;
+        }
+        let vhosts = &mut self.vhosts;
+        let mut refreshed = std::collections::HashSet::new();
         while let Some(entry) = self.due.first_entry() {
             if entry.key().0 > now {
                 break;
@@ -188,15 +205,22 @@ impl Timer {
             let Some(firing) = self.firing.get_mut(&index) else { continue };
             firing.loaded = firing.loaded.saturating_sub(1);
             self.delays.uncount(&rec.queues, rec.run);
-            let resolved = vhosts.entry(rec.vhost.clone()).or_insert_with(|| {
-                broker.vhost(&rec.vhost).map(|v| {
-                    let by_id = v.queues().into_iter().map(|q| (q.id, q)).collect();
-                    (v, by_id)
-                })
-            });
-            let Some((vhost, by_id)) = resolved else { continue }; // the vhost was deleted
+            let resolve = |name: &str| broker.vhost(name).map(|v| (v.clone(), v.queues().into_iter().map(|q| (q.id, q)).collect()));
+            let resolved = vhosts.entry(rec.vhost.clone()).or_insert_with(|| resolve(&rec.vhost));
+            let wanted = |id: &&u64| counted(**id, rec.run);
+            let missing = |r: &Option<(Arc<VHost>, HashMap<u64, Arc<Queue>>)>| match r {
+                Some((_, by_id)) => rec.queues.iter().filter(wanted).any(|id| !by_id.contains_key(id)),
+                None => true,
+            };
+            if missing(resolved) && !refreshed.contains(&rec.vhost) {
+                // Declared since the last look (or deleted): look again (once a round) before
+                // dropping anything.
+                *resolved = resolve(&rec.vhost);
+                refreshed.insert(rec.vhost.clone());
+            }
+            let Some((vhost, by_id)) = resolved.as_ref() else { continue }; // the vhost was deleted
             let queues: Vec<Arc<Queue>> =
-                rec.queues.iter().filter(|id| counted(**id, rec.run)).filter_map(|id| by_id.get(id).cloned()).collect();
+                rec.queues.iter().filter(wanted).filter_map(|id| by_id.get(id).filter(|q| !q.is_deleted()).cloned()).collect();
             if queues.is_empty() {
                 continue; // its queues were deleted
             }
