@@ -176,7 +176,9 @@ impl Delays {
             )));
         }
         let now = crate::now_ms();
-        let due = now + delay_ms;
+        // From the clock rounded up to the next millisecond, so that "due" is never before publish
+        // time plus the delay (rounded down, a message came up to a millisecond early).
+        let due = now_ms_rounded_up() + delay_ms;
         let payload = record::encode(due, vhost, queues, message);
         let ticket = self.append(&[(due, &payload)], now, &mut Batch::new())?;
         {
@@ -247,6 +249,13 @@ impl Delays {
             }
         }
     }
+}
+
+fn now_ms_rounded_up() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros().div_ceil(1000) as u64)
+        .unwrap_or(0)
 }
 
 /// Whether a record of run `run` names queue `id` in this run: a transient queue's id (from
