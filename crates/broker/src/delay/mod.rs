@@ -99,6 +99,11 @@ struct Slot {
 #[derive(Debug, Default)]
 struct Directory {
     slots: BTreeMap<SlotKey, Slot>,
+    /// Recovered slots whose records are not counted yet, with their next seq at the start (what
+    /// the count reads; later records were counted as they were published). The timer fires a fine
+    /// slot only once counted (firing takes from the counts), and moves coarse slots only once all
+    /// are: a start counts the earliest slots first, so firing resumes before a big backlog is counted.
+    uncounted: BTreeMap<SlotKey, u64>,
     /// Per level, the first index that takes records: slots below are closed (being fired or moved).
     open_from: [u64; 2],
 }
@@ -126,6 +131,8 @@ pub struct Delays {
     next_wake_ms: AtomicU64,
     wake: Notify,
     timer_started: AtomicBool,
+    /// The count of recovered slots has begun (`timer::count_recovered`).
+    counting: AtomicBool,
 }
 
 impl Delays {
@@ -136,6 +143,7 @@ impl Delays {
             if let Some(key) = SlotKey::of_store_id(rec.queue) {
                 // Empty ones too: the timer drops them in turn.
                 dir.slots.insert(key, Slot { next_seq: rec.next_seq, last_ticket: 0 });
+                dir.uncounted.insert(key, rec.next_seq);
             }
         }
         // A slot of the previous run that was dropped is not reused while the clock goes forward.
@@ -148,6 +156,7 @@ impl Delays {
             next_wake_ms: AtomicU64::new(u64::MAX),
             wake: Notify::new(),
             timer_started: AtomicBool::new(false),
+            counting: AtomicBool::new(false),
         })
     }
 

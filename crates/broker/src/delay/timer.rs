@@ -76,7 +76,12 @@ struct Timer {
 }
 
 pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
-    crate::blocking::run(|| count_recovered(&delays));
+    let counter = delays.clone();
+    let spawned = std::thread::Builder::new().name("warren-delay-count".into()).spawn(move || count_recovered(&counter));
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "could not start a thread to count the recovered delayed messages; counting them first");
+        crate::blocking::run(|| count_recovered(&delays));
+    }
     let mut readable = delays.store.readable();
     let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false, vhosts: HashMap::new(), resolved_at: 0 };
     loop {
@@ -103,10 +108,13 @@ pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
     }
 }
 
-/// Counts the recovered slots' records per queue (before any fires, so that firing never takes
-/// from a count not yet added).
+/// Counts the recovered slots' records per queue, earliest slots first, marking each counted
+/// (`Directory::uncounted`): the timer fires a slot only once its records are counted.
 fn count_recovered(delays: &Delays) {
-    let slots: Vec<(SlotKey, u64)> = delays.dir.lock().slots.iter().map(|(k, s)| (*k, s.next_seq)).collect();
+    if delays.counting.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let slots: Vec<(SlotKey, u64)> = delays.dir.lock().uncounted.iter().map(|(k, until)| (*k, *until)).collect();
     let started = std::time::Instant::now();
     let mut held = 0u64;
     for (key, until) in slots {
@@ -133,6 +141,8 @@ fn count_recovered(delays: &Delays) {
             }
             from = batch.next_seq;
         }
+        delays.dir.lock().uncounted.remove(&key);
+        delays.wake.notify_one();
     }
     if held > 0 {
         tracing::info!(messages = held, elapsed_ms = started.elapsed().as_millis() as u64, "delayed messages recovered");
@@ -147,7 +157,7 @@ impl Timer {
             let dir = self.delays.dir.lock();
             dir.slots
                 .range(SlotKey { level: 0, index: 0 }..SlotKey { level: 1, index: 0 })
-                .take_while(|(k, _)| k.start_ms() <= now + LOOKAHEAD_MS)
+                .take_while(|(k, _)| k.start_ms() <= now + LOOKAHEAD_MS && !dir.uncounted.contains_key(k))
                 .map(|(k, s)| (*k, s.next_seq, s.last_ticket))
                 .collect()
         };
@@ -290,6 +300,9 @@ impl Timer {
         while budget > 0 {
             let Some(moving) = self.moving.as_mut() else {
                 let mut dir = self.delays.dir.lock();
+                if !dir.uncounted.is_empty() {
+                    return; // moved records would be taken from counts not added yet
+                }
                 let next = dir
                     .slots
                     .range(SlotKey { level: 1, index: 0 }..)
@@ -358,7 +371,7 @@ impl Timer {
             next = next.min(now + SETTLE_POLL_MS);
         }
         let dir = self.delays.dir.lock();
-        if let Some((key, _)) = dir.slots.range(SlotKey { level: 0, index: 0 }..SlotKey { level: 1, index: 0 }).find(|(k, _)| !self.firing.contains_key(&k.index)) {
+        if let Some((key, _)) = dir.slots.range(SlotKey { level: 0, index: 0 }..SlotKey { level: 1, index: 0 }).find(|(k, _)| !self.firing.contains_key(&k.index) && !dir.uncounted.contains_key(k)) {
             next = next.min(key.start_ms().saturating_sub(LOOKAHEAD_MS));
         }
         next.max(now + 1)
