@@ -28,6 +28,14 @@ bench() {
     --delay-ms "$MS" --time "$SECONDS_EACH" "$@"
 }
 summary() { grep -E ' (sent|consumed) |end-to-end|early'; }
+# RabbitMQ's queues from an earlier run would hand their old messages to this one's consumer.
+python3 -c '
+import pika
+ch = pika.BlockingConnection(pika.URLParameters("amqp://guest:guest@127.0.0.1:5672/%2F")).channel()
+for rate in ("0", "'"$RATE"'"):
+    for q in ("target-" + rate, "delay.'"$MS"'-" + rate):
+        ch.queue_delete(q)'
+
 for rate in 0 "$RATE"; do
   echo "== rate ${rate} (0: unlimited), x-delay ${MS} ms, ${SECONDS_EACH} s =="
   echo "-- Warren: x-delayed-message exchange"

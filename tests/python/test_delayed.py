@@ -220,6 +220,34 @@ def test_ttl_and_max_length_apply_when_due_and_a_deleted_queue_gets_nothing(brok
     assert "warren_queue_messages_delayed 0" in metrics
 
 
+def test_a_queue_that_refuses_a_due_message_gets_it_later_and_the_others_once(broker, name):
+    """Fanout to an open queue and to one full with reject-publish: the open one gets the message
+    once, the full one again every 5 s (alone) until it has room, then once."""
+    conn = broker.connection()
+    ch = conn.channel()
+    declare_delayed(ch, name, "fanout")
+    open_q, full_q = f"{name}-open", f"{name}-full"
+    ch.queue_declare(open_q, durable=True)
+    ch.queue_declare(full_q, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    ch.confirm_delivery()
+    ch.basic_publish("", full_q, b"blocker", pika.BasicProperties(delivery_mode=2))
+    for q in (open_q, full_q):
+        ch.queue_bind(q, name)
+    publish(ch, name, "", b"due", 200)
+    time.sleep(6)  # due, refused by the full queue, held again and refused again
+    assert ch.queue_declare(open_q, passive=True).method.message_count == 1, "the open queue got it once"
+    assert api(broker, f"queues/%2F/{full_q}")["messages_delayed"] == 1
+    assert api(broker, f"queues/%2F/{open_q}")["messages_delayed"] == 0
+    assert [b for b, _, _ in consume(conn, full_q, 1)] == [b"blocker"]
+    got = consume(conn, full_q, 1, timeout=10)
+    assert [b for b, _, _ in got] == [b"due"]
+    assert got[0][1]["x-delay"] == -200
+    time.sleep(0.5)
+    assert ch.queue_declare(open_q, passive=True).method.message_count == 1
+    assert ch.queue_declare(full_q, passive=True).method.message_count == 0
+    assert api(broker, f"queues/%2F/{full_q}")["messages_delayed"] == 0
+
+
 def test_delayed_messages_to_a_quorum_queue(broker, name):
     conn = broker.connection()
     ch = conn.channel()

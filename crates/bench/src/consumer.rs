@@ -109,7 +109,8 @@ pub async fn run(mut cfg: ConsumerConfig, stats: Arc<Stats>) -> Result<(), Error
                         return Err("the broker closed the socket".into());
                     }
                     conn.rb.filled_by(n);
-                    let now = now_ns();
+                    // Delayed messages carry the wall clock's send time (`stats::wall_ns`).
+                    let now = if cfg.delay_ns > 0 { crate::stats::wall_ns() } else { now_ns() };
                     let (before, before_bytes, mut redelivered) = (consumed, bytes, 0);
                     loop {
                         let (f, len) = match client::next_frame(conn.rb.filled(), frame_max)? {

@@ -86,7 +86,8 @@ pub struct BenchArgs {
     #[arg(long, default_value = "direct")]
     pub exchange_type: String,
     /// Publish with header `x-delay` = N (for a delayed exchange); end-to-end latency is then
-    /// counted from the send time plus N (the lateness), and a delivery before that as `early`.
+    /// counted from the send time plus N (the lateness), and a delivery before that as `early`,
+    /// both on the wall clock (as brokers count delays) rather than the monotonic one.
     #[arg(long, default_value_t = 0)]
     pub delay_ms: u32,
     /// x-queue-type of the declared queues (not sent unless given).

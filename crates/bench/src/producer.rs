@@ -18,7 +18,7 @@ use warren_protocol::method::*;
 use warren_protocol::properties::BasicProperties;
 
 use crate::client::{self, closed_by_broker, Conn, Error, Next, Uri};
-use crate::stats::{now_ns, Counters, Stats};
+use crate::stats::{now_ns, wall_ns, Counters, Stats};
 
 pub struct ProducerConfig {
     pub uri: Uri,
@@ -174,6 +174,8 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
                 }
                 // One timestamp for the batch: its messages go out in the same socket write.
                 let ts = if n > 0 { now_ns() } else { 0 };
+                // In the body: the wall clock's time for delayed messages (see `wall_ns`).
+                let body_ts = if n > 0 && cfg.delay_ms > 0 { wall_ns() } else { ts };
                 for _ in 0..n {
                     let t = &templates[rr];
                     rr += 1;
@@ -183,7 +185,7 @@ pub async fn run(mut cfg: ProducerConfig, stats: Arc<Stats>) -> Result<(), Error
                     let at = wbuf.len();
                     wbuf.extend_from_slice(&t.bytes);
                     let mut head = [0u8; 16];
-                    head[..8].copy_from_slice(&ts.to_le_bytes());
+                    head[..8].copy_from_slice(&body_ts.to_le_bytes());
                     head[8..].copy_from_slice(&seq.to_le_bytes());
                     wbuf[at + t.head_at..at + t.head_at + t.head_len].copy_from_slice(&head[..t.head_len]);
                     if confirms {

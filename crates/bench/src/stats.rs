@@ -17,6 +17,14 @@ pub fn now_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// Wall-clock nanoseconds (CLOCK_REALTIME): the send time in a delayed message's body, because a
+/// broker counts delays on the wall clock. `now_ns`'s monotonic clock runs apart from it while the
+/// system clock is being adjusted (measured here: a millisecond within minutes), which would show
+/// as deliveries before or after their due time that are not.
+pub fn wall_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
 #[derive(Default)]
 pub struct Counters {
     pub sent: AtomicU64,

@@ -855,21 +855,15 @@ impl VHost {
         Ok(PublishOutcome { routed: true, ticket: Some(ticket), store_behind: self.store.is_behind(), ..Default::default() })
     }
 
-    /// A delayed message now due, to the queues it was routed to: published as at-least-once
-    /// dead letters are (`crate::deadletter_confirms`); `settle` is told true once every queue
-    /// holds it durably (or dropped it: a classic queue at its `x-max-length` with
-    /// `reject-publish`, as the plugin's publish would be), false when one refused it and it must
-    /// be tried again.
-    pub fn publish_due(&self, message: Message, queues: &[Arc<Queue>], settle: crate::deadletter::SettleDeadLetter) {
+    /// A delayed message now due, to one of the queues it was routed to: published as
+    /// at-least-once dead letters are (`crate::deadletter_confirms`); `settle` is told true once the
+    /// queue holds it durably, false when it refused it (full with `reject-publish`, its home node
+    /// down or backed up, no majority in time) and it must be tried again.
+    pub fn publish_due(&self, message: MessageRef, queue: &Arc<Queue>, settle: crate::deadletter::SettleDeadLetter) {
         let (session, seq) = self.dead_letter_confirms.publisher();
         let publisher = Publisher { session: &session, seq };
-        match self.deliver_to_queues(Arc::new(message), queues, false, Some(publisher)) {
-            Ok(outcome) => {
-                if outcome.rejected {
-                    tracing::debug!(vhost = %self.name, "a due delayed message was refused by a full queue (x-overflow reject-publish) and dropped there");
-                }
-                self.dead_letter_confirms.track(seq, outcome.ticket, false, settle);
-            }
+        match self.deliver_to_queues(message, std::slice::from_ref(queue), false, Some(publisher)) {
+            Ok(outcome) => self.dead_letter_confirms.track(seq, outcome.ticket, outcome.rejected, settle),
             Err(e) => {
                 tracing::warn!(vhost = %self.name, error = %e, "could not publish a due delayed message; trying again");
                 self.dead_letter_confirms.track(seq, None, true, settle);

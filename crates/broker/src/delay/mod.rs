@@ -189,13 +189,9 @@ impl Delays {
         // time plus the delay (rounded down, a message came up to a millisecond early).
         let due = now_ms_rounded_up() + delay_ms;
         let payload = record::encode(due, vhost, queues, message);
-        let ticket = self.append(&[(due, &payload)], now, &mut Batch::new())?;
-        {
-            let mut counts = self.counts.lock();
-            for id in queues {
-                *counts.entry(*id).or_default() += 1;
-            }
-        }
+        // Counted first: with a 1 ms delay the timer may fire it before this thread goes on.
+        self.add_counts(queues, crate::run_id());
+        let ticket = self.append(&[(due, &payload)], now, &mut Batch::new()).inspect_err(|_| self.uncount(queues, crate::run_id()))?;
         if due < self.next_wake_ms.load(Ordering::Acquire) {
             self.wake.notify_one();
         }
@@ -245,6 +241,13 @@ impl Delays {
     /// Delayed messages held on this node, for all queues.
     pub fn total(&self) -> u64 {
         self.counts.lock().values().sum()
+    }
+
+    fn add_counts(&self, queues: &[u64], run: u64) {
+        let mut counts = self.counts.lock();
+        for id in queues.iter().filter(|id| counted(**id, run)) {
+            *counts.entry(*id).or_default() += 1;
+        }
     }
 
     fn uncount(&self, queues: &[u64], run: u64) {

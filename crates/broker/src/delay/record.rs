@@ -32,11 +32,15 @@ pub struct DelayedRecord {
 }
 
 pub fn encode(due_ms: u64, vhost: &str, queues: &[u64], message: &Message) -> Bytes {
-    let stored = crate::message::encode_stored(message, None);
+    encode_stored(due_ms, crate::run_id(), vhost, queues, &crate::message::encode_stored(message, None))
+}
+
+/// A record of a message already in its store encoding (`stored`), published in run `run`.
+pub fn encode_stored(due_ms: u64, run: u64, vhost: &str, queues: &[u64], stored: &[u8]) -> Bytes {
     let mut out = BytesMut::with_capacity(21 + vhost.len() + queues.len() * 8 + stored.len());
     out.put_u8(RECORD_VERSION);
     out.put_u64(due_ms);
-    out.put_u64(crate::run_id());
+    out.put_u64(run);
     // A vhost name is a short string of the protocol (≤ 255 bytes); queue counts are bounded by the
     // caller (`Delays::hold`).
     out.put_u16(vhost.len() as u16);
@@ -45,16 +49,7 @@ pub fn encode(due_ms: u64, vhost: &str, queues: &[u64], message: &Message) -> By
     for id in queues {
         out.put_u64(*id);
     }
-    out.put_slice(&stored);
-    out.freeze()
-}
-
-/// The record `payload` (a valid one: `decode` read it) due at `due_ms` instead.
-pub fn with_due(payload: &Bytes, due_ms: u64) -> Bytes {
-    let mut out = BytesMut::from(&payload[..]);
-    if out.len() >= 9 {
-        out[1..9].copy_from_slice(&due_ms.to_be_bytes());
-    }
+    out.put_slice(stored);
     out.freeze()
 }
 
@@ -151,7 +146,8 @@ mod tests {
         let due = due_message(&rec.message).expect("message decodes");
         assert_eq!(due.body, m.body);
         assert_eq!(requested_delay(&due), None, "not delayed again");
-        assert_eq!(decode(&with_due(&payload, 99)).map(|r| (r.due_ms, r.queues)), Some((99, vec![7, 1 << 63])));
+        let again = encode_stored(99, 5, &rec.vhost, &[7], &rec.message);
+        assert_eq!(decode(&again).map(|r| (r.due_ms, r.run, r.queues, r.message)), Some((99, 5, vec![7], rec.message.clone())));
         let headers = PropertiesView::new(&due.properties).unwrap().headers().unwrap().unwrap();
         assert_eq!(headers.get(DELAY_HEADER).and_then(FieldValue::as_i64), Some(-1500));
         for cut in 0..payload.len() {

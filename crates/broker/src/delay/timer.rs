@@ -6,7 +6,6 @@ use super::{counted, horizon_ms, record, Delays, SlotKey};
 use crate::queue::Queue;
 use crate::vhost::VHost;
 use crate::Broker;
-use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -60,12 +59,15 @@ struct Moving {
     key: SlotKey,
     read_next: u64,
     until: u64,
+    /// The ticket of the last append to it: its records are read once that is readable.
+    last_ticket: SyncTicket,
 }
 
 struct Timer {
     delays: Arc<Delays>,
     firing: BTreeMap<u64, Firing>,
-    due: BTreeMap<DueKey, (record::DelayedRecord, Bytes)>,
+    /// Loaded records and their sizes.
+    due: BTreeMap<DueKey, (record::DelayedRecord, usize)>,
     loaded_bytes: usize,
     moving: Option<Moving>,
     /// A slot holds records the store has not made readable yet.
@@ -89,6 +91,7 @@ pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
         // While this round runs, any publish wakes the next one (it may have missed this round's load).
         delays.next_wake_ms.store(u64::MAX, Ordering::Release);
         let now = crate::now_ms();
+        timer.waiting_for_records = false;
         crate::blocking::run(|| {
             timer.move_coarse(now);
             timer.load(now);
@@ -152,12 +155,13 @@ fn count_recovered(delays: &Delays) {
 impl Timer {
     /// Reads the records of fine slots starting within `LOOKAHEAD_MS` that are not loaded yet.
     fn load(&mut self, now: u64) {
-        self.waiting_for_records = false;
         let candidates: Vec<(SlotKey, u64, SyncTicket)> = {
             let dir = self.delays.dir.lock();
             dir.slots
                 .range(SlotKey { level: 0, index: 0 }..SlotKey { level: 1, index: 0 })
-                .take_while(|(k, _)| k.start_ms() <= now + LOOKAHEAD_MS && !dir.uncounted.contains_key(k))
+                .take_while(|(k, _)| k.start_ms() <= now + LOOKAHEAD_MS)
+                // (A recovered slot waits for its count; later ones need not.)
+                .filter(|(k, _)| !dir.uncounted.contains_key(k))
                 .map(|(k, s)| (*k, s.next_seq, s.last_ticket))
                 .collect()
         };
@@ -167,6 +171,8 @@ impl Timer {
             }
             let firing = self.firing.entry(key.index).or_insert_with(|| Firing { read_next: 0, loaded: 0, closed: false, settling: Arc::default() });
             while firing.read_next < next_seq && self.loaded_bytes < LOADED_LIMIT {
+                // Looked at before the read: a record made readable in between is then read next round.
+                let all_readable = self.delays.store.is_readable(last_ticket);
                 let batch = match self.delays.store.read_range(key.store_id(), firing.read_next..next_seq, READ_COUNT, READ_BYTES) {
                     Ok(b) => b,
                     Err(e) => {
@@ -180,14 +186,14 @@ impl Timer {
                         Some(rec) => {
                             self.loaded_bytes += m.payload.len();
                             firing.loaded += 1;
-                            self.due.insert((rec.due_ms, key.index, m.seq), (rec, m.payload));
+                            self.due.insert((rec.due_ms, key.index, m.seq), (rec, m.payload.len()));
                         }
                         None => tracing::error!(slot = key.store_id(), seq = m.seq, "a delayed message does not decode; it is dropped"),
                     }
                 }
                 if batch.next_seq <= firing.read_next {
-                    // Appended, not readable yet.
-                    self.waiting_for_records = !self.delays.store.is_readable(last_ticket);
+                    // Appended, not readable yet: the next round comes when the store has made more readable.
+                    self.waiting_for_records |= !all_readable;
                     break;
                 }
                 firing.read_next = batch.next_seq;
@@ -210,8 +216,8 @@ impl Timer {
             if entry.key().0 > now {
                 break;
             }
-            let ((_, index, _), (rec, payload)) = entry.remove_entry();
-            self.loaded_bytes = self.loaded_bytes.saturating_sub(payload.len());
+            let ((_, index, _), (rec, len)) = entry.remove_entry();
+            self.loaded_bytes = self.loaded_bytes.saturating_sub(len);
             let Some(firing) = self.firing.get_mut(&index) else { continue };
             firing.loaded = firing.loaded.saturating_sub(1);
             self.delays.uncount(&rec.queues, rec.run);
@@ -238,19 +244,24 @@ impl Timer {
                 tracing::error!(vhost = %rec.vhost, "a delayed message does not decode; it is dropped");
                 continue;
             };
-            let settling = firing.settling.clone();
-            settling.unsettled.fetch_add(1, Ordering::AcqRel);
-            let delays = self.delays.clone();
-            vhost.publish_due(
-                message,
-                &queues,
-                Box::new(move |held| {
-                    if !held {
-                        delays.retry(&rec, &payload, &settling);
-                    }
-                    settling.unsettled.fetch_sub(1, Ordering::AcqRel);
-                }),
-            );
+            let message = Arc::new(message);
+            let rec = Arc::new(rec);
+            // Queue by queue: one that refuses it gets it again later, alone (the others hold it).
+            for queue in queues {
+                let settling = firing.settling.clone();
+                settling.unsettled.fetch_add(1, Ordering::AcqRel);
+                let (delays, rec, id) = (self.delays.clone(), rec.clone(), queue.id);
+                vhost.publish_due(
+                    message.clone(),
+                    &queue,
+                    Box::new(move |held| {
+                        if !held {
+                            delays.retry(&rec, id, &settling);
+                        }
+                        settling.unsettled.fetch_sub(1, Ordering::AcqRel);
+                    }),
+                );
+            }
         }
     }
 
@@ -310,15 +321,16 @@ impl Timer {
                     .filter(|(k, _)| k.start_ms() <= now + horizon_ms())
                     .map(|(k, s)| (*k, s.next_seq, s.last_ticket));
                 let Some((key, until, last_ticket)) = next else { return };
-                if !self.delays.store.is_readable(last_ticket) {
-                    self.waiting_for_records = true;
-                    return;
-                }
-                // Closed first: what is published for its hour from now on goes to fine slots.
+                // Closed first: what is published for its hour from now on goes to fine slots; what
+                // was appended is read once readable.
                 dir.open_from[1] = dir.open_from[1].max(key.index + 1);
-                self.moving = Some(Moving { key, read_next: 0, until });
+                self.moving = Some(Moving { key, read_next: 0, until, last_ticket });
                 continue;
             };
+            if !self.delays.store.is_readable(moving.last_ticket) {
+                self.waiting_for_records = true;
+                return;
+            }
             let id = moving.key.store_id();
             if moving.read_next >= moving.until {
                 let key = moving.key;
@@ -370,6 +382,9 @@ impl Timer {
         if self.firing.values().any(|f| f.closed) || self.moving.is_some() {
             next = next.min(now + SETTLE_POLL_MS);
         }
+        if self.loaded_bytes >= LOADED_LIMIT {
+            return next.max(now + 1); // the next slot loads as this one's messages leave
+        }
         let dir = self.delays.dir.lock();
         if let Some((key, _)) = dir.slots.range(SlotKey { level: 0, index: 0 }..SlotKey { level: 1, index: 0 }).find(|(k, _)| !self.firing.contains_key(&k.index) && !dir.uncounted.contains_key(k)) {
             next = next.min(key.start_ms().saturating_sub(LOOKAHEAD_MS));
@@ -379,22 +394,21 @@ impl Timer {
 }
 
 impl Delays {
-    /// A fired message its queues did not all take: held again, `RETRY_MS` from now.
-    fn retry(&self, rec: &record::DelayedRecord, payload: &Bytes, settling: &Settling) {
+    /// A fired message queue `id` refused (full with reject-publish, its home node down or backed
+    /// up, no majority in time): held again for that queue alone, `RETRY_MS` from now.
+    fn retry(&self, rec: &record::DelayedRecord, id: u64, settling: &Settling) {
         let now = crate::now_ms();
-        let again = record::with_due(payload, now + RETRY_MS);
+        let again = record::encode_stored(now + RETRY_MS, rec.run, &rec.vhost, &[id], &rec.message);
+        self.add_counts(&[id], rec.run);
         match self.append(&[(now + RETRY_MS, &again)], now, &mut Batch::new()) {
             Ok(ticket) => {
                 settling.retry_ticket.fetch_max(ticket, Ordering::AcqRel);
-                let mut counts = self.counts.lock();
-                for id in rec.queues.iter().filter(|id| counted(**id, rec.run)) {
-                    *counts.entry(*id).or_default() += 1;
-                }
-                tracing::debug!(vhost = %rec.vhost, "a due delayed message was refused by a queue; trying again in {RETRY_MS} ms");
+                tracing::debug!(vhost = %rec.vhost, queue_id = id, "a due delayed message was refused by its queue; trying again in {RETRY_MS} ms");
             }
             Err(e) => {
+                self.uncount(&[id], rec.run);
                 settling.failed.store(true, Ordering::Release);
-                tracing::error!(error = %e, "a due delayed message its queues refused could not be held again; it comes again after a restart");
+                tracing::error!(error = %e, "a due delayed message its queue refused could not be held again; it comes again after a restart");
             }
         }
         self.wake.notify_one();
