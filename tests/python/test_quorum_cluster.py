@@ -531,3 +531,49 @@ def test_a_purge_without_a_majority_says_its_outcome_is_unknown_and_a_later_appl
             c.close()
 
     eventually(empty, timeout=10)
+
+
+def test_delayed_messages_reach_a_quorum_queue_whose_leader_was_killed_before_they_were_due(cluster):
+    """Published through a delayed exchange on a node that does not lead the queue's group, due
+    3 s later; the leader is killed -9 at once: the publishing node holds them and, once due,
+    hands them to the new leader (a refusal meanwhile is tried again 5 s later): every confirmed
+    one arrives once per queue, none before its due time. A classic queue homed on the killed node
+    gets them once it is back."""
+    name = "qq-delayed"
+    declare_on_one(cluster, name)
+    leader = queue_leader(cluster)
+    via = next(i for i in cluster if i != leader)
+    c = cluster[via].connection()
+    ch = c.channel()
+    ch.exchange_declare("later", "x-delayed-message", durable=True, arguments={"x-delayed-type": "fanout"})
+    ch.queue_bind(name, "later")
+    classic = "classic-on-leader"
+    lc = cluster[leader].connection()
+    lc.channel().queue_declare(classic, durable=True)
+    lc.close()
+    known_everywhere(cluster.values(), [classic], timeout=10)
+    ch.queue_bind(classic, "later")
+    ch.confirm_delivery()
+    due = {}
+    for i in range(100):
+        body = f"d{i}".encode()
+        due[body] = time.time() + 3
+        ch.basic_publish("later", "", body, pika.BasicProperties(delivery_mode=2, headers={"x-delay": 3000}))
+    c.close()
+    cluster[leader].kill9()
+    others = [i for i in cluster if i != leader]
+    got, arrived = [], {}
+    deadline = time.time() + 60
+    while len(got) < len(due) and time.time() < deadline:
+        for body in consume(cluster[others[1]], name, len(due) - len(got), timeout=3):
+            arrived.setdefault(body, time.time())
+            got.append(body)
+    assert sorted(got) == sorted(due), f"{len(got)} of {len(due)} arrived in the quorum queue"
+    early = [b for b, at in arrived.items() if at < due[b]]
+    assert not early, f"{len(early)} arrived before due"
+    cluster[leader].start()
+    in_classic = []
+    deadline = time.time() + 60
+    while len(in_classic) < len(due) and time.time() < deadline:
+        in_classic += consume(cluster[via], classic, len(due) - len(in_classic), timeout=3)
+    assert sorted(in_classic) == sorted(due), f"{len(in_classic)} of {len(due)} arrived in the classic queue"

@@ -23,6 +23,8 @@ const READ_COUNT: usize = 4096;
 const MOVE_BUDGET: usize = 8 << 20;
 /// A message its queues refused (no majority in time, a home node down) is tried again this much later.
 const RETRY_MS: u64 = 5000;
+/// Fired messages not yet held durably by their queues, at most: past it, due ones wait.
+const MAX_UNSETTLED: usize = 20_000;
 /// The timer looks the queues up again this often: a queue declared since then (a record names
 /// only queues that existed at its publish, so only one deleted and declared again, or one of a
 /// vhost made since) is found at the next look.
@@ -72,6 +74,8 @@ struct Timer {
     moving: Option<Moving>,
     /// A slot holds records the store has not made readable yet.
     waiting_for_records: bool,
+    /// Due messages were held back by flow control this round.
+    held_back: bool,
     /// Vhosts and their queues by id, as of `resolved_at`: a record names queues by id.
     vhosts: HashMap<String, Option<(Arc<VHost>, HashMap<u64, Arc<Queue>>)>>,
     resolved_at: u64,
@@ -85,17 +89,19 @@ pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
         crate::blocking::run(|| count_recovered(&delays));
     }
     let mut readable = delays.store.readable();
-    let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false, vhosts: HashMap::new(), resolved_at: 0 };
+    let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false, held_back: false, vhosts: HashMap::new(), resolved_at: 0 };
     loop {
         let Some(broker) = broker.upgrade() else { return };
         // While this round runs, any publish wakes the next one (it may have missed this round's load).
         delays.next_wake_ms.store(u64::MAX, Ordering::Release);
         let now = crate::now_ms();
         timer.waiting_for_records = false;
-        crate::blocking::run(|| {
-            timer.move_coarse(now);
-            timer.load(now);
-        });
+        // Directly on the runtime, not through `blocking::run`: reads of at most 32 MiB a round,
+        // mostly from the page cache (a slot is read a second after it was written), and
+        // `block_in_place` a thousand times a second handed the worker's tasks to new threads
+        // each time: under load the allocator kept ~800 MB spread over their arenas.
+        timer.move_coarse(now);
+        timer.load(now);
         timer.fire(&broker, now);
         timer.close(now);
         drop(broker);
@@ -203,6 +209,7 @@ impl Timer {
 
     /// Publishes every loaded message that is due.
     fn fire(&mut self, broker: &Broker, now: u64) {
+        self.held_back = false;
         if self.due.first_key_value().is_none_or(|((due, _, _), _)| *due > now) {
             return;
         }
@@ -212,8 +219,15 @@ impl Timer {
         }
         let vhosts = &mut self.vhosts;
         let mut refreshed = std::collections::HashSet::new();
+        let mut unsettled: usize = self.firing.values().map(|f| f.settling.unsettled.load(Ordering::Acquire)).sum();
         while let Some(entry) = self.due.first_entry() {
             if entry.key().0 > now {
+                break;
+            }
+            // Flow control, as publishers get it: while the store is behind or many fired messages
+            // wait for their queues, the rest waits (memory stays bounded; they leave late).
+            if unsettled >= MAX_UNSETTLED || self.delays.store.is_behind() {
+                self.held_back = true;
                 break;
             }
             let ((_, index, _), (rec, len)) = entry.remove_entry();
@@ -250,6 +264,7 @@ impl Timer {
             for queue in queues {
                 let settling = firing.settling.clone();
                 settling.unsettled.fetch_add(1, Ordering::AcqRel);
+                unsettled += 1;
                 let (delays, rec, id) = (self.delays.clone(), rec.clone(), queue.id);
                 vhost.publish_due(
                     message.clone(),
@@ -379,7 +394,7 @@ impl Timer {
         if let Some(((due, _, _), _)) = self.due.first_key_value() {
             next = next.min(*due);
         }
-        if self.firing.values().any(|f| f.closed) || self.moving.is_some() {
+        if self.firing.values().any(|f| f.closed) || self.moving.is_some() || self.held_back {
             next = next.min(now + SETTLE_POLL_MS);
         }
         if self.loaded_bytes >= LOADED_LIMIT {
