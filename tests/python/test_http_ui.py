@@ -248,3 +248,34 @@ def test_rewind_from_the_queue_page(broker, browser):
     assert [ch.basic_get("ui-rewound", auto_ack=True)[2] for _ in range(4)] == [b"kept %d" % i for i in range(4)]
     conn.close()
     assert script_errors(browser) == []
+
+
+def test_add_a_delayed_exchange_and_watch_its_queue_s_delayed_count(broker, browser):
+    """The exchange form makes an x-delayed-message exchange ("delayed topic": x-delayed-type
+    topic); a queue's page counts what a delayed exchange holds for it until it is due."""
+    log_in(browser, broker)
+    wait_text(browser, "#user", lambda t: t == "guest")
+    browser.find_element(By.LINK_TEXT, "Exchanges").click()
+    form = eventually(lambda: browser.find_element(By.ID, "add-exchange"))
+    form.find_element(By.NAME, "name").send_keys("ui-later")
+    form.find_element(By.CSS_SELECTOR, "select[name=type] option[value='delayed topic']").click()
+    form.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    eventually(lambda: row_cells(browser, "#exchanges", ["/", "ui-later"]))
+    assert row_cells(browser, "#exchanges", ["/", "ui-later"])[2] == "x-delayed-message"
+    shown = requests.get(f"http://127.0.0.1:{broker.http_port}/api/exchanges/%2F/ui-later", auth=("guest", "guest"), timeout=5).json()
+    assert shown["arguments"] == {"x-delayed-type": "topic"}
+    conn = broker.connection()
+    ch = conn.channel()
+    ch.queue_declare("ui-delayed", durable=True)
+    ch.queue_bind("ui-delayed", "ui-later", "a.#")
+    ch.confirm_delivery()
+    for i in range(3):
+        ch.basic_publish("ui-later", "a.b", b"later %d" % i, pika.BasicProperties(delivery_mode=2, headers={"x-delay": 4000}))
+    browser.find_element(By.LINK_TEXT, "Queues").click()
+    eventually(lambda: browser.find_element(By.LINK_TEXT, "ui-delayed")).click()
+    wait_cell(browser, "#queue", "Delayed", "3")
+    wait_cell(browser, "#queue", "Ready", "0")
+    wait_cell(browser, "#queue", "Ready", "3")
+    wait_cell(browser, "#queue", "Delayed", "0")
+    conn.close()
+    assert script_errors(browser) == []

@@ -362,6 +362,7 @@ pages.queue = (main, vhost, name) => {
       ['Unacked', () => fmt.num(q.messages_unacknowledged), 'num'],
       ['Total', () => fmt.num(q.messages), 'num'],
       ['Retained', () => (q.messages_retained === undefined ? '' : fmt.num(q.messages_retained)), 'num'],
+      ['Delayed', () => fmt.num(q.messages_delayed || 0), 'num'],
       ['Incoming', () => fmt.rate(m.publish_details), 'num'],
       ['Deliver / get', () => fmt.rate(m.deliver_get_details), 'num'],
       ['Ack', () => fmt.rate(m.ack_details), 'num'],
@@ -378,13 +379,18 @@ pages.exchanges = async (main) => {
   const form = h('form', { class: 'inline', id: 'add-exchange' },
     h('label', {}, 'Virtual host ', h('select', { name: 'vhost' }, await vhostOptions())),
     h('label', {}, 'Name ', h('input', { type: 'text', name: 'name', required: true, maxlength: 255 })),
-    h('label', {}, 'Type ', h('select', { name: 'type' }, ['direct', 'fanout', 'topic', 'headers'].map((t) => h('option', { value: t }, t)))),
+    // A delayed exchange (x-delayed-message) routes as its x-delayed-type: "delayed topic" and so on.
+    h('label', {}, 'Type ', h('select', { name: 'type' }, ['direct', 'fanout', 'topic', 'headers'].flatMap((t) => [t, 'delayed ' + t]).map((t) => h('option', { value: t }, t)))),
     h('label', {}, h('input', { type: 'checkbox', name: 'durable', checked: true }), ' durable'),
     h('button', { type: 'submit' }, 'Add exchange'));
   form.addEventListener('submit', (e) => {
     e.preventDefault();
     const f = form.elements;
-    act(() => api('PUT', '/exchanges/' + enc(f.vhost.value) + '/' + enc(f.name.value), { type: f.type.value, durable: f.durable.checked, auto_delete: false, internal: false, arguments: {} }),
+    const delayed = f.type.value.startsWith('delayed ');
+    const body = delayed
+      ? { type: 'x-delayed-message', arguments: { 'x-delayed-type': f.type.value.slice(8) } }
+      : { type: f.type.value, arguments: {} };
+    act(() => api('PUT', '/exchanges/' + enc(f.vhost.value) + '/' + enc(f.name.value), { ...body, durable: f.durable.checked, auto_delete: false, internal: false }),
       'Exchange ' + f.name.value + ' added.');
   });
   main.append(h('h1', {}, 'Exchanges'), h('div', { id: 'exchanges' }), h('h2', {}, 'Add an exchange'), form);
