@@ -109,7 +109,8 @@ def test_each_routing_type_delivers_when_due_with_x_delay_negated(broker, name, 
     ch.confirm_delivery()
     due = publish(ch, ex, {"direct": "rk", "fanout": "", "topic": "a.b", "headers": ""}[kind], b"late", 400,
                   headers={"colour": "red"})
-    assert ch.queue_declare(hit, passive=True).method.message_count == 0, "nothing before due"
+    if time.time() < due - 0.05:  # (a loaded machine may take that long to get here)
+        assert ch.queue_declare(hit, passive=True).method.message_count == 0, "nothing before due"
     assert api(broker, f"queues/%2F/{hit}")["messages_delayed"] == 1
     got = consume(conn, hit, 1)
     assert len(got) == 1 and got[0][0] == b"late"
@@ -121,30 +122,35 @@ def test_each_routing_type_delivers_when_due_with_x_delay_negated(broker, name, 
 
 
 def test_order_by_due_time_and_publish_order_for_the_same_delay(broker, name):
+    """The broker's due time of a message lies between the publisher's clock before its publish
+    and after its confirm, plus the delay: of two messages whose such spans do not overlap, the
+    earlier arrives first (whatever the load, however long the publishes took)."""
     conn = broker.connection()
     ch = conn.channel()
     declare_delayed(ch, name)
     ch.queue_declare(name, durable=True)
     ch.queue_bind(name, name, "k")
     ch.confirm_delivery()
-    dues = {}
+    dues, spans = {}, {}
     delays = [900, 300, 600, 300, 900, 0, None, -50, "450"] * 6
     for i, d in enumerate(delays):
-        dues[b"%d" % i] = publish(ch, name, "k", b"%d" % i, d)
+        dues[i] = publish(ch, name, "k", b"%d" % i, d)
+        after = time.time()
+        ms = int(d) if d is not None and int(d) > 0 else 0
+        spans[i] = (dues[i], after + ms / 1000)
     got = consume(conn, name, len(delays))
     assert len(got) == len(delays)
     for body, headers, at in got:
-        assert at >= dues[body] - CLOCK_SLACK, f"{body} delivered {dues[body] - at:.3f} s early"
-    order = [int(b) for b, _, _ in got]
-    # At once (0, absent, negative): in publish order, before any delayed one.
-    immediate = [i for i, d in enumerate(delays) if d in (0, None, -50)]
-    assert order[: len(immediate)] == immediate
-    # The same delay: publish order; a string x-delay is read as its number.
+        assert at >= dues[int(body)] - CLOCK_SLACK, f"{body} delivered {dues[int(body)] - at:.3f} s early"
+    position = {int(b): k for k, (b, _, _) in enumerate(got)}
+    for a in spans:
+        for b in spans:
+            if spans[a][1] < spans[b][0]:
+                assert position[a] < position[b], f"{a} (due by {spans[a][1]:.3f}) came after {b} (due from {spans[b][0]:.3f})"
+    # The same delay: publish order (a string x-delay is read as its number).
     for d in (300, "450", 600, 900):
-        same = [i for i in order if delays[i] == d]
+        same = [position[i] for i in range(len(delays)) if delays[i] == d]
         assert same == sorted(same), f"x-delay {d}: {same}"
-    rank = {0: 0, None: 0, -50: 0, 300: 1, "450": 2, 600: 3, 900: 4}
-    assert [rank[delays[i]] for i in order] == sorted(rank[delays[i]] for i in order)
     headers = {b: h for b, h, _ in got}
     assert headers[b"8"]["x-delay"] == -450 and headers[b"1"]["x-delay"] == -300
     assert headers[b"5"]["x-delay"] == 0 and "x-delay" not in headers[b"6"]
@@ -197,21 +203,24 @@ def test_ttl_and_max_length_apply_when_due_and_a_deleted_queue_gets_nothing(brok
     ch = conn.channel()
     declare_delayed(ch, name, "fanout")
     ttl, capped, deleted = f"{name}-ttl", f"{name}-cap", f"{name}-del"
-    ch.queue_declare(ttl, durable=True, arguments={"x-message-ttl": 300})
+    ch.queue_declare(ttl, durable=True, arguments={"x-message-ttl": 1500})
     ch.queue_declare(capped, durable=True, arguments={"x-max-length": 2})
     ch.queue_declare(deleted, durable=True)
     for q in (ttl, capped, deleted):
         ch.queue_bind(q, name)
     ch.confirm_delivery()
+    first = time.time()
     for i in range(5):
-        publish(ch, name, "", b"%d" % i, 500)
+        publish(ch, name, "", b"%d" % i, 2000)
     assert api(broker, f"queues/%2F/{deleted}")["messages_delayed"] == 5
     ch.queue_delete(deleted)
     ch.queue_declare(deleted, durable=True)  # the same name, another queue
     assert api(broker, f"queues/%2F/{deleted}")["messages_delayed"] == 0
-    time.sleep(0.8)
-    # TTL counts from when they are due (as the plugin publishes them then): still there at +0.8 s.
-    assert ch.queue_declare(ttl, passive=True).method.message_count == 5
+    # TTL counts from when they are due (as the plugin publishes them then): due at +2 s, they
+    # expire at +3.5 s; at +2.6 s, past a TTL of 1.5 s counted from the publish, they are there.
+    time.sleep(max(0.0, first + 2.6 - time.time()))
+    if time.time() < first + 3.3:  # (a loaded machine may take that long to get here)
+        assert ch.queue_declare(ttl, passive=True).method.message_count == 5
     # x-max-length applies when they arrive (drop-head keeps the newest two).
     assert [b for b, _, _ in consume(conn, capped, 2)] == [b"3", b"4"]
     assert ch.queue_declare(deleted, passive=True).method.message_count == 0

@@ -320,24 +320,27 @@ def test_delay_seconds_holds_messages_until_due_through_the_sdk_and_kill9(broker
     acct = account(broker)
     q = create_queue(acct, "later", pollingWaitSeconds=0)
     sent_at = time.time()
-    q.send_message(Message("single"), delayTime=2)
-    q.batch_send_message([Message(f"batch-{i}") for i in range(16)], delayTime=1)
+    q.send_message(Message("single"), delayTime=3)
+    q.batch_send_message([Message(f"batch-{i}") for i in range(16)], delayTime=2)
     q.send_message(Message("now"))
     meta = q.get_attributes()
-    assert (meta.activeMsgNum, meta.delayMsgNum) == (1, 17)
-    assert [m.msgBody for m in take(q, 0)] == ["now"]
+    if time.time() < sent_at + 1.5:  # (a loaded machine may take that long to get here)
+        assert (meta.activeMsgNum, meta.delayMsgNum) == (1, 17)
+    first = [(m.msgBody, time.time()) for m in take(q, 0)]
+    assert "now" in [b for b, _ in first]
+    # (Any other was due already: a loaded machine took that long to get here.)
+    got = [(b, at) for b, at in first if b != "now"]
     # Still held after kill -9, and counted again after the restart.
     broker.kill9()
     broker.start()
-    eventually(lambda: q.get_attributes().delayMsgNum + q.get_attributes().activeMsgNum == 17, timeout=10)
-    got = []
+    eventually(lambda: q.get_attributes().delayMsgNum + q.get_attributes().activeMsgNum == 17 - len(got), timeout=10)
     deadline = time.time() + 15
     while len(got) < 17 and time.time() < deadline:
         for m in take(q, 1):
             got.append((m.msgBody, time.time()))
     assert sorted(b for b, _ in got) == sorted(["single"] + [f"batch-{i}" for i in range(16)])
-    assert all(at >= sent_at + 1 for b, at in got if b.startswith("batch"))
-    assert [at >= sent_at + 2 for b, at in got if b == "single"] == [True]
+    assert all(at >= sent_at + 2 for b, at in got if b.startswith("batch"))
+    assert [at >= sent_at + 3 for b, at in got if b == "single"] == [True]
     assert q.get_attributes().delayMsgNum == 0
 
 

@@ -270,7 +270,7 @@ def test_add_a_delayed_exchange_and_watch_its_queue_s_delayed_count(broker, brow
     ch.queue_bind("ui-delayed", "ui-later", "a.#")
     ch.confirm_delivery()
     for i in range(3):
-        ch.basic_publish("ui-later", "a.b", b"later %d" % i, pika.BasicProperties(delivery_mode=2, headers={"x-delay": 4000}))
+        ch.basic_publish("ui-later", "a.b", b"later %d" % i, pika.BasicProperties(delivery_mode=2, headers={"x-delay": 8000}))
     browser.find_element(By.LINK_TEXT, "Queues").click()
     eventually(lambda: browser.find_element(By.LINK_TEXT, "ui-delayed")).click()
     wait_cell(browser, "#queue", "Delayed", "3")
