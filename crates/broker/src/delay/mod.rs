@@ -238,11 +238,6 @@ impl Delays {
         self.counts.lock().get(&id).copied().unwrap_or(0)
     }
 
-    /// Delayed messages held on this node, for all queues.
-    pub fn total(&self) -> u64 {
-        self.counts.lock().values().sum()
-    }
-
     fn add_counts(&self, queues: &[u64], run: u64) {
         let mut counts = self.counts.lock();
         for id in queues.iter().filter(|id| counted(**id, run)) {
