@@ -258,13 +258,18 @@ def test_a_queue_that_refuses_a_due_message_gets_it_later_and_the_others_once(br
 
 
 def test_delayed_messages_to_a_quorum_queue(broker, name):
+    """The queue's group holds them (counted as delayed, not ready) until due."""
     conn = broker.connection()
     ch = conn.channel()
     declare_delayed(ch, name)
     ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
     ch.queue_bind(name, name, "k")
     ch.confirm_delivery()
-    dues = {b"%d" % i: publish(ch, name, "k", b"%d" % i, 300 + 100 * (i % 3)) for i in range(30)}
+    dues = {b"%d" % i: publish(ch, name, "k", b"%d" % i, 1500 + 100 * (i % 3)) for i in range(30)}
+    ready = ch.queue_declare(name, passive=True).method.message_count
+    delayed = api(broker, f"queues/%2F/{name}")["messages_delayed"]
+    if time.time() < min(dues.values()) - CLOCK_SLACK:
+        assert (ready, delayed) == (0, 30)
     got = consume(conn, name, 30)
     assert sorted(b for b, _, _ in got) == sorted(dues)
     assert all(at >= dues[b] - CLOCK_SLACK for b, _, at in got)
@@ -326,10 +331,11 @@ class Recorder(threading.Thread):
             pass
 
 
-def crash_rounds(tmp_path, monkeypatch, crash, rounds=3):
+def crash_rounds(tmp_path, monkeypatch, crash, kind, rounds=3):
     """Publishers (delays up to 4 s: fine slots, and coarse ones past the 1.5 s test horizon) and a
     consumer run; `crash` stops the broker; after the restart every confirmed message arrives, none
-    before its due time."""
+    before its due time. `kind`: the queue's type (a quorum queue's group holds its delayed
+    messages in its log and snapshots, a classic queue's in the node's delay store)."""
     monkeypatch.setenv("WARREN_TEST_DELAY_HORIZON_MS", "1500")
     broker = Broker(tmp_path / "data", tmp_path / "warren.log")
     broker.start()
@@ -338,7 +344,7 @@ def crash_rounds(tmp_path, monkeypatch, crash, rounds=3):
         assert "WARREN_TEST_DELAY_HORIZON_MS is set" in broker.log_text()
         ch = broker.connection().channel()
         declare_delayed(ch, "dx")
-        ch.queue_declare("dq", durable=True)
+        ch.queue_declare("dq", durable=True, arguments={"x-queue-type": kind})
         ch.queue_bind("dq", "dx", "k")
         confirmed, arrived, copies = {}, {}, 0
         for round_ in range(rounds):
@@ -377,11 +383,13 @@ def crash_rounds(tmp_path, monkeypatch, crash, rounds=3):
             broker.proc.wait(10)
 
 
-def test_every_confirmed_delayed_message_survives_kill9_and_none_comes_early(tmp_path, monkeypatch):
-    crash_rounds(tmp_path, monkeypatch, lambda b: b.kill9())
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_every_confirmed_delayed_message_survives_kill9_and_none_comes_early(tmp_path, monkeypatch, kind):
+    crash_rounds(tmp_path, monkeypatch, lambda b: b.kill9(), kind)
 
 
-def test_every_confirmed_delayed_message_survives_a_power_cut(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_every_confirmed_delayed_message_survives_a_power_cut(tmp_path, monkeypatch, kind):
     monkeypatch.setenv("WARREN_TEST_SIMULATED_DISK", "1")
     monkeypatch.setenv("WARREN_TEST_FSYNC_DELAY_MS", "3")
 
@@ -391,4 +399,4 @@ def test_every_confirmed_delayed_message_survives_a_power_cut(tmp_path, monkeypa
         assert broker.proc.wait(20) == -signal.SIGKILL
         assert "power cut" in re.sub(r"\x1b\[[0-9;]*m", "", broker.log_text()[before:])
 
-    crash_rounds(tmp_path, monkeypatch, cut)
+    crash_rounds(tmp_path, monkeypatch, cut, kind)

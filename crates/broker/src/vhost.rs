@@ -806,9 +806,10 @@ impl VHost {
     }
 
     /// Routes a message through `exchange` now and holds it for `delay_ms` before its queues get it
-    /// (whatever the exchange's type): CMQ's `delaySeconds`. Durable once the ticket is.
-    pub fn publish_delayed(&self, exchange: &str, message: Message, delay_ms: u64) -> Result<PublishOutcome> {
-        self.publish_routed(exchange, message, true, None, Some(delay_ms))
+    /// (whatever the exchange's type): CMQ's `delaySeconds`. Durable once the ticket is, and once
+    /// `publisher`'s session has it resolved (quorum queues).
+    pub fn publish_delayed(&self, exchange: &str, message: Message, delay_ms: u64, publisher: Option<Publisher>) -> Result<PublishOutcome> {
+        self.publish_routed(exchange, message, true, publisher, Some(delay_ms))
     }
 
     fn publish_routed(&self, exchange: &str, message: Message, confirmed: bool, publisher: Option<Publisher>, delay_ms: Option<u64>) -> Result<PublishOutcome> {
@@ -838,21 +839,51 @@ impl VHost {
         crate::stats::add(if queues.is_empty() { Counter::Unroutable } else { Counter::Routed }, 1);
         let delay_ms = delay_ms.or_else(|| ex.delayed.then(|| crate::delay::record::requested_delay(&message)).flatten().map(|d| d as u64));
         if let Some(delay_ms) = delay_ms.filter(|d| *d > 0) {
-            return self.hold_delayed(&message, &queues, delay_ms);
+            return self.hold_delayed(message, &queues, delay_ms, publisher);
         }
         self.deliver_to_queues(Arc::new(message), &queues, !confirmed, publisher)
     }
 
-    /// A message a delayed exchange routed, with a positive `x-delay`: held in the node's delay
-    /// store until due (`crate::delay`), durable (and confirmed) as any persistent message. Routed
-    /// now: mandatory and returns work as usual.
-    fn hold_delayed(&self, message: &Message, queues: &[Arc<Queue>], delay_ms: u64) -> Result<PublishOutcome> {
+    /// A message a delayed exchange routed, with a positive `x-delay`: held until due, durable
+    /// (and confirmed) as any persistent message. Routed now: mandatory and returns work as usual.
+    /// A quorum queue's group holds it (replicated: it survives the loss of any minority of the
+    /// group's nodes, this one included); for classic queues the node's delay store does
+    /// (`crate::delay`).
+    fn hold_delayed(&self, message: Message, queues: &[Arc<Queue>], delay_ms: u64, publisher: Option<Publisher>) -> Result<PublishOutcome> {
+        let mut outcome = PublishOutcome { routed: !queues.is_empty(), ..Default::default() };
         if queues.is_empty() {
-            return Ok(PublishOutcome::default());
+            return Ok(outcome);
         }
-        let ids: Vec<u64> = queues.iter().map(|q| q.id).collect();
-        let ticket = self.delays.hold(&self.name, &ids, message, delay_ms)?;
-        Ok(PublishOutcome { routed: true, ticket: Some(ticket), store_behind: self.store.is_behind(), ..Default::default() })
+        crate::delay::check_delay(delay_ms)?;
+        let now = crate::now_ms();
+        // Kept as consumers get it once due (the node's delay store would negate it then).
+        let mut message = message;
+        crate::delay::record::negate_delay(&mut message);
+        let message = Arc::new(message);
+        let mut header = BytesMut::new();
+        let mut held_here = Vec::new();
+        for q in queues {
+            if header.is_empty() && q.is_quorum() {
+                encode_header(&message, Some(now), &mut header);
+            }
+            match q.publish_delayed(&message, &header, now, delay_ms, publisher) {
+                None => held_here.push(q.id),
+                Some(enqueued) => match enqueued? {
+                    Enqueued::Accepted { slow_publishers, .. } => {
+                        q.stats.published();
+                        if slow_publishers && outcome.slow_queue.is_none() {
+                            outcome.slow_queue = Some(q.clone());
+                        }
+                    }
+                    Enqueued::Rejected => outcome.rejected = true,
+                },
+            }
+        }
+        if !held_here.is_empty() {
+            outcome.ticket = Some(self.delays.hold(&self.name, &held_here, &message, delay_ms)?);
+            outcome.store_behind = self.store.is_behind();
+        }
+        Ok(outcome)
     }
 
     /// A delayed message now due, to one of the queues it was routed to: published as
@@ -873,7 +904,7 @@ impl VHost {
 
     /// Delayed messages held for `queue` (`crate::delay`).
     pub fn delayed_count(&self, queue: &Queue) -> u64 {
-        self.delays.count(queue.id)
+        self.delays.count(queue.id) + queue.delayed_in_group()
     }
 
     fn deliver_to_queues(&self, message: MessageRef, queues: &[Arc<Queue>], lazy_ok: bool, publisher: Option<Publisher>) -> Result<PublishOutcome> {

@@ -171,12 +171,7 @@ impl Delays {
     /// Holds `message`, routed to `queues` of `vhost`, for `delay_ms`: appends it to its slot.
     /// The message is durable once the store reaches the returned ticket.
     pub fn hold(&self, vhost: &str, queues: &[u64], message: &Message, delay_ms: u64) -> Result<SyncTicket> {
-        if delay_ms > record::MAX_DELAY_MS {
-            return Err(BrokerError::precondition_failed(format!(
-                "x-delay {delay_ms} ms is longer than the longest delay Warren holds ({} days)",
-                record::MAX_DELAY_MS / (24 * 3600 * 1000)
-            )));
-        }
+        check_delay(delay_ms)?;
         if queues.len() > u16::MAX as usize {
             return Err(BrokerError::precondition_failed(format!(
                 "a delayed message can reach at most {} queues; this one reached {}",
@@ -302,4 +297,15 @@ mod tests {
         assert_eq!(dir.slot_for(now + 2 * HORIZON_MS, now).level, 0);
         assert_eq!(dir.slot_for(now + 30 * HORIZON_MS, now).level, 1);
     }
+}
+
+/// Refuses a delay longer than Warren holds (`record::MAX_DELAY_MS`).
+pub fn check_delay(delay_ms: u64) -> Result<()> {
+    if delay_ms > record::MAX_DELAY_MS {
+        return Err(BrokerError::precondition_failed(format!(
+            "x-delay {delay_ms} ms is longer than the longest delay Warren holds ({} days)",
+            record::MAX_DELAY_MS / (24 * 3600 * 1000)
+        )));
+    }
+    Ok(())
 }

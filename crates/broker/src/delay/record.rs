@@ -96,9 +96,15 @@ pub fn requested_delay(message: &Message) -> Option<i64> {
 /// (consumers tell a delayed message by a negative `x-delay`). `None` if it does not decode.
 pub fn due_message(stored: &Bytes) -> Option<Message> {
     let mut message = decode_stored(stored)?.message;
-    let Ok(mut props) = BasicProperties::decode(&message.properties) else { return Some(message) };
+    negate_delay(&mut message);
+    Some(message)
+}
+
+/// Negates a positive `x-delay` header (how the message reads once due: `due_message`).
+pub fn negate_delay(message: &mut Message) {
+    let Ok(mut props) = BasicProperties::decode(&message.properties) else { return };
     let mut headers: FieldTable = props.headers.take().unwrap_or_default();
-    if let Some(delay) = requested_delay(&message) {
+    if let Some(delay) = requested_delay(message) {
         let negated = i32::try_from(-delay).map(FieldValue::I32).unwrap_or(FieldValue::I64(-delay));
         headers.insert(DELAY_HEADER.to_string(), negated);
         props.headers = Some(headers);
@@ -106,7 +112,6 @@ pub fn due_message(stored: &Bytes) -> Option<Message> {
         props.encode(&mut raw);
         message.properties = raw.freeze();
     }
-    Some(message)
 }
 
 #[cfg(test)]

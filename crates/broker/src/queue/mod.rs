@@ -665,6 +665,20 @@ impl Queue {
         ttl.map(|t| enqueued_at_ms.saturating_add(t))
     }
 
+    /// A message routed to this queue to be ready in `delay_ms`, if this queue holds delayed
+    /// messages itself: a quorum queue's group does, replicated and confirmed on a majority (see
+    /// `QuorumMachine::fire_due`). None for a classic queue: the node's delay store holds the
+    /// message for it (`crate::delay`).
+    pub fn publish_delayed(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64, delay_ms: u64, publisher: Option<Publisher>) -> Option<Result<Enqueued>> {
+        let r = self.replica.as_ref()?;
+        Some(r.publish(self, message, stored_header, now_ms, delay_ms.max(1), publisher))
+    }
+
+    /// Delayed messages this queue holds itself (a quorum queue's group: `publish_delayed`).
+    pub fn delayed_in_group(&self) -> u64 {
+        self.replica.as_ref().map_or(0, |r| r.delayed_count())
+    }
+
     /// Offers a routed message. `stored_header` is the message's store encoding minus the body
     /// (built once per publish and shared by every queue it goes to).
     ///
@@ -682,7 +696,7 @@ impl Queue {
         publisher: Option<Publisher>,
     ) -> Result<Enqueued> {
         if let Some(r) = &self.replica {
-            return r.publish(self, message, stored_header, now_ms, publisher);
+            return r.publish(self, message, stored_header, now_ms, 0, publisher);
         }
         if let Some(remote) = self.remote_home() {
             return Ok(remote.publish(self, message, now_ms, publisher));

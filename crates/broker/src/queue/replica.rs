@@ -474,8 +474,11 @@ pub(super) enum Waiter {
 struct Proposals {
     encoder: Encoder,
     waiters: Vec<Waiter>,
-    /// The session (and priority lane) whose Enqueue is open at the end of `encoder`.
-    open_session: Option<(SessionId, bool)>,
+    /// The session (and priority lane, and whether of delayed messages) whose Enqueue is open at
+    /// the end of `encoder`.
+    open_session: Option<(SessionId, bool, bool)>,
+    /// The clock the open Enqueue carries (its first message's `now_ms`).
+    open_now_ms: u64,
     /// Closed entries waiting for a slot.
     sealed: VecDeque<(Bytes, Vec<Waiter>)>,
     in_flight: usize,
@@ -491,6 +494,7 @@ impl Proposals {
             encoder: Encoder::new(),
             waiters: Vec::new(),
             open_session: None,
+            open_now_ms: 0,
             sealed: VecDeque::new(),
             in_flight: 0,
             pending_bytes: 0,
@@ -576,6 +580,14 @@ pub struct QuorumReplica {
     /// Some message had its own TTL: the leader ticks. Outside `state` so that the housekeeping
     /// tick (every 100 ms, every queue) of a queue that can expire nothing takes no lock.
     saw_expiration: AtomicBool,
+    /// When the machine's next delayed message comes due (`u64::MAX`: none), as of the last apply;
+    /// outside `state` for the same reason.
+    next_due: AtomicU64,
+    /// The due time a timer of this replica waits for (`u64::MAX`: none; see `arm_due_timer`).
+    armed_due: AtomicU64,
+    /// The due time this replica last proposed a `Tick` for: no timer for it again until that
+    /// Tick applied (the next due time is then another), or the housekeeping tick finds it lost.
+    tick_proposed_for: AtomicU64,
     proposals: Mutex<Proposals>,
     replicator: RwLock<Option<Arc<dyn Replicator>>>,
     gets_done: Notify,
@@ -629,6 +641,9 @@ impl QuorumReplica {
             own_seq: AtomicU64::new(1),
             state: Mutex::new(ReplicaState::new(queue_config(name, args), node_bodies)),
             saw_expiration: AtomicBool::new(false),
+            next_due: AtomicU64::new(u64::MAX),
+            armed_due: AtomicU64::new(u64::MAX),
+            tick_proposed_for: AtomicU64::new(u64::MAX),
             proposals: Mutex::new(Proposals::new()),
             replicator: RwLock::new(None),
             gets_done: Notify::new(),
@@ -767,10 +782,70 @@ impl QuorumReplica {
                 self.lost_consumers(&mut st, &mut after);
             }
             after.expire_more = !left && queue.args.dead_letter_exchange.is_some() && st.machine.head_expired() && st.machine.now_ms >= st.extra_tick_at;
+            self.next_due.store(st.machine.next_due().unwrap_or(u64::MAX), Ordering::Relaxed);
             reply.encode()
         };
         self.finish(queue, after);
+        self.arm_due_timer(queue);
         reply
+    }
+
+    /// Delayed messages the group holds, not due yet.
+    pub(super) fn delayed_count(&self) -> u64 {
+        self.state.lock().machine.delayed_count()
+    }
+
+    /// On the leader, with delayed messages waiting: a timer task proposes a `Tick` when the next
+    /// one comes due (the machine makes it ready then: `QuorumMachine::fire_due`), not at the
+    /// housekeeping tick, so a due message is late by the timer and one commit. A new leader arms
+    /// at its first housekeeping tick (`tick`, within a second). Cheap when armed already: two
+    /// atomic loads.
+    fn arm_due_timer(&self, queue: &Arc<Queue>) {
+        let due = self.next_due.load(Ordering::Relaxed);
+        if due == u64::MAX
+            || self.armed_due.load(Ordering::Relaxed) <= due
+            || self.tick_proposed_for.load(Ordering::Relaxed) == due
+            || !self.is_leader()
+        {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        // Armed for the earlier time; a timer armed for a later one still fires, and finds
+        // nothing due or proposes one more Tick (harmless).
+        self.armed_due.fetch_min(due, Ordering::Relaxed);
+        let queue = Arc::downgrade(queue);
+        rt.spawn(async move {
+            // The wall clock, which dates messages and Ticks, may drift from tokio's.
+            loop {
+                let now = crate::now_ms();
+                if now >= due {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(due - now)).await;
+            }
+            let Some(queue) = queue.upgrade() else { return };
+            if let Some(r) = queue.replica.as_ref() {
+                let _ = r.armed_due.compare_exchange(due, u64::MAX, Ordering::Relaxed, Ordering::Relaxed);
+                r.due_tick(&queue);
+            }
+        });
+    }
+
+    /// A due timer fired: on the leader, a `Tick` if a delayed message is due by now, else the
+    /// timer again for the next.
+    fn due_tick(&self, queue: &Arc<Queue>) {
+        if !self.is_leader() || self.state.lock().deleted {
+            return;
+        }
+        let now_ms = crate::now_ms();
+        let due = self.next_due.load(Ordering::Relaxed);
+        if due <= now_ms {
+            self.tick_proposed_for.store(due, Ordering::Relaxed);
+            let room = queue.vhost.upgrade().is_none_or(|v| v.dead_letter_room());
+            self.propose_tick(queue, now_ms, if room { EXPIRE_PER_TICK } else { 0 });
+        } else {
+            self.arm_due_timer(queue);
+        }
     }
 
     /// Reads the bodies `effect` needs that are only on disk (`body_read_for`), with the lock let go
@@ -1311,7 +1386,10 @@ impl QuorumReplica {
 
     /// Replaces the machine's state by a snapshot's.
     pub(super) fn restore_snapshot(&self, snapshot: &[u8]) -> std::result::Result<(), String> {
-        self.state.lock().machine.restore(snapshot).map_err(|e| e.to_string())
+        let mut st = self.state.lock();
+        st.machine.restore(snapshot).map_err(|e| e.to_string())?;
+        self.next_due.store(st.machine.next_due().unwrap_or(u64::MAX), Ordering::Relaxed);
+        Ok(())
     }
 
     /// At a start, the machine was restored from this node's own snapshot: the live messages it
@@ -1719,7 +1797,8 @@ impl QuorumReplica {
     // ---- the AMQP side --------------------------------------------------------------------
 
     /// A message routed to this queue: it joins the next entry.
-    pub(super) fn publish(&self, queue: &Arc<Queue>, message: &MessageRef, stored_header: &[u8], now_ms: u64, publisher: Option<Publisher>) -> Result<super::Enqueued> {
+    /// With `delay_ms` > 0 the group holds it that long first (`QuorumMachine::fire_due`).
+    pub(super) fn publish(&self, queue: &Arc<Queue>, message: &MessageRef, stored_header: &[u8], now_ms: u64, delay_ms: u64, publisher: Option<Publisher>) -> Result<super::Enqueued> {
         let mut p = self.proposals.lock();
         // The machine drops a publish whose seq is at or below its session's last as a re-sent
         // duplicate, so a session's seqs must enter entries in rising order. A connection's session
@@ -1768,17 +1847,31 @@ impl QuorumReplica {
             .ok()
             .and_then(|v| v.priority())
             .is_some_and(|p| p > crate::quorum::ready::HIGH_PRIORITY_ABOVE);
-        if p.open_session != Some((session, high)) {
-            p.encoder.begin_enqueue(session, now_ms, high);
+        let delayed = delay_ms > 0;
+        if p.open_session != Some((session, high, delayed)) {
+            if delayed {
+                p.encoder.begin_enqueue_delayed(session, now_ms, high);
+            } else {
+                p.encoder.begin_enqueue(session, now_ms, high);
+            }
             p.command(Waiter::Enqueue { session: tracked.cloned(), seqs: Vec::new() });
-            p.open_session = Some((session, high));
+            p.open_session = Some((session, high, delayed));
+            p.open_now_ms = now_ms;
         }
+        // The machine dates a delayed message by its Enqueue's clock, which is its first message's:
+        // a later one's delay grows by the time between them, so it is due `delay_ms` after its own
+        // publish; and by 1 ms, as clocks are whole ms (a publish at 1000.9 ms is dated 1000).
+        let delay_ms = if delayed { delay_ms.saturating_add(now_ms.saturating_sub(p.open_now_ms)).saturating_add(1) } else { 0 };
         let mut scratch = std::mem::take(&mut p.scratch);
         scratch.clear();
         scratch.extend_from_slice(stored_header);
         scratch.extend_from_slice(&message.body);
         let body_len = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
-        let added = p.encoder.message(seq, body_len, message.expiration_ms, &scratch);
+        let added = if delayed {
+            p.encoder.message_delayed(seq, body_len, message.expiration_ms, delay_ms, &scratch)
+        } else {
+            p.encoder.message(seq, body_len, message.expiration_ms, &scratch)
+        };
         p.scratch = scratch;
         if let Err(e) = added {
             return Err(BrokerError::internal(format!("could not add a message to quorum queue '{}': {e}", queue.name)));
@@ -2097,6 +2190,12 @@ impl QuorumReplica {
     pub(super) fn tick(&self, queue: &Arc<Queue>, now_ms: u64) {
         self.detach_gone_consumers(queue);
         self.redrive_dead_letters(queue);
+        // A Tick proposed for a due message that has not applied a second later was lost (a
+        // leader change): again.
+        if self.next_due.load(Ordering::Relaxed).saturating_add(1000) <= now_ms {
+            self.due_tick(queue);
+        }
+        self.arm_due_timer(queue);
         // The leader that applied the expiry deletes the queue (`after.expired`); should it be lost
         // before its deletion was committed, whichever leads now does it.
         let expired = { let st = self.state.lock(); !st.deleted && st.machine.queue_expired() };

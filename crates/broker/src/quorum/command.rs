@@ -23,6 +23,7 @@
 //! | 16 | `Unassign` | consumer, count, first id, then zigzag deltas |
 //! | 17 | `Enqueue` of high-priority messages | as tag 1 |
 //! | 18 | `DeadLettered` | count, first id, then zigzag deltas |
+//! | 19/20 | `Enqueue` of delayed messages (20: high-priority) | as tag 1, with delay_ms after ttl_ms |
 //!
 //! "opt" is a varint with 0 = none and n + 1 = n. Message payloads are opaque here: decoding keeps
 //! only their place in the entry ([`EnqueueMsg::payload`]), so applying an entry never copies a body.
@@ -74,6 +75,9 @@ pub struct EnqueueMsg {
     /// A high-priority message (priority above 4: `ready::HIGH_PRIORITY_ABOVE`). The messages of
     /// one encoded enqueue share it (tag 17 high, tag 1 normal).
     pub high: bool,
+    /// A delayed message (`x-delay`, CMQ's `delaySeconds`): held by the group this long after its
+    /// enqueue, then ready (0: ready at once). Tags 19/20.
+    pub delay_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -151,6 +155,8 @@ const TAG_TICK_BOUNDED: u8 = 15;
 const TAG_UNASSIGN: u8 = 16;
 const TAG_ENQUEUE_HIGH: u8 = 17;
 const TAG_DEAD_LETTERED: u8 = 18;
+const TAG_ENQUEUE_DELAYED: u8 = 19;
+const TAG_ENQUEUE_DELAYED_HIGH: u8 = 20;
 
 const ATTACH_AUTO_ACK: u8 = 1;
 const ATTACH_EXCLUSIVE: u8 = 2;
@@ -220,8 +226,9 @@ fn decode_ids(r: &mut Reader) -> Result<Vec<MsgId>, DecodeError> {
 fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command, DecodeError> {
     let tag = r.u8()?;
     Ok(match tag {
-        TAG_ENQUEUE | TAG_ENQUEUE_HIGH => {
-            let high = tag == TAG_ENQUEUE_HIGH;
+        TAG_ENQUEUE | TAG_ENQUEUE_HIGH | TAG_ENQUEUE_DELAYED | TAG_ENQUEUE_DELAYED_HIGH => {
+            let high = tag == TAG_ENQUEUE_HIGH || tag == TAG_ENQUEUE_DELAYED_HIGH;
+            let delayed = tag == TAG_ENQUEUE_DELAYED || tag == TAG_ENQUEUE_DELAYED_HIGH;
             let session = decode_session(r)?;
             let now_ms = r.var()?;
             let n = r.u32_fixed()? as u64;
@@ -235,11 +242,12 @@ fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command
                 let pub_seq = r.var()?;
                 let size = r.var_u32()?;
                 let ttl_ms = r.opt()?;
+                let delay_ms = if delayed { r.var()? } else { 0 };
                 let len = r.var()?;
                 let len = usize::try_from(len).or_else(|_| err("payload length"))?;
                 let start = r.pos();
                 r.bytes(len)?;
-                msgs.push(EnqueueMsg { pub_seq, size, ttl_ms, payload: start..start + len, high });
+                msgs.push(EnqueueMsg { pub_seq, size, ttl_ms, payload: start..start + len, high, delay_ms });
             }
             Command::Enqueue { session, now_ms, msgs }
         }
@@ -316,6 +324,8 @@ pub struct Encoder {
     messages: usize,
     /// Where the open enqueue's message count sits, and the count so far.
     open_enqueue: Option<(usize, u32)>,
+    /// The open enqueue is of delayed messages (tags 19/20: each message has a delay).
+    open_delayed: bool,
 }
 
 impl Default for Encoder {
@@ -330,7 +340,7 @@ impl Encoder {
         buf.put_u8(COMMAND_VERSION);
         buf.put_u8(TAG_BATCH);
         buf.put_u32(0);
-        Encoder { buf, commands: 0, messages: 0, open_enqueue: None }
+        Encoder { buf, commands: 0, messages: 0, open_enqueue: None, open_delayed: false }
     }
 
     /// Commands pushed so far.
@@ -360,17 +370,47 @@ impl Encoder {
 
     /// Opens an enqueue; add its messages with [`Encoder::message`] (all of `high` priority or not).
     pub fn begin_enqueue(&mut self, session: SessionId, now_ms: u64, high: bool) {
-        self.begin(if high { TAG_ENQUEUE_HIGH } else { TAG_ENQUEUE });
+        self.begin_enqueue_of(session, now_ms, high, false);
+    }
+
+    /// Opens an enqueue of delayed messages; add them with [`Encoder::message_delayed`].
+    pub fn begin_enqueue_delayed(&mut self, session: SessionId, now_ms: u64, high: bool) {
+        self.begin_enqueue_of(session, now_ms, high, true);
+    }
+
+    fn begin_enqueue_of(&mut self, session: SessionId, now_ms: u64, high: bool, delayed: bool) {
+        self.begin(match (delayed, high) {
+            (false, false) => TAG_ENQUEUE,
+            (false, true) => TAG_ENQUEUE_HIGH,
+            (true, false) => TAG_ENQUEUE_DELAYED,
+            (true, true) => TAG_ENQUEUE_DELAYED_HIGH,
+        });
         put_var(&mut self.buf, session.node);
         put_var(&mut self.buf, session.channel);
         put_var(&mut self.buf, now_ms);
         let at = self.buf.len();
         self.buf.put_u32(0);
         self.open_enqueue = Some((at, 0));
+        self.open_delayed = delayed;
     }
 
-    /// Adds a message to the open enqueue.
+    /// Adds a message to the open enqueue (not of delayed messages).
     pub fn message(&mut self, pub_seq: u64, size: u32, ttl_ms: Option<u64>, payload: &[u8]) -> Result<(), EncodeError> {
+        if self.open_delayed {
+            return Err(EncodeError::Invalid("a message without a delay in an enqueue of delayed messages"));
+        }
+        self.add_message(pub_seq, size, ttl_ms, None, payload)
+    }
+
+    /// Adds a message held `delay_ms` to the open enqueue of delayed messages.
+    pub fn message_delayed(&mut self, pub_seq: u64, size: u32, ttl_ms: Option<u64>, delay_ms: u64, payload: &[u8]) -> Result<(), EncodeError> {
+        if !self.open_delayed {
+            return Err(EncodeError::Invalid("a delayed message in an enqueue without delays"));
+        }
+        self.add_message(pub_seq, size, ttl_ms, Some(delay_ms), payload)
+    }
+
+    fn add_message(&mut self, pub_seq: u64, size: u32, ttl_ms: Option<u64>, delay_ms: Option<u64>, payload: &[u8]) -> Result<(), EncodeError> {
         let Some((at, count)) = self.open_enqueue.as_mut() else {
             return Err(EncodeError::Invalid("message without begin_enqueue"));
         };
@@ -384,6 +424,9 @@ impl Encoder {
         put_var(&mut self.buf, pub_seq);
         put_var(&mut self.buf, size as u64);
         put_opt(&mut self.buf, ttl_ms);
+        if let Some(delay) = delay_ms {
+            put_var(&mut self.buf, delay);
+        }
         put_var(&mut self.buf, payload.len() as u64);
         self.buf.put_slice(payload);
         Ok(())
@@ -495,12 +538,13 @@ impl Encoder {
                 }
                 let mut open = None;
                 for m in msgs {
-                    if open != Some(m.high) {
-                        self.begin_enqueue(*session, *now_ms, m.high);
-                        open = Some(m.high);
+                    let delayed = m.delay_ms > 0;
+                    if open != Some((m.high, delayed)) {
+                        self.begin_enqueue_of(*session, *now_ms, m.high, delayed);
+                        open = Some((m.high, delayed));
                     }
                     let payload = src.get(m.payload.clone()).ok_or(EncodeError::Invalid("payload range outside the source"))?;
-                    self.message(m.pub_seq, m.size, m.ttl_ms, payload)?;
+                    self.add_message(m.pub_seq, m.size, m.ttl_ms, delayed.then_some(m.delay_ms), payload)?;
                 }
                 self.open_enqueue = None;
             }

@@ -254,6 +254,8 @@ struct Out {
     effects: Vec<Effect>,
     pending: Vec<Effect>,
     pending_at: BTreeMap<ConsumerId, usize>,
+    /// Delayed messages this entry made ready so far (their keys: `fire_due`).
+    fired: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -334,6 +336,21 @@ pub struct QuorumMachine {
     /// why and their state (size counted against the length limits, as RabbitMQ counts them).
     pub(crate) dlx: BTreeMap<MsgId, (Reason, MsgState)>,
     pub(crate) dlx_bytes: u64,
+    /// Delayed messages not due yet, by id; `timer` orders them by due time (same due: by id,
+    /// publish order). A `Tick` whose clock reached a due time makes the message ready
+    /// (`fire_due`). Not ready: not counted against the length limits, not purged.
+    pub(crate) delayed: BTreeMap<MsgId, Held>,
+    pub(crate) timer: std::collections::BTreeSet<(u64, MsgId)>,
+}
+
+/// A delayed message waiting in the group until `due_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    pub due_ms: u64,
+    pub size: u32,
+    /// Its TTL, which starts when it comes due.
+    pub ttl_ms: Option<u64>,
+    pub high: bool,
 }
 
 impl QuorumMachine {
@@ -355,7 +372,20 @@ impl QuorumMachine {
             counters: Counters::default(),
             dlx: BTreeMap::new(),
             dlx_bytes: 0,
+            delayed: BTreeMap::new(),
+            timer: std::collections::BTreeSet::new(),
         }
+    }
+
+    /// Delayed messages not due yet.
+    pub fn delayed_count(&self) -> u64 {
+        self.delayed.len() as u64
+    }
+
+    /// When the next delayed message comes due (by the machine's clock: a `Tick` with at least
+    /// this `now_ms` makes it ready).
+    pub fn next_due(&self) -> Option<u64> {
+        self.timer.first().map(|(due, _)| *due)
     }
 
     /// At-least-once: dead letters not yet held by their target, oldest first.
@@ -422,14 +452,15 @@ impl QuorumMachine {
         let mut ids: Vec<MsgId> = self.ready.ids().collect();
         ids.extend(self.consumers.values().flat_map(|c| c.checked_out.keys().copied()));
         ids.extend(self.dlx.keys().copied());
+        ids.extend(self.delayed.keys().copied());
         ids.sort_unstable();
         ids
     }
 
-    /// Whether `id` is a live message: ready, checked out to a consumer, or a dead letter waiting
-    /// for its target.
+    /// Whether `id` is a live message: ready, checked out to a consumer, a dead letter waiting
+    /// for its target, or delayed.
     pub fn is_live(&self, id: MsgId) -> bool {
-        self.ready.contains(id) || self.dlx.contains_key(&id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id))
+        self.ready.contains(id) || self.dlx.contains_key(&id) || self.delayed.contains_key(&id) || self.consumers.values().any(|c| c.checked_out.contains_key(&id))
     }
 
     /// The last pub seq applied for a session.
@@ -527,6 +558,7 @@ impl QuorumMachine {
             }
             Command::Tick { now_ms, max_expired } => {
                 self.advance(now_ms);
+                self.fire_due(index, out);
                 self.expire_head(out, max_expired);
                 self.check_queue_expiry(out);
                 self.forget_idle_sessions();
@@ -603,7 +635,8 @@ impl QuorumMachine {
                 rejected.push(m.pub_seq);
                 continue;
             }
-            if limited && self.config.overflow == Overflow::RejectPublish {
+            // A delayed message meets the length limits when it comes due (`fire_due`).
+            if limited && self.config.overflow == Overflow::RejectPublish && m.delay_ms == 0 {
                 if self.over_limit(1, m.size as u64) {
                     // Consumers with credit may make room first.
                     self.assign(out);
@@ -618,6 +651,15 @@ impl QuorumMachine {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
+            if m.delay_ms > 0 {
+                // Held until due: its TTL and the length limits apply then (`fire_due`).
+                let due_ms = enqueued_at.saturating_add(m.delay_ms).min(NEVER - 1);
+                self.delayed.insert(id, Held { due_ms, size: m.size, ttl_ms: ttl, high: m.high });
+                self.timer.insert((due_ms, id));
+                self.counters.enqueued += 1;
+                out.push(Effect::Store { msg_id: id, payload: m.payload });
+                continue;
+            }
             let expires_at = ttl.map_or(NEVER, |t| enqueued_at.saturating_add(t).min(NEVER - 1));
             self.ready.push_fresh(id, m.size, expires_at, m.high);
             self.counters.enqueued += 1;
@@ -637,6 +679,47 @@ impl QuorumMachine {
         }
         out.push(Effect::Published { session, applied_up_to, rejected: rejected.clone() });
         Reply::Enqueued { applied_up_to, rejected }
+    }
+
+    /// Delayed messages due by the machine's clock become ready, in due order (same due: publish
+    /// order), each where a message enqueued by this `Tick` (entry `index`) would be: TTL counts
+    /// from now, and the length limits apply now, as if published now (the delayed-message
+    /// plugin's way): past `x-max-length` with reject-publish the message is dead-lettered (or
+    /// dropped) `maxlen`; with drop-head the oldest ready ones go.
+    fn fire_due(&mut self, index: u64, out: &mut Out) {
+        let limited = self.config.max_length.is_some() || self.config.max_length_bytes.is_some();
+        let track_sizes = self.config.max_length_bytes.is_some();
+        while let Some(&(due, id)) = self.timer.first() {
+            if due > self.now_ms {
+                break;
+            }
+            self.timer.pop_first();
+            let Some(held) = self.delayed.remove(&id) else { continue };
+            // Keys of one Tick share its index; past 2^16 of them they tie, still in order among
+            // themselves (`fired` is first in, first out).
+            let key = (index << 16) | out.fired.min(u16::MAX as u64);
+            out.fired += 1;
+            let expires_at = held.ttl_ms.map_or(NEVER, |t| self.now_ms.saturating_add(t).min(NEVER - 1));
+            let size = if track_sizes { held.size } else { 0 };
+            let state = MsgState { delivery_count: 0, acquired: 0, size, expires_at, high: held.high };
+            if limited && self.config.overflow == Overflow::RejectPublish {
+                if self.over_limit(1, held.size as u64) {
+                    self.assign(out);
+                }
+                if self.over_limit(1, held.size as u64) {
+                    self.remove(out, id, state, Reason::MaxLen);
+                    continue;
+                }
+            }
+            self.ready.push_fired(key, id, state);
+            if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
+                self.assign(out);
+                while self.over_limit(0, 0) {
+                    let Some((dropped, st)) = self.ready.pop_lowest() else { break };
+                    self.remove(out, dropped, st, Reason::MaxLen);
+                }
+            }
+        }
     }
 
     /// A message leaves the queue for `reason`: dead-lettered if the queue has a dead-letter

@@ -10,13 +10,21 @@
 //!
 //! Sizes are kept per fresh message only when the queue has `x-max-length-bytes` (4 bytes each).
 //!
+//! A third part holds delayed messages that came due (`fired`): they keep their msg id (where
+//! their body is) but join the queue where a message enqueued by the `Tick` that fired them would
+//! have, as the delayed-message plugin publishes a due message then. So each has an order key,
+//! `msg_id(tick index, k)`: above every id enqueued before that Tick, below every later one. The
+//! head is the first returned message, else the smaller of the first fresh id and the first fired
+//! key. Every message that left the lane by its head was below every fresh id then, and fresh ids
+//! only rise, so "every returned id is below every fresh id" still holds.
+//!
 //! Priorities, as RabbitMQ 4's quorum queues: two lanes, each as above, high (message priority
 //! above 4) and normal (the rest, and no priority). The head is taken from the high lane twice for
 //! each time from the normal lane while both have messages ([`HIGH_PER_NORMAL`]), so a stream of
 //! high-priority messages delays the normal ones without starving them.
 
 use super::command::MsgId;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Expiry of a message without TTL.
 pub const NEVER: u64 = u64::MAX;
@@ -73,11 +81,23 @@ impl Run {
     }
 }
 
+/// A delayed message that came due, ready (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fired {
+    /// Its place in the queue: rising along `Lane::fired`.
+    pub key: u64,
+    pub id: MsgId,
+    pub state: MsgState,
+}
+
 /// The ready messages of one priority lane.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Lane {
     pub(crate) returned: BTreeMap<MsgId, MsgState>,
     pub(crate) fresh: VecDeque<Run>,
+    /// Delayed messages that came due, by key; `fired_ids` finds one by id.
+    pub(crate) fired: VecDeque<Fired>,
+    fired_ids: BTreeSet<MsgId>,
     /// Sizes of the fresh messages, in order (only when `track_sizes`).
     pub(crate) sizes: VecDeque<u32>,
     pub(crate) track_sizes: bool,
@@ -90,16 +110,19 @@ impl Lane {
         Lane { track_sizes, ..Default::default() }
     }
 
-    /// Rebuilds from a snapshot's parts (counts recomputed).
-    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>) -> Lane {
-        let count = returned.len() as u64 + fresh.iter().map(|r| r.count as u64).sum::<u64>();
-        let bytes = returned.values().map(|m| m.size as u64).sum::<u64>() + sizes.iter().map(|&s| s as u64).sum::<u64>();
-        Lane { returned, fresh, sizes, track_sizes, count, bytes }
+    /// Rebuilds from a snapshot's parts (counts recomputed; `fired` keys rising, checked by the caller).
+    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>, fired: VecDeque<Fired>) -> Lane {
+        let count = returned.len() as u64 + fresh.iter().map(|r| r.count as u64).sum::<u64>() + fired.len() as u64;
+        let bytes = returned.values().map(|m| m.size as u64).sum::<u64>()
+            + sizes.iter().map(|&s| s as u64).sum::<u64>()
+            + fired.iter().map(|f| f.state.size as u64).sum::<u64>();
+        let fired_ids = fired.iter().map(|f| f.id).collect();
+        Lane { returned, fresh, fired, fired_ids, sizes, track_sizes, count, bytes }
     }
 
     /// Whether `id` is ready in this lane.
     pub fn contains(&self, id: MsgId) -> bool {
-        if self.returned.contains_key(&id) {
+        if self.returned.contains_key(&id) || self.fired_ids.contains(&id) {
             return true;
         }
         // Fresh runs are in id order: the last run starting at or before `id`.
@@ -111,7 +134,7 @@ impl Lane {
 
     /// Every id ready in this lane (unordered between returned and fresh).
     pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
-        self.returned.keys().copied().chain(self.fresh.iter().flat_map(|run| (0..run.count as u64).map(move |k| run.first + k * run.step())))
+        self.returned.keys().copied().chain(self.fired.iter().map(|f| f.id)).chain(self.fresh.iter().flat_map(|run| (0..run.count as u64).map(move |k| run.first + k * run.step())))
     }
 
     pub fn len(&self) -> u64 {
@@ -154,10 +177,32 @@ impl Lane {
         }
     }
 
+    /// A delayed message that came due, at the tail of `fired` (`key` above every key there).
+    fn push_fired(&mut self, key: u64, id: MsgId, state: MsgState) {
+        if !self.fired_ids.insert(id) {
+            return;
+        }
+        let state = if self.track_sizes { state } else { MsgState { size: 0, ..state } };
+        self.fired.push_back(Fired { key, id, state });
+        self.count += 1;
+        self.bytes += state.size as u64;
+    }
+
+    /// Whether the next head after the returned messages is the first fired one.
+    fn fired_next(&self) -> bool {
+        match (self.fired.front(), self.fresh.front()) {
+            (Some(f), Some(run)) => f.key <= run.first,
+            (fired, _) => fired.is_some(),
+        }
+    }
+
     /// The head's id and expiry.
     pub fn head(&self) -> Option<(MsgId, u64)> {
         if let Some((&id, st)) = self.returned.iter().next() {
             return Some((id, st.expires_at));
+        }
+        if self.fired_next() {
+            return self.fired.front().map(|f| (f.id, f.state.expires_at));
         }
         self.fresh.front().map(|r| (r.first, r.expires_at))
     }
@@ -166,6 +211,10 @@ impl Lane {
     fn pop(&mut self) -> Option<(MsgId, MsgState)> {
         let (id, state) = if let Some((id, st)) = self.returned.pop_first() {
             (id, st)
+        } else if self.fired_next() {
+            let f = self.fired.pop_front()?;
+            self.fired_ids.remove(&f.id);
+            (f.id, f.state)
         } else {
             let run = self.fresh.front_mut()?;
             let id = run.first;
@@ -190,6 +239,11 @@ impl Lane {
         for &id in self.returned.keys() {
             push_id(&mut runs, id);
         }
+        let mut fired: Vec<MsgId> = self.fired.iter().map(|f| f.id).collect();
+        fired.sort_unstable();
+        for id in fired {
+            push_id(&mut runs, id);
+        }
         for run in &self.fresh {
             if run.per_entry {
                 for k in 0..run.count as u64 {
@@ -206,9 +260,9 @@ impl Lane {
         runs
     }
 
-    /// Entries of memory held (returned messages + fresh runs + sizes), for the cost figures.
+    /// Entries of memory held (returned and fired messages + fresh runs + sizes), for the cost figures.
     pub fn entries(&self) -> (usize, usize, usize) {
-        (self.returned.len(), self.fresh.len(), self.sizes.len())
+        (self.returned.len() + self.fired.len(), self.fresh.len(), self.sizes.len())
     }
 }
 
@@ -248,6 +302,11 @@ impl Ready {
     /// A message back from a consumer, to its place by id in its lane.
     pub fn push_returned(&mut self, id: MsgId, state: MsgState) {
         self.lane_mut(state.high).push_returned(id, state);
+    }
+
+    /// A delayed message that came due, joining its lane with order `key` (see the module doc).
+    pub fn push_fired(&mut self, key: u64, id: MsgId, state: MsgState) {
+        self.lane_mut(state.high).push_fired(key, id, state);
     }
 
     fn lane_mut(&mut self, high: bool) -> &mut Lane {

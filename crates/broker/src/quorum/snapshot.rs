@@ -14,17 +14,20 @@
 //! at_least_once u8 after dead_letter; a message state also has high u8; after the ready messages
 //! above (the normal lane) come high_streak u8 and the high lane, laid out as the normal one, then
 //! the dead letters waiting for their target (count; id, reason u8, state). Version 1 snapshots
-//! still decode (everything normal, at-most-once). Decoding checks the references between parts: a bad snapshot is an error,
+//! still decode (everything normal, at-most-once).
+//! Version 3 (delayed messages): then, per lane (normal, high), the fired messages (count; key,
+//! id, state), then the delayed messages not due (count; id, due, size, ttl opt, high u8).
+//! Versions 1 and 2 still decode (none of either). Decoding checks the references between parts: a bad snapshot is an error,
 //! never a panic or an inconsistent machine.
 
 use super::codec::{err, put_bool, put_opt, put_var, put_zigzag, DecodeError, Reader};
 use super::command::{ConsumerId, MsgId, SessionId};
-use super::machine::{Consumer, Counters, Group, Overflow, QueueConfig, QuorumMachine, Reason, Session, Status};
-use super::ready::{Lane, MsgState, Ready, Run, NEVER};
+use super::machine::{Consumer, Counters, Group, Held, Overflow, QueueConfig, QuorumMachine, Reason, Session, Status};
+use super::ready::{Fired, Lane, MsgState, Ready, Run, NEVER};
 use bytes::{BufMut, Bytes, BytesMut};
 use std::collections::{BTreeMap, VecDeque};
 
-pub const SNAPSHOT_VERSION: u8 = 2;
+pub const SNAPSHOT_VERSION: u8 = 3;
 
 fn put_id(out: &mut BytesMut, c: ConsumerId) {
     put_var(out, c.node);
@@ -141,6 +144,22 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
         out.put_u8(reason_code(*reason));
         put_state(&mut out, st);
     }
+    for lane in [&m.ready.normal, &m.ready.high] {
+        put_var(&mut out, lane.fired.len() as u64);
+        for f in &lane.fired {
+            put_var(&mut out, f.key);
+            put_var(&mut out, f.id);
+            put_state(&mut out, &f.state);
+        }
+    }
+    put_var(&mut out, m.delayed.len() as u64);
+    for (id, held) in &m.delayed {
+        put_var(&mut out, *id);
+        put_var(&mut out, held.due_ms);
+        put_var(&mut out, held.size as u64);
+        put_opt(&mut out, held.ttl_ms);
+        put_bool(&mut out, held.high);
+    }
     out.freeze()
 }
 
@@ -189,7 +208,7 @@ fn priority(r: &mut Reader) -> Result<i32, DecodeError> {
 pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     let mut r = Reader::new(bytes);
     let version = r.u8()?;
-    if version != 1 && version != SNAPSHOT_VERSION {
+    if !(1..=SNAPSHOT_VERSION).contains(&version) {
         return err(format!("unknown snapshot version {version}"));
     }
     let config = QueueConfig {
@@ -316,8 +335,8 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     }
 
     let track_sizes = m.config.max_length_bytes.is_some();
-    let normal = decode_lane(&mut r, version, false, track_sizes, &mut seen, &checked)?;
-    let (high_streak, high) = if version >= 2 {
+    let mut normal = decode_lane(&mut r, version, false, track_sizes, &mut seen, &checked)?;
+    let (high_streak, mut high) = if version >= 2 {
         (r.u8()?, decode_lane(&mut r, version, true, track_sizes, &mut seen, &checked)?)
     } else {
         (0, Lane::new(track_sizes))
@@ -338,6 +357,40 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         }
         if !m.dlx.is_empty() && !(m.config.at_least_once && m.config.dead_letter) {
             return err("dead letters waiting on a queue without at-least-once dead-lettering");
+        }
+    }
+    if version >= 3 {
+        for (lane, is_high) in [(&mut normal, false), (&mut high, true)] {
+            let n = r.count(5)?;
+            let mut fired = VecDeque::with_capacity(n);
+            for _ in 0..n {
+                let key = r.var()?;
+                let msg = r.var()?;
+                let st = state(&mut r, version)?;
+                if st.high != is_high || (!track_sizes && st.size != 0) {
+                    return err("a fired message in the other priority lane, or sized on a queue that does not count sizes");
+                }
+                if fired.back().is_some_and(|f: &Fired| f.key > key) {
+                    return err("fired messages out of order");
+                }
+                if seen.insert(msg, ()).is_some() {
+                    return err("a fired message also ready, checked out or repeated");
+                }
+                fired.push_back(Fired { key, id: msg, state: st });
+            }
+            if !fired.is_empty() {
+                let parts = std::mem::take(lane);
+                *lane = Lane::from_parts(track_sizes, parts.returned, parts.fresh, parts.sizes, fired);
+            }
+        }
+        let n = r.count(5)?;
+        for _ in 0..n {
+            let msg = r.var()?;
+            let held = Held { due_ms: r.var()?, size: r.var_u32()?, ttl_ms: r.opt()?, high: r.bool()? };
+            if held.due_ms >= NEVER || seen.insert(msg, ()).is_some() || m.delayed.insert(msg, held).is_some() {
+                return err("a delayed message also ready, checked out or repeated, or due never");
+            }
+            m.timer.insert((held.due_ms, msg));
         }
     }
     if !track_sizes && m.consumers.values().flat_map(|c| c.checked_out.values()).any(|s| s.size != 0) {
@@ -403,5 +456,5 @@ fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen:
     if !track_sizes && returned.values().any(|s| s.size != 0) {
         return err("sizes on a queue that does not count them");
     }
-    Ok(Lane::from_parts(track_sizes, returned, fresh, sizes))
+    Ok(Lane::from_parts(track_sizes, returned, fresh, sizes, VecDeque::new()))
 }

@@ -589,13 +589,23 @@ fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [
             0..=34 => {
                 let s = rng.gen_range(0..3);
                 *now += rng.gen_range(0..50);
-                e.begin_enqueue(SessionId { node: s as u64 + 1, channel: 1 }, *now, rng.gen_bool(0.3));
+                let delayed = rng.gen_bool(0.25);
+                let session = SessionId { node: s as u64 + 1, channel: 1 };
+                if delayed {
+                    e.begin_enqueue_delayed(session, *now, rng.gen_bool(0.3));
+                } else {
+                    e.begin_enqueue(session, *now, rng.gen_bool(0.3));
+                }
                 // Sometimes re-send some already applied seqs (a leader change).
                 let from = if rng.gen_bool(0.2) { seqs[s].saturating_sub(rng.gen_range(0..5)) } else { seqs[s] };
                 let n = rng.gen_range(0..6);
                 for k in 1..=n {
                     let ttl = rng.gen_bool(0.2).then(|| rng.gen_range(0..300));
-                    e.message(from + k, rng.gen_range(0..100), ttl, &[k as u8; 3]).unwrap();
+                    if delayed {
+                        e.message_delayed(from + k, rng.gen_range(0..100), ttl, rng.gen_range(1..900), &[k as u8; 3]).unwrap();
+                    } else {
+                        e.message(from + k, rng.gen_range(0..100), ttl, &[k as u8; 3]).unwrap();
+                    }
                 }
                 seqs[s] = seqs[s].max(from + n);
             }
@@ -665,6 +675,7 @@ fn two_replicas_applying_the_same_log_agree() {
 fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything() {
     let mut exercised = Counters::default();
     let mut saw_per_entry_runs = false;
+    let (mut saw_fired, mut saw_delayed) = (false, false);
     for seed in 100..140 {
         let (config, entries) = random_run(seed, 200);
         let mut straight = QuorumMachine::new(config.clone());
@@ -685,6 +696,8 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
                 prefix.apply(*index, entry);
             }
             saw_per_entry_runs |= prefix.ready.normal.fresh.iter().chain(prefix.ready.high.fresh.iter()).any(|r| r.per_entry && r.count > 1);
+            saw_fired |= !prefix.ready.normal.fired.is_empty() || !prefix.ready.high.fired.is_empty();
+            saw_delayed |= prefix.delayed_count() > 0;
             let snap = prefix.snapshot();
             let mut restored = QuorumMachine::new(QueueConfig::default());
             restored.restore(&snap).unwrap_or_else(|e| panic!("seed {seed} cut {cut}: {e}"));
@@ -697,6 +710,7 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
     }
     // The runs covered the interesting paths.
     assert!(exercised.delivered > 100 && exercised.returned > 10 && exercised.duplicates > 10, "{exercised:?}");
+    assert!(saw_fired && saw_delayed, "delayed messages, and fired ones waiting, were in some snapshot");
     assert!(exercised.dead_lettered + exercised.dropped > 10 && exercised.rejected > 0, "{exercised:?}");
     assert!(saw_per_entry_runs, "no snapshot held a run of one-message entries");
 }
@@ -891,7 +905,8 @@ fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
             }
             let held = live.values().filter(|h| h.is_some()).count() as u64;
             let ready = live.len() as u64 - held;
-            assert_eq!((ready, held), (m.ready_count(), m.checked_out_count()), "seed {seed} index {index}");
+            // Delayed messages not due are live, neither ready nor held.
+            assert_eq!((ready, held), (m.ready_count() + m.delayed_count(), m.checked_out_count()), "seed {seed} index {index}");
             assert_eq!(waiting.len() as u64, m.dead_letter_count(), "seed {seed} index {index}");
             assert!(waiting.iter().all(|id| m.is_live(*id)));
         }
@@ -1057,4 +1072,143 @@ fn high_priority_messages_go_two_for_each_normal_one() {
     let mut again = QuorumMachine::new(QueueConfig::default());
     again.restore(&snapshot).unwrap();
     assert_eq!(again.snapshot(), snapshot);
+}
+
+/// Publishes delayed messages (seq, delay) in one entry.
+fn publish_delayed(q: &mut Q, now_ms: u64, msgs: &[(u64, u64)], ttl: Option<u64>) -> Vec<Effect> {
+    let (effects, _) = q.apply(|e| {
+        e.begin_enqueue_delayed(S1, now_ms, false);
+        for &(s, delay) in msgs {
+            e.message_delayed(s, 10, ttl, delay, format!("body {s}").as_bytes()).unwrap();
+        }
+    });
+    effects
+}
+
+fn tick(q: &mut Q, now_ms: u64) -> Vec<Effect> {
+    q.apply(|e| e.tick(now_ms, u64::MAX)).0
+}
+
+fn pop_all(m: &mut QuorumMachine) -> Vec<MsgId> {
+    std::iter::from_fn(|| m.ready.pop().map(|(id, _)| id)).collect()
+}
+
+#[test]
+fn a_delayed_message_is_ready_only_once_a_tick_reaches_its_due_time_in_due_then_publish_order() {
+    let mut q = Q::new(QueueConfig::default());
+    // Seqs 1..=3: due at 1000 + 500, 1000 + 200, 1000 + 500; stored at once, confirmed at once.
+    let effects = publish_delayed(&mut q, 1000, &[(1, 500), (2, 200), (3, 500)], None);
+    let ids: Vec<MsgId> = effects.iter().filter_map(|e| if let Effect::Store { msg_id, .. } = e { Some(*msg_id) } else { None }).collect();
+    assert_eq!(ids.len(), 3);
+    assert!(effects.iter().any(|e| matches!(e, Effect::Published { applied_up_to: 3, .. })));
+    assert_eq!((q.m.ready_count(), q.m.delayed_count(), q.m.next_due()), (0, 3, Some(1200)));
+    assert!(ids.iter().all(|id| q.m.is_live(*id)) && q.m.live_ids() == ids);
+    // A consumer gets nothing before due.
+    assert!(delivered(&q.attach(C1, 0, 0)).is_empty());
+    assert!(delivered(&tick(&mut q, 1199)).is_empty());
+    let got = delivered(&tick(&mut q, 1200));
+    assert_eq!(got.iter().flat_map(|(_, d)| d.iter().map(|d| d.msg_id)).collect::<Vec<_>>(), vec![ids[1]]);
+    assert!(!got[0].1[0].redelivered);
+    let got = delivered(&tick(&mut q, 5000));
+    assert_eq!(got.iter().flat_map(|(_, d)| d.iter().map(|d| d.msg_id)).collect::<Vec<_>>(), vec![ids[0], ids[2]]);
+    assert_eq!((q.m.delayed_count(), q.m.next_due()), (0, None));
+}
+
+#[test]
+fn a_due_message_joins_the_queue_after_what_was_enqueued_before_its_tick_and_before_what_comes_after() {
+    let mut q = Q::new(QueueConfig::default());
+    let d = publish_delayed(&mut q, 1000, &[(1, 100)], None);
+    let Some(Effect::Store { msg_id: delayed, .. }) = d.first() else { panic!("{d:?}") };
+    let delayed = *delayed;
+    let (before, _) = q.publish(S1, 1000, 2..=3, None);
+    tick(&mut q, 1100);
+    let (after, _) = q.publish(S1, 1100, 4..=4, None);
+    let stored = |effects: &[Effect]| -> Vec<MsgId> { effects.iter().filter_map(|e| if let Effect::Store { msg_id, .. } = e { Some(*msg_id) } else { None }).collect() };
+    let mut want = stored(&before);
+    want.push(delayed);
+    want.extend(stored(&after));
+    assert_eq!(pop_all(&mut q.m), want);
+}
+
+#[test]
+fn a_due_message_gets_its_ttl_from_then_and_meets_the_length_limit_then() {
+    // TTL 300 from due (not from publish): alive at due + 299, expired at due + 301.
+    let mut q = Q::new(QueueConfig { message_ttl_ms: Some(300), dead_letter: true, ..QueueConfig::default() });
+    publish_delayed(&mut q, 1000, &[(1, 1000)], None);
+    tick(&mut q, 2000);
+    assert_eq!(q.m.ready_count(), 1);
+    tick(&mut q, 2299);
+    assert_eq!(q.m.ready_count(), 1);
+    let effects = tick(&mut q, 2301);
+    assert!(effects.iter().any(|e| matches!(e, Effect::DeadLetter { reason: Reason::Expired, .. })), "{effects:?}");
+
+    // Full with reject-publish: accepted while delayed (not counted), dead-lettered maxlen when due.
+    let mut q = Q::new(QueueConfig { max_length: Some(1), overflow: Overflow::RejectPublish, dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 1000, 1..=1, None);
+    let effects = publish_delayed(&mut q, 1000, &[(2, 50)], None);
+    assert!(effects.iter().any(|e| matches!(e, Effect::Published { rejected, .. } if rejected.is_empty())), "{effects:?}");
+    let effects = tick(&mut q, 1050);
+    assert!(effects.iter().any(|e| matches!(e, Effect::DeadLetter { reason: Reason::MaxLen, .. })), "{effects:?}");
+    assert_eq!((q.m.ready_count(), q.m.delayed_count()), (1, 0));
+
+    // A purge leaves delayed messages; they come due after it.
+    let mut q = Q::new(QueueConfig::default());
+    publish_delayed(&mut q, 1000, &[(1, 50)], None);
+    q.apply(|e| e.purge());
+    assert_eq!(q.m.delayed_count(), 1);
+    tick(&mut q, 1050);
+    assert_eq!(q.m.ready_count(), 1);
+}
+
+#[test]
+fn delayed_and_fired_messages_survive_a_snapshot() {
+    let mut q = Q::new(QueueConfig { max_length_bytes: Some(1 << 20), ..QueueConfig::default() });
+    publish_delayed(&mut q, 1000, &[(1, 10), (2, 20), (3, 5_000)], Some(100_000));
+    q.publish(S1, 1000, 4..=5, None);
+    tick(&mut q, 1020);
+    assert_eq!((q.m.ready_count(), q.m.delayed_count(), q.m.ready_bytes()), (4, 1, 40));
+    let mut restored = QuorumMachine::new(QueueConfig::default());
+    restored.restore(&q.m.snapshot()).unwrap();
+    assert_eq!(restored, q.m);
+    assert_eq!(pop_all(&mut restored), pop_all(&mut q.m));
+    // A version 2 snapshot (no delayed messages) still decodes.
+    let mut plain = Q::new(QueueConfig::default());
+    plain.publish(S1, 1000, 1..=2, None);
+    let mut v2 = plain.m.snapshot().to_vec();
+    assert_eq!(v2[0], 3);
+    v2[0] = 2;
+    v2.truncate(v2.len() - 3); // two empty fired lists and no delayed messages
+    let mut restored = QuorumMachine::new(QueueConfig::default());
+    restored.restore(&v2).unwrap();
+    assert_eq!(restored, plain.m);
+}
+
+#[test]
+fn delayed_enqueues_decode_and_encode_again_with_their_delays() {
+    let mut e = Encoder::new();
+    e.begin_enqueue(S1, 5, false);
+    e.message(1, 3, None, b"abc").unwrap();
+    assert!(e.message_delayed(2, 3, None, 10, b"abc").is_err(), "a delay needs an enqueue of delayed messages");
+    e.begin_enqueue_delayed(S1, 5, true);
+    e.message_delayed(2, 5, Some(100), 90_000, b"hello").unwrap();
+    assert!(e.message(3, 3, None, b"abc").is_err(), "an enqueue of delayed messages takes only delayed ones");
+    let entry = e.finish();
+    // (pub seq, delay, high, payload) of each message of an entry.
+    let messages = |entry: &[u8]| -> Vec<(u64, u64, bool, Vec<u8>)> {
+        let cmds = match Command::decode(entry).unwrap() {
+            Command::Batch(c) => c,
+            c => vec![c],
+        };
+        cmds.iter()
+            .flat_map(|c| match c {
+                Command::Enqueue { msgs, .. } => msgs.iter().map(|m| (m.pub_seq, m.delay_ms, m.high, entry[m.payload.clone()].to_vec())).collect(),
+                _ => Vec::new(),
+            })
+            .collect()
+    };
+    assert_eq!(messages(&entry), vec![(1, 0, false, b"abc".to_vec()), (2, 90_000, true, b"hello".to_vec())]);
+    let mut again = Encoder::new();
+    again.push(&Command::decode(&entry).unwrap(), &entry).unwrap();
+    assert_eq!(messages(&again.finish()), messages(&entry));
+    assert_eq!(Command::enqueued_payloads(&entry).unwrap().len(), 2);
 }

@@ -65,10 +65,11 @@ impl Confirms {
         for message in messages {
             let seq = self.session.next_seq();
             sent.seqs = Some((sent.seqs.map_or(seq, |(first, _)| first), seq));
+            let publisher = Some(Publisher { session: &self.session, seq });
             let outcome = if delay_ms > 0 {
-                vhost.publish_delayed(exchange, message, delay_ms)?
+                vhost.publish_delayed(exchange, message, delay_ms, publisher)?
             } else {
-                vhost.publish_by(exchange, message, true, Some(Publisher { session: &self.session, seq }))?
+                vhost.publish_by(exchange, message, true, publisher)?
             };
             sent.routed.push(outcome.routed);
             sent.rejected |= outcome.rejected;
