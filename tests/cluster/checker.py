@@ -14,6 +14,9 @@ healed and the queue is drained, `check(history)` returns a `Report`:
   the last `HEALTHY_GRACE` seconds before it (what was sent then may still be on its way when the
   fault hits);
 - unexpected = received − attempted: must be empty (nothing appears that nobody published);
+- early: delayed messages (`delayed`) whose first delivery came before their due time (less
+  `EARLY_SLACK`, for the wall clock the broker dates them by against the monotonic one here):
+  must be empty;
 - duplicates: deliveries beyond the first of an id, counted and reported (allowed: a redelivery
   after a lost ack, a republish after a lost confirm);
 - per fault, the longest pause between confirms (of all publishers together) in the fault's window
@@ -30,6 +33,9 @@ from dataclasses import dataclass, field
 
 # What a publisher without confirms sent this close before a fault is not held to the healthy rule.
 HEALTHY_GRACE = 2.0
+# How much earlier than its due time (by this clock) a delayed message may arrive: the broker dates
+# messages by the wall clock, the history by the monotonic one; they drift a few ms at most here.
+EARLY_SLACK = 0.02
 
 
 @dataclass
@@ -53,6 +59,8 @@ class History:
         self.tolerated = 0  # no-ack gets cut off with their connection (see `tolerate_no_ack_get`)
         self.received = Counter()  # id -> deliveries
         self.received_from = {}  # id -> node label of the first delivery
+        self.first_received_at = {}  # id -> monotonic time of the first delivery
+        self.due = {}  # id -> monotonic time before which a delayed message must not arrive
         self.faults = []
         self.events = []  # (monotonic time, who, what): connects, errors, reconnects
         self.report = None  # the last `check` of this history
@@ -91,9 +99,22 @@ class History:
             self.tolerated += 1
 
     def receive(self, msg_id, node=None):
+        now = time.monotonic()
         with self._lock:
             self.received[msg_id] += 1
             self.received_from.setdefault(msg_id, node)
+            self.first_received_at.setdefault(msg_id, now)
+
+    def delayed(self, msg_id, seconds):
+        """A message about to be sent with a delay of `seconds`: it must not arrive before then."""
+        due = time.monotonic() + seconds
+        with self._lock:
+            self.due[msg_id] = due
+
+    def last_due(self):
+        """When the last delayed message comes due (monotonic; None without delayed messages)."""
+        with self._lock:
+            return max(self.due.values(), default=None)
 
     def event(self, who, what):
         with self._lock:
@@ -158,16 +179,19 @@ class Report:
     duplicates: int  # deliveries beyond the first
     duplicated_ids: int
     pauses: list = field(default_factory=list)
+    delayed: int = 0  # messages sent with a delay
+    early: list = field(default_factory=list)  # (id, seconds early): delayed messages delivered before due
 
     @property
     def valid(self):
-        return len(self.lost) <= self.tolerated and not self.unexpected and not self.lost_while_healthy
+        return len(self.lost) <= self.tolerated and not self.unexpected and not self.lost_while_healthy and not self.early
 
     def __str__(self):
         lines = [f"attempted {self.attempted}, confirmed {self.confirmed}, nacked {self.nacked}, "
                  f"received {self.received} distinct, lost {len(self.lost)}, unexpected {len(self.unexpected)}, "
                  f"duplicates {self.duplicates} ({self.duplicated_ids} ids); without confirms {self.plain}, "
-                 f"lost while healthy {len(self.lost_while_healthy)}; no-ack gets cut off {self.tolerated}"]
+                 f"lost while healthy {len(self.lost_while_healthy)}; no-ack gets cut off {self.tolerated}; "
+                 f"delayed {self.delayed}, early {len(self.early)}"]
         for p in self.pauses:
             resumed = "never" if p.resumed_after_heal is None else f"{p.resumed_after_heal:.2f}s"
             lines.append(f"  {p.fault} at {p.at:.1f}s: longest pause in confirms {p.longest:.2f}s, "
@@ -176,6 +200,8 @@ class Report:
             lines.append(f"  lost (first 20): {sorted(self.lost)[:20]}")
         if self.unexpected:
             lines.append(f"  unexpected (first 20): {sorted(self.unexpected)[:20]}")
+        if self.early:
+            lines.append(f"  delivered before due (first 20, s early): {sorted(self.early)[:20]}")
         if self.lost_while_healthy:
             lines.append(f"  lost while healthy (first 20): {sorted(self.lost_while_healthy)[:20]}")
         return "\n".join(lines)
@@ -242,7 +268,10 @@ def check(history):
         plain_sent = dict(history.plain_sent)
         recoveries = sorted(history.recoveries)
         tolerated = history.tolerated
+        due = dict(history.due)
+        first_at = dict(history.first_received_at)
     end = history.ended or time.monotonic()
+    early = [(i, round(t - first_at[i], 3)) for i, t in due.items() if i in first_at and first_at[i] < t - EARLY_SLACK]
     windows = healthy_windows(history.started, faults, recoveries, end)
     lost_while_healthy = [i for i, (t, _) in plain_sent.items()
                           if i not in received and any(a <= t <= b for a, b in windows)]
@@ -267,5 +296,7 @@ def check(history):
         duplicates=sum(n - 1 for n in received.values()),
         duplicated_ids=sum(1 for n in received.values() if n > 1),
         pauses=pauses,
+        delayed=len(due),
+        early=early,
     )
     return history.report

@@ -73,3 +73,16 @@ def test_lost_confirmed_messages_are_allowed_only_for_cut_off_no_ack_gets():
     assert not check(h).valid, "two lost, one no-ack get cut off"
     h.tolerate_no_ack_get()
     assert check(h).valid
+
+
+def test_a_delayed_message_delivered_before_its_due_time_is_early():
+    h = history_of(["a", "b"], ["a", "b"], [])
+    h.delayed("a", 0.0)  # due now: its delivery below is not early
+    h.delayed("b", 60.0)  # due in a minute
+    h.receive("a")
+    h.receive("b")
+    report = check(h)
+    assert [i for i, _ in report.early] == ["b"] and report.delayed == 2 and not report.valid
+    # Judged by its first delivery: had that come after the due time, it is on time.
+    h.first_received_at["b"] = h.due["b"] + 1
+    assert check(h).valid

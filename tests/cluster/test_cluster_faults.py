@@ -4,11 +4,13 @@ Each test runs publishers with confirms and consumers with manual acks on every 
 reconnects to the next node when its own fails), and on every node a consumer that cancels and
 closes its connection every second or so and connects again (a fault loses some of those cancels,
 closes and acks on their way to the leader), a publisher without confirms, a transactional
-publisher (10 messages a commit: a commit-ok confirms them) and basic.get consumers with and
-without acks (each node's, so most of the time on a follower). It does its fault REPEATS times
+publisher (10 messages a commit: a commit-ok confirms them), a publisher of delayed messages
+(through an `x-delayed-message` exchange, `x-delay` 1-3,000 ms: the queue's group holds them until
+due, across the faults) and basic.get consumers with and without acks (each node's, so most of the
+time on a follower). It does its fault REPEATS times
 (waiting after each heal until confirms flow again), drains the queue and asks the checker:
 nothing confirmed or committed lost, nothing published without confirms lost while the cluster
-was healthy, nothing unexpected; duplicates and the longest pause in confirms per fault are
+was healthy, nothing unexpected, no delayed message delivered before its due time; duplicates and the longest pause in confirms per fault are
 printed.
 
 A test skipped (`not_yet`) until the cluster passes it: remove its marker once it passes 3 times
@@ -49,7 +51,8 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
     rotations = [targets[i:] + targets[:i] for i in range(len(targets))]
     work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, churning=rotations, arguments=QUORUM,
                     publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0, size=message_size),
-                    plain=rotations, tx=rotations, getters=rotations, no_ack_getters=rotations).start()
+                    plain=rotations, tx=rotations, getters=rotations, no_ack_getters=rotations,
+                    delayed=rotations, delayed_opts=dict(window=50, rate=200, stall_timeout=5.0, max_delay_ms=3000)).start()
     try:
         work.wait_for_confirms(300, timeout=30)
         home = cluster.leader(QUEUE) if rebalanced else None
@@ -62,8 +65,13 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
     finally:
         work.stop()
         write_timeline(history, cluster.base_dir / "timeline.txt")  # next to the node logs
+    # Delayed messages not due yet are not counted ready: the drain starts once all are due.
+    last_due = history.last_due()
+    if last_due is not None:
+        time.sleep(max(0.0, last_due - time.monotonic()))
     drain(targets[:1], QUEUE, history, arguments=QUORUM)  # one queue, served by every node
     report = check(history)
+    assert report.delayed > 0, "delayed messages were published"
     print(report)
     report.assert_valid()
     assert all(p.resumed_after_heal is not None for p in report.pauses), "confirms resumed after every fault"

@@ -11,6 +11,7 @@ A target is `(label, host, port)` (`Node.target`). A client starts at its first 
 each failure, tries the next one in its list, round and round, until stopped. Clients run in the
 root namespace unless given `netns=` (then their sockets live in that namespace).
 """
+import random
 import socket
 import struct
 import sys
@@ -180,10 +181,21 @@ class Client:
         self.rpc(method_frame(1, 60, 20, struct.pack(">H", 0) + shortstr(queue) + shortstr(tag) + b"\x00"
                               + encode_table(None)), (60, 21))
 
-    def publish_frames(self, routing_key, body):
-        return (method_frame(1, 60, 40, struct.pack(">H", 0) + shortstr("") + shortstr(routing_key) + b"\x00")
-                + frame(FRAME_HEADER, 1, struct.pack(">HHQH", 60, 0, len(body), 0x1000) + b"\x02")
+    def publish_frames(self, routing_key, body, exchange="", headers=None):
+        """basic.publish of a persistent message (with `headers`, a table as `encode_table`'s)."""
+        props = struct.pack(">H", 0x1000) + b"\x02" if headers is None else struct.pack(">H", 0x3000) + encode_table(headers) + b"\x02"
+        return (method_frame(1, 60, 40, struct.pack(">H", 0) + shortstr(exchange) + shortstr(routing_key) + b"\x00")
+                + frame(FRAME_HEADER, 1, struct.pack(">HHQ", 60, 0, len(body)) + props)
                 + frame(FRAME_BODY, 1, body))
+
+    def exchange_declare(self, name, kind, arguments=None):
+        """exchange.declare of a durable exchange."""
+        self.rpc(method_frame(1, 40, 10, struct.pack(">H", 0) + shortstr(name) + shortstr(kind) + b"\x02"
+                              + encode_table(arguments)), (40, 11))
+
+    def bind(self, queue, exchange, routing_key):
+        self.rpc(method_frame(1, 50, 20, struct.pack(">H", 0) + shortstr(queue) + shortstr(exchange) + shortstr(routing_key)
+                              + b"\x00" + encode_table(None)), (50, 21))
 
     def tx_select(self):
         self.rpc(method_frame(1, 90, 10, b""), (90, 11))
@@ -377,6 +389,9 @@ class Publisher(_Worker):
         head = msg_id.encode() + b" "
         return head + b"x" * max(0, self.size - len(head))
 
+    def _frames(self, c, msg_id):
+        return c.publish_frames(self.queue, self._body(msg_id))
+
     def session(self, c, label):
         c.confirm_select()
         unconfirmed = {}  # delivery tag -> id
@@ -394,7 +409,7 @@ class Publisher(_Worker):
                     ids = [f"{self.name}/{self.seq + k}" for k in range(room)]
                     self.seq += room
                     self.history.attempt(ids)
-                    data = b"".join(c.publish_frames(self.queue, self._body(i)) for i in ids)
+                    data = b"".join(self._frames(c, i) for i in ids)
                     for i in ids:
                         unconfirmed[next_tag] = i
                         next_tag += 1
@@ -416,6 +431,36 @@ class Publisher(_Worker):
                 last_progress = time.monotonic()
             if unconfirmed and time.monotonic() - last_progress > self.stall_timeout:
                 raise Stalled(f"{len(unconfirmed)} unconfirmed, none confirmed for {self.stall_timeout}s")
+
+
+DELAYED_EXCHANGE = "faults-delayed"
+
+
+class DelayedPublisher(Publisher):
+    """A `Publisher` through a delayed exchange (`x-delayed-message` routing as direct, the queue
+    bound to it by its name), each message with an `x-delay` of 1 to `max_delay_ms`, recording the
+    earliest time each may arrive (`History.delayed`: the send time plus the delay; the broker
+    dates it at its receipt, later). The checker holds every delivery to it (`early`)."""
+
+    def __init__(self, name, targets, queue, history, *, max_delay_ms=3000, **opts):
+        super().__init__(name, targets, queue, history, **opts)
+        self.max_delay_ms = max_delay_ms
+        self.rng = random.Random(name)
+
+    def _connect(self, target):
+        c = super()._connect(target)
+        try:
+            c.exchange_declare(DELAYED_EXCHANGE, "x-delayed-message", {"x-delayed-type": "direct"})
+            c.bind(self.queue, DELAYED_EXCHANGE, self.queue)
+        except BaseException:
+            c.abort()
+            raise
+        return c
+
+    def _frames(self, c, msg_id):
+        delay = self.rng.randint(1, self.max_delay_ms)
+        self.history.delayed(msg_id, delay / 1000)
+        return c.publish_frames(self.queue, self._body(msg_id), exchange=DELAYED_EXCHANGE, headers={"x-delay": delay})
 
 
 class PlainPublisher(_Worker):
@@ -618,7 +663,7 @@ class Workload:
 
     def __init__(self, queue, history, publishers, consumers, *, arguments=None, durable=True,
                  publisher_opts=None, consumer_opts=None, churning=None, plain=None, tx=None, getters=None,
-                 no_ack_getters=None):
+                 no_ack_getters=None, delayed=None, delayed_opts=None):
         self.queue, self.history = queue, history
         self.publishers = [Publisher(f"p{i}", t, queue, history, arguments=arguments, durable=durable,
                                      **(publisher_opts or {})) for i, t in enumerate(publishers)]
@@ -634,6 +679,9 @@ class Workload:
                             for i, t in enumerate(plain or [])]
         self.publishers += [TxPublisher(f"tx{i}", t, queue, history, arguments=arguments, durable=durable)
                             for i, t in enumerate(tx or [])]
+        # Publishers of delayed messages (confirmed; the checker also holds them to their due time).
+        self.publishers += [DelayedPublisher(f"delayed{i}", t, queue, history, arguments=arguments, durable=durable,
+                                             **(delayed_opts or {})) for i, t in enumerate(delayed or [])]
         self.consumers += [Getter(f"get{i}", t, queue, history, arguments=arguments, durable=durable)
                            for i, t in enumerate(getters or [])]
         self.consumers += [Getter(f"getnoack{i}", t, queue, history, arguments=arguments, durable=durable, no_ack=True)
