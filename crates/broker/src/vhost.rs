@@ -75,6 +75,9 @@ pub struct VHost {
     /// `queues` as the housekeeping tick walks them, rebuilt after the set changed (`queues_changed`):
     /// collecting 1,000 queues every 100 ms was ~10% of an idle node's CPU.
     ticked: Mutex<Option<Arc<TickLists>>>,
+    /// `queues` by id, rebuilt at the first lookup after the set changed (`queues_changed`): the
+    /// delay timer finds the queues a due message was routed to by id.
+    by_id: Mutex<Option<Arc<HashMap<u64, Arc<Queue>>>>>,
     /// The second (of `now_ms`) in which quorum queues were last ticked.
     quorum_ticked_second: AtomicU64,
     /// Queues to delete whose deletion did not go through yet (the metadata group did not commit
@@ -129,6 +132,7 @@ impl VHost {
             exchanges: RwLock::new(HashMap::new()),
             queues: RwLock::new(HashMap::new()),
             ticked: Mutex::new(None),
+            by_id: Mutex::new(None),
             quorum_ticked_second: AtomicU64::new(0),
             doomed: Mutex::new(Vec::new()),
             doomed_tried_second: AtomicU64::new(0),
@@ -221,6 +225,17 @@ impl VHost {
     /// marked deleted, does nothing when ticked).
     fn queues_changed(&self) {
         *self.ticked.lock() = None;
+        *self.by_id.lock() = None;
+    }
+
+    /// The vhost's queue with store id `id` (its first lane's), if any.
+    pub fn queue_by_id(&self, id: u64) -> Option<Arc<Queue>> {
+        let map = self
+            .by_id
+            .lock()
+            .get_or_insert_with(|| Arc::new(self.queues.read().values().map(|q| (q.id, q.clone())).collect()))
+            .clone();
+        map.get(&id).cloned()
     }
 
     /// Looks a queue up whoever owns it (restoring bindings, other nodes' requests): no 405.
@@ -860,28 +875,27 @@ impl VHost {
         let mut message = message;
         crate::delay::record::negate_delay(&mut message);
         let message = Arc::new(message);
-        let mut header = BytesMut::new();
-        let mut held_here = Vec::new();
-        for q in queues {
-            if header.is_empty() && q.is_quorum() {
-                encode_header(&message, Some(now), &mut header);
-            }
-            match q.publish_delayed(&message, &header, now, delay_ms, publisher) {
-                None => held_here.push(q.id),
-                Some(enqueued) => match enqueued? {
-                    Enqueued::Accepted { slow_publishers, .. } => {
-                        q.stats.published();
-                        if slow_publishers && outcome.slow_queue.is_none() {
-                            outcome.slow_queue = Some(q.clone());
-                        }
-                    }
-                    Enqueued::Rejected => outcome.rejected = true,
-                },
-            }
-        }
+        // The classic queues' hold first: if it fails, no queue has the message.
+        let held_here: Vec<u64> = queues.iter().filter(|q| !q.is_quorum()).map(|q| q.id).collect();
         if !held_here.is_empty() {
             outcome.ticket = Some(self.delays.hold(&self.name, &held_here, &message, delay_ms)?);
             outcome.store_behind = self.store.is_behind();
+        }
+        let mut header = BytesMut::new();
+        for q in queues.iter().filter(|q| q.is_quorum()) {
+            if header.is_empty() {
+                encode_header(&message, Some(now), &mut header);
+            }
+            let Some(enqueued) = q.publish_delayed(&message, &header, now, delay_ms, publisher) else { continue };
+            match enqueued? {
+                Enqueued::Accepted { slow_publishers, .. } => {
+                    q.stats.published();
+                    if slow_publishers && outcome.slow_queue.is_none() {
+                        outcome.slow_queue = Some(q.clone());
+                    }
+                }
+                Enqueued::Rejected => outcome.rejected = true,
+            }
         }
         Ok(outcome)
     }

@@ -4,9 +4,8 @@
 
 use super::{counted, horizon_ms, record, Delays, SlotKey};
 use crate::queue::Queue;
-use crate::vhost::VHost;
 use crate::Broker;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -25,10 +24,6 @@ const MOVE_BUDGET: usize = 8 << 20;
 const RETRY_MS: u64 = 5000;
 /// Fired messages not yet held durably by their queues, at most: past it, due ones wait.
 const MAX_UNSETTLED: usize = 20_000;
-/// The timer looks the queues up again this often: a queue declared since then (a record names
-/// only queues that existed at its publish, so only one deleted and declared again, or one of a
-/// vhost made since) is found at the next look.
-const RESOLVE_EVERY_MS: u64 = 100;
 /// While fired messages wait for their queues' confirms, the timer looks again this often.
 const SETTLE_POLL_MS: u64 = 10;
 
@@ -76,9 +71,6 @@ struct Timer {
     waiting_for_records: bool,
     /// Due messages were held back by flow control this round.
     held_back: bool,
-    /// Vhosts and their queues by id, as of `resolved_at`: a record names queues by id.
-    vhosts: HashMap<String, Option<(Arc<VHost>, HashMap<u64, Arc<Queue>>)>>,
-    resolved_at: u64,
 }
 
 pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
@@ -89,7 +81,7 @@ pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
         crate::blocking::run(|| count_recovered(&delays));
     }
     let mut readable = delays.store.readable();
-    let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false, held_back: false, vhosts: HashMap::new(), resolved_at: 0 };
+    let mut timer = Timer { delays: delays.clone(), firing: BTreeMap::new(), due: BTreeMap::new(), loaded_bytes: 0, moving: None, waiting_for_records: false, held_back: false };
     loop {
         let Some(broker) = broker.upgrade() else { return };
         // While this round runs, any publish wakes the next one (it may have missed this round's load).
@@ -213,12 +205,6 @@ impl Timer {
         if self.due.first_key_value().is_none_or(|((due, _, _), _)| *due > now) {
             return;
         }
-        if now >= self.resolved_at + RESOLVE_EVERY_MS {
-            self.vhosts.clear();
-            self.resolved_at = now;
-        }
-        let vhosts = &mut self.vhosts;
-        let mut refreshed = std::collections::HashSet::new();
         let mut unsettled: usize = self.firing.values().map(|f| f.settling.unsettled.load(Ordering::Acquire)).sum();
         while let Some(entry) = self.due.first_entry() {
             if entry.key().0 > now {
@@ -235,22 +221,10 @@ impl Timer {
             let Some(firing) = self.firing.get_mut(&index) else { continue };
             firing.loaded = firing.loaded.saturating_sub(1);
             self.delays.uncount(&rec.queues, rec.run);
-            let resolve = |name: &str| broker.vhost(name).map(|v| (v.clone(), v.queues().into_iter().map(|q| (q.id, q)).collect()));
-            let resolved = vhosts.entry(rec.vhost.clone()).or_insert_with(|| resolve(&rec.vhost));
+            let Some(vhost) = broker.vhost(&rec.vhost) else { continue }; // the vhost was deleted
             let wanted = |id: &&u64| counted(**id, rec.run);
-            let missing = |r: &Option<(Arc<VHost>, HashMap<u64, Arc<Queue>>)>| match r {
-                Some((_, by_id)) => rec.queues.iter().filter(wanted).any(|id| !by_id.contains_key(id)),
-                None => true,
-            };
-            if missing(resolved) && !refreshed.contains(&rec.vhost) {
-                // Declared since the last look (or deleted): look again (once a round) before
-                // dropping anything.
-                *resolved = resolve(&rec.vhost);
-                refreshed.insert(rec.vhost.clone());
-            }
-            let Some((vhost, by_id)) = resolved.as_ref() else { continue }; // the vhost was deleted
             let queues: Vec<Arc<Queue>> =
-                rec.queues.iter().filter(wanted).filter_map(|id| by_id.get(id).filter(|q| !q.is_deleted()).cloned()).collect();
+                rec.queues.iter().filter(wanted).filter_map(|id| vhost.queue_by_id(*id).filter(|q| !q.is_deleted())).collect();
             if queues.is_empty() {
                 continue; // its queues were deleted
             }

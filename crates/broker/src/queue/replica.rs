@@ -781,7 +781,10 @@ impl QuorumReplica {
             if !left && st.machine.consumers.len() < consumers_before && !st.consumers.is_empty() {
                 self.lost_consumers(&mut st, &mut after);
             }
-            after.expire_more = !left && queue.args.dead_letter_exchange.is_some() && st.machine.head_expired() && st.machine.now_ms >= st.extra_tick_at;
+            after.expire_more = !left
+                && queue.args.dead_letter_exchange.is_some()
+                && (st.machine.head_expired() || st.machine.due_left())
+                && st.machine.now_ms >= st.extra_tick_at;
             self.next_due.store(st.machine.next_due().unwrap_or(u64::MAX), Ordering::Relaxed);
             reply.encode()
         };
@@ -2243,12 +2246,13 @@ impl QuorumReplica {
     /// dead-letters at most `EXPIRE_PER_TICK`, and deliveries skip nothing): proposes the next
     /// Tick at once if the vhost has room for more dead letters, or once it has. So a backlog
     /// expiring at once is dead-lettered as fast as the vhost re-publishes it, a bounded number at
-    /// a time, and none is dropped (issue 33: past 65,536 waiting they were).
+    /// a time, and none is dropped (issue 33: past 65,536 waiting they were). Likewise for due
+    /// delayed messages a full queue dead-letters as they come due (`QuorumMachine::fire_due`).
     fn expire_more(&self, queue: &Arc<Queue>) {
         let Some(vhost) = queue.vhost.upgrade() else { return };
         let at = {
             let mut st = self.state.lock();
-            if st.deleted || !st.machine.head_expired() || st.machine.now_ms < st.extra_tick_at || !self.is_leader() {
+            if st.deleted || !(st.machine.head_expired() || st.machine.due_left()) || st.machine.now_ms < st.extra_tick_at || !self.is_leader() {
                 return;
             }
             if !vhost.dead_letter_room() {

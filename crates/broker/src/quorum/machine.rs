@@ -254,8 +254,6 @@ struct Out {
     effects: Vec<Effect>,
     pending: Vec<Effect>,
     pending_at: BTreeMap<ConsumerId, usize>,
-    /// Delayed messages this entry made ready so far (their keys: `fire_due`).
-    fired: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -558,8 +556,8 @@ impl QuorumMachine {
             }
             Command::Tick { now_ms, max_expired } => {
                 self.advance(now_ms);
-                self.fire_due(index, out);
-                self.expire_head(out, max_expired);
+                let dead_lettered = self.fire_due(index, *next_i, max_expired, out);
+                self.expire_head(out, max_expired.saturating_sub(dead_lettered));
                 self.check_queue_expiry(out);
                 self.forget_idle_sessions();
                 Reply::Ok
@@ -682,23 +680,30 @@ impl QuorumMachine {
     }
 
     /// Delayed messages due by the machine's clock become ready, in due order (same due: publish
-    /// order), each where a message enqueued by this `Tick` (entry `index`) would be: TTL counts
-    /// from now, and the length limits apply now, as if published now (the delayed-message
-    /// plugin's way): past `x-max-length` with reject-publish the message is dead-lettered (or
-    /// dropped) `maxlen`; with drop-head the oldest ready ones go.
-    fn fire_due(&mut self, index: u64, out: &mut Out) {
+    /// order), each where a message enqueued by this `Tick` would be: its order key is the id the
+    /// entry's next message would get (`msg_id(index, next_i)`), above every id enqueued before,
+    /// at or below every later one (ties go to the fired message; the keys of one Tick tie, and
+    /// `fired` keeps them in order). TTL counts from now, and the length limits apply now, as if
+    /// published now (the delayed-message plugin's way): past `x-max-length` with reject-publish
+    /// the message is dead-lettered (or dropped) `maxlen`; with drop-head the oldest ready ones go.
+    /// Of a queue that dead-letters, at most `max_dead_letters` are made (as `expire_head`: the
+    /// rest stay due, for the next Tick); returns how many.
+    fn fire_due(&mut self, index: u64, next_i: u32, max_dead_letters: u64, out: &mut Out) -> u64 {
         let limited = self.config.max_length.is_some() || self.config.max_length_bytes.is_some();
         let track_sizes = self.config.max_length_bytes.is_some();
+        let key = msg_id(index, next_i.min(u16::MAX as u32) as u16);
+        let dead_letters = |m: &QuorumMachine| m.counters.dead_lettered + m.dlx.len() as u64;
+        let dead_letters_before = dead_letters(self);
         while let Some(&(due, id)) = self.timer.first() {
             if due > self.now_ms {
                 break;
             }
+            let made = dead_letters(self).saturating_sub(dead_letters_before);
+            if limited && self.config.dead_letter && made >= max_dead_letters {
+                break;
+            }
             self.timer.pop_first();
             let Some(held) = self.delayed.remove(&id) else { continue };
-            // Keys of one Tick share its index; past 2^16 of them they tie, still in order among
-            // themselves (`fired` is first in, first out).
-            let key = (index << 16) | out.fired.min(u16::MAX as u64);
-            out.fired += 1;
             let expires_at = held.ttl_ms.map_or(NEVER, |t| self.now_ms.saturating_add(t).min(NEVER - 1));
             let size = if track_sizes { held.size } else { 0 };
             let state = MsgState { delivery_count: 0, acquired: 0, size, expires_at, high: held.high };
@@ -720,6 +725,13 @@ impl QuorumMachine {
                 }
             }
         }
+        dead_letters(self).saturating_sub(dead_letters_before)
+    }
+
+    /// Delayed messages are due by the machine's clock but not ready yet: a Tick left them (its
+    /// bound on dead letters) for the next.
+    pub fn due_left(&self) -> bool {
+        self.next_due().is_some_and(|due| due <= self.now_ms)
     }
 
     /// A message leaves the queue for `reason`: dead-lettered if the queue has a dead-letter

@@ -1212,3 +1212,44 @@ fn delayed_enqueues_decode_and_encode_again_with_their_delays() {
     assert_eq!(messages(&again.finish()), messages(&entry));
     assert_eq!(Command::enqueued_payloads(&entry).unwrap().len(), 2);
 }
+
+#[test]
+fn a_delayed_message_fired_in_the_entry_that_enqueued_it_comes_after_the_messages_before_it() {
+    // One entry: five messages, a delayed one due 1 ms later, and a Tick past its due time (the
+    // leader's open entry collects publishes and its Tick alike).
+    let mut q = Q::new(QueueConfig::default());
+    let (effects, _) = q.apply(|e| {
+        e.begin_enqueue(S1, 1000, false);
+        for s in 1..=5 {
+            e.message(s, 10, None, b"m").unwrap();
+        }
+        e.begin_enqueue_delayed(S1, 1000, false);
+        e.message_delayed(6, 10, None, 1, b"d").unwrap();
+        e.tick(1002, u64::MAX);
+    });
+    let ids: Vec<MsgId> = effects.iter().filter_map(|e| if let Effect::Store { msg_id, .. } = e { Some(*msg_id) } else { None }).collect();
+    assert_eq!((ids.len(), q.m.delayed_count(), q.m.ready_count()), (6, 0, 6));
+    // A get takes the first message; the state (one checked out, the rest ready) round-trips.
+    let (_, reply) = q.apply(|e| e.dequeue(C1, false));
+    assert!(matches!(single(reply), Reply::Dequeued(Some(d)) if d.msg_id == ids[0]));
+    let mut restored = QuorumMachine::new(QueueConfig::default());
+    restored.restore(&q.m.snapshot()).unwrap();
+    assert_eq!(restored, q.m);
+    assert_eq!(pop_all(&mut q.m), ids[1..].to_vec());
+}
+
+#[test]
+fn a_tick_dead_letters_at_most_its_bound_of_due_delayed_messages_and_leaves_the_rest_due() {
+    let mut q = Q::new(QueueConfig { max_length: Some(1), overflow: Overflow::RejectPublish, dead_letter: true, ..QueueConfig::default() });
+    q.publish(S1, 1000, 1..=1, None);
+    publish_delayed(&mut q, 1000, &(2..=11).map(|s| (s, 50)).collect::<Vec<_>>(), None);
+    let dead = |effects: &[Effect]| -> u32 {
+        effects.iter().map(|e| if let Effect::DeadLetter { reason: Reason::MaxLen, msgs } = e { msgs.iter().map(|r| r.1).sum() } else { 0 }).sum()
+    };
+    let (effects, _) = q.apply(|e| e.tick(1050, 3));
+    assert_eq!((dead(&effects), q.m.delayed_count()), (3, 7));
+    assert!(q.m.due_left());
+    let (effects, _) = q.apply(|e| e.tick(1051, 100));
+    assert_eq!((dead(&effects), q.m.delayed_count()), (7, 0));
+    assert!(!q.m.due_left());
+}
