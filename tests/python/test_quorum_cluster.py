@@ -537,6 +537,18 @@ def test_a_purge_without_a_majority_says_its_outcome_is_unknown_and_a_later_appl
     eventually(empty, timeout=10)
 
 
+def check_due_arrivals(node, name, due):
+    """Consumes `name` on `node` until every body of `due` (body -> due time) arrived, 60 s at most:
+    each exactly once, none before its due time."""
+    got, arrived = [], {}
+    deadline = time.time() + 60
+    while len(got) < len(due) and time.time() < deadline:
+        got += consume(node, name, len(due) - len(got), timeout=3, arrived=arrived)
+    assert sorted(got) == sorted(due), f"{len(got)} of {len(due)} arrived; {len(set(got))} distinct"
+    early = [b for b, at in arrived.items() if at < due[b]]
+    assert not early, f"{len(early)} arrived before due"
+
+
 def test_delayed_messages_reach_a_quorum_queue_whose_leader_was_killed_before_they_were_due(cluster):
     """Published through a delayed exchange on a node that does not lead the queue's group, due
     3 s later; the leader is killed -9 at once: the group holds them (replicated, confirmed on a
@@ -566,13 +578,7 @@ def test_delayed_messages_reach_a_quorum_queue_whose_leader_was_killed_before_th
     c.close()
     cluster[leader].kill9()
     others = [i for i in cluster if i != leader]
-    got, arrived = [], {}
-    deadline = time.time() + 60
-    while len(got) < len(due) and time.time() < deadline:
-        got += consume(cluster[others[1]], name, len(due) - len(got), timeout=3, arrived=arrived)
-    assert sorted(got) == sorted(due), f"{len(got)} of {len(due)} arrived in the quorum queue"
-    early = [b for b, at in arrived.items() if at < due[b]]
-    assert not early, f"{len(early)} arrived before due"
+    check_due_arrivals(cluster[others[1]], name, due)
     cluster[leader].start()
     in_classic = []
     deadline = time.time() + 60
@@ -617,10 +623,4 @@ def test_delayed_messages_of_a_quorum_queue_outlive_the_node_they_were_published
     if time.time() < first_due:
         assert counts == {n: len(due) for n in others}, counts
     cluster[leader].kill9()
-    got, arrived = [], {}
-    deadline = time.time() + 60
-    while len(got) < len(due) and time.time() < deadline:
-        got += consume(cluster[others[0]], name, len(due) - len(got), timeout=3, arrived=arrived)
-    assert sorted(got) == sorted(due), f"{len(got)} of {len(due)} arrived; {len(set(got))} distinct"
-    early = [b for b, at in arrived.items() if at < due[b]]
-    assert not early, f"{len(early)} arrived before due"
+    check_due_arrivals(cluster[others[0]], name, due)
