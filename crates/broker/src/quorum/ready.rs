@@ -122,9 +122,11 @@ impl Lane {
 
     /// Whether `id` is ready in this lane.
     pub fn contains(&self, id: MsgId) -> bool {
-        if self.returned.contains_key(&id) || self.fired_ids.contains(&id) {
-            return true;
-        }
+        self.returned.contains_key(&id) || self.fired_ids.contains(&id) || self.in_fresh(id)
+    }
+
+    /// Whether `id` is one of the fresh messages.
+    pub(crate) fn in_fresh(&self, id: MsgId) -> bool {
         // Fresh runs are in id order: the last run starting at or before `id`.
         let at = self.fresh.partition_point(|r| r.first <= id);
         let Some(run) = at.checked_sub(1).and_then(|i| self.fresh.get(i)) else { return false };

@@ -402,9 +402,46 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     if highest.is_some_and(|h| h as u128 >= id_limit) {
         return err("message ids above the last applied index");
     }
+    // Every message appears once: no id met so far (checked out, returned, fired, delayed, a dead
+    // letter) is also fresh in either lane, and the lanes' fresh runs share no id.
+    if seen.keys().any(|&id| normal.in_fresh(id) || high.in_fresh(id)) {
+        return err("a fresh message is also checked out, returned, fired, delayed or a dead letter");
+    }
+    if runs_share_an_id(&normal.fresh, &high.fresh) {
+        return err("a fresh message in both priority lanes");
+    }
     r.end()?;
     m.ready = Ready { normal, high, high_streak };
     Ok(m)
+}
+
+/// Whether two lanes' fresh runs (each in id order, their spans disjoint) have an id in common.
+fn runs_share_an_id(a: &VecDeque<Run>, b: &VecDeque<Run>) -> bool {
+    let (mut i, mut j) = (0, 0);
+    while let (Some(x), Some(y)) = (a.get(i), b.get(j)) {
+        if x.last() >= y.first && y.last() >= x.first && runs_intersect(x, y) {
+            return true;
+        }
+        // The run that ends first meets nothing more of the other lane.
+        if x.last() < y.last() {
+            i += 1;
+        } else {
+            j += 1;
+        }
+    }
+    false
+}
+
+/// Whether two runs (step 1 or 2^16) have an id in common.
+fn runs_intersect(x: &Run, y: &Run) -> bool {
+    if x.step() == 1 || y.step() == 1 {
+        // The other run's first id at or above the step-1 run's first, within its span.
+        let (dense, other) = if x.step() == 1 { (x, y) } else { (y, x) };
+        let k = dense.first.saturating_sub(other.first).div_ceil(other.step());
+        return k < other.count as u64 && other.first + k * other.step() <= dense.last();
+    }
+    // Both step 2^16: the same offset within 2^16, and overlapping spans.
+    x.first % (1 << 16) == y.first % (1 << 16) && x.first.max(y.first) <= x.last().min(y.last())
 }
 
 /// One lane of ready messages (`high`: the high-priority one). `seen`: the ids met so far
