@@ -48,6 +48,25 @@ pub struct PublishOutcome {
     pub store_behind: bool,
 }
 
+impl PublishOutcome {
+    /// What queue `q` answered to the message, added in.
+    fn took(&mut self, q: &Arc<Queue>, enqueued: Enqueued) {
+        match enqueued {
+            Enqueued::Accepted { ticket, slow_publishers, store_behind } => {
+                q.stats.published();
+                self.store_behind |= store_behind;
+                if let Some(t) = ticket {
+                    self.ticket = Some(self.ticket.map_or(t, |o| o.max(t)));
+                }
+                if slow_publishers && self.slow_queue.is_none() {
+                    self.slow_queue = Some(q.clone());
+                }
+            }
+            Enqueued::Rejected => self.rejected = true,
+        }
+    }
+}
+
 pub struct QueueDeclare<'a> {
     pub name: &'a str,
     pub passive: bool,
@@ -886,15 +905,8 @@ impl VHost {
             if header.is_empty() {
                 encode_header(&message, Some(now), &mut header);
             }
-            let Some(enqueued) = q.publish_delayed(&message, &header, now, delay_ms, publisher) else { continue };
-            match enqueued? {
-                Enqueued::Accepted { slow_publishers, .. } => {
-                    q.stats.published();
-                    if slow_publishers && outcome.slow_queue.is_none() {
-                        outcome.slow_queue = Some(q.clone());
-                    }
-                }
-                Enqueued::Rejected => outcome.rejected = true,
+            if let Some(enqueued) = q.publish_delayed(&message, &header, now, delay_ms, publisher) {
+                outcome.took(q, enqueued?);
             }
         }
         Ok(outcome)
@@ -932,19 +944,7 @@ impl VHost {
         let mut header = BytesMut::new();
         encode_header(&message, Some(now), &mut header);
         for q in queues {
-            match q.publish(&message, &header, now, lazy_ok, publisher)? {
-                Enqueued::Accepted { ticket, slow_publishers, store_behind } => {
-                    q.stats.published();
-                    outcome.store_behind |= store_behind;
-                    if let Some(t) = ticket {
-                        outcome.ticket = Some(outcome.ticket.map_or(t, |o| o.max(t)));
-                    }
-                    if slow_publishers && outcome.slow_queue.is_none() {
-                        outcome.slow_queue = Some(q.clone());
-                    }
-                }
-                Enqueued::Rejected => outcome.rejected = true,
-            }
+            outcome.took(q, q.publish(&message, &header, now, lazy_ok, publisher)?);
         }
         Ok(outcome)
     }

@@ -169,9 +169,9 @@ impl Delays {
     }
 
     /// Holds `message`, routed to `queues` of `vhost`, for `delay_ms`: appends it to its slot.
-    /// The message is durable once the store reaches the returned ticket.
+    /// The message is durable once the store reaches the returned ticket. The caller checked the
+    /// delay (`check_delay`).
     pub fn hold(&self, vhost: &str, queues: &[u64], message: &Message, delay_ms: u64) -> Result<SyncTicket> {
-        check_delay(delay_ms)?;
         if queues.len() > u16::MAX as usize {
             return Err(BrokerError::precondition_failed(format!(
                 "a delayed message can reach at most {} queues; this one reached {}",

@@ -671,7 +671,7 @@ impl Queue {
     /// message for it (`crate::delay`).
     pub fn publish_delayed(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64, delay_ms: u64, publisher: Option<Publisher>) -> Option<Result<Enqueued>> {
         let r = self.replica.as_ref()?;
-        Some(r.publish(self, message, stored_header, now_ms, delay_ms.max(1), publisher))
+        Some(r.publish(self, message, stored_header, now_ms, delay_ms, publisher))
     }
 
     /// Delayed messages this queue holds itself (a quorum queue's group: `publish_delayed`).

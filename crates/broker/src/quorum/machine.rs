@@ -650,16 +650,15 @@ impl QuorumMachine {
                 (a, b) => a.or(b),
             };
             if m.delay_ms > 0 {
-                // Held until due: its TTL and the length limits apply then (`fire_due`).
+                // Held until due: its TTL and the length limits apply then (`fire_due`); not
+                // ready, so the drop-head check below finds nothing new over the limit.
                 let due_ms = enqueued_at.saturating_add(m.delay_ms).min(NEVER - 1);
                 self.delayed.insert(id, Held { due_ms, size: m.size, ttl_ms: ttl, high: m.high });
                 self.timer.insert((due_ms, id));
-                self.counters.enqueued += 1;
-                out.push(Effect::Store { msg_id: id, payload: m.payload });
-                continue;
+            } else {
+                let expires_at = ttl.map_or(NEVER, |t| enqueued_at.saturating_add(t).min(NEVER - 1));
+                self.ready.push_fresh(id, m.size, expires_at, m.high);
             }
-            let expires_at = ttl.map_or(NEVER, |t| enqueued_at.saturating_add(t).min(NEVER - 1));
-            self.ready.push_fresh(id, m.size, expires_at, m.high);
             self.counters.enqueued += 1;
             out.push(Effect::Store { msg_id: id, payload: m.payload });
             if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
