@@ -295,7 +295,7 @@ impl QueueArgs {
             QueueType::Quorum => {
                 // What a quorum queue does not do (RabbitMQ refuses the same for its quorum queues,
                 // except priorities, which RabbitMQ 4 has in two levels).
-                for arg in ["x-max-priority", "x-retention-seconds", "x-queue-mode"] {
+                for arg in ["x-max-priority", "x-queue-mode"] {
                     if args.get(arg).is_some() {
                         return Err(invalid(arg, "it is not supported by quorum queues; declare the queue without it"));
                     }

@@ -478,12 +478,16 @@ impl Queue {
         ready_count(&st).min(u32::MAX as u64) as u32
     }
 
-    /// The consumed messages a classic queue with `x-retention-seconds` keeps on disk (a rewind could
-    /// deliver them again), over its lanes, and when its oldest message on disk was enqueued. Zero
-    /// for other queues, and for a classic queue homed on another node (its home knows).
+    /// The consumed messages a queue with `x-retention-seconds` keeps on disk (a rewind could
+    /// deliver them again), over its lanes, and when its oldest message on disk was enqueued (a
+    /// quorum queue: its oldest retention sample). Zero for other queues, and for a classic queue
+    /// homed on another node (its home knows).
     pub fn retention_stats(&self) -> warren_store::RetentionStats {
-        if self.replica.is_some() || self.args.retention_ms == 0 || self.remote_home().is_some() {
+        if self.args.retention_ms == 0 || self.remote_home().is_some() {
             return warren_store::RetentionStats::default();
+        }
+        if let Some(r) = &self.replica {
+            return r.retention_stats();
         }
         self.store_ids().map(|id| self.store.retention_stats(id)).fold(warren_store::RetentionStats::default(), |a, b| {
             warren_store::RetentionStats { consumed: a.consumed + b.consumed, oldest_ms: a.oldest_ms.into_iter().chain(b.oldest_ms).min() }

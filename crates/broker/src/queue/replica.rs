@@ -57,7 +57,7 @@ use crate::quorum::{
 };
 use bytes::{Bytes, BytesMut};
 use parking_lot::{Condvar, Mutex, RwLock};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -328,6 +328,7 @@ impl ReplicaState {
             stored_until: 0,
             store_only: 0,
             entry_bodies: BTreeMap::new(),
+            retained_entries: BTreeSet::new(),
             log: None,
             last_ticket: 0,
             fetch: None,
@@ -366,6 +367,11 @@ struct ReplicaState {
     /// How many live bodies are `InEntry`, per entry index: an entry is pinned in the log while it
     /// has some (`insert_body`, `let_go`).
     entry_bodies: BTreeMap<u64, u32>,
+    /// With retention (`x-retention-seconds`): the entries holding messages the machine may keep
+    /// for a rewind once consumed, pinned in the log whether or not they still hold live bodies,
+    /// until the machine's retention floor passes them (`unretain`). ~100 B per entry on each
+    /// replica (this set, and the log's pin and retained record).
+    retained_entries: BTreeSet<u64>,
     /// The group's replicator, once attached: the log the entries are pinned and read in.
     log: Option<Arc<dyn Replicator>>,
     /// The store append of the last record written (a peer's body fetch waits until it is readable).
@@ -469,6 +475,7 @@ pub(super) enum Waiter {
     Attach(u64),
     Get(u64),
     Purge(std::sync::mpsc::Sender<Option<u64>>),
+    Rewind(tokio::sync::oneshot::Sender<Option<crate::queue::RewindOutcome>>),
 }
 
 struct Proposals {
@@ -781,6 +788,9 @@ impl QuorumReplica {
             if !left && st.machine.consumers.len() < consumers_before && !st.consumers.is_empty() {
                 self.lost_consumers(&mut st, &mut after);
             }
+            if !left {
+                unretain(&mut st);
+            }
             after.expire_more = !left
                 && queue.args.dead_letter_exchange.is_some()
                 && (st.machine.head_expired() || st.machine.due_left())
@@ -791,6 +801,12 @@ impl QuorumReplica {
         self.finish(queue, after);
         self.arm_due_timer(queue);
         reply
+    }
+
+    /// The consumed messages the machine keeps for a rewind, and its oldest retention sample.
+    pub(super) fn retention_stats(&self) -> warren_store::RetentionStats {
+        let st = self.state.lock();
+        warren_store::RetentionStats { consumed: st.machine.retained_count(), oldest_ms: st.machine.oldest_kept_ms() }
     }
 
     /// Delayed messages the group holds, not due yet.
@@ -880,6 +896,19 @@ impl QuorumReplica {
                     return;
                 }
                 self.keep_body(st, msg_id, entry.slice(payload));
+                if st.machine.config().retention_ms.is_some() && msg_id >= st.stored_until {
+                    // Pinned by `keep_body` already; stays pinned once consumed, for a rewind.
+                    st.retained_entries.insert(msg_id >> 16);
+                }
+            }
+            // Consumed messages made ready again: their bodies are in their entries, read back
+            // when delivered (as after a restart).
+            Effect::Rewound { runs } => {
+                for id in runs.iter().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step())) {
+                    if !st.bodies.contains_key(&id) {
+                        insert_body(st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
+                    }
+                }
             }
             Effect::Deliver { consumer, settled, msgs } => {
                 if consumer.node == self.node() && !st.deleted {
@@ -1410,6 +1439,15 @@ impl QuorumReplica {
         for id in missing {
             insert_body(&mut st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
         }
+        // The entries of consumed messages kept for a rewind stay too.
+        let kept: Vec<u64> = st.machine.retained_entries().collect();
+        for index in kept {
+            if st.retained_entries.insert(index) && !st.entry_bodies.contains_key(&index) {
+                if let Some(Err(e)) = st.log.as_ref().map(|log| log.pin_entry(index)) {
+                    tracing::error!(index, error = %e, "could not pin a quorum queue's retained entry in the log: a rewind will not find its messages");
+                }
+            }
+        }
     }
 
     /// A snapshot from a peer was installed (`restore_snapshot`): bodies of messages it no longer
@@ -1725,6 +1763,16 @@ impl QuorumReplica {
                         }
                     }
                     after.gets_done = true;
+                }
+                Waiter::Rewind(tx) => {
+                    let outcome = match reply {
+                        Some(Reply::Rewound { count, from_ms, clamped }) => Some(crate::queue::RewindOutcome { rewound: count, from_ms, clamped }),
+                        _ => None,
+                    };
+                    if let (Err(_), Some(outcome)) = (tx.send(outcome), outcome) {
+                        tracing::warn!(queue = %queue.name, rewound = outcome.rewound,
+                            "a rewind of a quorum queue took effect after its client was told its outcome was unknown (it waited too long)");
+                    }
                 }
                 Waiter::Purge(tx) => {
                     let count = match reply {
@@ -2090,6 +2138,29 @@ impl QuorumReplica {
         }
     }
 
+    /// Rewind (the queue has retention): the consumed messages it keeps from `to_ms` on are ready
+    /// again. Answers once the group applied it (committed on a majority: it holds if this node or
+    /// the leader dies next); proposed from any replica (a follower forwards it).
+    pub(super) async fn rewind(&self, queue: &Arc<Queue>, to_ms: u64) -> Result<crate::queue::RewindOutcome> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        {
+            let mut p = self.proposals.lock();
+            p.encoder.rewind(to_ms);
+            p.command(Waiter::Rewind(tx));
+            self.flush(queue, &mut p);
+        }
+        match tokio::time::timeout(PURGE_TIMEOUT, rx).await {
+            Ok(Ok(Some(outcome))) => Ok(outcome),
+            Ok(_) => Err(BrokerError::internal(format!("the rewind of quorum queue '{}' was not applied; nothing was rewound", queue.name))),
+            Err(_) => Err(BrokerError::internal(format!(
+                "the rewind of quorum queue '{}' was not committed within {} s (no majority of its replicas reachable); \
+                 its outcome is unknown: it may still take effect (the node logs it if it does)",
+                queue.name,
+                PURGE_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+
     /// Another node is gone: its consumers the machine knows now are detached, their messages come
     /// back redelivered. Named one by one rather than `ConsumerDown(node)`: if the node restarts
     /// before this applies, the consumers it attached since are not touched (it proposes
@@ -2207,7 +2278,11 @@ impl QuorumReplica {
                 vhost.doom(queue);
             }
         }
-        let expiring = queue.args.message_ttl_ms.is_some() || queue.args.expires_ms.is_some() || self.saw_expiration.load(Ordering::Relaxed);
+        // Retention ends by Ticks too (the machine's clock moves its floor).
+        let expiring = queue.args.message_ttl_ms.is_some()
+            || queue.args.expires_ms.is_some()
+            || queue.args.retention_ms > 0
+            || self.saw_expiration.load(Ordering::Relaxed);
         if !expiring {
             return;
         }
@@ -2371,6 +2446,7 @@ impl QuorumReplica {
             st.bodies.clear();
             st.store_only = 0;
             st.entry_bodies.clear();
+            st.retained_entries.clear();
             st.body_mem.clear();
             st.checked_out.clear();
             st.getters.clear();
@@ -2471,6 +2547,9 @@ fn let_go(st: &mut ReplicaState, msg_id: MsgId, body: &Body) {
             *count -= 1;
             if *count == 0 {
                 st.entry_bodies.remove(&index);
+                if st.retained_entries.contains(&index) {
+                    return st.body_mem.sub(body.mem);
+                }
                 if let Some(Err(e)) = st.log.as_ref().map(|log| log.unpin_entry(index)) {
                     tracing::error!(index, error = %e, "could not let a quorum queue's entry go from the log");
                 }
@@ -2478,6 +2557,23 @@ fn let_go(st: &mut ReplicaState, msg_id: MsgId, body: &Body) {
         }
     }
     st.body_mem.sub(body.mem);
+}
+
+/// The machine keeps no message for a rewind below its retention floor: the entries below the
+/// floor's entry go from the log once no live body holds them.
+fn unretain(st: &mut ReplicaState) {
+    let floor = st.machine.retention_floor() >> 16;
+    while let Some(&index) = st.retained_entries.first() {
+        if index >= floor {
+            break;
+        }
+        st.retained_entries.pop_first();
+        if !st.entry_bodies.contains_key(&index) {
+            if let Some(Err(e)) = st.log.as_ref().map(|log| log.unpin_entry(index)) {
+                tracing::error!(index, error = %e, "could not let a quorum queue's retained entry go from the log");
+            }
+        }
+    }
 }
 
 /// A message left the queue: its body and store record go.

@@ -45,9 +45,9 @@ impl Queue {
     /// Makes the consumed messages published at or after `to_ms` (unix ms) that the queue's retention
     /// still keeps ready again. Answers once the rewind is durable: it survives a crash.
     pub async fn rewind(self: &Arc<Self>, to_ms: u64) -> Result<RewindOutcome> {
-        if self.replica.is_some() {
-            return Err(BrokerError::not_implemented(format!(
-                "queue '{}' is a quorum queue: quorum queues keep no consumed messages yet (x-retention-seconds), so they cannot be rewound",
+        if self.is_quorum() && self.replica.is_none() {
+            return Err(BrokerError::precondition_failed(format!(
+                "quorum queue '{}' has no replica on this node: rewind it through a node of its group",
                 self.name
             )));
         }
@@ -59,6 +59,9 @@ impl Queue {
                 "queue '{}' keeps no consumed messages: declare it with x-retention-seconds (CMQ: rewindSeconds) to rewind it",
                 self.name
             )));
+        }
+        if let Some(r) = &self.replica {
+            return r.rewind(self, to_ms).await;
         }
         let _one_at_a_time = self.rewinding.lock().await;
         let now = crate::now_ms();

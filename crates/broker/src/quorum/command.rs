@@ -24,6 +24,7 @@
 //! | 17 | `Enqueue` of high-priority messages | as tag 1 |
 //! | 18 | `DeadLettered` | count, first id, then zigzag deltas |
 //! | 19/20 | `Enqueue` of delayed messages (20: high-priority) | as tag 1, with delay_ms after ttl_ms |
+//! | 21 | `Rewind` | to_ms |
 //!
 //! "opt" is a varint with 0 = none and n + 1 = n. Message payloads are opaque here: decoding keeps
 //! only their place in the entry ([`EnqueueMsg::payload`]), so applying an entry never copies a body.
@@ -133,6 +134,9 @@ pub enum Command {
     Touch { now_ms: u64 },
     /// Removes every ready message.
     Purge,
+    /// Makes the consumed messages kept by the retention (`x-retention-seconds`), enqueued at or
+    /// after `to_ms` (unix ms), ready again.
+    Rewind { to_ms: u64 },
     /// Several commands in one entry, applied in order.
     Batch(Vec<Command>),
 }
@@ -157,6 +161,7 @@ const TAG_ENQUEUE_HIGH: u8 = 17;
 const TAG_DEAD_LETTERED: u8 = 18;
 const TAG_ENQUEUE_DELAYED: u8 = 19;
 const TAG_ENQUEUE_DELAYED_HIGH: u8 = 20;
+const TAG_REWIND: u8 = 21;
 
 const ATTACH_AUTO_ACK: u8 = 1;
 const ATTACH_EXCLUSIVE: u8 = 2;
@@ -282,6 +287,7 @@ fn decode_one(r: &mut Reader, top: bool, messages: &mut usize) -> Result<Command
         TAG_TICK_BOUNDED => Command::Tick { now_ms: r.var()?, max_expired: r.var()? },
         TAG_TOUCH => Command::Touch { now_ms: r.var()? },
         TAG_PURGE => Command::Purge,
+        TAG_REWIND => Command::Rewind { to_ms: r.var()? },
         TAG_BATCH if top => {
             let n = r.u32_fixed()? as u64;
             let n = r.check_count(n, 1)?;
@@ -525,6 +531,11 @@ impl Encoder {
         self.begin(TAG_PURGE);
     }
 
+    pub fn rewind(&mut self, to_ms: u64) {
+        self.begin(TAG_REWIND);
+        put_var(&mut self.buf, to_ms);
+    }
+
     /// Adds a decoded command (enqueue payloads are copied from `src`, the entry it was decoded
     /// from); a batch adds its commands.
     pub fn push(&mut self, cmd: &Command, src: &[u8]) -> Result<(), EncodeError> {
@@ -562,6 +573,7 @@ impl Encoder {
             Command::Tick { now_ms, max_expired } => self.tick(*now_ms, *max_expired),
             Command::Touch { now_ms } => self.touch(*now_ms),
             Command::Purge => self.purge(),
+            Command::Rewind { to_ms } => self.rewind(*to_ms),
             Command::Batch(cmds) => {
                 for c in cmds {
                     if matches!(c, Command::Batch(_)) {
@@ -612,6 +624,9 @@ pub enum Reply {
     Enqueued { applied_up_to: u64, rejected: Vec<u64> },
     Dequeued(Option<Dequeued>),
     Purged { count: u64 },
+    /// A rewind made `count` messages ready again, from the sample taken at `from_ms` (None: the
+    /// queue kept nothing to rewind); `clamped`: the time asked was before the oldest one kept.
+    Rewound { count: u64, from_ms: Option<u64>, clamped: bool },
     Refused(Refusal),
     Batch(Vec<Reply>),
 }
@@ -622,6 +637,7 @@ const REPLY_DEQUEUED: u8 = 3;
 const REPLY_PURGED: u8 = 4;
 const REPLY_REFUSED: u8 = 5;
 const REPLY_BATCH: u8 = 6;
+const REPLY_REWOUND: u8 = 7;
 
 impl Reply {
     pub fn encode(&self) -> Bytes {
@@ -657,6 +673,12 @@ impl Reply {
             Reply::Purged { count } => {
                 out.put_u8(REPLY_PURGED);
                 put_var(out, *count);
+            }
+            Reply::Rewound { count, from_ms, clamped } => {
+                out.put_u8(REPLY_REWOUND);
+                put_var(out, *count);
+                put_opt(out, *from_ms);
+                put_bool(out, *clamped);
             }
             Reply::Refused(why) => {
                 out.put_u8(REPLY_REFUSED);
@@ -709,6 +731,7 @@ impl Reply {
                 })),
             },
             REPLY_PURGED => Reply::Purged { count: r.var()? },
+            REPLY_REWOUND => Reply::Rewound { count: r.var()?, from_ms: r.opt()?, clamped: r.bool()? },
             REPLY_REFUSED => Reply::Refused(match r.u8()? {
                 1 => Refusal::BadCommand,
                 2 => Refusal::StaleIndex,

@@ -12,6 +12,7 @@
 use super::codec::DecodeError;
 use super::command::{msg_id, Attach, Command, ConsumerId, Dequeued, EnqueueMsg, MsgId, Refusal, Reply, SessionId};
 use super::ready::{push_id, MsgState, Ready, NEVER};
+use super::retained::Retained;
 use std::collections::BTreeMap;
 use std::ops::Range;
 
@@ -49,6 +50,9 @@ pub struct QueueConfig {
     pub single_active_consumer: bool,
     /// `x-expires`: the queue reports [`Effect::QueueExpired`] once unused this long.
     pub expires_ms: Option<u64>,
+    /// `x-retention-seconds` (in ms): consumed messages are kept this long after their enqueue,
+    /// for a `Rewind` (see `retained`).
+    pub retention_ms: Option<u64>,
 }
 
 /// Entries at this index or above enqueue nothing (their messages are rejected): see `enqueue`.
@@ -69,6 +73,7 @@ impl Default for QueueConfig {
             at_least_once: false,
             single_active_consumer: false,
             expires_ms: None,
+            retention_ms: None,
         }
     }
 }
@@ -87,9 +92,6 @@ impl QueueConfig {
         if args.max_priority > 0 {
             return Err("x-max-priority is not supported by quorum queues".into());
         }
-        if args.retention_ms > 0 {
-            return Err("x-retention-seconds is not supported by quorum queues".into());
-        }
         Ok(QueueConfig {
             max_length: args.max_length,
             max_length_bytes: args.max_length_bytes,
@@ -104,6 +106,7 @@ impl QueueConfig {
                 && args.overflow == ArgOverflow::RejectPublish,
             single_active_consumer: args.single_active_consumer,
             expires_ms: args.expires_ms,
+            retention_ms: (args.retention_ms > 0).then_some(args.retention_ms),
         })
     }
 }
@@ -179,6 +182,9 @@ pub enum Effect {
     Published { session: SessionId, applied_up_to: u64, rejected: Vec<u64> },
     /// `x-expires` elapsed with the queue unused: delete it (reported once).
     QueueExpired,
+    /// A rewind made these consumed messages ready again (their bodies are in their entries,
+    /// which the replicas kept for the retention).
+    Rewound { runs: Vec<super::ready::Run> },
 }
 
 /// Running totals (in snapshots, so they are replica-consistent).
@@ -339,6 +345,8 @@ pub struct QuorumMachine {
     /// (`fire_due`). Not ready: not counted against the length limits, not purged.
     pub(crate) delayed: BTreeMap<MsgId, Held>,
     pub(crate) timer: std::collections::BTreeSet<(u64, MsgId)>,
+    /// With `retention_ms`: the consumed messages kept for a rewind, and the clock's samples.
+    pub(crate) retained: Retained,
 }
 
 /// A delayed message waiting in the group until `due_ms`.
@@ -372,7 +380,37 @@ impl QuorumMachine {
             dlx_bytes: 0,
             delayed: BTreeMap::new(),
             timer: std::collections::BTreeSet::new(),
+            retained: Retained::default(),
         }
+    }
+
+    /// Consumed messages kept for a rewind.
+    pub fn retained_count(&self) -> u64 {
+        self.retained.kept.len()
+    }
+
+    /// Messages below this id are past the retention: a replica keeps no entry below its entry
+    /// for a rewind.
+    pub fn retention_floor(&self) -> MsgId {
+        self.retained.floor
+    }
+
+    /// The entry indexes that hold consumed messages kept for a rewind, rising (repeats possible).
+    pub fn retained_entries(&self) -> impl Iterator<Item = u64> + '_ {
+        self.retained.kept.runs().flat_map(|r| {
+            let indexes: Box<dyn Iterator<Item = u64>> = if r.per_entry {
+                Box::new((0..r.count as u64).map(move |k| (r.first >> 16) + k))
+            } else {
+                Box::new((r.first >> 16)..=(r.last() >> 16))
+            };
+            indexes
+        })
+    }
+
+    /// When the oldest message the queue holds or keeps for a rewind was enqueued, to the
+    /// retention's sample step (None without retention or without samples).
+    pub fn oldest_kept_ms(&self) -> Option<u64> {
+        self.retained.samples.front().map(|s| s.1)
     }
 
     /// Delayed messages not due yet.
@@ -556,6 +594,9 @@ impl QuorumMachine {
             }
             Command::Tick { now_ms, max_expired } => {
                 self.advance(now_ms);
+                if let Some(retention) = self.config.retention_ms {
+                    self.retained.expire(retention, self.now_ms, msg_id(index, (*next_i).min(u16::MAX as u32) as u16));
+                }
                 let dead_lettered = self.fire_due(index, *next_i, max_expired, out);
                 self.expire_head(out, max_expired.saturating_sub(dead_lettered));
                 self.check_queue_expiry(out);
@@ -576,11 +617,15 @@ impl QuorumMachine {
                 let count = self.ready.len();
                 let runs = self.ready.clear();
                 self.counters.dropped += count;
+                for id in run_ids(&runs) {
+                    self.consumed(id);
+                }
                 if !runs.is_empty() {
                     out.push(Effect::Dropped { reason: Reason::Purged, msgs: runs });
                 }
                 Reply::Purged { count }
             }
+            Command::Rewind { to_ms } => self.rewind(to_ms, out),
             // The decoder refuses nested batches; treat one as refused if built by hand.
             Command::Batch(_) => Reply::Refused(Refusal::BadCommand),
         };
@@ -660,6 +705,9 @@ impl QuorumMachine {
                 self.ready.push_fresh(id, m.size, expires_at, m.high);
             }
             self.counters.enqueued += 1;
+            if let Some(retention) = self.config.retention_ms {
+                self.retained.enqueued(retention, id, enqueued_at);
+            }
             out.push(Effect::Store { msg_id: id, payload: m.payload });
             if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
                 self.assign(out);
@@ -743,11 +791,36 @@ impl QuorumMachine {
             out.gone(Gone::DeadLetterHeld(reason), id);
         } else if self.config.dead_letter && reason != Reason::Purged {
             self.counters.dead_lettered += 1;
+            self.consumed(id);
             out.gone(Gone::DeadLetter(reason), id);
         } else {
             self.counters.dropped += 1;
+            self.consumed(id);
             out.gone(Gone::Dropped(reason), id);
         }
+    }
+
+    /// Message `id` left the queue: kept for a rewind if the queue has retention.
+    fn consumed(&mut self, id: MsgId) {
+        if self.config.retention_ms.is_some() {
+            self.retained.consumed(id);
+        }
+    }
+
+    /// Rewind: the kept messages from the last sample at or before `to_ms` on are ready again,
+    /// redelivered, in id order with the messages returned by consumers (all before fresh ones:
+    /// each was the head once). TTL (the queue's) counts from now; a message's own expiration is
+    /// not kept.
+    fn rewind(&mut self, to_ms: u64, out: &mut Out) -> Reply {
+        let Some(point) = self.retained.rewind_point(to_ms) else { return Reply::Rewound { count: 0, from_ms: None, clamped: false } };
+        let mut ids = self.retained.kept.split_off(point.from);
+        let count = ids.len();
+        if count > 0 {
+            ids.set_expiry(self.config.message_ttl_ms.map_or(NEVER, |t| self.now_ms.saturating_add(t).min(NEVER - 1)));
+            out.push(Effect::Rewound { runs: ids.runs().copied().collect() });
+            self.ready.push_rewound(ids);
+        }
+        Reply::Rewound { count, from_ms: Some(point.from_ms), clamped: point.clamped }
     }
 
     /// Expires the head while it is past its TTL (messages expire at the head only, as RabbitMQ):
@@ -799,6 +872,7 @@ impl QuorumMachine {
             if let Some((_, st)) = self.dlx.remove(id) {
                 self.dlx_bytes = self.dlx_bytes.saturating_sub(st.size as u64);
                 self.counters.dead_lettered += 1;
+                self.consumed(*id);
                 out.gone(Gone::Release, *id);
             }
         }
@@ -946,6 +1020,7 @@ impl QuorumMachine {
             match how {
                 Settlement::Ack => {
                     self.counters.acked += 1;
+                    self.consumed(msg);
                     out.gone(Gone::Release, msg);
                 }
                 Settlement::Reject => self.remove(out, msg, st, Reason::Rejected),
@@ -990,6 +1065,9 @@ impl QuorumMachine {
             });
             c.checked_out.insert(msg, st);
             self.checked_out += 1;
+        }
+        if auto_ack {
+            self.consumed(msg);
         }
         out.deliver(id, auto_ack, d);
         Reply::Dequeued(Some(Dequeued {
@@ -1063,7 +1141,11 @@ impl QuorumMachine {
                 c.checked_out.insert(msg, st);
                 self.checked_out += 1;
             }
-            out.deliver(id, c.auto_ack, d);
+            let auto_ack = c.auto_ack;
+            if auto_ack {
+                self.consumed(msg);
+            }
+            out.deliver(id, auto_ack, d);
         }
     }
 

@@ -27,6 +27,7 @@ pub mod codec;
 pub mod command;
 pub mod machine;
 pub mod ready;
+pub mod retained;
 pub mod snapshot;
 
 #[cfg(test)]

@@ -18,12 +18,19 @@
 //! key. Every message that left the lane by its head was below every fresh id then, and fresh ids
 //! only rise, so "every returned id is below every fresh id" still holds.
 //!
+//! A fourth part holds consumed messages a rewind brought back (`rewound`, of a queue with
+//! retention: see `retained`): they were each the head once, so below every fresh id, and are
+//! taken with the returned ones, smallest id first, redelivered. They are all in the normal lane.
+//! A rewound message may be above some fresh ids (a high-priority one, or a delayed one dropped
+//! as it came due), and so may a returned one after it: both still come before every fresh one.
+//!
 //! Priorities, as RabbitMQ 4's quorum queues: two lanes, each as above, high (message priority
 //! above 4) and normal (the rest, and no priority). The head is taken from the high lane twice for
 //! each time from the normal lane while both have messages ([`HIGH_PER_NORMAL`]), so a stream of
 //! high-priority messages delays the normal ones without starving them.
 
 use super::command::MsgId;
+use super::retained::IdSet;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Expiry of a message without TTL.
@@ -98,6 +105,9 @@ pub struct Lane {
     /// Delayed messages that came due, by key; `fired_ids` finds one by id.
     pub(crate) fired: VecDeque<Fired>,
     fired_ids: BTreeSet<MsgId>,
+    /// Consumed messages a rewind made ready again (size 0, never counted against
+    /// `x-max-length-bytes`), with their expiry.
+    pub(crate) rewound: IdSet,
     /// Sizes of the fresh messages, in order (only when `track_sizes`).
     pub(crate) sizes: VecDeque<u32>,
     pub(crate) track_sizes: bool,
@@ -111,18 +121,18 @@ impl Lane {
     }
 
     /// Rebuilds from a snapshot's parts (counts recomputed; `fired` keys rising, checked by the caller).
-    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>, fired: VecDeque<Fired>) -> Lane {
-        let count = returned.len() as u64 + fresh.iter().map(|r| r.count as u64).sum::<u64>() + fired.len() as u64;
+    pub fn from_parts(track_sizes: bool, returned: BTreeMap<MsgId, MsgState>, fresh: VecDeque<Run>, sizes: VecDeque<u32>, fired: VecDeque<Fired>, rewound: IdSet) -> Lane {
+        let count = returned.len() as u64 + fresh.iter().map(|r| r.count as u64).sum::<u64>() + fired.len() as u64 + rewound.len();
         let bytes = returned.values().map(|m| m.size as u64).sum::<u64>()
             + sizes.iter().map(|&s| s as u64).sum::<u64>()
             + fired.iter().map(|f| f.state.size as u64).sum::<u64>();
         let fired_ids = fired.iter().map(|f| f.id).collect();
-        Lane { returned, fresh, fired, fired_ids, sizes, track_sizes, count, bytes }
+        Lane { returned, fresh, fired, fired_ids, rewound, sizes, track_sizes, count, bytes }
     }
 
     /// Whether `id` is ready in this lane.
     pub fn contains(&self, id: MsgId) -> bool {
-        self.returned.contains_key(&id) || self.fired_ids.contains(&id) || self.in_fresh(id)
+        self.returned.contains_key(&id) || self.fired_ids.contains(&id) || self.rewound.contains(id) || self.in_fresh(id)
     }
 
     /// Whether `id` is one of the fresh messages.
@@ -136,7 +146,7 @@ impl Lane {
 
     /// Every id ready in this lane (unordered between returned and fresh).
     pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
-        self.returned.keys().copied().chain(self.fired.iter().map(|f| f.id)).chain(self.fresh.iter().flat_map(|run| (0..run.count as u64).map(move |k| run.first + k * run.step())))
+        self.returned.keys().copied().chain(self.fired.iter().map(|f| f.id)).chain(self.rewound.ids()).chain(self.fresh.iter().flat_map(|run| (0..run.count as u64).map(move |k| run.first + k * run.step())))
     }
 
     pub fn len(&self) -> u64 {
@@ -190,6 +200,21 @@ impl Lane {
         self.bytes += state.size as u64;
     }
 
+    /// Consumed messages a rewind brought back (none of them in this lane already).
+    fn push_rewound(&mut self, ids: IdSet) {
+        let before = self.rewound.len();
+        self.rewound.extend(ids);
+        self.count += self.rewound.len() - before;
+    }
+
+    /// Whether the next head is the first rewound message (smaller than the first returned one).
+    fn rewound_next(&self) -> bool {
+        match (self.rewound.first(), self.returned.keys().next()) {
+            (Some((rewound, _)), Some(&returned)) => rewound < returned,
+            (rewound, _) => rewound.is_some(),
+        }
+    }
+
     /// Whether the next head after the returned messages is the first fired one.
     fn fired_next(&self) -> bool {
         match (self.fired.front(), self.fresh.front()) {
@@ -200,6 +225,9 @@ impl Lane {
 
     /// The head's id and expiry.
     pub fn head(&self) -> Option<(MsgId, u64)> {
+        if self.rewound_next() {
+            return self.rewound.first();
+        }
         if let Some((&id, st)) = self.returned.iter().next() {
             return Some((id, st.expires_at));
         }
@@ -211,7 +239,10 @@ impl Lane {
 
     /// Takes the head.
     fn pop(&mut self) -> Option<(MsgId, MsgState)> {
-        let (id, state) = if let Some((id, st)) = self.returned.pop_first() {
+        let (id, state) = if self.rewound_next() {
+            let (id, expires_at) = self.rewound.pop_first()?;
+            (id, MsgState { delivery_count: 0, acquired: 1, size: 0, expires_at, high: false })
+        } else if let Some((id, st)) = self.returned.pop_first() {
             (id, st)
         } else if self.fired_next() {
             let f = self.fired.pop_front()?;
@@ -241,9 +272,9 @@ impl Lane {
         for &id in self.returned.keys() {
             push_id(&mut runs, id);
         }
-        let mut fired: Vec<MsgId> = self.fired.iter().map(|f| f.id).collect();
-        fired.sort_unstable();
-        for id in fired {
+        let mut others: Vec<MsgId> = self.fired.iter().map(|f| f.id).chain(self.rewound.ids()).collect();
+        others.sort_unstable();
+        for id in others {
             push_id(&mut runs, id);
         }
         for run in &self.fresh {
@@ -262,9 +293,10 @@ impl Lane {
         runs
     }
 
-    /// Entries of memory held (returned and fired messages + fresh runs + sizes), for the cost figures.
+    /// Entries of memory held (returned and fired messages + fresh and rewound runs + sizes), for
+    /// the cost figures.
     pub fn entries(&self) -> (usize, usize, usize) {
-        (self.returned.len() + self.fired.len(), self.fresh.len(), self.sizes.len())
+        (self.returned.len() + self.fired.len(), self.fresh.len() + self.rewound.run_count(), self.sizes.len())
     }
 }
 
@@ -304,6 +336,11 @@ impl Ready {
     /// A message back from a consumer, to its place by id in its lane.
     pub fn push_returned(&mut self, id: MsgId, state: MsgState) {
         self.lane_mut(state.high).push_returned(id, state);
+    }
+
+    /// Consumed messages a rewind brought back (to the normal lane).
+    pub fn push_rewound(&mut self, ids: IdSet) {
+        self.normal.push_rewound(ids);
     }
 
     /// A delayed message that came due, joining its lane with order `key` (see the module doc).

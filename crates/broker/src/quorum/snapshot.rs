@@ -17,17 +17,21 @@
 //! still decode (everything normal, at-most-once).
 //! Version 3 (delayed messages): then, per lane (normal, high), the fired messages (count; key,
 //! id, state), then the delayed messages not due (count; id, due, size, ttl opt, high u8).
-//! Versions 1 and 2 still decode (none of either). Decoding checks the references between parts: a bad snapshot is an error,
+//! Version 4 (retention): the config ends with retention_ms opt; then the normal lane's rewound
+//! messages (count; first, count, per_entry u8, expires opt), the kept consumed messages (count;
+//! first, count, per_entry u8), the clock's samples (count; id, ms) and the retention floor.
+//! Versions 1 to 3 still decode (none of either). Decoding checks the references between parts: a bad snapshot is an error,
 //! never a panic or an inconsistent machine.
 
 use super::codec::{err, put_bool, put_opt, put_var, put_zigzag, DecodeError, Reader};
 use super::command::{ConsumerId, MsgId, SessionId};
 use super::machine::{Consumer, Counters, Group, Held, Overflow, QueueConfig, QuorumMachine, Reason, Session, Status};
 use super::ready::{Fired, Lane, MsgState, Ready, Run, NEVER};
+use super::retained::{IdSet, Retained};
 use bytes::{BufMut, Bytes, BytesMut};
 use std::collections::{BTreeMap, VecDeque};
 
-pub const SNAPSHOT_VERSION: u8 = 3;
+pub const SNAPSHOT_VERSION: u8 = 4;
 
 fn put_id(out: &mut BytesMut, c: ConsumerId) {
     put_var(out, c.node);
@@ -81,6 +85,7 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
     put_bool(&mut out, c.at_least_once);
     put_bool(&mut out, c.single_active_consumer);
     put_opt(&mut out, c.expires_ms);
+    put_opt(&mut out, c.retention_ms);
 
     put_opt(&mut out, m.last_index);
     put_var(&mut out, m.now_ms);
@@ -160,7 +165,41 @@ pub fn encode(m: &QuorumMachine) -> Bytes {
         put_opt(&mut out, held.ttl_ms);
         put_bool(&mut out, held.high);
     }
+    put_runs(&mut out, m.ready.normal.rewound.runs(), true);
+    put_runs(&mut out, m.retained.kept.runs(), false);
+    put_var(&mut out, m.retained.samples.len() as u64);
+    for (id, ms) in &m.retained.samples {
+        put_var(&mut out, *id);
+        put_var(&mut out, *ms);
+    }
+    put_var(&mut out, m.retained.floor);
     out.freeze()
+}
+
+fn put_runs<'a>(out: &mut BytesMut, runs: impl ExactSizeIterator<Item = &'a Run>, with_expiry: bool) {
+    put_var(out, runs.len() as u64);
+    for run in runs {
+        put_var(out, run.first);
+        put_var(out, run.count as u64);
+        put_bool(out, run.per_entry);
+        if with_expiry {
+            put_expiry(out, run.expires_at);
+        }
+    }
+}
+
+/// Runs of ids as `put_runs` wrote them: None if out of order, overlapping or empty.
+fn id_set(r: &mut Reader, with_expiry: bool) -> Result<IdSet, DecodeError> {
+    let n = r.count(3)?;
+    let mut runs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let first = r.var()?;
+        let count = r.var_u32()?;
+        let per_entry = r.bool()?;
+        let expires_at = if with_expiry { expiry(r)? } else { NEVER };
+        runs.push(Run { first, count, per_entry, expires_at });
+    }
+    IdSet::from_runs(runs).map_or_else(|| err("runs of ids out of order, overlapping or empty"), Ok)
 }
 
 fn id(r: &mut Reader) -> Result<ConsumerId, DecodeError> {
@@ -228,6 +267,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
         at_least_once: version >= 2 && r.bool()?,
         single_active_consumer: r.bool()?,
         expires_ms: r.opt()?,
+        retention_ms: if version >= 4 { r.opt()? } else { None },
     };
     let mut m = QuorumMachine::new(config);
     m.last_index = r.opt()?;
@@ -257,8 +297,6 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
 
     // Every message appears once: checked out by one consumer, or ready.
     let mut seen: BTreeMap<MsgId, ()> = BTreeMap::new();
-    // Checked-out messages, and whether each is of the high lane.
-    let mut checked: BTreeMap<MsgId, bool> = BTreeMap::new();
     let n = r.count(9)?;
     for _ in 0..n {
         let cid = id(&mut r)?;
@@ -280,7 +318,6 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
             if seen.insert(msg, ()).is_some() || checked_out.insert(msg, st).is_some() {
                 return err("message checked out twice");
             }
-            checked.insert(msg, st.high);
         }
         m.checked_out += checked_out.len() as u64;
         if m.consumers.insert(cid, Consumer { priority, prefetch, auto_ack, credit, status, checked_out }).is_some() {
@@ -335,9 +372,9 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     }
 
     let track_sizes = m.config.max_length_bytes.is_some();
-    let mut normal = decode_lane(&mut r, version, false, track_sizes, &mut seen, &checked)?;
+    let mut normal = decode_lane(&mut r, version, false, track_sizes, &mut seen)?;
     let (high_streak, mut high) = if version >= 2 {
-        (r.u8()?, decode_lane(&mut r, version, true, track_sizes, &mut seen, &checked)?)
+        (r.u8()?, decode_lane(&mut r, version, true, track_sizes, &mut seen)?)
     } else {
         (0, Lane::new(track_sizes))
     };
@@ -380,7 +417,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
             }
             if !fired.is_empty() {
                 let parts = std::mem::take(lane);
-                *lane = Lane::from_parts(track_sizes, parts.returned, parts.fresh, parts.sizes, fired);
+                *lane = Lane::from_parts(track_sizes, parts.returned, parts.fresh, parts.sizes, fired, IdSet::default());
             }
         }
         let n = r.count(5)?;
@@ -396,6 +433,51 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     if !track_sizes && m.consumers.values().flat_map(|c| c.checked_out.values()).any(|s| s.size != 0) {
         return err("sizes on a queue that does not count them");
     }
+    if version >= 4 {
+        let rewound = id_set(&mut r, true)?;
+        let kept = id_set(&mut r, false)?;
+        let n = r.count(2)?;
+        let mut samples = VecDeque::with_capacity(n);
+        for _ in 0..n {
+            let sample = (r.var()?, r.var()?);
+            if samples.back().is_some_and(|&(id, ms)| sample.0 <= id || sample.1 < ms) {
+                return err("retention samples out of order");
+            }
+            samples.push_back(sample);
+        }
+        let floor = r.var()?;
+        let retention = m.config.retention_ms.is_some();
+        if !retention && !(rewound.is_empty() && kept.is_empty() && samples.is_empty() && floor == 0) {
+            return err("rewound or kept messages on a queue without retention");
+        }
+        if kept.first().is_some_and(|(id, _)| id < floor) || samples.front().is_some_and(|&(id, _)| id < floor) {
+            return err("kept messages or samples below the retention floor");
+        }
+        // Rewound and kept messages are neither live elsewhere nor each other.
+        if seen.keys().any(|&id| rewound.contains(id) || kept.contains(id)) {
+            return err("a rewound or kept message is also checked out, returned, fired, delayed or a dead letter");
+        }
+        let (rewound_runs, kept_runs): (Vec<Run>, Vec<Run>) = (rewound.runs().copied().collect(), kept.runs().copied().collect());
+        for fresh in [&normal.fresh, &high.fresh] {
+            let fresh: Vec<Run> = fresh.iter().copied().collect();
+            if runs_share_an_id(&fresh, &rewound_runs) || runs_share_an_id(&fresh, &kept_runs) {
+                return err("a fresh message is also rewound or kept");
+            }
+        }
+        if runs_share_an_id(&rewound_runs, &kept_runs) {
+            return err("a message both rewound and kept");
+        }
+        let id_limit = m.last_index.map_or(0u128, |l| (l as u128 + 1) << 16);
+        let highest = [rewound_runs.last().map(Run::last), kept_runs.last().map(Run::last), samples.back().map(|s| s.0)].into_iter().flatten().max();
+        if highest.is_some_and(|h| h as u128 >= id_limit) || floor as u128 > id_limit {
+            return err("rewound or kept ids above the last applied index");
+        }
+        if !rewound.is_empty() {
+            let parts = std::mem::take(&mut normal);
+            normal = Lane::from_parts(track_sizes, parts.returned, parts.fresh, parts.sizes, parts.fired, rewound);
+        }
+        m.retained = Retained { kept, samples, floor };
+    }
     // Every id was enqueued by an entry already applied, so ids keep rising after the restore.
     let id_limit = m.last_index.map_or(0u128, |l| (l as u128 + 1) << 16);
     let highest = [seen.keys().next_back().copied(), normal.fresh.back().map(Run::last), high.fresh.back().map(Run::last)].into_iter().flatten().max();
@@ -407,7 +489,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
     if seen.keys().any(|&id| normal.in_fresh(id) || high.in_fresh(id)) {
         return err("a fresh message is also checked out, returned, fired, delayed or a dead letter");
     }
-    if runs_share_an_id(&normal.fresh, &high.fresh) {
+    if runs_share_an_id(&normal.fresh.iter().copied().collect::<Vec<_>>(), &high.fresh.iter().copied().collect::<Vec<_>>()) {
         return err("a fresh message in both priority lanes");
     }
     r.end()?;
@@ -416,7 +498,7 @@ pub fn decode(bytes: &[u8]) -> Result<QuorumMachine, DecodeError> {
 }
 
 /// Whether two lanes' fresh runs (each in id order, their spans disjoint) have an id in common.
-fn runs_share_an_id(a: &VecDeque<Run>, b: &VecDeque<Run>) -> bool {
+fn runs_share_an_id(a: &[Run], b: &[Run]) -> bool {
     let (mut i, mut j) = (0, 0);
     while let (Some(x), Some(y)) = (a.get(i), b.get(j)) {
         if x.last() >= y.first && y.last() >= x.first && runs_intersect(x, y) {
@@ -445,8 +527,8 @@ fn runs_intersect(x: &Run, y: &Run) -> bool {
 }
 
 /// One lane of ready messages (`high`: the high-priority one). `seen`: the ids met so far
-/// (checked out, or ready in the lane before); `checked`: the checked-out ones, by lane.
-fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen: &mut BTreeMap<MsgId, ()>, checked: &BTreeMap<MsgId, bool>) -> Result<Lane, DecodeError> {
+/// (checked out, or ready in the lane before).
+fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen: &mut BTreeMap<MsgId, ()>) -> Result<Lane, DecodeError> {
     let n = r.count(5)?;
     let mut returned = BTreeMap::new();
     for _ in 0..n {
@@ -462,7 +544,10 @@ fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen:
     let n = r.count(3)?;
     let mut fresh = VecDeque::with_capacity(n);
     let mut fresh_count = 0u64;
-    let mut floor = returned.keys().next_back().copied();
+    // Returned ids are usually below the fresh ones (each was the head once), but not always: a
+    // rewound message, or a delayed one dropped as it came due, may come back above some. Only
+    // the fresh runs' own order is checked here; an id both fresh and elsewhere is refused below.
+    let mut floor: Option<MsgId> = None;
     for _ in 0..n {
         let first = r.var()?;
         let count = r.var_u32()?;
@@ -476,12 +561,6 @@ fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen:
         fresh_count += count as u64;
         fresh.push_back(run);
     }
-    // A message checked out from this lane was its head once: below every fresh id of the lane.
-    if let Some(first_fresh) = fresh.front().map(|r| r.first) {
-        if checked.range(first_fresh..).any(|(_, h)| *h == high) {
-            return err("a fresh message is also checked out");
-        }
-    }
     let n = r.count(1)?;
     let mut sizes = VecDeque::with_capacity(n);
     for _ in 0..n {
@@ -493,5 +572,5 @@ fn decode_lane(r: &mut Reader, version: u8, high: bool, track_sizes: bool, seen:
     if !track_sizes && returned.values().any(|s| s.size != 0) {
         return err("sizes on a queue that does not count them");
     }
-    Ok(Lane::from_parts(track_sizes, returned, fresh, sizes, VecDeque::new()))
+    Ok(Lane::from_parts(track_sizes, returned, fresh, sizes, VecDeque::new(), IdSet::default()))
 }

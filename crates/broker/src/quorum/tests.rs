@@ -574,6 +574,7 @@ fn random_config(rng: &mut StdRng) -> QueueConfig {
         at_least_once: dead_letter && overflow == Overflow::RejectPublish && rng.gen_bool(0.6),
         single_active_consumer: rng.gen_bool(0.3),
         expires_ms: rng.gen_bool(0.2).then(|| rng.gen_range(1..2000)),
+        retention_ms: rng.gen_bool(0.4).then(|| rng.gen_range(1..3000)),
     }
 }
 
@@ -585,7 +586,7 @@ fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [
         let c = consumers[rng.gen_range(0..consumers.len())];
         let held = m.checked_out_by(c);
         let pick = |rng: &mut StdRng| -> Vec<MsgId> { held.iter().copied().filter(|_| rng.gen_bool(0.5)).collect() };
-        match rng.gen_range(0..100) {
+        match rng.gen_range(0..106) {
             0..=34 => {
                 let s = rng.gen_range(0..3);
                 *now += rng.gen_range(0..50);
@@ -635,7 +636,8 @@ fn random_entry(rng: &mut StdRng, m: &QuorumMachine, now: &mut u64, seqs: &mut [
             }
             96 => e.session_end(SessionId { node: rng.gen_range(1..4), channel: 1 }),
             97 => e.touch(*now),
-            _ => e.purge(),
+            98..=99 => e.purge(),
+            _ => e.rewind(now.saturating_sub(rng.gen_range(0..2000))),
         }
     }
     e.finish()
@@ -675,7 +677,7 @@ fn two_replicas_applying_the_same_log_agree() {
 fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything() {
     let mut exercised = Counters::default();
     let mut saw_per_entry_runs = false;
-    let (mut saw_fired, mut saw_delayed) = (false, false);
+    let (mut saw_fired, mut saw_delayed, mut saw_rewound, mut saw_kept) = (false, false, false, false);
     for seed in 100..140 {
         let (config, entries) = random_run(seed, 200);
         let mut straight = QuorumMachine::new(config.clone());
@@ -698,6 +700,8 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
             saw_per_entry_runs |= prefix.ready.normal.fresh.iter().chain(prefix.ready.high.fresh.iter()).any(|r| r.per_entry && r.count > 1);
             saw_fired |= !prefix.ready.normal.fired.is_empty() || !prefix.ready.high.fired.is_empty();
             saw_delayed |= prefix.delayed_count() > 0;
+            saw_rewound |= !prefix.ready.normal.rewound.is_empty();
+            saw_kept |= prefix.retained_count() > 0 && prefix.retention_floor() > 0;
             let snap = prefix.snapshot();
             let mut restored = QuorumMachine::new(QueueConfig::default());
             restored.restore(&snap).unwrap_or_else(|e| panic!("seed {seed} cut {cut}: {e}"));
@@ -711,6 +715,7 @@ fn restoring_a_snapshot_at_any_point_then_replaying_equals_applying_everything()
     // The runs covered the interesting paths.
     assert!(exercised.delivered > 100 && exercised.returned > 10 && exercised.duplicates > 10, "{exercised:?}");
     assert!(saw_fired && saw_delayed, "delayed messages, and fired ones waiting, were in some snapshot");
+    assert!(saw_rewound && saw_kept, "rewound messages waiting, and kept ones above a floor, were in some snapshot");
     assert!(exercised.dead_lettered + exercised.dropped > 10 && exercised.rejected > 0, "{exercised:?}");
     assert!(saw_per_entry_runs, "no snapshot held a run of one-message entries");
 }
@@ -887,6 +892,11 @@ fn every_message_is_stored_once_and_leaves_once_over_random_logs() {
                     }),
                     Effect::DeadLetter { msgs, .. } => run_ids(msgs).for_each(|id| leave(&mut live, id, "dead-letter")),
                     Effect::Dropped { msgs, .. } => run_ids(msgs).for_each(|id| leave(&mut live, id, "drop")),
+                    Effect::Rewound { runs } => {
+                        for id in runs.iter().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step())) {
+                            assert!(live.insert(id, None).is_none(), "seed {seed}: {id} rewound while in the queue");
+                        }
+                    }
                     Effect::Published { .. } | Effect::QueueExpired => {}
                 }
             }
@@ -1174,8 +1184,18 @@ fn delayed_and_fired_messages_survive_a_snapshot() {
     // A version 2 snapshot (no delayed messages) still decodes.
     let mut plain = Q::new(QueueConfig::default());
     plain.publish(S1, 1000, 1..=2, None);
-    let mut v2 = plain.m.snapshot().to_vec();
-    assert_eq!(v2[0], 3);
+    let mut v4 = plain.m.snapshot().to_vec();
+    assert_eq!(v4[0], 4);
+    // Version 3: no retention (the config's last field, byte 10 of a default config, and the
+    // four empty parts at the end).
+    assert_eq!(v4.split_off(v4.len() - 4), vec![0, 0, 0, 0]);
+    assert_eq!(v4.remove(10), 0);
+    let mut v3 = v4;
+    v3[0] = 3;
+    let mut restored = QuorumMachine::new(QueueConfig::default());
+    restored.restore(&v3).unwrap();
+    assert_eq!(restored, plain.m);
+    let mut v2 = v3;
     v2[0] = 2;
     v2.truncate(v2.len() - 3); // two empty fired lists and no delayed messages
     let mut restored = QuorumMachine::new(QueueConfig::default());
@@ -1279,4 +1299,113 @@ fn a_snapshot_with_a_message_both_checked_out_and_fresh_in_the_other_lane_is_ref
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+// ---- retention and rewind ----
+
+/// Ten single-message entries published at 1000, 1100, ..., 1900 (seqs 1..=10); their ids.
+fn publish_ten(q: &mut Q) -> Vec<MsgId> {
+    (0..10u64)
+        .map(|k| {
+            q.publish(S1, 1000 + 100 * k, k + 1..=k + 1, None);
+            msg_id(q.index, 0)
+        })
+        .collect()
+}
+
+fn rewind(q: &mut Q, to_ms: u64) -> (Vec<Effect>, Reply) {
+    let (effects, reply) = q.apply(|e| e.rewind(to_ms));
+    (effects, single(reply))
+}
+
+#[test]
+fn a_rewind_brings_back_consumed_messages_from_a_time_on_in_order_and_redelivered() {
+    let mut q = Q::new(QueueConfig { retention_ms: Some(60_000), ..QueueConfig::default() });
+    let ids = publish_ten(&mut q);
+    // C1 takes all ten, acks the first eight; two stay unacked.
+    let held = delivered_ids(&q.attach(C1, 100, 0), C1);
+    assert_eq!(held, ids);
+    q.apply(|e| e.settle(C1, &ids[..8]));
+    assert_eq!((q.m.retained_count(), q.m.ready_count()), (8, 0));
+    // Rewind to the 4th publish's time (1300): 4..=8 come back; 9 and 10 stay with C1.
+    q.apply(|e| e.detach(C1, false));
+    let (_, reply) = rewind(&mut q, 1300);
+    assert_eq!(reply, Reply::Rewound { count: 5, from_ms: Some(1300), clamped: false });
+    assert_eq!((q.m.retained_count(), q.m.ready_count(), q.m.checked_out_count()), (3, 5, 2));
+    // A second rewind to the same time duplicates nothing: those are ready already.
+    assert_eq!(rewind(&mut q, 1300).1, Reply::Rewound { count: 0, from_ms: Some(1300), clamped: false });
+    // Between two publishes: from the one before (rounded down, never missing one).
+    let effects = q.attach(C2, 100, 0);
+    let got = delivered(&effects);
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].1.iter().map(|d| d.msg_id).collect::<Vec<_>>(), ids[3..8]);
+    assert!(got[0].1.iter().all(|d| d.redelivered && d.delivery_count == 0));
+    q.apply(|e| e.settle(C2, &ids[3..8]));
+    q.apply(|e| e.detach(C2, true));
+    let (_, reply) = rewind(&mut q, 1350);
+    assert_eq!(reply, Reply::Rewound { count: 5, from_ms: Some(1300), clamped: false });
+    // Before the oldest kept: from the oldest, said so.
+    let (effects, reply) = rewind(&mut q, 10);
+    assert_eq!(reply, Reply::Rewound { count: 3, from_ms: Some(1000), clamped: true });
+    assert!(effects.iter().any(|e| matches!(e, Effect::Rewound { runs } if runs.iter().map(|r| r.count as u64).sum::<u64>() == 3)));
+    // Returned messages and rewound ones come back in id order, all before fresh ones.
+    q.publish(S1, 2000, 11..=11, None);
+    let fresh = msg_id(q.index, 0);
+    let got = delivered_ids(&q.attach(C3, 100, 0), C3);
+    let mut expected = ids[..8].to_vec();
+    expected.push(fresh);
+    assert_eq!(got[..], expected[..]);
+}
+
+#[test]
+fn retention_ends_by_the_clock_and_a_queue_without_it_keeps_nothing() {
+    let mut q = Q::new(QueueConfig { retention_ms: Some(5_000), ..QueueConfig::default() });
+    let ids = publish_ten(&mut q);
+    let held = delivered_ids(&q.attach(C1, 100, 0), C1);
+    q.apply(|e| e.settle(C1, &held));
+    assert_eq!(q.m.retained_count(), 10);
+    // Kept while the retention of the next sample lasts: 1000's message ends once 1100 + 5000 passed.
+    tick(&mut q, 6_099);
+    assert_eq!(q.m.retained_count(), 10);
+    tick(&mut q, 6_100);
+    assert_eq!(q.m.retained_count(), 9);
+    assert_eq!(q.m.retention_floor(), ids[1]);
+    tick(&mut q, 7_000);
+    assert_eq!((q.m.retained_count(), q.m.retention_floor()), (0, msg_id(q.index, 0)));
+    assert_eq!(rewind(&mut q, 0).1, Reply::Rewound { count: 0, from_ms: None, clamped: false });
+    // A snapshot keeps what retention holds.
+    let mut q = Q::new(QueueConfig { retention_ms: Some(5_000), ..QueueConfig::default() });
+    let ids = publish_ten(&mut q);
+    let held = delivered_ids(&q.attach(C1, 100, 0), C1);
+    q.apply(|e| e.settle(C1, &held));
+    q.apply(|e| e.detach(C1, true));
+    rewind(&mut q, 1500);
+    let mut restored = QuorumMachine::new(QueueConfig::default());
+    restored.restore(&q.m.snapshot()).unwrap();
+    assert_eq!(restored, q.m);
+    assert_eq!(restored.ready_count(), 5);
+    assert_eq!(restored.retained_entries().collect::<Vec<_>>(), ids[..5].iter().map(|id| id >> 16).collect::<Vec<_>>());
+    // Without retention: nothing kept, a rewind finds nothing.
+    let mut q = Q::new(QueueConfig::default());
+    publish_ten(&mut q);
+    let held = delivered_ids(&q.attach(C1, 100, 0), C1);
+    q.apply(|e| e.settle(C1, &held));
+    assert_eq!(q.m.retained_count(), 0);
+    assert_eq!(rewind(&mut q, 0).1, Reply::Rewound { count: 0, from_ms: None, clamped: false });
+}
+
+#[test]
+fn every_way_out_of_the_queue_is_kept_for_a_rewind() {
+    let mut q = Q::new(QueueConfig { retention_ms: Some(60_000), max_length: Some(8), dead_letter: true, ..QueueConfig::default() });
+    let ids = publish_ten(&mut q); // two dropped by max-length (dead-lettered maxlen)
+    assert_eq!(q.m.retained_count(), 2);
+    let (effects, _) = q.apply(|e| e.dequeue(C2, true)); // auto-ack get
+    assert_eq!(delivered_ids(&effects, C2), vec![ids[2]]);
+    let held = delivered_ids(&q.attach(C1, 3, 0), C1);
+    q.apply(|e| e.discard(C1, &held[..1])); // rejected
+    q.apply(|e| e.settle(C1, &held[1..])); // acked
+    q.apply(|e| e.detach(C1, true)); // what C1 took since goes back
+    q.apply(|e| e.purge()); // the rest
+    assert_eq!((q.m.retained_count(), q.m.ready_count()), (10, 0));
+    assert_eq!(rewind(&mut q, 0).1, Reply::Rewound { count: 10, from_ms: Some(1000), clamped: true });
 }
