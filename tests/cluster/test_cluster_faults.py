@@ -6,8 +6,10 @@ closes its connection every second or so and connects again (a fault loses some 
 closes and acks on their way to the leader), a publisher without confirms, a transactional
 publisher (10 messages a commit: a commit-ok confirms them), a publisher of delayed messages
 (through an `x-delayed-message` exchange, `x-delay` 1-3,000 ms: the queue's group holds them until
-due, across the faults) and basic.get consumers with and without acks (each node's, so most of the
-time on a follower). It does its fault REPEATS times
+due, across the faults), basic.get consumers with and without acks (each node's, so most of the
+time on a follower), and a rewinder (the queue keeps consumed messages 30 s: every 2 s or so a
+rewind through a random node's HTTP API to up to 3 s ago makes what was consumed since ready
+again, duplicates the checker allows). It does its fault REPEATS times
 (waiting after each heal until confirms flow again), drains the queue and asks the checker:
 nothing confirmed or committed lost, nothing published without confirms lost while the cluster
 was healthy, nothing unexpected, no delayed message delivered before its due time; duplicates and the longest pause in confirms per fault are
@@ -35,6 +37,7 @@ not_yet = pytest.mark.skipif(os.environ.get("WARREN_CLUSTER_FAULTS") != "1",
 
 QUEUE = "faults-q"
 QUORUM = {"x-queue-type": "quorum"}
+RETAINED = {**QUORUM, "x-retention-seconds": 30}  # the fault workload's queue, rewound now and then
 REPEATS = 5
 PAST_ELECTION = 5.0  # seconds a fault lasts: well past an election timeout
 
@@ -49,10 +52,11 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
     the node that the test faults next. Waiting for it also checks that rebalancing happens."""
     targets = cluster.targets()
     rotations = [targets[i:] + targets[:i] for i in range(len(targets))]
-    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, churning=rotations, arguments=QUORUM,
+    work = Workload(QUEUE, history, publishers=rotations, consumers=rotations, churning=rotations, arguments=RETAINED,
                     publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0, size=message_size),
                     plain=rotations, tx=rotations, getters=rotations, no_ack_getters=rotations,
-                    delayed=rotations, delayed_opts=dict(window=50, rate=200, stall_timeout=5.0, max_delay_ms=3000)).start()
+                    delayed=rotations, delayed_opts=dict(window=50, rate=200, stall_timeout=5.0, max_delay_ms=3000),
+                    rewinders=[targets]).start()
     try:
         work.wait_for_confirms(300, timeout=30)
         home = cluster.leader(QUEUE) if rebalanced else None
@@ -70,10 +74,14 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
     last_due = history.last_due()
     if last_due is not None:
         time.sleep(max(0.0, last_due - time.monotonic()))
-    drain(targets[:1], QUEUE, history, arguments=QUORUM, delayed=True)  # one queue, served by every node
+    drain(targets[:1], QUEUE, history, arguments=RETAINED, delayed=True)  # one queue, served by every node
     report = check(history)
     assert report.delayed > 0, "delayed messages were published"
     print(report)
+    rewinders = work.rewinders
+    print(f"rewinds: {sum(r.answered for r in rewinders)} answered ({sum(r.rewound for r in rewinders)} messages), "
+          f"{sum(r.failed for r in rewinders)} failed or timed out")
+    assert sum(r.rewound for r in rewinders) > 0, "rewinds brought consumed messages back"
     report.assert_valid()
     assert all(p.resumed_after_heal is not None for p in report.pauses), "confirms resumed after every fault"
     return report

@@ -615,6 +615,44 @@ class Rejecter(Consumer):
                 c.ack(last, multiple=True)
 
 
+class Rewinder(threading.Thread):
+    """Now and then (every `every` seconds, jittered) rewinds the queue through a random node's HTTP
+    API to 0.2 to `max_back` seconds ago: the messages consumed since come again (duplicates, which
+    the checker allows; never a loss, never before a delayed message's due time). A rewind through
+    a node that is down, cut off or without a majority fails or times out: recorded, not an error.
+    Counts the rewinds answered and the messages they made ready again."""
+
+    def __init__(self, name, targets, queue, history, *, every=2.0, max_back=3.0, http_port=15672):
+        super().__init__(name=name, daemon=True)
+        self.targets, self.queue, self.history = targets, queue, history
+        self.every, self.max_back, self.http_port = every, max_back, http_port
+        self.rng = random.Random(name)
+        self.answered = self.failed = self.rewound = 0
+        self._stop_event = threading.Event()
+
+    def stop(self, timeout=15):
+        self._stop_event.set()
+        self.join(timeout)
+
+    def run(self):
+        while not self._stop_event.wait(self.every * self.rng.uniform(0.5, 1.5)):
+            label, host, _ = self.rng.choice(self.targets)
+            to = int(time.time() * 1000) - self.rng.randint(200, int(self.max_back * 1000))
+            req = urllib.request.Request(f"http://{host}:{self.http_port}/api/queues/%2F/{urllib.parse.quote(self.queue, safe='')}/rewind",
+                                         data=json.dumps({"to": to}).encode(), method="POST")
+            req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+            req.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    answer = json.load(r)
+                self.answered += 1
+                self.rewound += answer.get("rewound", 0)
+                self.history.event(self.name, f"rewound {answer.get('rewound')} via {label}")
+            except (OSError, ValueError) as e:
+                self.failed += 1
+                self.history.event(self.name, f"rewind via {label} failed: {str(e)[:80]}")
+
+
 def delayed_count(host, queue, http_port=15672):
     """The queue's `messages_delayed` from the node's management API (None if it does not answer)."""
     req = urllib.request.Request(f"http://{host}:{http_port}/api/queues/%2F/{urllib.parse.quote(queue, safe='')}")
@@ -679,8 +717,10 @@ class Workload:
 
     def __init__(self, queue, history, publishers, consumers, *, arguments=None, durable=True,
                  publisher_opts=None, consumer_opts=None, churning=None, plain=None, tx=None, getters=None,
-                 no_ack_getters=None, delayed=None, delayed_opts=None):
+                 no_ack_getters=None, delayed=None, delayed_opts=None, rewinders=None):
         self.queue, self.history = queue, history
+        # Rewinds through random nodes (the queue must have x-retention-seconds).
+        self.rewinders = [Rewinder(f"rewind{i}", t, queue, history) for i, t in enumerate(rewinders or [])]
         self.publishers = [Publisher(f"p{i}", t, queue, history, arguments=arguments, durable=durable,
                                      **(publisher_opts or {})) for i, t in enumerate(publishers)]
         self.consumers = [Consumer(f"c{i}", t, queue, history, arguments=arguments, durable=durable,
@@ -704,7 +744,7 @@ class Workload:
                            for i, t in enumerate(no_ack_getters or [])]
 
     def start(self):
-        for w in self.publishers + self.consumers:
+        for w in self.publishers + self.consumers + self.rewinders:
             w.start()
         return self
 
@@ -723,6 +763,8 @@ class Workload:
 
     def stop(self):
         """Stops the publishers (each waits for its last confirms), then the consumers."""
+        for r in self.rewinders:
+            r.stop()
         for p in self.publishers:
             p.stop()
         self.history.end()

@@ -224,7 +224,9 @@ def test_corruption_in_the_middle_of_the_wal_refuses_to_start_until_the_operator
     wal = files(broker.data_dir, "wlog")[-1]
     data = bytearray(wal.read_bytes())
     after = checkpoint_offset(broker.data_dir, wal)
-    records = [r for r in wal_records(data) if r[0] >= after]
+    # Records holding a message (its 300-byte body): not a group's synced mark, whose loss loses
+    # no message (picking one made this test flaky: all 500 came back).
+    records = [r for r in wal_records(data) if r[0] >= after and r[1] > 300]
     assert len(records) > 10, "enough records after the last checkpoint"
     bad, length = records[len(records) // 2]  # valid records follow it
     data[bad + length - 10] ^= 0x40  # inside the message body: the record's CRC no longer matches

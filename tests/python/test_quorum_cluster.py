@@ -624,3 +624,77 @@ def test_delayed_messages_of_a_quorum_queue_outlive_the_node_they_were_published
         assert counts == {n: len(due) for n in others}, counts
     cluster[leader].kill9()
     check_due_arrivals(cluster[others[0]], name, due)
+
+
+def rewind_via(node, name, to):
+    r = requests.post(f"http://127.0.0.1:{node.http_port}/api/queues/%2F/{name}/rewind", json={"to": to}, auth=("guest", "guest"), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def consume_in_order(node, name, count, timeout=60):
+    """Consumes and acks `count` messages on `node` (one connection): [(body, redelivered)]."""
+    c = node.connection()
+    ch = c.channel()
+    ch.basic_qos(prefetch_count=50)
+    got = []
+    ch.basic_consume(name, lambda chan, method, props, body: (got.append((body, method.redelivered)), chan.basic_ack(method.delivery_tag)))
+    deadline = time.time() + timeout
+    while len(got) < count and time.time() < deadline:
+        c.process_data_events(time_limit=0.1)
+    time.sleep(0.3)
+    c.process_data_events(time_limit=0.1)
+    c.close()
+    return got
+
+
+@pytest.fixture
+def snapshotting_cluster(tmp_path, monkeypatch):
+    """Three nodes whose groups snapshot every 40 entries (test-only): a restart restores the
+    machine from a snapshot, not by replaying the whole log."""
+    monkeypatch.setenv("WARREN_TEST_SNAPSHOT_EVERY", "40")
+    yield from three_node_cluster(tmp_path, SECRET)
+
+
+def test_a_quorum_rewind_through_a_follower_holds_when_the_leader_is_killed_and_a_restarted_node_rewinds_from_its_own_log(snapshotting_cluster):
+    """A quorum queue with retention, every message consumed and acked; rewound through a node that
+    does not lead its group to a time between two halves of the publishes: the answer comes once the
+    rewind is committed, so killing the leader -9 right after it loses nothing: another node
+    delivers the second half again, in publish order, redelivered, and nothing else. The killed
+    node, started again from its snapshot, keeps the entries of the consumed messages in its log
+    (its replica pins them again at the start, before the log lets go of what nobody pins): a
+    second rewind's messages are read from its own log and delivered by it."""
+    cluster = snapshotting_cluster
+    name = "qq-rewind"
+    declare_on_one(cluster, name, **{"x-retention-seconds": 60})
+    first, second = [b"r%03d" % i for i in range(100)], [b"r%03d" % i for i in range(100, 200)]
+    publish(cluster[1], name, first)
+    time.sleep(0.05)
+    point = int(time.time() * 1000)
+    time.sleep(0.05)
+    publish(cluster[2], name, second)
+    got = consume_in_order(cluster[3], name, 200)
+    assert [b for b, _ in got] == first + second
+    leader = queue_leader(cluster)
+    via = next(i for i in cluster if i != leader)
+    other = next(i for i in cluster if i not in (leader, via))
+
+    def retained(node):
+        r = requests.get(f"http://127.0.0.1:{cluster[node].http_port}/api/queues/%2F/{name}", auth=("guest", "guest"), timeout=10)
+        return r.json().get("messages_retained")
+
+    eventually(lambda: retained(via) == 200, timeout=20)
+    answer = rewind_via(cluster[via], name, point)
+    cluster[leader].kill9()
+    assert answer["rewound"] == 100 and not answer["clamped"], answer
+    assert point <= answer["from"] <= point + 60, answer
+    again = consume_in_order(cluster[other], name, 100)
+    assert [b for b, _ in again] == second, "the rewound half, in publish order, once"
+    assert all(r for _, r in again), "redelivered"
+    assert consume_in_order(cluster[other], name, 1, timeout=2) == []
+    # The killed node comes back with the consumed messages' entries still in its log.
+    cluster[leader].start()
+    eventually(lambda: retained(leader) == 200, timeout=30)
+    assert rewind_via(cluster[leader], name, 0)["rewound"] == 200
+    mine = consume_in_order(cluster[leader], name, 200)
+    assert [b for b, _ in mine] == first + second, "read from the restarted node's own log"

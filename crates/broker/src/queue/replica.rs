@@ -898,13 +898,14 @@ impl QuorumReplica {
                 self.keep_body(st, msg_id, entry.slice(payload));
                 if st.machine.config().retention_ms.is_some() && msg_id >= st.stored_until {
                     // Pinned by `keep_body` already; stays pinned once consumed, for a rewind.
-                    st.retained_entries.insert(msg_id >> 16);
+                    retain_entry(st, msg_id >> 16);
                 }
             }
             // Consumed messages made ready again: their bodies are in their entries, read back
             // when delivered (as after a restart).
             Effect::Rewound { runs } => {
                 for id in runs.iter().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step())) {
+                    retain_entry(st, id >> 16);
                     if !st.bodies.contains_key(&id) {
                         insert_body(st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
                     }
@@ -1439,15 +1440,7 @@ impl QuorumReplica {
         for id in missing {
             insert_body(&mut st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
         }
-        // The entries of consumed messages kept for a rewind stay too.
-        let kept: Vec<u64> = st.machine.retained_entries().collect();
-        for index in kept {
-            if st.retained_entries.insert(index) && !st.entry_bodies.contains_key(&index) {
-                if let Some(Err(e)) = st.log.as_ref().map(|log| log.pin_entry(index)) {
-                    tracing::error!(index, error = %e, "could not pin a quorum queue's retained entry in the log: a rewind will not find its messages");
-                }
-            }
-        }
+        retain_entries_of_machine(&mut st);
     }
 
     /// A snapshot from a peer was installed (`restore_snapshot`): bodies of messages it no longer
@@ -1460,6 +1453,9 @@ impl QuorumReplica {
         let mut after = After::default();
         let request = {
             let mut st = self.state.lock();
+            // First: entries of messages the snapshot keeps for a rewind must not go with the bodies
+            // that leave here.
+            retain_entries_of_machine(&mut st);
             let gone: Vec<MsgId> = st.bodies.keys().copied().filter(|id| !st.machine.is_live(*id)).collect();
             for id in gone {
                 forget(&mut st, self.group, id, &mut after.acks);
@@ -2573,6 +2569,31 @@ fn unretain(st: &mut ReplicaState) {
                 tracing::error!(index, error = %e, "could not let a quorum queue's retained entry go from the log");
             }
         }
+    }
+}
+
+/// With retention: the entry `index` stays pinned in the log, whether or not it holds live bodies,
+/// until the machine's retention floor passes it (`unretain`).
+fn retain_entry(st: &mut ReplicaState, index: u64) {
+    if st.retained_entries.insert(index) && !st.entry_bodies.contains_key(&index) {
+        if let Some(Err(e)) = st.log.as_ref().map(|log| log.pin_entry(index)) {
+            tracing::error!(index, error = %e, "could not pin a quorum queue's retained entry in the log: a rewind will not find its messages");
+        }
+    }
+}
+
+/// With retention, after the machine was restored (a start, a snapshot installed): the entries of
+/// every message it keeps for a rewind, and of every live one (kept once consumed), stay pinned.
+fn retain_entries_of_machine(st: &mut ReplicaState) {
+    if st.machine.config().retention_ms.is_none() {
+        return;
+    }
+    let floor = st.machine.retention_floor() >> 16;
+    let mut entries: Vec<u64> = st.machine.retained_entries().chain(st.machine.live_ids().into_iter().map(|id| id >> 16)).filter(|i| *i >= floor).collect();
+    entries.sort_unstable();
+    entries.dedup();
+    for index in entries {
+        retain_entry(st, index);
     }
 }
 

@@ -807,18 +807,28 @@ impl QuorumMachine {
         }
     }
 
-    /// Rewind: the kept messages from the last sample at or before `to_ms` on are ready again,
+    /// Rewind: the kept messages from the sample whose step reaches `to_ms` on are ready again,
     /// redelivered, in id order with the messages returned by consumers (all before fresh ones:
     /// each was the head once). TTL (the queue's) counts from now; a message's own expiration is
-    /// not kept.
+    /// not kept. All go to the normal priority lane.
     fn rewind(&mut self, to_ms: u64, out: &mut Out) -> Reply {
-        let Some(point) = self.retained.rewind_point(to_ms) else { return Reply::Rewound { count: 0, from_ms: None, clamped: false } };
+        let point = self.config.retention_ms.and_then(|retention| self.retained.rewind_point(retention, to_ms));
+        let Some(point) = point else { return Reply::Rewound { count: 0, from_ms: None, clamped: false } };
         let mut ids = self.retained.kept.split_off(point.from);
         let count = ids.len();
         if count > 0 {
             ids.set_expiry(self.config.message_ttl_ms.map_or(NEVER, |t| self.now_ms.saturating_add(t).min(NEVER - 1)));
             out.push(Effect::Rewound { runs: ids.runs().copied().collect() });
             self.ready.push_rewound(ids);
+            // Past `x-max-length` with drop-head, the oldest go: the rewound ones first (a classic
+            // queue does the same). Reject-publish refuses publishes, not a rewind.
+            if self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
+                self.assign(out);
+                while self.over_limit(0, 0) {
+                    let Some((dropped, st)) = self.ready.pop_lowest() else { break };
+                    self.remove(out, dropped, st, Reason::MaxLen);
+                }
+            }
         }
         Reply::Rewound { count, from_ms: Some(point.from_ms), clamped: point.clamped }
     }

@@ -11,8 +11,9 @@
 //! machine's clock (step `max(1 ms, retention / 65,536)`, so at most ~65,537 samples, ~1 MiB, per
 //! queue). Ids rise with time (a message is dated by its enqueue, never before the machine's clock,
 //! and the dates are made monotonic here), so the ids of a sample up to the next were enqueued
-//! within one step of the sample's time. A rewind to `t` starts at the last sample at or before
-//! `t` (rounded down: it may bring back up to one step more, never less); retention ends a
+//! within one step of the sample's time. A rewind to `t` starts at the first sample whose step
+//! reaches `t` (exact with a 1 ms step, i.e. a retention up to 65 s; longer ones may bring back
+//! messages up to one step older than `t`, never miss one); retention ends a
 //! sample's messages once the next sample is older than the retention, and ids below the first
 //! sample left (`floor`) are no longer kept.
 //!
@@ -267,13 +268,13 @@ impl Retained {
         before - self.kept.len()
     }
 
-    /// Where a rewind to `to_ms` starts: the last sample at or before it, else the first one.
-    pub fn rewind_point(&self, to_ms: u64) -> Option<RewindPoint> {
-        let after = self.samples.partition_point(|&(_, t)| t <= to_ms);
-        match after.checked_sub(1) {
-            Some(i) => Some(RewindPoint { from: self.samples[i].0, from_ms: self.samples[i].1, clamped: false }),
-            None => self.samples.front().map(|&(from, from_ms)| RewindPoint { from, from_ms, clamped: true }),
-        }
+    /// Where a rewind to `to_ms` starts: the first sample whose messages may be at or after it
+    /// (its step ends after `to_ms`); None if every sample is older.
+    pub fn rewind_point(&self, retention_ms: u64, to_ms: u64) -> Option<RewindPoint> {
+        let step = sample_step(retention_ms);
+        let at = self.samples.partition_point(|&(_, t)| t.saturating_add(step) <= to_ms);
+        let &(from, from_ms) = self.samples.get(at)?;
+        Some(RewindPoint { from, from_ms, clamped: at == 0 && to_ms < from_ms })
     }
 }
 
@@ -352,9 +353,20 @@ mod tests {
         }
         // 4 was dated before 3: the samples keep time rising.
         assert_eq!(r.samples, VecDeque::from(vec![(1 << 16, 1_000), (3 << 16, 1_500), (5 << 16, 2_000)]));
-        assert_eq!(r.rewind_point(1_499), Some(RewindPoint { from: 1 << 16, from_ms: 1_000, clamped: false }));
-        assert_eq!(r.rewind_point(1_500).map(|p| p.from), Some(3 << 16));
-        assert_eq!(r.rewind_point(10), Some(RewindPoint { from: 1 << 16, from_ms: 1_000, clamped: true }));
+        assert_eq!(r.rewind_point(retention, 1_000), Some(RewindPoint { from: 1 << 16, from_ms: 1_000, clamped: false }));
+        assert_eq!(r.rewind_point(retention, 1_001), Some(RewindPoint { from: 3 << 16, from_ms: 1_500, clamped: false }));
+        assert_eq!(r.rewind_point(retention, 1_500).map(|p| p.from), Some(3 << 16));
+        assert_eq!(r.rewind_point(retention, 10), Some(RewindPoint { from: 1 << 16, from_ms: 1_000, clamped: true }));
+        assert_eq!(r.rewind_point(retention, 2_001), None, "nothing from then on");
+        // A coarser step (600 ms): the sample whose step reaches the time.
+        let coarse = 65_536 * 600;
+        let mut c = Retained::default();
+        for (i, t) in [(1u64, 1_000u64), (2, 1_500), (3, 1_700)] {
+            c.enqueued(coarse, i << 16, t);
+        }
+        assert_eq!(c.samples, VecDeque::from(vec![(1 << 16, 1_000), (3 << 16, 1_700)]));
+        assert_eq!(c.rewind_point(coarse, 1_599).map(|p| p.from), Some(1 << 16), "2 may be at or after it");
+        assert_eq!(c.rewind_point(coarse, 1_600).map(|p| p.from), Some(3 << 16));
         assert_eq!(r.expire(retention, 61_499, 6 << 16), 0);
         assert_eq!(r.expire(retention, 61_500, 6 << 16), 2, "1 and 2 end once 3's sample is past the retention");
         assert_eq!(r.floor, 3 << 16);
@@ -363,6 +375,6 @@ mod tests {
         assert_eq!(r.expire(retention, 62_001, 6 << 16), 3);
         assert!(r.samples.is_empty() && r.kept.is_empty());
         assert_eq!(r.floor, 6 << 16);
-        assert_eq!(r.rewind_point(0), None);
+        assert_eq!(r.rewind_point(retention, 0), None);
     }
 }
