@@ -3,7 +3,8 @@
 # to answer, and how fast the rewound messages are consumed next to the same number left as a
 # backlog (row C's consume-only run).
 #
-#   bench/rewind.sh [N] [BIN]    N messages of 1 KB (default 1,000,000)
+#   bench/rewind.sh [N] [BIN] [TYPE]    N messages of 1 KB (default 1,000,000); TYPE classic
+#                                        (default) or quorum (a group of one on this broker)
 #
 # One broker on a fresh data directory (ports 5791, 15792, 15793). Queue `rewound`
 # (x-retention-seconds 3600) gets N persistent messages published with confirms and consumed as
@@ -14,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-1000000}
 BIN=${2:-target/release/warren}
+TYPE=${3:-classic}
 CLIENT=target/release/warren
 DATA=$(mktemp -d /tmp/warren-rewind-bench.XXXX)
 "$BIN" server --data-dir "$DATA" --amqp-port 5791 --http-port 15792 --prometheus-port 15793 > "$DATA.log" 2>&1 &
@@ -25,7 +27,7 @@ bench() {
     --prefetch 1000 --multi-ack-every 100 "$@"
 }
 echo "publish + consume $N on 'rewound' (retention 1 h):"
-bench --queue rewound --queue-args x-retention-seconds=3600 --producers 1 --consumers 1 --confirm 1000 --pmessages "$N" | grep -E ' (sent|consumed) '
+bench --queue rewound --queue-type "$TYPE" --queue-args x-retention-seconds=3600 --producers 1 --consumers 1 --confirm 1000 --pmessages "$N" | grep -E ' (sent|consumed) '
 echo "rewind to 0:"
 curl -s -u guest:guest -o /dev/stderr -w 'answered in %{time_total} s\n' -H 'content-type: application/json' \
   -d '{"to": 0}' http://127.0.0.1:15792/api/queues/%2F/rewound/rewind
@@ -33,6 +35,6 @@ echo
 echo "consume the $N rewound:"
 bench --queue rewound --predeclared --producers 0 --consumers 1 --cmessages "$N" | grep -E ' consumed '
 echo "publish $N to 'backlog' (no consumer), then consume them:"
-bench --queue backlog --producers 1 --consumers 0 --confirm 1000 --pmessages "$N" | grep -E ' sent '
+bench --queue backlog --queue-type "$TYPE" --producers 1 --consumers 0 --confirm 1000 --pmessages "$N" | grep -E ' sent '
 bench --queue backlog --predeclared --producers 0 --consumers 1 --cmessages "$N" | grep -E ' consumed '
 echo "broker RSS: $(awk '/VmHWM/ {print $2, $3}' /proc/$BROKER/status) peak"

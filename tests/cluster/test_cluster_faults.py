@@ -7,9 +7,10 @@ closes and acks on their way to the leader), a publisher without confirms, a tra
 publisher (10 messages a commit: a commit-ok confirms them), a publisher of delayed messages
 (through an `x-delayed-message` exchange, `x-delay` 1-3,000 ms: the queue's group holds them until
 due, across the faults), basic.get consumers with and without acks (each node's, so most of the
-time on a follower), and a rewinder (the queue keeps consumed messages 30 s: every 2 s or so a
-rewind through a random node's HTTP API to up to 3 s ago makes what was consumed since ready
-again, duplicates the checker allows). It does its fault REPEATS times
+time on a follower). The queue keeps consumed messages 30 s (`x-retention-seconds`); with
+`rewinds`, a rewinder also rewinds it every 2 s or so through a random node's HTTP API to up to
+3 s ago (what was consumed since comes again: duplicates the checker allows), and once more after
+the faults. It does its fault REPEATS times
 (waiting after each heal until confirms flow again), drains the queue and asks the checker:
 nothing confirmed or committed lost, nothing published without confirms lost while the cluster
 was healthy, nothing unexpected, no delayed message delivered before its due time; duplicates and the longest pause in confirms per fault are
@@ -29,7 +30,7 @@ import pytest
 
 from checker import check, write_timeline
 from nemesis import Nemesis
-from workload import Client, Rejecter, Workload, drain
+from workload import Client, Rejecter, Workload, drain, rewind_through_any
 
 pytestmark = [pytest.mark.cluster_fault]
 not_yet = pytest.mark.skipif(os.environ.get("WARREN_CLUSTER_FAULTS") != "1",
@@ -42,7 +43,7 @@ REPEATS = 5
 PAST_ELECTION = 5.0  # seconds a fault lasts: well past an election timeout
 
 
-def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, message_size=64):
+def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, message_size=64, rewinds=False):
     """Runs the workload, calls fault(round) `repeats` times, drains, checks; returns the report.
 
     With `rebalanced`, each round after the first starts once the queue's leadership is back on
@@ -56,7 +57,7 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
                     publisher_opts=dict(window=100, rate=2000, stall_timeout=5.0, size=message_size),
                     plain=rotations, tx=rotations, getters=rotations, no_ack_getters=rotations,
                     delayed=rotations, delayed_opts=dict(window=50, rate=200, stall_timeout=5.0, max_delay_ms=3000),
-                    rewinders=[targets]).start()
+                    rewinders=[targets] if rewinds else []).start()
     try:
         work.wait_for_confirms(300, timeout=30)
         home = cluster.leader(QUEUE) if rebalanced else None
@@ -69,6 +70,11 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
     finally:
         work.stop()
         write_timeline(history, cluster.base_dir / "timeline.txt")  # next to the node logs
+    if rewinds:
+        # One more rewind once healed (the workload's may all have met a fault): what was consumed
+        # in the last 20 s comes again, and the drain must take it too.
+        last = rewind_through_any(targets, QUEUE, int(time.time() * 1000) - 20_000)
+        assert last["rewound"] > 0, last
     # Delayed messages not due yet are not counted ready: the drain starts once all are due by the
     # clients' clock, and ends once the node shows none delayed (a new leader's timer may be late).
     last_due = history.last_due()
@@ -78,10 +84,10 @@ def run_faults(cluster, history, fault, repeats=REPEATS, rebalanced=False, messa
     report = check(history)
     assert report.delayed > 0, "delayed messages were published"
     print(report)
-    rewinders = work.rewinders
-    print(f"rewinds: {sum(r.answered for r in rewinders)} answered ({sum(r.rewound for r in rewinders)} messages), "
-          f"{sum(r.failed for r in rewinders)} failed or timed out")
-    assert sum(r.rewound for r in rewinders) > 0, "rewinds brought consumed messages back"
+    if rewinds:
+        rewinders = work.rewinders
+        print(f"rewinds: {sum(r.answered for r in rewinders)} answered ({sum(r.rewound for r in rewinders)} messages), "
+              f"{sum(r.failed for r in rewinders)} failed or timed out")
     report.assert_valid()
     assert all(p.resumed_after_heal is not None for p in report.pauses), "confirms resumed after every fault"
     return report
@@ -98,6 +104,25 @@ def wait_for_leader(cluster, node, timeout):
 def test_kill9_of_the_leader_then_restart(cluster, history):
     nemesis = Nemesis(cluster, history)
     run_faults(cluster, history, lambda r: nemesis.kill9_restart(cluster.leader(QUEUE), seconds=1.0))
+
+
+@not_yet
+def test_rewinds_through_isolating_the_leader(cluster, history):
+    """The isolation test with a rewinder (issue 36). Not yet: the isolated leader catches up by
+    installing a snapshot, and a replica that installed one has no body for the consumed messages
+    kept before it (it fetches live ones only): rewound messages assigned to its consumers stay
+    undelivered (`no body on this node`), and the drain through it stalls or ends with them held.
+    Passes once kept bodies are fetched with a snapshot (docs/internals/time-plan.md)."""
+    nemesis = Nemesis(cluster, history)
+    run_faults(cluster, history, lambda r: nemesis.isolate_heal(cluster.leader(QUEUE), PAST_ELECTION), rebalanced=True, rewinds=True)
+
+
+def test_rewinds_through_kill9_of_the_leader_then_restart(cluster, history):
+    """Rewinds through random nodes while the queue's leader is killed -9 and restarted, five
+    times: every confirmed message is delivered, none before due; what the rewinds bring back
+    comes again (duplicates)."""
+    nemesis = Nemesis(cluster, history)
+    run_faults(cluster, history, lambda r: nemesis.kill9_restart(cluster.leader(QUEUE), seconds=1.0), rewinds=True)
 
 
 def test_isolating_the_leader_then_healing(cluster, history):

@@ -638,19 +638,38 @@ class Rewinder(threading.Thread):
         while not self._stop_event.wait(self.every * self.rng.uniform(0.5, 1.5)):
             label, host, _ = self.rng.choice(self.targets)
             to = int(time.time() * 1000) - self.rng.randint(200, int(self.max_back * 1000))
-            req = urllib.request.Request(f"http://{host}:{self.http_port}/api/queues/%2F/{urllib.parse.quote(self.queue, safe='')}/rewind",
-                                         data=json.dumps({"to": to}).encode(), method="POST")
-            req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
-            req.add_header("Content-Type", "application/json")
             try:
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    answer = json.load(r)
+                answer = rewind(host, self.queue, to, self.http_port)
                 self.answered += 1
                 self.rewound += answer.get("rewound", 0)
                 self.history.event(self.name, f"rewound {answer.get('rewound')} via {label}")
             except (OSError, ValueError) as e:
                 self.failed += 1
                 self.history.event(self.name, f"rewind via {label} failed: {str(e)[:80]}")
+
+
+def rewind(host, queue, to_ms, http_port=15672, timeout=10):
+    """POSTs a rewind of `queue` to `to_ms` to the node's HTTP API: its answer (raises OSError or
+    ValueError if it fails)."""
+    req = urllib.request.Request(f"http://{host}:{http_port}/api/queues/%2F/{urllib.parse.quote(queue, safe='')}/rewind",
+                                 data=json.dumps({"to": to_ms}).encode(), method="POST")
+    req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.load(r)
+
+
+def rewind_through_any(targets, queue, to_ms, timeout=60):
+    """A rewind through the first node that answers, trying them in turn until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for _label, host, _port in targets:
+            try:
+                return rewind(host, queue, to_ms)
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    raise
+        time.sleep(0.5)
 
 
 def delayed_count(host, queue, http_port=15672):

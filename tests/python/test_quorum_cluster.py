@@ -698,3 +698,30 @@ def test_a_quorum_rewind_through_a_follower_holds_when_the_leader_is_killed_and_
     assert rewind_via(cluster[leader], name, 0)["rewound"] == 200
     mine = consume_in_order(cluster[leader], name, 200)
     assert [b for b, _ in mine] == first + second, "read from the restarted node's own log"
+
+
+def test_a_node_that_caught_up_from_a_snapshot_delivers_a_rewind_of_what_was_consumed_while_it_was_down(snapshotting_cluster):
+    """A node down while messages were published and consumed comes back through a snapshot (its
+    peers' logs went past what it had): the consumed messages kept for a rewind are not in its log,
+    so it fetches their bodies from a peer with the live ones. A rewind through it then delivers
+    every one of them from it, in order."""
+    cluster = snapshotting_cluster
+    name = "qq-rewind-caught-up"
+    declare_on_one(cluster, name, **{"x-retention-seconds": 60})
+    cluster[3].kill9()
+    bodies = [b"c%03d" % i for i in range(300)]
+    publish(cluster[1], name, bodies)
+    assert [b for b, _ in consume_in_order(cluster[2], name, 300)] == bodies
+
+    def retained(node):
+        r = requests.get(f"http://127.0.0.1:{cluster[node].http_port}/api/queues/%2F/{name}", auth=("guest", "guest"), timeout=10)
+        return r.json().get("messages_retained")
+
+    eventually(lambda: retained(1) == 300, timeout=20)
+    cluster[3].start()
+    eventually(lambda: retained(3) == 300, timeout=30)
+    assert "caught up from a snapshot" in cluster[3].log_text(), "the test needs node 3 to come back through a snapshot"
+    assert rewind_via(cluster[3], name, 0)["rewound"] == 300
+    got = consume_in_order(cluster[3], name, 300)
+    assert [b for b, _ in got] == bodies, f"{len(got)} of 300 delivered by the node that caught up"
+    assert "no body on this node" not in cluster[3].log_text()

@@ -329,6 +329,9 @@ impl ReplicaState {
             store_only: 0,
             entry_bodies: BTreeMap::new(),
             retained_entries: BTreeSet::new(),
+            applied_before_restore: None,
+            not_applied_here: Vec::new(),
+            kept_records: BTreeMap::new(),
             log: None,
             last_ticket: 0,
             fetch: None,
@@ -372,6 +375,16 @@ struct ReplicaState {
     /// until the machine's retention floor passes them (`unretain`). ~100 B per entry on each
     /// replica (this set, and the log's pin and retained record).
     retained_entries: BTreeSet<u64>,
+    /// The last index this node had applied when a snapshot replaced its machine.
+    applied_before_restore: Option<u64>,
+    /// Entry indexes whose entries this node's log does not hold validly: those between what it
+    /// had applied and a snapshot it installed from a peer (its log may have held entries there the
+    /// group never committed). Nothing is read from, or pinned at, these.
+    not_applied_here: Vec<std::ops::RangeInclusive<u64>>,
+    /// With retention: consumed messages kept for a rewind whose bodies are records of the queue's
+    /// own store (fetched from a peer with a snapshot, `Record::Stored` before they were consumed):
+    /// their append ticket and bytes. Acked once the retention floor passes them (`unretain`).
+    kept_records: BTreeMap<MsgId, (SyncTicket, u64)>,
     /// The group's replicator, once attached: the log the entries are pinned and read in.
     log: Option<Arc<dyn Replicator>>,
     /// The store append of the last record written (a peer's body fetch waits until it is readable).
@@ -789,7 +802,7 @@ impl QuorumReplica {
                 self.lost_consumers(&mut st, &mut after);
             }
             if !left {
-                unretain(&mut st);
+                unretain(&mut st, self.group, &mut after.acks);
             }
             after.expire_more = !left
                 && queue.args.dead_letter_exchange.is_some()
@@ -905,9 +918,16 @@ impl QuorumReplica {
             // when delivered (as after a restart).
             Effect::Rewound { runs } => {
                 for id in runs.iter().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step())) {
-                    retain_entry(st, id >> 16);
-                    if !st.bodies.contains_key(&id) {
+                    if st.bodies.contains_key(&id) {
+                        continue;
+                    }
+                    if let Some((ticket, stored_bytes)) = st.kept_records.remove(&id) {
+                        insert_body(st, id, Body { message: None, mem: 0, stored_bytes, record: Record::Stored(ticket) });
+                    } else if !st.not_applied_here.iter().any(|r| r.contains(&(id >> 16))) {
+                        retain_entry(st, id >> 16);
                         insert_body(st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
+                    } else {
+                        tracing::warn!(queue = %queue.name, msg_id = id, "a rewound message's body is on no record or entry of this node; its consumers here will hold it undelivered");
                     }
                 }
             }
@@ -1420,7 +1440,9 @@ impl QuorumReplica {
     /// Replaces the machine's state by a snapshot's.
     pub(super) fn restore_snapshot(&self, snapshot: &[u8]) -> std::result::Result<(), String> {
         let mut st = self.state.lock();
+        let applied = st.machine.last_index();
         st.machine.restore(snapshot).map_err(|e| e.to_string())?;
+        st.applied_before_restore = applied;
         self.next_due.store(st.machine.next_due().unwrap_or(u64::MAX), Ordering::Relaxed);
         Ok(())
     }
@@ -1440,7 +1462,21 @@ impl QuorumReplica {
         for id in missing {
             insert_body(&mut st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
         }
-        retain_entries_of_machine(&mut st);
+        // Every id of its own snapshot is in an entry this node applied.
+        let applied = st.machine.last_index();
+        retain_entries_of_machine(&mut st, applied);
+        // Records of consumed messages kept for a rewind were loaded as bodies (`restore_bodies`).
+        if st.machine.config().retention_ms.is_some() {
+            let kept: Vec<MsgId> = st.bodies.keys().copied().filter(|id| !st.machine.is_live(*id) && st.machine.is_kept(*id)).collect();
+            for id in kept {
+                if let Some(body) = st.bodies.remove(&id) {
+                    if let Record::Stored(ticket) = body.record {
+                        st.kept_records.insert(id, (ticket, body.stored_bytes));
+                    }
+                    let_go(&mut st, id, &body);
+                }
+            }
+        }
     }
 
     /// A snapshot from a peer was installed (`restore_snapshot`): bodies of messages it no longer
@@ -1454,8 +1490,16 @@ impl QuorumReplica {
         let request = {
             let mut st = self.state.lock();
             // First: entries of messages the snapshot keeps for a rewind must not go with the bodies
-            // that leave here.
-            retain_entries_of_machine(&mut st);
+            // that leave here. Only those this node applied: at a higher index its log may hold an
+            // entry the group never committed (it led alone, cut off), not the message's.
+            let applied = st.applied_before_restore;
+            if let Some(installed) = st.machine.last_index() {
+                let first = applied.map_or(0, |a| a + 1);
+                if first <= installed {
+                    st.not_applied_here.push(first..=installed);
+                }
+            }
+            retain_entries_of_machine(&mut st, applied);
             let gone: Vec<MsgId> = st.bodies.keys().copied().filter(|id| !st.machine.is_live(*id)).collect();
             for id in gone {
                 forget(&mut st, self.group, id, &mut after.acks);
@@ -1490,8 +1534,9 @@ impl QuorumReplica {
             }
             let Some(until) = st.fetch.as_ref().map(|f| f.until) else { return Ok(None) };
             for r in answer.records {
-                // Already stored here (an earlier answer), or no longer live.
-                if r.msg_id < st.stored_until || !st.machine.is_live(r.msg_id) || st.bodies.contains_key(&r.msg_id) {
+                // Already stored here (an earlier answer), or neither live nor kept for a rewind.
+                let kept = st.machine.is_kept(r.msg_id);
+                if r.msg_id < st.stored_until || !(st.machine.is_live(r.msg_id) || kept) || st.bodies.contains_key(&r.msg_id) {
                     continue;
                 }
                 let Some(stored) = decode_stored(&r.payload) else {
@@ -1500,6 +1545,11 @@ impl QuorumReplica {
                 let ticket = self.store.append_enqueue(self.group, r.msg_id, r.timestamp_ms, &[&r.payload]).map_err(|e| e.to_string())?;
                 st.stored_until = r.msg_id + 1;
                 st.last_ticket = st.last_ticket.max(ticket);
+                if kept {
+                    // Consumed, kept for a rewind: the record waits (`Effect::Rewound`, `unretain`).
+                    st.kept_records.insert(r.msg_id, (ticket, r.payload.len() as u64));
+                    continue;
+                }
                 if stored.message.expiration_ms.is_some() {
                     self.saw_expiration.store(true, Ordering::Relaxed);
                 }
@@ -1566,15 +1616,37 @@ impl QuorumReplica {
             let mut plan: Vec<(MsgId, Option<Bytes>, bool)> = Vec::new();
             let mut bytes = 0u64;
             let mut next = request.until;
-            for (id, body) in st.bodies.range(request.from..request.until) {
+            // Live messages, and (with retention) consumed ones kept for a rewind, in id order.
+            let mut live = st.bodies.range(request.from..request.until).peekable();
+            let mut kept = st.machine.kept_from(request.from).take_while(|id| *id < request.until).peekable();
+            loop {
+                let (id, is_kept) = match (live.peek(), kept.peek()) {
+                    (None, None) => break,
+                    (Some((&l, _)), Some(&k)) if k < l => (k, true),
+                    (Some((&l, _)), _) => (l, false),
+                    (None, Some(&k)) => (k, true),
+                };
                 if bytes >= max_bytes as u64 || plan.len() >= SERVE_MAX_MESSAGES {
-                    next = *id;
+                    next = id;
                     break;
                 }
+                if is_kept {
+                    kept.next();
+                    plan.push(match st.kept_records.get(&id) {
+                        Some(&(_, stored_bytes)) => {
+                            bytes += stored_bytes;
+                            (id, None, false)
+                        }
+                        None if st.not_applied_here.iter().any(|r| r.contains(&(id >> 16))) => continue,
+                        None => (id, None, true),
+                    });
+                    continue;
+                }
+                let Some((_, body)) = live.next() else { break };
                 bytes += body.stored_bytes;
                 plan.push(match &body.record {
-                    Record::InEntry { payload } => (*id, payload.clone(), true),
-                    Record::Stored(_) => (*id, None, false),
+                    Record::InEntry { payload } => (id, payload.clone(), true),
+                    Record::Stored(_) => (id, None, false),
                 });
             }
             (st.machine.last_index().map_or(0, |i| (i + 1) << 16), st.last_ticket, st.machine.now_ms(), plan, next)
@@ -2443,6 +2515,7 @@ impl QuorumReplica {
             st.store_only = 0;
             st.entry_bodies.clear();
             st.retained_entries.clear();
+            st.kept_records.clear();
             st.body_mem.clear();
             st.checked_out.clear();
             st.getters.clear();
@@ -2557,8 +2630,16 @@ fn let_go(st: &mut ReplicaState, msg_id: MsgId, body: &Body) {
 
 /// The machine keeps no message for a rewind below its retention floor: the entries below the
 /// floor's entry go from the log once no live body holds them.
-fn unretain(st: &mut ReplicaState) {
-    let floor = st.machine.retention_floor() >> 16;
+fn unretain(st: &mut ReplicaState, group: u64, acks: &mut Batch) {
+    let floor_id = st.machine.retention_floor();
+    while let Some((&id, &(_, bytes))) = st.kept_records.first_key_value() {
+        if id >= floor_id {
+            break;
+        }
+        st.kept_records.pop_first();
+        acks.ack(group, id, bytes);
+    }
+    let floor = floor_id >> 16;
     while let Some(&index) = st.retained_entries.first() {
         if index >= floor {
             break;
@@ -2575,6 +2656,9 @@ fn unretain(st: &mut ReplicaState) {
 /// With retention: the entry `index` stays pinned in the log, whether or not it holds live bodies,
 /// until the machine's retention floor passes it (`unretain`).
 fn retain_entry(st: &mut ReplicaState, index: u64) {
+    if st.not_applied_here.iter().any(|r| r.contains(&index)) {
+        return;
+    }
     if st.retained_entries.insert(index) && !st.entry_bodies.contains_key(&index) {
         if let Some(Err(e)) = st.log.as_ref().map(|log| log.pin_entry(index)) {
             tracing::error!(index, error = %e, "could not pin a quorum queue's retained entry in the log: a rewind will not find its messages");
@@ -2583,13 +2667,16 @@ fn retain_entry(st: &mut ReplicaState, index: u64) {
 }
 
 /// With retention, after the machine was restored (a start, a snapshot installed): the entries of
-/// every message it keeps for a rewind, and of every live one (kept once consumed), stay pinned.
-fn retain_entries_of_machine(st: &mut ReplicaState) {
+/// every message it keeps for a rewind, and of every live one (kept once consumed), stay pinned,
+/// those up to `applied` (the last index this node applied itself; None: none).
+fn retain_entries_of_machine(st: &mut ReplicaState, applied: Option<u64>) {
+    let Some(applied) = applied else { return };
     if st.machine.config().retention_ms.is_none() {
         return;
     }
     let floor = st.machine.retention_floor() >> 16;
-    let mut entries: Vec<u64> = st.machine.retained_entries().chain(st.machine.live_ids().into_iter().map(|id| id >> 16)).filter(|i| *i >= floor).collect();
+    let mut entries: Vec<u64> =
+        st.machine.retained_entries().chain(st.machine.live_ids().into_iter().map(|id| id >> 16)).filter(|i| *i >= floor && *i <= applied).collect();
     entries.sort_unstable();
     entries.dedup();
     for index in entries {
@@ -2601,8 +2688,12 @@ fn retain_entries_of_machine(st: &mut ReplicaState) {
 fn forget(st: &mut ReplicaState, group: u64, msg_id: MsgId, acks: &mut Batch) {
     st.checked_out.remove(&msg_id);
     let Some(body) = st.bodies.remove(&msg_id) else { return };
-    if let Record::Stored(_) = body.record {
-        acks.ack(group, msg_id, body.stored_bytes);
+    if let Record::Stored(ticket) = body.record {
+        if st.machine.config().retention_ms.is_some() && st.machine.is_kept(msg_id) {
+            st.kept_records.insert(msg_id, (ticket, body.stored_bytes));
+        } else {
+            acks.ack(group, msg_id, body.stored_bytes);
+        }
     }
     let_go(st, msg_id, &body);
 }

@@ -55,6 +55,10 @@ pub struct QueueConfig {
     pub retention_ms: Option<u64>,
 }
 
+/// A retention sample is dated at most this far past the machine's clock (the leader's Ticks move
+/// it every `TICK_EVERY_MS`, 800 ms, on a queue with retention).
+pub const MAX_SAMPLE_AHEAD_MS: u64 = 2_000;
+
 /// Entries at this index or above enqueue nothing (their messages are rejected): see `enqueue`.
 pub const MAX_INDEX: u64 = 1 << 48;
 
@@ -91,6 +95,10 @@ impl QueueConfig {
         };
         if args.max_priority > 0 {
             return Err("x-max-priority is not supported by quorum queues".into());
+        }
+        // A rewound message's size is not kept: the byte limit could not count it.
+        if args.retention_ms > 0 && args.max_length_bytes.is_some() {
+            return Err("x-retention-seconds with x-max-length-bytes is not supported by quorum queues (x-max-length is)".into());
         }
         Ok(QueueConfig {
             max_length: args.max_length,
@@ -382,6 +390,16 @@ impl QuorumMachine {
             timer: std::collections::BTreeSet::new(),
             retained: Retained::default(),
         }
+    }
+
+    /// Whether `id` is a consumed message kept for a rewind.
+    pub fn is_kept(&self, id: MsgId) -> bool {
+        self.retained.kept.contains(id)
+    }
+
+    /// The ids of the consumed messages kept for a rewind, from `from` on, rising.
+    pub fn kept_from(&self, from: MsgId) -> impl Iterator<Item = MsgId> + '_ {
+        self.retained.kept.ids_from(from)
     }
 
     /// Consumed messages kept for a rewind.
@@ -706,7 +724,11 @@ impl QuorumMachine {
             }
             self.counters.enqueued += 1;
             if let Some(retention) = self.config.retention_ms {
-                self.retained.enqueued(retention, id, enqueued_at);
+                // Dated at most `MAX_SAMPLE_AHEAD_MS` past the machine's clock once it has one (a
+                // Tick or Touch set it): a publishing node whose clock runs ahead would otherwise
+                // stretch the retention and blur rewinds.
+                let at = if self.now_ms == 0 { enqueued_at } else { enqueued_at.min(self.now_ms.saturating_add(MAX_SAMPLE_AHEAD_MS)) };
+                self.retained.enqueued(retention, id, at);
             }
             out.push(Effect::Store { msg_id: id, payload: m.payload });
             if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {

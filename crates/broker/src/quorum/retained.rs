@@ -86,6 +86,16 @@ impl IdSet {
         offset % r.step() == 0 && offset / r.step() < r.count as u64
     }
 
+    /// The ids at or above `from`, in order.
+    pub fn ids_from(&self, from: MsgId) -> impl Iterator<Item = MsgId> + '_ {
+        let start = self.runs.range(..=from).next_back().filter(|(_, r)| r.last() >= from).map_or(from, |(&first, _)| first);
+        self.runs.range(start..).flat_map(move |(_, r)| {
+            // The first run may start below `from`: its ids from there on.
+            let skip = if r.first < from { (from - r.first).div_ceil(r.step()) } else { 0 };
+            (skip..r.count as u64).map(move |k| r.first + k * r.step())
+        })
+    }
+
     /// Every id, in order.
     pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
         self.runs.values().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step()))
@@ -250,17 +260,17 @@ impl Retained {
         while self.samples.len() >= 2 && ended(self.samples[1].1) {
             self.samples.pop_front();
         }
+        // The last sample's messages came within one step of it.
+        let all_ended = self.samples.len() == 1 && ended(self.samples[0].1.saturating_add(sample_step(retention_ms)));
         let floor = match self.samples.front() {
-            // The last sample's messages came within one step of it.
-            Some(&(_, t)) if self.samples.len() == 1 && ended(t.saturating_add(sample_step(retention_ms))) => {
-                self.samples.clear();
-                next_id
-            }
-            Some(&(id, _)) => id,
-            None => next_id,
+            Some(&(id, _)) if !all_ended => id,
+            _ => next_id,
         };
         if floor <= self.floor {
             return 0;
+        }
+        if all_ended {
+            self.samples.clear();
         }
         self.floor = floor;
         let before = self.kept.len();
@@ -310,6 +320,7 @@ mod tests {
                         assert_eq!(set.pop_first().map(|(id, _)| id), model.pop_first());
                     }
                     1 => {
+                        assert_eq!(set.ids_from(id).collect::<Vec<_>>(), model.range(id..).copied().collect::<Vec<_>>());
                         let upper = set.split_off(id);
                         let model_upper = model.split_off(&id);
                         check(&upper, &model_upper);
