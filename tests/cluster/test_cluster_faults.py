@@ -106,13 +106,12 @@ def test_kill9_of_the_leader_then_restart(cluster, history):
     run_faults(cluster, history, lambda r: nemesis.kill9_restart(cluster.leader(QUEUE), seconds=1.0))
 
 
-@not_yet
 def test_rewinds_through_isolating_the_leader(cluster, history):
-    """The isolation test with a rewinder (issue 36). Not yet: the isolated leader catches up by
-    installing a snapshot, and a replica that installed one has no body for the consumed messages
-    kept before it (it fetches live ones only): rewound messages assigned to its consumers stay
-    undelivered (`no body on this node`), and the drain through it stalls or ends with them held.
-    Passes once kept bodies are fetched with a snapshot (docs/internals/time-plan.md)."""
+    """The isolation test with a rewinder (issue 36): the isolated leader catches up by installing
+    a snapshot, so it must fetch the bodies of the consumed messages kept for a rewind with the live
+    ones (before that fix its consumers held rewound messages undelivered, `no body on this node`,
+    and the drain through it lost messages behind them), and must never read a body from the
+    entries its log held past what it applied (the group never committed them)."""
     nemesis = Nemesis(cluster, history)
     run_faults(cluster, history, lambda r: nemesis.isolate_heal(cluster.leader(QUEUE), PAST_ELECTION), rebalanced=True, rewinds=True)
 
