@@ -917,6 +917,16 @@ impl QuorumReplica {
             // Consumed messages made ready again: their bodies are in their entries, read back
             // when delivered (as after a restart).
             Effect::Rewound { runs } => {
+                // The reads ahead follow deliveries up the ids: start them again below the rewound
+                // ones (all below what was delivered), or each would be read on the apply path.
+                if let Some(first) = runs.first().map(|r| r.first) {
+                    let ahead = &mut st.read_ahead;
+                    if first <= ahead.delivered {
+                        ahead.delivered = first.saturating_sub(1);
+                        ahead.claimed_until = ahead.claimed_until.min(first);
+                        ahead.look_again_at = ahead.look_again_at.min(first);
+                    }
+                }
                 for id in runs.iter().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step())) {
                     if st.bodies.contains_key(&id) {
                         continue;
