@@ -2207,12 +2207,7 @@ impl QuorumReplica {
         match crate::blocking::run(|| rx.recv_timeout(PURGE_TIMEOUT)) {
             Ok(Some(count)) => Ok(count.min(u32::MAX as u64) as u32),
             Ok(None) => Err(BrokerError::internal(format!("the purge of quorum queue '{}' was not applied; nothing was purged", queue.name))),
-            Err(_) => Err(BrokerError::internal(format!(
-                "the purge of quorum queue '{}' was not committed within {} s (no majority of its replicas reachable); \
-                 its outcome is unknown: it may still take effect (the node logs it if it does)",
-                queue.name,
-                PURGE_TIMEOUT.as_secs()
-            ))),
+            Err(_) => Err(outcome_unknown("purge", &queue.name)),
         }
     }
 
@@ -2230,12 +2225,7 @@ impl QuorumReplica {
         match tokio::time::timeout(PURGE_TIMEOUT, rx).await {
             Ok(Ok(Some(outcome))) => Ok(outcome),
             Ok(_) => Err(BrokerError::internal(format!("the rewind of quorum queue '{}' was not applied; nothing was rewound", queue.name))),
-            Err(_) => Err(BrokerError::internal(format!(
-                "the rewind of quorum queue '{}' was not committed within {} s (no majority of its replicas reachable); \
-                 its outcome is unknown: it may still take effect (the node logs it if it does)",
-                queue.name,
-                PURGE_TIMEOUT.as_secs()
-            ))),
+            Err(_) => Err(outcome_unknown("rewind", &queue.name)),
         }
     }
 
@@ -2661,6 +2651,15 @@ fn unretain(st: &mut ReplicaState, group: u64, acks: &mut Batch) {
             }
         }
     }
+}
+
+/// A purge or rewind not applied within `PURGE_TIMEOUT`: what its client is told.
+fn outcome_unknown(what: &str, queue: &str) -> BrokerError {
+    BrokerError::internal(format!(
+        "the {what} of quorum queue '{queue}' was not committed within {} s (no majority of its replicas reachable); \
+         its outcome is unknown: it may still take effect (the node logs it if it does)",
+        PURGE_TIMEOUT.as_secs()
+    ))
 }
 
 /// With retention: the entry `index` stays pinned in the log, whether or not it holds live bodies,
