@@ -2346,9 +2346,7 @@ impl QuorumReplica {
                 vhost.doom(queue);
             }
         }
-        // Retention ends by Ticks too (the machine's clock moves its floor). Always, as with TTL:
-        // a clock left behind while idle would date the next samples in the past (they are held
-        // to 2 s past it) and end their retention early.
+        // Retention ends by Ticks too (the machine's clock moves its floor).
         let expiring = queue.args.message_ttl_ms.is_some()
             || queue.args.expires_ms.is_some()
             || queue.args.retention_ms > 0

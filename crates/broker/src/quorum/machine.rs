@@ -55,10 +55,6 @@ pub struct QueueConfig {
     pub retention_ms: Option<u64>,
 }
 
-/// A retention sample is dated at most this far past the machine's clock (the leader's Ticks move
-/// it every `TICK_EVERY_MS`, 800 ms, on a queue with retention).
-pub const MAX_SAMPLE_AHEAD_MS: u64 = 2_000;
-
 /// Entries at this index or above enqueue nothing (their messages are rejected): see `enqueue`.
 pub const MAX_INDEX: u64 = 1 << 48;
 
@@ -724,11 +720,11 @@ impl QuorumMachine {
             }
             self.counters.enqueued += 1;
             if let Some(retention) = self.config.retention_ms {
-                // Dated at most `MAX_SAMPLE_AHEAD_MS` past the machine's clock once it has one (a
-                // Tick or Touch set it): a publishing node whose clock runs ahead would otherwise
-                // stretch the retention and blur rewinds.
-                let at = if self.now_ms == 0 { enqueued_at } else { enqueued_at.min(self.now_ms.saturating_add(MAX_SAMPLE_AHEAD_MS)) };
-                self.retained.enqueued(retention, id, at);
+                // Dated by the publishing node's clock (never before the machine's): one running
+                // ahead stretches the retention and coarsens rewinds by as much (NTP assumed, as for
+                // TTL). Not held to the machine's clock: that clock stands still while the group is
+                // down or idle, and dating by it would end retentions early after an outage.
+                self.retained.enqueued(retention, id, enqueued_at);
             }
             out.push(Effect::Store { msg_id: id, payload: m.payload });
             if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {

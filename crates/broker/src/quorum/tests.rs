@@ -1411,21 +1411,6 @@ fn every_way_out_of_the_queue_is_kept_for_a_rewind() {
 }
 
 #[test]
-fn a_publisher_whose_clock_runs_ahead_does_not_stretch_the_retention() {
-    let mut q = Q::new(QueueConfig { retention_ms: Some(5_000), ..QueueConfig::default() });
-    tick(&mut q, 1_000);
-    // One node's clock is an hour ahead: its message is dated at most 2 s past the machine's clock.
-    q.publish(S1, 3_601_000, 1..=1, None);
-    let ahead = msg_id(q.index, 0);
-    q.publish(S1, 1_500, 2..=2, None);
-    let held = delivered_ids(&q.attach(C1, 10, 0), C1);
-    q.apply(|e| e.settle(C1, &held));
-    assert_eq!(q.m.retained.samples.front(), Some(&(ahead, 1_000 + machine::MAX_SAMPLE_AHEAD_MS)));
-    tick(&mut q, 1_000 + machine::MAX_SAMPLE_AHEAD_MS + 5_001);
-    assert_eq!(q.m.retained_count(), 0, "ended with the retention, not an hour later");
-}
-
-#[test]
 fn retention_with_a_byte_limit_is_refused_on_quorum_queues() {
     let args = crate::queue_args::QueueArgs { retention_ms: 60_000, max_length_bytes: Some(1000), ..Default::default() };
     let refused = QueueConfig::from_queue_args(&args, None).unwrap_err();
