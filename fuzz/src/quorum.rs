@@ -6,7 +6,8 @@
 //!
 //! Input: `config u8 | (len u16 LE | bytes)*`. `config` picks the queue's settings (bit 0
 //! `x-max-length` 3, bit 1 `x-max-length-bytes` 50, bit 2 reject-publish, bit 3 delivery limit 1,
-//! bit 4 `x-message-ttl` 100 ms, bit 5 a dead-letter exchange, bit 6 single active consumer); with
+//! bit 4 `x-message-ttl` 100 ms, bit 5 a dead-letter exchange, bit 6 single active consumer;
+//! `x-retention-seconds` 1 s unless bit 1); with
 //! bit 7 the first chunk is a snapshot to restore first (refused: the input ends there). The other
 //! chunks are the entries, applied at rising indexes.
 
@@ -28,6 +29,9 @@ fn config(bits: u8) -> QueueConfig {
         at_least_once: bits & 32 != 0 && bits & 4 != 0,
         single_active_consumer: bits & 64 != 0,
         expires_ms: Some(10_000),
+        // Retention (and so rewinds) whenever there is no byte limit (a quorum queue refuses the
+        // two together).
+        retention_ms: (bits & 2 == 0).then_some(1_000),
     }
 }
 
