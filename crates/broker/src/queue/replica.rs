@@ -52,7 +52,7 @@ use crate::queue::Entry;
 use crate::queue_args::QueueArgs;
 use crate::quorum::bodies::{BodiesAnswer, BodiesRequest, BodyRecord, MAX_ANSWER_BYTES};
 use crate::quorum::{
-    run_ids, Attach, Command, ConsumerId, Delivery, Effect, Encoder, MsgId, QueueConfig, QuorumMachine, Reason, Refusal,
+    run_ids, ready::Run, Attach, Command, ConsumerId, Delivery, Effect, Encoder, MsgId, QueueConfig, QuorumMachine, Reason, Refusal,
     Reply, SessionId, DEFAULT_DELIVERY_LIMIT, MAX_MESSAGES_PER_ENTRY,
 };
 use bytes::{Bytes, BytesMut};
@@ -274,7 +274,7 @@ enum Record {
     Stored(SyncTicket),
     /// In its Raft entry (index `msg_id >> 16`), in this node's store already: the replica pins the
     /// entry, so the log keeps its record after a snapshot lets the log go (retained), until the
-    /// entry's last live body leaves (`ReplicaState::entry_bodies`). The store encoding (a slice of
+    /// entry's last live body leaves (`ReplicaState::entry_holds`). The store encoding (a slice of
     /// the entry) while held in memory; None: read back from the entry to deliver.
     InEntry { payload: Option<Bytes> },
 }
@@ -327,7 +327,7 @@ impl ReplicaState {
             body_mem: BodyMemory::new(node_bodies),
             stored_until: 0,
             store_only: 0,
-            entry_bodies: BTreeMap::new(),
+            entry_holds: BTreeMap::new(),
             retained_entries: BTreeSet::new(),
             applied_before_restore: None,
             not_applied_here: Vec::new(),
@@ -367,9 +367,10 @@ struct ReplicaState {
     /// are some. Walking the read-ahead window for none cost 9% of a node draining a backlog held
     /// in memory.
     store_only: usize,
-    /// How many live bodies are `InEntry`, per entry index: an entry is pinned in the log while it
-    /// has some (`insert_body`, `let_go`).
-    entry_bodies: BTreeMap<u64, u32>,
+    /// Holds per entry index: its live bodies that are `InEntry` (`insert_body`, `let_go`), plus
+    /// one while the machine may keep its messages for a rewind (`retained_entries`). An entry is
+    /// pinned in the log while it has some (`hold_entry`, `release_entry`).
+    entry_holds: BTreeMap<u64, u32>,
     /// With retention (`x-retention-seconds`): the entries holding messages the machine may keep
     /// for a rewind once consumed, pinned in the log whether or not they still hold live bodies,
     /// until the machine's retention floor passes them (`unretain`). ~100 B per entry on each
@@ -927,13 +928,13 @@ impl QuorumReplica {
                         ahead.look_again_at = ahead.look_again_at.min(first);
                     }
                 }
-                for id in runs.iter().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step())) {
+                for id in runs.iter().flat_map(Run::ids) {
                     if st.bodies.contains_key(&id) {
                         continue;
                     }
                     if let Some((ticket, stored_bytes)) = st.kept_records.remove(&id) {
                         insert_body(st, id, Body { message: None, mem: 0, stored_bytes, record: Record::Stored(ticket) });
-                    } else if !st.not_applied_here.iter().any(|r| r.contains(&(id >> 16))) {
+                    } else if applied_here(st, id >> 16) {
                         retain_entry(st, id >> 16);
                         insert_body(st, id, Body { message: None, mem: 0, stored_bytes: 0, record: Record::InEntry { payload: None } });
                     } else {
@@ -1647,7 +1648,7 @@ impl QuorumReplica {
                             bytes += stored_bytes;
                             (id, None, false)
                         }
-                        None if st.not_applied_here.iter().any(|r| r.contains(&(id >> 16))) => continue,
+                        None if !applied_here(&st, id >> 16) => continue,
                         None => (id, None, true),
                     });
                     continue;
@@ -2513,7 +2514,7 @@ impl QuorumReplica {
             st.deleted = true;
             st.bodies.clear();
             st.store_only = 0;
-            st.entry_bodies.clear();
+            st.entry_holds.clear();
             st.retained_entries.clear();
             st.kept_records.clear();
             st.body_mem.clear();
@@ -2585,19 +2586,7 @@ fn insert_body(st: &mut ReplicaState, msg_id: MsgId, body: Body) {
         st.store_only += 1;
     }
     if let Record::InEntry { .. } = body.record {
-        let index = msg_id >> 16;
-        let count = st.entry_bodies.entry(index).or_insert(0);
-        *count += 1;
-        if *count == 1 {
-            match &st.log {
-                Some(log) => {
-                    if let Err(e) = log.pin_entry(index) {
-                        tracing::error!(index, error = %e, "could not pin a quorum queue's entry in the log: its bodies may go with its next snapshot");
-                    }
-                }
-                None => tracing::error!(index, "a quorum queue keeps bodies in its log before its group is attached"),
-            }
-        }
+        hold_entry(st, msg_id >> 16);
     }
     if let Some(old) = st.bodies.insert(msg_id, body) {
         let_go(st, msg_id, &old);
@@ -2611,21 +2600,39 @@ fn let_go(st: &mut ReplicaState, msg_id: MsgId, body: &Body) {
         st.store_only = st.store_only.saturating_sub(1);
     }
     if let Record::InEntry { .. } = body.record {
-        let index = msg_id >> 16;
-        if let Some(count) = st.entry_bodies.get_mut(&index) {
-            *count -= 1;
-            if *count == 0 {
-                st.entry_bodies.remove(&index);
-                if st.retained_entries.contains(&index) {
-                    return st.body_mem.sub(body.mem);
+        release_entry(st, msg_id >> 16);
+    }
+    st.body_mem.sub(body.mem);
+}
+
+/// One more hold on entry `index` (a live body in it, or its messages kept for a rewind): the
+/// first pins it in the log.
+fn hold_entry(st: &mut ReplicaState, index: u64) {
+    let count = st.entry_holds.entry(index).or_insert(0);
+    *count += 1;
+    if *count == 1 {
+        match &st.log {
+            Some(log) => {
+                if let Err(e) = log.pin_entry(index) {
+                    tracing::error!(index, error = %e, "could not pin a quorum queue's entry in the log: its bodies may go with its next snapshot");
                 }
-                if let Some(Err(e)) = st.log.as_ref().map(|log| log.unpin_entry(index)) {
-                    tracing::error!(index, error = %e, "could not let a quorum queue's entry go from the log");
-                }
+            }
+            None => tracing::error!(index, "a quorum queue keeps bodies in its log before its group is attached"),
+        }
+    }
+}
+
+/// One hold less on entry `index`: the last unpins it.
+fn release_entry(st: &mut ReplicaState, index: u64) {
+    if let Some(count) = st.entry_holds.get_mut(&index) {
+        *count -= 1;
+        if *count == 0 {
+            st.entry_holds.remove(&index);
+            if let Some(Err(e)) = st.log.as_ref().map(|log| log.unpin_entry(index)) {
+                tracing::error!(index, error = %e, "could not let a quorum queue's entry go from the log");
             }
         }
     }
-    st.body_mem.sub(body.mem);
 }
 
 /// The machine keeps no message for a rewind below its retention floor: the entries below the
@@ -2645,11 +2652,7 @@ fn unretain(st: &mut ReplicaState, group: u64, acks: &mut Batch) {
             break;
         }
         st.retained_entries.pop_first();
-        if !st.entry_bodies.contains_key(&index) {
-            if let Some(Err(e)) = st.log.as_ref().map(|log| log.unpin_entry(index)) {
-                tracing::error!(index, error = %e, "could not let a quorum queue's retained entry go from the log");
-            }
-        }
+        release_entry(st, index);
     }
 }
 
@@ -2665,14 +2668,15 @@ fn outcome_unknown(what: &str, queue: &str) -> BrokerError {
 /// With retention: the entry `index` stays pinned in the log, whether or not it holds live bodies,
 /// until the machine's retention floor passes it (`unretain`).
 fn retain_entry(st: &mut ReplicaState, index: u64) {
-    if st.not_applied_here.iter().any(|r| r.contains(&index)) {
-        return;
+    if applied_here(st, index) && st.retained_entries.insert(index) {
+        hold_entry(st, index);
     }
-    if st.retained_entries.insert(index) && !st.entry_bodies.contains_key(&index) {
-        if let Some(Err(e)) = st.log.as_ref().map(|log| log.pin_entry(index)) {
-            tracing::error!(index, error = %e, "could not pin a quorum queue's retained entry in the log: a rewind will not find its messages");
-        }
-    }
+}
+
+/// Whether this node's log holds the entry at `index` as the group committed it (see
+/// `ReplicaState::not_applied_here`).
+fn applied_here(st: &ReplicaState, index: u64) -> bool {
+    !st.not_applied_here.iter().any(|r| r.contains(&index))
 }
 
 /// With retention, after the machine was restored (a start, a snapshot installed): the entries of

@@ -411,14 +411,8 @@ impl QuorumMachine {
 
     /// The entry indexes that hold consumed messages kept for a rewind, rising (repeats possible).
     pub fn retained_entries(&self) -> impl Iterator<Item = u64> + '_ {
-        self.retained.kept.runs().flat_map(|r| {
-            let indexes: Box<dyn Iterator<Item = u64>> = if r.per_entry {
-                Box::new((0..r.count as u64).map(move |k| (r.first >> 16) + k))
-            } else {
-                Box::new((r.first >> 16)..=(r.last() >> 16))
-            };
-            indexes
-        })
+        // A run of either step covers the entries from its first id's to its last id's.
+        self.retained.kept.runs().flat_map(|r| (r.first >> 16)..=(r.last() >> 16))
     }
 
     /// When the oldest message the queue holds or keeps for a rewind was enqueued, to the
@@ -727,13 +721,8 @@ impl QuorumMachine {
                 self.retained.enqueued(retention, id, enqueued_at);
             }
             out.push(Effect::Store { msg_id: id, payload: m.payload });
-            if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
-                self.assign(out);
-                while self.over_limit(0, 0) {
-                    // The oldest normal message first: a high-priority one goes only when no normal one is left.
-                    let Some((dropped, st)) = self.ready.pop_lowest() else { break };
-                    self.remove(out, dropped, st, Reason::MaxLen);
-                }
+            if limited {
+                self.drop_head_over_limit(out);
             }
         }
         let applied_up_to = last.unwrap_or(0);
@@ -782,12 +771,8 @@ impl QuorumMachine {
                 }
             }
             self.ready.push_fired(key, id, state);
-            if limited && self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
-                self.assign(out);
-                while self.over_limit(0, 0) {
-                    let Some((dropped, st)) = self.ready.pop_lowest() else { break };
-                    self.remove(out, dropped, st, Reason::MaxLen);
-                }
+            if limited {
+                self.drop_head_over_limit(out);
             }
         }
         dead_letters(self).saturating_sub(dead_letters_before)
@@ -818,6 +803,20 @@ impl QuorumMachine {
         }
     }
 
+    /// With drop-head, while the ready messages are past `x-max-length(-bytes)` (consumers with
+    /// credit taking some first), the oldest go, dead-lettered `maxlen`: the oldest normal message
+    /// first, a high-priority one only when no normal one is left.
+    fn drop_head_over_limit(&mut self, out: &mut Out) {
+        if self.config.overflow != Overflow::DropHead || !self.over_limit(0, 0) {
+            return;
+        }
+        self.assign(out);
+        while self.over_limit(0, 0) {
+            let Some((dropped, st)) = self.ready.pop_lowest() else { break };
+            self.remove(out, dropped, st, Reason::MaxLen);
+        }
+    }
+
     /// Message `id` left the queue: kept for a rewind if the queue has retention.
     fn consumed(&mut self, id: MsgId) {
         if self.config.retention_ms.is_some() {
@@ -840,13 +839,7 @@ impl QuorumMachine {
             self.ready.push_rewound(ids);
             // Past `x-max-length` with drop-head, the oldest go: the rewound ones first (a classic
             // queue does the same). Reject-publish refuses publishes, not a rewind.
-            if self.config.overflow == Overflow::DropHead && self.over_limit(0, 0) {
-                self.assign(out);
-                while self.over_limit(0, 0) {
-                    let Some((dropped, st)) = self.ready.pop_lowest() else { break };
-                    self.remove(out, dropped, st, Reason::MaxLen);
-                }
-            }
+            self.drop_head_over_limit(out);
         }
         Reply::Rewound { count, from_ms: Some(point.from_ms), clamped: point.clamped }
     }

@@ -86,6 +86,11 @@ impl Run {
     pub fn last(&self) -> MsgId {
         self.first + (self.count as u64 - 1) * self.step()
     }
+
+    /// Its ids, rising.
+    pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
+        (0..self.count as u64).map(move |k| self.first + k * self.step())
+    }
 }
 
 /// A delayed message that came due, ready (see the module doc).
@@ -146,7 +151,7 @@ impl Lane {
 
     /// Every id ready in this lane (unordered between returned and fresh).
     pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
-        self.returned.keys().copied().chain(self.fired.iter().map(|f| f.id)).chain(self.rewound.ids()).chain(self.fresh.iter().flat_map(|run| (0..run.count as u64).map(move |k| run.first + k * run.step())))
+        self.returned.keys().copied().chain(self.fired.iter().map(|f| f.id)).chain(self.rewound.ids()).chain(self.fresh.iter().flat_map(Run::ids))
     }
 
     pub fn len(&self) -> u64 {

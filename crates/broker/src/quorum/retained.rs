@@ -98,7 +98,7 @@ impl IdSet {
 
     /// Every id, in order.
     pub fn ids(&self) -> impl Iterator<Item = MsgId> + '_ {
-        self.runs.values().flat_map(|r| (0..r.count as u64).map(move |k| r.first + k * r.step()))
+        self.runs.values().flat_map(Run::ids)
     }
 
     /// Adds `id` (with `expires_at`); false if it was there.
@@ -148,8 +148,8 @@ impl IdSet {
                 self.len += r.count as u64;
                 self.put(r);
             } else {
-                for k in 0..r.count as u64 {
-                    self.insert(r.first + k * r.step(), r.expires_at);
+                for id in r.ids() {
+                    self.insert(id, r.expires_at);
                 }
             }
         }
