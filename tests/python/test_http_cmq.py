@@ -483,12 +483,18 @@ def test_received_messages_are_kept_for_rewind_seconds_across_checkpoints_and_ki
     assert retained(kept) == 64
 
 
-def test_rewind_queue_with_the_sdk_receives_deleted_messages_again(broker):
+@pytest.mark.parametrize("kind", ["classic", "quorum"])
+def test_rewind_queue_with_the_sdk_receives_deleted_messages_again(broker, kind):
     """RewindQueue (the SDK's rewindQueue, unix seconds): what was received and deleted since then
     is received again, in order; what was sent before is not; a queue without rewindSeconds says
-    why."""
+    why. A quorum queue (Warren's own queueType) rewinds alike."""
     acct = account(broker)
-    q = create_queue(acct, "rewound", rewindSeconds=3600)
+    if kind == "classic":
+        q = create_queue(acct, "rewound", rewindSeconds=3600)
+    else:
+        # queueType is Warren's own parameter: the SDK's QueueMeta cannot send it.
+        assert raw(broker, {"Action": "CreateQueue", "queueName": "rewound", "queueType": "quorum", "rewindSeconds": "3600"})["code"] == 0
+        q = acct.get_queue("rewound")
     q.batch_send_message([Message(f"old-{i}") for i in range(5)])
     time.sleep(1.1)
     since = int(time.time())
