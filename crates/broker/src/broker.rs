@@ -4,7 +4,7 @@ use crate::definitions;
 use crate::metadata::log::OnCorruption;
 use crate::metadata::group::{self, MetadataGroup};
 use crate::metadata::{Metadata, MetadataError};
-use crate::queue::replica::{QuorumHost, QuorumRuntime};
+use crate::queue::quorum::{QuorumHost, QuorumRuntime};
 use crate::vhost::{VHost, TRANSIENT_QUEUE_IDS};
 use parking_lot::RwLock;
 use std::collections::HashMap;

@@ -14,7 +14,7 @@
 use crate::channel::Channel;
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
-use crate::queue::replica::QuorumRuntime;
+use crate::queue::quorum::QuorumRuntime;
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};

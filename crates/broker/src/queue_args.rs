@@ -34,7 +34,7 @@ pub enum QueueType {
     /// One node's queue (the default).
     #[default]
     Classic,
-    /// Replicated by its own Raft group (`crate::queue::replica`).
+    /// Replicated by its own Raft group (`crate::queue::quorum`).
     Quorum,
 }
 

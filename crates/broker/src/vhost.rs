@@ -11,7 +11,7 @@ use crate::message::{encode_header, Message, MessageRef};
 use crate::metadata::{GroupCommitError, Metadata, Op};
 use crate::publisher::Publisher;
 use crate::queue::{Enqueued, Owner, Queue};
-use crate::queue::replica::QuorumRuntime;
+use crate::queue::quorum::QuorumRuntime;
 use crate::queue_args::{first_difference, QueueArgs, QueueType, EQUIVALENCE_KEYS};
 use bytes::BytesMut;
 use parking_lot::{Mutex, RwLock};
@@ -119,7 +119,7 @@ pub struct VHost {
     me: Weak<VHost>,
     /// Direct reply-to consumers (`amq.rabbitmq.reply-to`).
     pub replies: Arc<ReplyConsumers>,
-    /// The node's quorum-queue runtime (`queue::replica`).
+    /// The node's quorum-queue runtime (`queue::quorum`).
     quorum: Arc<QuorumRuntime>,
     /// The node's delayed messages (`crate::delay`), for delayed exchanges.
     delays: Arc<Delays>,
@@ -1119,7 +1119,7 @@ impl VHost {
         let arguments = table_from_json(&def.arguments);
         let args = QueueArgs::parse_stored(&name, &self.name, &arguments);
         if args.queue_type == QueueType::Quorum {
-            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), crate::queue::replica::Recorded { members: def.members.clone(), leader: def.leader, members_changed: def.members_changed });
+            let queue = Queue::new_quorum(name.clone(), id, arguments, args, self.me.clone(), self.store.clone(), self.quorum.clone(), crate::queue::quorum::Recorded { members: def.members.clone(), leader: def.leader, members_changed: def.members_changed });
             self.insert_queue(name, queue.clone());
             // Declared now (or applied from the metadata group): its group starts at once. At a
             // start, the server starts them all once it has set the quorum host (`Broker::set_quorum_host`).

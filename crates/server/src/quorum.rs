@@ -25,7 +25,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{mpsc, watch};
-use warren_broker::queue::replica::{ProposeDone, QuorumHost, Replicator};
+use warren_broker::queue::quorum::{ProposeDone, QuorumHost, Replicator};
 use warren_broker::queue_args::LeaderLocator;
 use warren_broker::Queue;
 use std::collections::BTreeSet;

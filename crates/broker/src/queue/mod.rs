@@ -13,7 +13,7 @@
 
 pub mod body_memory;
 pub mod remote;
-pub mod replica;
+pub mod quorum;
 mod rewind;
 
 pub use rewind::RewindOutcome;
@@ -250,7 +250,7 @@ pub struct Queue {
     me: Weak<Queue>,
     /// A quorum queue: its replica does the queue's work (`replica`), and the classic state above
     /// stays empty. None: a classic queue.
-    replica: Option<replica::QuorumReplica>,
+    replica: Option<quorum::QuorumReplica>,
     /// A classic queue in a cluster: its home node (`remote`). Set once, at declaration.
     home: std::sync::OnceLock<remote::RemoteHome>,
     /// A transient queue of a cluster, recorded in the metadata group (`QueueDef::transient`).
@@ -311,10 +311,10 @@ impl Queue {
         args: QueueArgs,
         vhost: Weak<VHost>,
         store: Store,
-        runtime: Arc<replica::QuorumRuntime>,
-        recorded: replica::Recorded,
+        runtime: Arc<quorum::QuorumRuntime>,
+        recorded: quorum::Recorded,
     ) -> Arc<Queue> {
-        let replica = replica::QuorumReplica::new(&name, id, store.clone(), &args, runtime, recorded);
+        let replica = quorum::QuorumReplica::new(&name, id, store.clone(), &args, runtime, recorded);
         Self::build(name, id, true, None, false, arguments, args, vhost, store, crate::now_ms(), Some(replica))
     }
 
@@ -330,7 +330,7 @@ impl Queue {
         vhost: Weak<VHost>,
         store: Store,
         now_ms: u64,
-        replica: Option<replica::QuorumReplica>,
+        replica: Option<quorum::QuorumReplica>,
     ) -> Arc<Queue> {
         QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let consumers = Consumers::new(args.single_active_consumer);
@@ -374,7 +374,7 @@ impl Queue {
 
     /// A classic queue in a cluster lives on node `home` (`remote`): on other nodes its messages are
     /// forwarded there, and consumers are refused.
-    pub fn set_home(&self, home: u64, runtime: Arc<replica::QuorumRuntime>) {
+    pub fn set_home(&self, home: u64, runtime: Arc<quorum::QuorumRuntime>) {
         if self.replica.is_none() {
             let _ = self.home.set(remote::RemoteHome::new(home, runtime));
         }
@@ -532,7 +532,7 @@ impl Queue {
     // ---- a quorum queue's group (see `replica`) ------------------------------------------
 
     /// A quorum queue's group runs on this node: proposals go through `replicator` from now on.
-    pub fn attach_replicator(self: &Arc<Self>, replicator: Arc<dyn replica::Replicator>) {
+    pub fn attach_replicator(self: &Arc<Self>, replicator: Arc<dyn quorum::Replicator>) {
         if let Some(r) = &self.replica {
             r.attach(self, replicator);
         }
@@ -641,7 +641,7 @@ impl Queue {
         }
     }
 
-    fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, entry: &[u8], waiters: Vec<replica::Waiter>) {
+    fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, entry: &[u8], waiters: Vec<quorum::Waiter>) {
         if let Some(r) = &self.replica {
             r.proposed(self, result, entry, waiters);
         }

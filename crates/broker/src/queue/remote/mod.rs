@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
 
-use super::replica::QuorumRuntime;
+use super::quorum::QuorumRuntime;
 use crate::error::BrokerError;
 use crate::message::{encode_stored, MessageRef};
 use crate::publisher::{Publisher, PublisherSession};
