@@ -14,24 +14,8 @@
 //! record is applied is rewound; one acked after it is not. After a restart the rewound messages are
 //! simply live, and the span holds them.
 
-use super::{push_ready_sorted, AfterUnlock, Entry, Queue, QueueState, SpanRead};
-use crate::error::{BrokerError, Result};
-use std::sync::Arc;
+use super::*;
 use std::time::Duration;
-use warren_store::Batch;
-
-/// A rewind's answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RewindOutcome {
-    /// Consumed messages made ready again.
-    pub rewound: u64,
-    /// When the first message at or after the time asked for was published (unix ms): the queue was
-    /// rewound to it. Later than asked when the retention no longer holds what was published then
-    /// (`clamped`). None if the queue keeps no message from then on.
-    pub from_ms: Option<u64>,
-    /// The time asked for is before the oldest message the retention keeps.
-    pub clamped: bool,
-}
 
 /// Rewound messages read per read, at most (and about this many bytes): the window may hold this
 /// much beyond its budget while a rewind is delivered.
@@ -42,27 +26,8 @@ const REWOUND_READ_BYTES: usize = 4 << 20;
 const READABLE_WITHIN: Duration = Duration::from_secs(30);
 
 impl Queue {
-    /// Makes the consumed messages published at or after `to_ms` (unix ms) that the queue's retention
-    /// still keeps ready again. Answers once the rewind is durable: it survives a crash.
-    pub async fn rewind(self: &Arc<Self>, to_ms: u64) -> Result<RewindOutcome> {
-        if self.is_quorum() && self.replica.is_none() {
-            return Err(BrokerError::precondition_failed(format!(
-                "quorum queue '{}' has no replica on this node: rewind it through a node of its group",
-                self.name
-            )));
-        }
-        if let Some(remote) = self.remote_home() {
-            return remote.rewind(self, to_ms).await;
-        }
-        if self.args.retention_ms == 0 {
-            return Err(BrokerError::precondition_failed(format!(
-                "queue '{}' keeps no consumed messages: declare it with x-retention-seconds (CMQ: rewindSeconds) to rewind it",
-                self.name
-            )));
-        }
-        if let Some(r) = &self.replica {
-            return r.rewind(self, to_ms).await;
-        }
+    /// `Queue::rewind` of a classic queue on this node.
+    pub(in crate::queue) async fn classic_rewind(self: &Arc<Self>, to_ms: u64) -> Result<RewindOutcome> {
         let _one_at_a_time = self.rewinding.lock().await;
         let now = crate::now_ms();
         let oldest_kept = now.saturating_sub(self.args.retention_ms);
@@ -99,7 +64,7 @@ impl Queue {
         if batch.is_empty() {
             return Ok(RewindOutcome { rewound: 0, from_ms, clamped });
         }
-        let ticket = self.store.append(&mut batch).map_err(super::store_error)?;
+        let ticket = self.store.append(&mut batch).map_err(crate::queue::store_error)?;
         let (store, ids) = (self.store.clone(), store_ids.clone());
         let taken = blocking(move || {
             store.wait_durable(ticket).map_err(|e| e.to_string())?;

@@ -1,0 +1,100 @@
+//! What a queue hands its callers, whatever its kind.
+
+use super::*;
+
+/// A message in a queue (ready or delivered and not yet settled).
+#[derive(Debug)]
+pub struct Entry {
+    pub message: MessageRef,
+    /// Position in this queue (and its seq in the store): requeued messages go back to where they were.
+    pub seq: u64,
+    /// Payload bytes the store holds for it; 0 if it is not in the store.
+    pub stored_bytes: u64,
+    pub expires_at_ms: Option<u64>,
+    pub redelivered: bool,
+    /// How many times it came back to this queue unacknowledged (rejected or nacked with requeue, its
+    /// channel closed, a CMQ lease ended) since this node took it: CMQ's `dequeueCount` is one more.
+    /// Not stored: after a restart a message counts from its redelivered flag again.
+    pub returned: u32,
+}
+
+impl Entry {
+    /// Records in `acks` that this message is gone from queue `queue`, if the store has it.
+    pub(in crate::queue) fn settle_in_store(&self, queue: u64, acks: &mut Batch) {
+        if self.stored_bytes > 0 {
+            acks.ack(queue, self.seq, self.stored_bytes);
+        }
+    }
+}
+
+/// The result of offering a message to a queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// Taken; durable once the store reaches the ticket (if any). `slow_publishers`: the queue asks
+    /// its publishers to pause (see `QueueState::publishers_must_wait`). `store_behind`: it was written
+    /// to the store, which has more waiting to be written than it wants (`Store::is_behind`): the
+    /// publisher should wait for `Store::caught_up` before sending more.
+    Accepted { ticket: Option<SyncTicket>, slow_publishers: bool, store_behind: bool },
+    /// Refused by `x-overflow: reject-publish(-dlx)`: the publisher gets a basic.nack.
+    Rejected,
+}
+
+/// What basic.get found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Got {
+    /// basic.get-ok went to the channel.
+    Message,
+    /// Nothing ready: the caller answers basic.get-empty.
+    Empty,
+    /// The head needs something first; await [`Queue::wait_for`] and call `get` again.
+    Later(GetWait),
+    /// The queue could not be asked (a classic queue's home node did not answer): the channel
+    /// closes with 404 and this text, rather than say get-empty of a queue that may hold messages.
+    Failed(String),
+}
+
+/// What a basic.get waits for (asynchronously, off the queue lock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GetWait {
+    /// The store's durable watermark reaching this ticket (the head's delivered mark).
+    Durable(SyncTicket),
+    /// A read of the queue's backlog from the store (every window is empty meanwhile): one more read
+    /// finished than this count of them.
+    Refill(u64),
+    /// The store's readable watermark reaching this ticket: the head is in the store, appended a
+    /// moment ago, and not yet visible to `Store::read` (the writer applies appends after their fsync).
+    Readable(SyncTicket),
+    /// A quorum queue's Dequeue (this basic.get's id) being committed and applied (`replica`).
+    Replicated(u64),
+    /// A classic queue's home node answering this basic.get (`remote::get`).
+    Remote(u64),
+}
+
+/// The connection that owns an exclusive queue: a connection of one run of one node (in a cluster,
+/// the queue is known on every node, and only its owner may use it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    /// The owner's node's run (`crate::run_id`).
+    pub run: u64,
+    pub connection: u64,
+}
+
+impl Owner {
+    /// Connection `connection` of this node's current run.
+    pub fn here(connection: u64) -> Owner {
+        Owner { run: crate::run_id(), connection }
+    }
+}
+
+/// A rewind's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RewindOutcome {
+    /// Consumed messages made ready again.
+    pub rewound: u64,
+    /// When the first message at or after the time asked for was published (unix ms): the queue was
+    /// rewound to it. Later than asked when the retention no longer holds what was published then
+    /// (`clamped`). None if the queue keeps no message from then on.
+    pub from_ms: Option<u64>,
+    /// The time asked for is before the oldest message the retention keeps.
+    pub clamped: bool,
+}
