@@ -534,6 +534,7 @@ impl VHost {
             self.me.clone(),
             self.store.clone(),
             crate::now_ms(),
+            None,
         );
         if queue.args.retention_ms > 0 {
             for store_id in queue.store_ids() {
@@ -1130,10 +1131,10 @@ impl VHost {
         }
         let transient = def.transient;
         let owner = transient.and_then(|t| t.exclusive.map(|connection| Owner { run: t.run, connection }));
-        let queue = Queue::new(name.clone(), id, transient.is_none(), owner, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms());
-        if let Some(home) = home {
-            queue.set_home(home, self.quorum.clone());
-        }
+        // In a cluster a classic queue lives on node `home` (`queue::remote`): on other nodes its
+        // messages are forwarded there.
+        let home = home.map(|home| crate::queue::remote::RemoteHome::new(home, self.quorum.clone()));
+        let queue = Queue::new(name.clone(), id, transient.is_none(), owner, auto_delete, arguments, args, self.me.clone(), self.store.clone(), crate::now_ms(), home);
         if let Some(t) = transient {
             queue.set_transient(t);
             if self.ended_here(&queue) {

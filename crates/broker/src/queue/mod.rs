@@ -21,7 +21,7 @@ mod types;
 
 pub use types::*;
 
-use classic::{ready_count, QueueState};
+use classic::{ready_count, Classic};
 
 use crate::channel::{Channel, Consumer, Settle};
 use crate::consumers::Consumers;
@@ -71,31 +71,29 @@ pub struct Queue {
     vhost: Weak<VHost>,
     /// The node's shared message log; only durable queues write messages to it.
     store: Store,
-    state: Mutex<QueueState>,
-    /// Wakes publishers slowed by `held_back` once the window has drained.
-    drained: tokio::sync::Notify,
-    /// Wakes basic.gets waiting for a read of a span (`GetWait::Refill`).
-    refilled: tokio::sync::Notify,
-    /// This queue, for the blocking task that reads its spans (`refill_locked`).
+    /// This queue, for the tasks that read it back from the store (`classic::window`).
     me: Weak<Queue>,
-    /// A quorum queue: its replica does the queue's work (`replica`), and the classic state above
-    /// stays empty. None: a classic queue.
-    replica: Option<quorum::QuorumReplica>,
-    /// A classic queue in a cluster: its home node (`remote`). Set once, at declaration.
-    home: std::sync::OnceLock<remote::RemoteHome>,
+    kind: Kind,
     /// A transient queue of a cluster, recorded in the metadata group (`QueueDef::transient`).
     transient: std::sync::OnceLock<crate::definitions::TransientDef>,
-    /// A quorum queue on a node outside its group: the member its consumers and basic.gets go
-    /// through (`remote::relay`), set at the first of them.
-    member_relay: std::sync::OnceLock<remote::RemoteHome>,
     /// Messages published to, delivered from and acknowledged on this queue (the management
     /// API's rates).
     pub stats: crate::stats::QueueStats,
-    /// One rewind at a time (`rewind`).
-    rewinding: tokio::sync::Mutex<()>,
+}
+
+/// What a queue is, with that kind's state.
+enum Kind {
+    /// A classic queue (`classic`). In a cluster it lives on its home node; the others forward to
+    /// it (`remote`), and its state there stays empty.
+    Classic(Classic),
+    /// A quorum queue: this node's replica of its group (`quorum`), and on a node outside the group
+    /// the member its consumers and basic.gets go through (`remote::relay`), set at the first of them.
+    Quorum { replica: quorum::QuorumReplica, member_relay: std::sync::OnceLock<remote::RemoteHome> },
 }
 
 impl Queue {
+    /// A classic queue. `home`: in a cluster, the node it lives on (this one, or another that this
+    /// node forwards to).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         name: String,
@@ -108,8 +106,10 @@ impl Queue {
         vhost: Weak<VHost>,
         store: Store,
         now_ms: u64,
+        home: Option<remote::RemoteHome>,
     ) -> Arc<Queue> {
-        Self::build(name, id, durable, exclusive_owner, auto_delete, arguments, args, vhost, store, now_ms, None)
+        let kind = Kind::Classic(Classic::new(id, &args, now_ms, home));
+        Self::build(name, id, durable, exclusive_owner, auto_delete, arguments, args, vhost, store, kind)
     }
 
     /// A quorum queue (`x-queue-type: quorum`; durable, neither exclusive nor auto-delete): its Raft
@@ -126,7 +126,8 @@ impl Queue {
         recorded: quorum::Recorded,
     ) -> Arc<Queue> {
         let replica = quorum::QuorumReplica::new(&name, id, store.clone(), &args, runtime, recorded);
-        Self::build(name, id, true, None, false, arguments, args, vhost, store, crate::now_ms(), Some(replica))
+        let kind = Kind::Quorum { replica, member_relay: std::sync::OnceLock::new() };
+        Self::build(name, id, true, None, false, arguments, args, vhost, store, kind)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -140,14 +141,11 @@ impl Queue {
         args: QueueArgs,
         vhost: Weak<VHost>,
         store: Store,
-        now_ms: u64,
-        replica: Option<quorum::QuorumReplica>,
+        kind: Kind,
     ) -> Arc<Queue> {
         QUEUES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let state = Mutex::new(QueueState::new(id, &args, now_ms));
         Arc::new_cyclic(|me| Queue {
             me: me.clone(),
-            refilled: tokio::sync::Notify::new(),
             name,
             id,
             durable,
@@ -157,22 +155,33 @@ impl Queue {
             args,
             vhost,
             store,
-            state,
-            drained: tokio::sync::Notify::new(),
-            replica,
-            home: std::sync::OnceLock::new(),
+            kind,
             transient: std::sync::OnceLock::new(),
-            member_relay: std::sync::OnceLock::new(),
             stats: Default::default(),
-            rewinding: tokio::sync::Mutex::new(()),
         })
     }
 
-    /// A classic queue in a cluster lives on node `home` (`remote`): on other nodes its messages are
-    /// forwarded there, and consumers are refused.
-    pub fn set_home(&self, home: u64, runtime: Arc<quorum::QuorumRuntime>) {
-        if self.replica.is_none() {
-            let _ = self.home.set(remote::RemoteHome::new(home, runtime));
+    /// This node's replica of a quorum queue's group (None: a classic queue).
+    fn replica(&self) -> Option<&quorum::QuorumReplica> {
+        match &self.kind {
+            Kind::Quorum { replica, .. } => Some(replica),
+            Kind::Classic(_) => None,
+        }
+    }
+
+    /// A classic queue's state (None: a quorum queue).
+    fn classic(&self) -> Option<&Classic> {
+        match &self.kind {
+            Kind::Classic(c) => Some(c),
+            Kind::Quorum { .. } => None,
+        }
+    }
+
+    /// A quorum queue's member relay, once set up (see `member_relay`).
+    fn relay_started(&self) -> Option<&remote::RemoteHome> {
+        match &self.kind {
+            Kind::Quorum { member_relay, .. } => member_relay.get(),
+            Kind::Classic(_) => None,
         }
     }
 
@@ -194,40 +203,43 @@ impl Queue {
 
     /// The home node of a classic queue in a cluster (None: standalone, or a quorum queue).
     pub fn home_node(&self) -> Option<u64> {
-        self.home.get().map(|h| h.home())
+        self.classic()?.home.as_ref().map(|h| h.home())
     }
 
     /// The forwarding side, when this classic queue's home is another node.
     pub fn remote_home(&self) -> Option<&remote::RemoteHome> {
-        self.home.get().filter(|h| h.is_elsewhere())
+        self.classic()?.home.as_ref().filter(|h| h.is_elsewhere())
     }
 
     /// Where this node's consumers of the queue are relayed from: a classic queue's home on another
     /// node, or the member a quorum queue outside whose group this node is relays them through.
     pub fn relay_side(&self) -> Option<&remote::RemoteHome> {
-        self.remote_home().or_else(|| self.member_relay.get())
+        self.remote_home().or_else(|| self.relay_started())
     }
 
     /// A quorum queue on a node outside its group: the member relay, set up at the first consumer
     /// or basic.get (None on a member, or with no member to relay through).
     fn member_relay(&self) -> Option<&remote::RemoteHome> {
-        let r = self.replica.as_ref().filter(|r| r.is_outside_group())?;
-        if let Some(relay) = self.member_relay.get() {
+        let Kind::Quorum { replica: r, member_relay } = &self.kind else { return None };
+        if !r.is_outside_group() {
+            return None;
+        }
+        if let Some(relay) = member_relay.get() {
             return Some(relay);
         }
         let member = r.relay_member(None)?;
-        Some(self.member_relay.get_or_init(|| remote::RemoteHome::through_member(member, r.runtime())))
+        Some(member_relay.get_or_init(|| remote::RemoteHome::through_member(member, r.runtime())))
     }
 
     /// The members of a quorum queue's group recorded at its declaration (`QueueDef::members`).
     pub fn recorded_members(&self) -> Option<Vec<u64>> {
-        self.replica.as_ref().and_then(|r| r.recorded_members())
+        self.replica().and_then(|r| r.recorded_members())
     }
 
     /// A quorum queue's group has other members from now on (`metadata::Op::QueueMembers`): the
     /// node's quorum host moves the group to them.
     pub fn set_recorded_members(&self, members: Vec<u64>) {
-        let Some(r) = &self.replica else { return };
+        let Some(r) = self.replica() else { return };
         r.set_recorded_members(members);
         if let Some(host) = r.runtime().host() {
             host.members_changed(self.id);
@@ -236,42 +248,41 @@ impl Queue {
 
     /// Whether a quorum queue's members were changed since its declaration (`QueueDef::members_changed`).
     pub fn members_changed(&self) -> bool {
-        self.replica.as_ref().is_some_and(|r| r.members_changed())
+        self.replica().is_some_and(|r| r.members_changed())
     }
 
     /// This node left the quorum queue's group (see `QuorumReplica::leave_group`).
     pub fn leave_group(self: &Arc<Self>) {
-        if let Some(r) = &self.replica {
+        if let Some(r) = self.replica() {
             r.leave_group(self);
         }
     }
 
     /// The member recorded at the declaration to lead a quorum queue's group first (`QueueDef::leader`).
     pub fn recorded_leader(&self) -> Option<u64> {
-        self.replica.as_ref().and_then(|r| r.recorded_leader())
+        self.replica().and_then(|r| r.recorded_leader())
     }
 
     /// A quorum queue with a replica on this node (a member of its group, or not known otherwise yet).
     pub fn has_replica_here(&self) -> bool {
-        self.replica.as_ref().is_some_and(|r| !r.is_outside_group())
+        self.replica().is_some_and(|r| !r.is_outside_group())
     }
 
     /// Another member of the group to relay through than `avoid` (the one lost), if the group has one.
     pub(crate) fn relay_member_instead_of(&self, avoid: u64) -> Option<u64> {
-        self.replica.as_ref().and_then(|r| r.relay_member(Some(avoid)))
+        self.replica().and_then(|r| r.relay_member(Some(avoid)))
     }
 
     /// Whether this is a quorum queue.
     pub fn is_quorum(&self) -> bool {
-        self.replica.is_some()
+        self.replica().is_some()
     }
 
     pub fn message_count(&self) -> u32 {
-        if let Some(r) = &self.replica {
-            return r.message_count();
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.message_count(),
+            Kind::Classic(c) => ready_count(&c.state.lock()).min(u32::MAX as u64) as u32,
         }
-        let st = self.state.lock();
-        ready_count(&st).min(u32::MAX as u64) as u32
     }
 
     /// The consumed messages a queue with `x-retention-seconds` keeps on disk (a rewind could
@@ -282,7 +293,7 @@ impl Queue {
         if self.args.retention_ms == 0 || self.remote_home().is_some() {
             return warren_store::RetentionStats::default();
         }
-        if let Some(r) = &self.replica {
+        if let Some(r) = self.replica() {
             return r.retention_stats();
         }
         self.store_ids().map(|id| self.store.retention_stats(id)).fold(warren_store::RetentionStats::default(), |a, b| {
@@ -297,39 +308,39 @@ impl Queue {
     }
 
     pub fn consumer_count(&self) -> u32 {
-        if let Some(r) = &self.replica {
-            return r.consumer_count();
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.consumer_count(),
+            Kind::Classic(c) => c.state.lock().consumers.len() as u32,
         }
-        self.state.lock().consumers.len() as u32
     }
 
     /// This node's consumers of the queue (the management API lists them).
     pub fn local_consumers(&self) -> Vec<Arc<Consumer>> {
-        if let Some(r) = &self.replica {
-            return r.local_consumers();
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.local_consumers(),
+            Kind::Classic(c) => c.state.lock().consumers.iter().cloned().collect(),
         }
-        self.state.lock().consumers.iter().cloned().collect()
     }
 
     pub fn unacked_count(&self) -> u64 {
-        if let Some(r) = &self.replica {
-            return r.unacked_count();
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.unacked_count(),
+            Kind::Classic(c) => c.state.lock().unacked,
         }
-        self.state.lock().unacked
     }
 
     pub fn is_deleted(&self) -> bool {
-        if let Some(r) = &self.replica {
-            return r.is_deleted();
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.is_deleted(),
+            Kind::Classic(c) => c.state.lock().deleted,
         }
-        self.state.lock().deleted
     }
 
     // ---- a quorum queue's group (see `replica`) ------------------------------------------
 
     /// A quorum queue's group runs on this node: proposals go through `replicator` from now on.
     pub fn attach_replicator(self: &Arc<Self>, replicator: Arc<dyn quorum::Replicator>) {
-        if let Some(r) = &self.replica {
+        if let Some(r) = self.replica() {
             r.attach(self, replicator);
         }
     }
@@ -337,12 +348,12 @@ impl Queue {
     /// Whether `entry` holds a basic.get (`Dequeue`) of one of this node's getters (for a test hook
     /// that delays its apply here, see the server's `QueueMachine::apply`).
     pub fn has_own_dequeue(&self, entry: &[u8]) -> bool {
-        self.replica.as_ref().is_some_and(|r| r.has_own_dequeue(entry))
+        self.replica().is_some_and(|r| r.has_own_dequeue(entry))
     }
 
     /// Applies a committed entry of a quorum queue's group; returns the reply for its proposer.
     pub fn apply_replicated(self: &Arc<Self>, index: u64, entry: &bytes::Bytes) -> bytes::Bytes {
-        match &self.replica {
+        match self.replica() {
             Some(r) => r.apply(self, index, entry),
             None => bytes::Bytes::new(),
         }
@@ -351,7 +362,7 @@ impl Queue {
     /// A quorum queue's state for a snapshot of its group (without message bodies: the entries
     /// with those of its live messages are pinned in the log, which keeps them).
     pub fn snapshot_replicated(&self) -> bytes::Bytes {
-        match &self.replica {
+        match self.replica() {
             Some(r) => r.snapshot(),
             None => bytes::Bytes::new(),
         }
@@ -359,7 +370,7 @@ impl Queue {
 
     /// Replaces a quorum queue's state by a snapshot's.
     pub fn restore_replicated(&self, snapshot: &[u8]) -> std::result::Result<(), String> {
-        match &self.replica {
+        match self.replica() {
             Some(r) => r.restore_snapshot(snapshot),
             None => Err(format!("queue '{}' is not a quorum queue", self.name)),
         }
@@ -368,7 +379,7 @@ impl Queue {
     /// At a start, a quorum queue's state was restored from this node's own snapshot
     /// (`restore_replicated`): the bodies of its live messages that are in the log are found there.
     pub fn restored_at_start(&self) {
-        if let Some(r) = &self.replica {
+        if let Some(r) = self.replica() {
             r.restored_at_start(self);
         }
     }
@@ -379,7 +390,7 @@ impl Queue {
     /// [`Queue::serve_bodies`]) and hands the answers to [`Queue::bodies_fetched`] until it returns
     /// None, before any later entry of the group applies.
     pub fn snapshot_installed(self: &Arc<Self>) -> std::result::Result<Option<bytes::Bytes>, String> {
-        match &self.replica {
+        match self.replica() {
             Some(r) => r.snapshot_installed(self),
             None => Ok(None),
         }
@@ -389,7 +400,7 @@ impl Queue {
     /// request, or None once every live message of the snapshot has its body here. Err: a bad
     /// answer (ask another peer).
     pub fn bodies_fetched(self: &Arc<Self>, request: &[u8], answer: bytes::Bytes) -> std::result::Result<Option<bytes::Bytes>, String> {
-        match &self.replica {
+        match self.replica() {
             Some(r) => r.bodies_fetched(self, request, answer),
             None => Ok(None),
         }
@@ -397,7 +408,7 @@ impl Queue {
 
     /// Answers a peer's body request from this node's store. Blocking: call it off the runtime.
     pub fn serve_bodies(&self, request: &[u8]) -> std::result::Result<bytes::Bytes, String> {
-        match &self.replica {
+        match self.replica() {
             Some(r) => r.serve_bodies(self, request),
             None => Err(format!("queue '{}' is not a quorum queue", self.name)),
         }
@@ -406,7 +417,7 @@ impl Queue {
     /// Whether this node can deliver this queue's messages (basic.get, basic.consume): from its
     /// replica of a quorum queue, or through a member of the group when it has none.
     pub fn check_consumable(&self) -> Result<()> {
-        match &self.replica {
+        match self.replica() {
             Some(r) if r.is_outside_group() => match self.member_relay() {
                 Some(_) => Ok(()),
                 None => Err(BrokerError::precondition_failed(format!(
@@ -423,7 +434,7 @@ impl Queue {
 
     /// Refuses what only the home node of a classic queue can do elsewhere (delete it if empty or unused).
     pub(crate) fn check_home(&self, what: &str) -> Result<()> {
-        match self.home.get() {
+        match self.classic().and_then(|c| c.home.as_ref()) {
             Some(h) => remote::not_here(h, &self.name, what),
             None => Ok(()),
         }
@@ -432,13 +443,13 @@ impl Queue {
     /// A node of the cluster is down: the queue's group returns what its consumers held (proposed
     /// by the group's leader).
     pub fn consumers_down(self: &Arc<Self>, node: u64) {
-        if let Some(r) = &self.replica {
+        if let Some(r) = self.replica() {
             r.consumers_down(self, node);
         }
     }
 
     fn replica_proposed(self: &Arc<Self>, result: std::result::Result<bytes::Bytes, String>, entry: &[u8], waiters: Vec<quorum::Waiter>) {
-        if let Some(r) = &self.replica {
+        if let Some(r) = self.replica() {
             r.proposed(self, result, entry, waiters);
         }
     }
@@ -446,13 +457,14 @@ impl Queue {
     /// The queue was used (redeclared): restarts its `x-expires` countdown. A quorum queue's
     /// countdown is its machine's: a `Touch` is proposed (only if it has `x-expires`).
     pub fn touch(self: &Arc<Self>, now_ms: u64) {
-        if let Some(r) = &self.replica {
-            if self.args.expires_ms.is_some() {
-                r.touch(self, now_ms);
+        match &self.kind {
+            Kind::Quorum { replica, .. } => {
+                if self.args.expires_ms.is_some() {
+                    replica.touch(self, now_ms);
+                }
             }
-            return;
+            Kind::Classic(c) => c.state.lock().last_used_ms = now_ms,
         }
-        self.state.lock().last_used_ms = now_ms;
     }
 
     /// When a message enqueued at `enqueued_at_ms` expires: the smaller of the queue's
@@ -470,13 +482,13 @@ impl Queue {
     /// `QuorumMachine::fire_due`). None for a classic queue: the node's delay store holds the
     /// message for it (`crate::delay`).
     pub fn publish_delayed(self: &Arc<Self>, message: &MessageRef, stored_header: &[u8], now_ms: u64, delay_ms: u64, publisher: Option<Publisher>) -> Option<Result<Enqueued>> {
-        let r = self.replica.as_ref()?;
+        let r = self.replica()?;
         Some(r.publish(self, message, stored_header, now_ms, delay_ms, publisher))
     }
 
     /// Delayed messages this queue holds itself (a quorum queue's group: `publish_delayed`).
     pub fn delayed_in_group(&self) -> u64 {
-        self.replica.as_ref().map_or(0, |r| r.delayed_count())
+        self.replica().map_or(0, |r| r.delayed_count())
     }
 
     /// Offers a routed message. `stored_header` is the message's store encoding minus the body
@@ -495,24 +507,24 @@ impl Queue {
         lazy_ok: bool,
         publisher: Option<Publisher>,
     ) -> Result<Enqueued> {
-        if let Some(r) = &self.replica {
-            return r.publish(self, message, stored_header, now_ms, 0, publisher);
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.publish(self, message, stored_header, now_ms, 0, publisher),
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => Ok(remote.publish(self, message, now_ms, publisher)),
+                // A classic queue's confirm needs only the store ticket; `publisher` is for quorum queues.
+                None => self.classic_publish(c, message, stored_header, now_ms, lazy_ok),
+            },
         }
-        if let Some(remote) = self.remote_home() {
-            return Ok(remote.publish(self, message, now_ms, publisher));
-        }
-        // A classic queue's confirm needs only the store ticket; `publisher` is for quorum queues.
-        self.classic_publish(message, stored_header, now_ms, lazy_ok)
     }
 
     /// Takes over what the store held for this queue at startup: every live message is in the span,
     /// read back as the window needs it; those that may have been delivered before come back marked
     /// redelivered.
     pub fn restore(&self, recovered: &RecoveredQueue) {
-        if let Some(r) = &self.replica {
-            return r.restore_bodies(self, recovered);
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.restore_bodies(self, recovered),
+            Kind::Classic(c) => self.classic_restore(c, recovered),
         }
-        self.classic_restore(recovered)
     }
 
     /// The store queue ids this queue's messages are written under: one per lane (see `lane`).
@@ -537,84 +549,92 @@ impl Queue {
 
     /// Waits until publishers may go on (see `QueueState::publishers_must_wait`), at most `max` at a time.
     pub async fn wait_until_drained(&self, max: std::time::Duration) {
-        if let Some(r) = &self.replica {
-            return r.wait_until_drained(max).await;
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.wait_until_drained(max).await,
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => remote.wait_until_drained(max).await,
+                None => self.classic_wait_until_drained(c, max).await,
+            },
         }
-        if let Some(remote) = self.remote_home() {
-            return remote.wait_until_drained(max).await;
-        }
-        self.classic_wait_until_drained(max).await
     }
 
     /// Delivers what can be delivered now (credit came back, a consumer arrived, flow resumed).
     pub fn dispatch(self: &Arc<Self>) {
-        if let Some(relay) = self.member_relay.get() {
-            relay.dispatch();
+        match &self.kind {
+            Kind::Quorum { replica, member_relay } => {
+                if let Some(relay) = member_relay.get() {
+                    relay.dispatch();
+                }
+                replica.dispatch(self);
+            }
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => remote.dispatch(),
+                None => self.classic_dispatch(c),
+            },
         }
-        if let Some(r) = &self.replica {
-            return r.dispatch(self);
-        }
-        if let Some(remote) = self.remote_home() {
-            return remote.dispatch();
-        }
-        self.classic_dispatch()
     }
 
     /// Periodic housekeeping: expire messages whose TTL passed, and report whether the queue
     /// has been unused for longer than `x-expires` (the caller then deletes it).
     pub fn tick(self: &Arc<Self>, now_ms: u64) -> bool {
-        if let Some(relay) = self.member_relay.get() {
-            relay.tick(self, now_ms);
+        match &self.kind {
+            Kind::Quorum { replica, member_relay } => {
+                if let Some(relay) = member_relay.get() {
+                    relay.tick(self, now_ms);
+                }
+                // x-expires of a quorum queue comes from its machine (`Effect::QueueExpired`).
+                replica.tick(self, now_ms);
+                false
+            }
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => {
+                    // Its home decides x-expires (nothing is used here), and the copy here holds nothing.
+                    remote.tick(self, now_ms);
+                    false
+                }
+                None => self.classic_tick(c, now_ms),
+            },
         }
-        if let Some(r) = &self.replica {
-            // x-expires of a quorum queue comes from its machine (`Effect::QueueExpired`).
-            r.tick(self, now_ms);
-            return false;
-        }
-        if let Some(remote) = self.remote_home() {
-            // Its home decides x-expires (nothing is used here), and the copy here holds nothing.
-            remote.tick(self, now_ms);
-            return false;
-        }
-        self.classic_tick(now_ms)
     }
 
     /// Writes what `publish` left unstored (see `lazy_ok`): on shutdown, before the store closes.
+    /// (A quorum queue writes every message as its entry is applied.)
     pub fn store_lazy(&self) {
-        if self.replica.is_some() {
-            return; // a quorum queue writes every message as its entry is applied
+        if let Kind::Classic(c) = &self.kind {
+            self.classic_store_lazy(c);
         }
-        self.classic_store_lazy()
     }
 
     /// basic.consume: registers a consumer, enforcing exclusivity, then delivers.
     /// `on_registered` runs under the queue lock once the consumer is accepted and before anything
     /// is delivered to it (the server sends basic.consume-ok from there).
     pub fn add_consumer(self: &Arc<Self>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
-        if let Some(relay) = self.member_relay() {
-            return relay.add_consumer(self, consumer, on_registered);
+        match &self.kind {
+            Kind::Quorum { replica, .. } => match self.member_relay() {
+                Some(relay) => relay.add_consumer(self, consumer, on_registered),
+                None => replica.add_consumer(self, consumer, on_registered),
+            },
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => remote.add_consumer(self, consumer, on_registered),
+                None => self.classic_add_consumer(c, consumer, on_registered),
+            },
         }
-        if let Some(r) = &self.replica {
-            return r.add_consumer(self, consumer, on_registered);
-        }
-        if let Some(remote) = self.remote_home() {
-            return remote.add_consumer(self, consumer, on_registered);
-        }
-        self.classic_add_consumer(consumer, on_registered)
     }
 
     /// The consumer is gone (cancel, channel closed). An auto-delete queue goes with its last consumer.
     pub fn remove_consumer(self: &Arc<Self>, consumer: &Arc<Consumer>) {
-        if let Some(relay) = self.member_relay.get() {
-            relay.remove_consumer(self, consumer);
+        match &self.kind {
+            Kind::Quorum { replica, member_relay } => {
+                if let Some(relay) = member_relay.get() {
+                    relay.remove_consumer(self, consumer);
+                }
+                replica.remove_consumer(self, consumer);
+            }
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => remote.remove_consumer(self, consumer),
+                None => self.classic_remove_consumer(c, consumer),
+            },
         }
-        if let Some(r) = &self.replica {
-            return r.remove_consumer(self, consumer);
-        }
-        if let Some(remote) = self.remote_home() {
-            return remote.remove_consumer(self, consumer);
-        }
-        self.classic_remove_consumer(consumer)
     }
 
     /// basic.get: takes the head (if any) for `channel`. Nothing when the channel already holds as many
@@ -626,16 +646,16 @@ impl Queue {
         if !no_ack && channel.unacked_full() {
             return Got::Empty;
         }
-        if let Some(relay) = self.member_relay() {
-            return relay.get(self, channel, no_ack);
+        match &self.kind {
+            Kind::Quorum { replica, .. } => match self.member_relay() {
+                Some(relay) => relay.get(self, channel, no_ack),
+                None => replica.get(self, channel, no_ack),
+            },
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => remote.get(self, channel, no_ack),
+                None => self.classic_get(c, channel, no_ack),
+            },
         }
-        if let Some(r) = &self.replica {
-            return r.get(self, channel, no_ack);
-        }
-        if let Some(remote) = self.remote_home() {
-            return remote.get(self, channel, no_ack);
-        }
-        self.classic_get(channel, no_ack)
     }
 
     /// Returns once what a [`Got::Later`] asked for is there (or can no longer come: the store closed).
@@ -645,25 +665,17 @@ impl Queue {
                 let mut durable = self.store.durable();
                 let _ = durable.wait_for(|&d| d >= ticket).await;
             }
-            GetWait::Refill(done) => loop {
-                let notified = self.refilled.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable();
-                let finished = {
-                    let st = self.state.lock();
-                    st.refills_done != done || st.deleted
-                };
-                if finished {
-                    return;
+            GetWait::Refill(done) => {
+                if let Some(c) = self.classic() {
+                    c.refilled_since(done).await;
                 }
-                notified.await;
-            },
+            }
             GetWait::Readable(ticket) => {
                 let mut readable = self.store.readable();
                 let _ = readable.wait_for(|&r| r >= ticket).await;
             }
             GetWait::Replicated(get) => {
-                if let Some(r) = &self.replica {
+                if let Some(r) = self.replica() {
                     r.wait_get(get).await;
                 }
             }
@@ -681,49 +693,48 @@ impl Queue {
     /// A quorum queue proposes the settlement instead and, for a transaction (`publisher`), tells
     /// its session once applied.
     pub fn settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch, publisher: Option<Publisher>) -> Option<SyncTicket> {
-        if let Some(relay) = self.member_relay.get() {
-            // What came through a member goes back to it; the rest is this node's replica's (it
-            // joined the group since: `warren ctl grow`, `remove-node`).
-            let (relayed, own): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| e.seq & remote::relay::RELAY_SEQ != 0);
-            if !relayed.is_empty() {
-                relay.settle(self, relayed, how);
+        match &self.kind {
+            Kind::Quorum { replica, member_relay } => {
+                match member_relay.get() {
+                    Some(relay) => {
+                        // What came through a member goes back to it; the rest is this node's
+                        // replica's (it joined the group since: `warren ctl grow`, `remove-node`).
+                        let (relayed, own): (Vec<Entry>, Vec<Entry>) = entries.into_iter().partition(|e| e.seq & remote::relay::RELAY_SEQ != 0);
+                        if !relayed.is_empty() {
+                            relay.settle(self, relayed, how);
+                        }
+                        if !own.is_empty() {
+                            replica.settle(self, own, how, publisher);
+                        }
+                    }
+                    None => replica.settle(self, entries, how, publisher),
+                }
+                None
             }
-            if let Some(r) = self.replica.as_ref().filter(|_| !own.is_empty()) {
-                r.settle(self, own, how, publisher);
-            }
-            return None;
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => {
+                    remote.settle(self, entries, how);
+                    None
+                }
+                None => self.classic_settle(c, entries, how, acks),
+            },
         }
-        if let Some(r) = &self.replica {
-            r.settle(self, entries, how, publisher);
-            return None;
-        }
-        if let Some(remote) = self.remote_home() {
-            remote.settle(self, entries, how);
-            return None;
-        }
-        self.classic_settle(entries, how, acks)
     }
 
     /// queue.purge: drops every ready message; returns how many.
     pub fn purge(self: &Arc<Self>) -> Result<u32> {
-        if let Some(r) = &self.replica {
-            return r.purge(self);
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.purge(self),
+            Kind::Classic(c) => match c.elsewhere() {
+                Some(remote) => remote.purge(self),
+                None => self.classic_purge(c),
+            },
         }
-        if let Some(remote) = self.remote_home() {
-            return remote.purge(self);
-        }
-        self.classic_purge()
     }
 
     /// Makes the consumed messages published at or after `to_ms` (unix ms) that the queue's retention
     /// still keeps ready again. Answers once the rewind is durable: it survives a crash.
     pub async fn rewind(self: &Arc<Self>, to_ms: u64) -> Result<RewindOutcome> {
-        if self.is_quorum() && self.replica.is_none() {
-            return Err(BrokerError::precondition_failed(format!(
-                "quorum queue '{}' has no replica on this node: rewind it through a node of its group",
-                self.name
-            )));
-        }
         if let Some(remote) = self.remote_home() {
             return remote.rewind(self, to_ms).await;
         }
@@ -733,25 +744,29 @@ impl Queue {
                 self.name
             )));
         }
-        if let Some(r) = &self.replica {
-            return r.rewind(self, to_ms).await;
+        match &self.kind {
+            Kind::Quorum { replica, .. } => replica.rewind(self, to_ms).await,
+            Kind::Classic(c) => self.classic_rewind(c, to_ms).await,
         }
-        self.classic_rewind(to_ms).await
     }
 
     /// Marks the queue deleted, settles its ready messages in the store and cancels its consumers
     /// (the clients get basic.cancel). Returns the number of ready messages it held.
     pub fn mark_deleted(self: &Arc<Self>) -> u32 {
-        if let Some(relay) = self.member_relay.get() {
-            relay.deleted(self);
+        match &self.kind {
+            Kind::Quorum { replica, member_relay } => {
+                if let Some(relay) = member_relay.get() {
+                    relay.deleted(self);
+                }
+                replica.delete(self)
+            }
+            Kind::Classic(c) => {
+                if let Some(remote) = c.elsewhere() {
+                    remote.deleted(self);
+                }
+                self.classic_mark_deleted(c)
+            }
         }
-        if let Some(r) = &self.replica {
-            return r.delete(self);
-        }
-        if let Some(remote) = self.remote_home() {
-            remote.deleted(self);
-        }
-        self.classic_mark_deleted()
     }
 
     /// Appends collected store acks (for any queue: the store is shared) and clears the batch. Returns

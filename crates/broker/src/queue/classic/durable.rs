@@ -5,8 +5,8 @@ use super::*;
 
 impl Queue {
     /// `Queue::restore` of a classic queue on this node.
-    pub(in crate::queue) fn classic_restore(&self, recovered: &RecoveredQueue) {
-        let mut st = self.state.lock();
+    pub(in crate::queue) fn classic_restore(&self, c: &Classic, recovered: &RecoveredQueue) {
+        let mut st = c.state.lock();
         // A priority queue's levels are store queues `id`, `id` + 1, ... (see `lane`).
         st.select(recovered.queue.saturating_sub(self.id) as usize);
         st.next_seq = recovered.next_seq;
@@ -104,7 +104,9 @@ impl Queue {
         let mut watermark = watermark(&self.store);
         rt.spawn(async move {
             let _ = watermark.wait_for(|&w| w >= ticket).await;
-            *waiting(&mut queue.state.lock()) = false;
+            if let Some(c) = queue.classic() {
+                *waiting(&mut c.state.lock()) = false;
+            }
             queue.dispatch();
         });
     }

@@ -21,6 +21,7 @@ mod rewind;
 mod window;
 
 use super::*;
+use remote::RemoteHome;
 
 /// Publishers held back by a slow no-ack consumer pause at this many waiting messages and go on at
 /// `FLOW_RESUME_AT` (see `QueueState::publishers_must_wait`).
@@ -45,6 +46,54 @@ enum Head {
     /// The next message (of the highest level holding any) is in the store but not readable yet; it
     /// is once the store's readable watermark reaches this ticket.
     Unreadable(SyncTicket),
+}
+
+/// A classic queue's state (`Kind::Classic`).
+pub(in crate::queue) struct Classic {
+    pub(in crate::queue) state: Mutex<QueueState>,
+    /// Wakes publishers slowed by `held_back` once the window has drained.
+    drained: tokio::sync::Notify,
+    /// Wakes basic.gets waiting for a read of a span (`GetWait::Refill`).
+    refilled: tokio::sync::Notify,
+    /// One rewind at a time (`rewind`).
+    rewinding: tokio::sync::Mutex<()>,
+    /// In a cluster: its home node (`remote`), set at declaration.
+    pub(in crate::queue) home: Option<RemoteHome>,
+}
+
+impl Classic {
+    pub(in crate::queue) fn new(id: u64, args: &QueueArgs, now_ms: u64, home: Option<RemoteHome>) -> Classic {
+        Classic {
+            state: Mutex::new(QueueState::new(id, args, now_ms)),
+            drained: tokio::sync::Notify::new(),
+            refilled: tokio::sync::Notify::new(),
+            rewinding: tokio::sync::Mutex::new(()),
+            home,
+        }
+    }
+
+    /// Its home, when that is another node: this node forwards to it.
+    pub(in crate::queue) fn elsewhere(&self) -> Option<&RemoteHome> {
+        self.home.as_ref().filter(|h| h.is_elsewhere())
+    }
+
+    /// Returns once a read of a span has been merged since `done` reads were (`GetWait::Refill`), or
+    /// the queue is deleted.
+    pub(in crate::queue) async fn refilled_since(&self, done: u64) {
+        loop {
+            let notified = self.refilled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let finished = {
+                let st = self.state.lock();
+                st.refills_done != done || st.deleted
+            };
+            if finished {
+                return;
+            }
+            notified.await;
+        }
+    }
 }
 
 pub(in crate::queue) struct QueueState {
@@ -251,7 +300,7 @@ mod refill_tests {
         let (store, _) = Store::open_on(&root.path().join("store"), opts, Disk::simulated(sim.clone())).unwrap();
         // Not durable: its gets need no delivered mark (which could not become durable on a full disk);
         // what does not fit in its window is still paged to the store.
-        let queue = Queue::new("q".into(), 1, false, None, false, FieldTable::default(), QueueArgs::default(), Weak::new(), store.clone(), 0);
+        let queue = Queue::new("q".into(), 1, false, None, false, FieldTable::default(), QueueArgs::default(), Weak::new(), store.clone(), 0, None);
         let total = WINDOW_MESSAGES as u64 + 300;
         for seq in 0..total {
             let message = Arc::new(crate::Message {
@@ -269,7 +318,7 @@ mod refill_tests {
         let mut sync = Batch::new();
         sync.delivered(7, 1); // any record: once it is durable, the paged messages before it are too
         store.wait_durable(store.append(&mut sync).unwrap()).unwrap();
-        assert_eq!(queue.state.lock().span_count, 300, "the last 300 wait in the store");
+        assert_eq!(queue.classic().unwrap().state.lock().span_count, 300, "the last 300 wait in the store");
 
         // The next quiet checkpoint copies the 300 (a short run) into the queue's own file: it cannot.
         sim.set_full(true);

@@ -7,6 +7,7 @@ impl Queue {
     /// `Queue::publish` of a classic queue on this node.
     pub(in crate::queue) fn classic_publish(
         self: &Arc<Self>,
+        c: &Classic,
         message: &MessageRef,
         stored_header: &[u8],
         now_ms: u64,
@@ -14,7 +15,7 @@ impl Queue {
     ) -> Result<Enqueued> {
         let mut after = AfterUnlock::default();
         let outcome = {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if st.deleted {
                 return Ok(Enqueued::Accepted { ticket: None, slow_publishers: false, store_behind: false });
             }
@@ -86,27 +87,27 @@ impl Queue {
     }
 
     /// `Queue::wait_until_drained` of a classic queue on this node.
-    pub(in crate::queue) async fn classic_wait_until_drained(&self, max: std::time::Duration) {
-        let notified = self.drained.notified();
+    pub(in crate::queue) async fn classic_wait_until_drained(&self, c: &Classic, max: std::time::Duration) {
+        let notified = c.drained.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if !st.publishers_must_wait() || st.consumers.is_empty() {
                 return;
             }
             st.publisher_waiting = true;
         }
         if tokio::time::timeout(max, notified).await.is_err() {
-            self.state.lock().consumers_stalled = true;
+            c.state.lock().consumers_stalled = true;
         }
     }
 
     /// `Queue::dispatch` of a classic queue on this node.
-    pub(in crate::queue) fn classic_dispatch(self: &Arc<Self>) {
+    pub(in crate::queue) fn classic_dispatch(self: &Arc<Self>, c: &Classic) {
         let mut after = AfterUnlock::default();
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if st.deleted {
                 return;
             }
@@ -116,10 +117,10 @@ impl Queue {
     }
 
     /// `Queue::tick` of a classic queue on this node.
-    pub(in crate::queue) fn classic_tick(self: &Arc<Self>, now_ms: u64) -> bool {
+    pub(in crate::queue) fn classic_tick(self: &Arc<Self>, c: &Classic, now_ms: u64) -> bool {
         let mut after = AfterUnlock::default();
         let expired_unused = {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if st.deleted {
                 return false;
             }
@@ -147,8 +148,8 @@ impl Queue {
     }
 
     /// `Queue::store_lazy` of a classic queue on this node.
-    pub(in crate::queue) fn classic_store_lazy(&self) {
-        let mut st = self.state.lock();
+    pub(in crate::queue) fn classic_store_lazy(&self, c: &Classic) {
+        let mut st = c.state.lock();
         if !st.deleted {
             for level in 0..st.levels.lane_count() {
                 st.select(level);
@@ -158,9 +159,9 @@ impl Queue {
     }
 
     /// `Queue::add_consumer` of a classic queue on this node.
-    pub(in crate::queue) fn classic_add_consumer(self: &Arc<Self>, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
+    pub(in crate::queue) fn classic_add_consumer(self: &Arc<Self>, c: &Classic, consumer: Arc<Consumer>, on_registered: impl FnOnce()) -> Result<()> {
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if st.deleted {
                 return Err(BrokerError::not_found(format!("no queue '{}'", self.name)));
             }
@@ -185,10 +186,10 @@ impl Queue {
     }
 
     /// `Queue::remove_consumer` of a classic queue on this node.
-    pub(in crate::queue) fn classic_remove_consumer(self: &Arc<Self>, consumer: &Arc<Consumer>) {
+    pub(in crate::queue) fn classic_remove_consumer(self: &Arc<Self>, c: &Classic, consumer: &Arc<Consumer>) {
         let mut after = AfterUnlock::default();
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if st.consumers.remove(consumer) {
                 // With single active consumer another may have taken over: it gets what is waiting.
                 after.dispatch = self.args.single_active_consumer;
@@ -202,10 +203,10 @@ impl Queue {
     }
 
     /// `Queue::get` of a classic queue on this node.
-    pub(in crate::queue) fn classic_get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> Got {
+    pub(in crate::queue) fn classic_get(self: &Arc<Self>, c: &Classic, channel: &Channel, no_ack: bool) -> Got {
         let mut after = AfterUnlock::default();
         let got = {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             let now = crate::now_ms();
             st.last_used_ms = now;
             let wait = match self.select_head(&mut st, now, true, &mut after) {
@@ -251,10 +252,10 @@ impl Queue {
     }
 
     /// `Queue::settle` of a classic queue on this node.
-    pub(in crate::queue) fn classic_settle(self: &Arc<Self>, entries: Vec<Entry>, how: Settle, acks: &mut Batch) -> Option<SyncTicket> {
+    pub(in crate::queue) fn classic_settle(self: &Arc<Self>, c: &Classic, entries: Vec<Entry>, how: Settle, acks: &mut Batch) -> Option<SyncTicket> {
         let mut after = AfterUnlock::default();
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             st.unacked = st.unacked.saturating_sub(entries.len() as u64);
             for entry in entries {
                 match how {
@@ -278,10 +279,10 @@ impl Queue {
     }
 
     /// `Queue::purge` of a classic queue on this node.
-    pub(in crate::queue) fn classic_purge(self: &Arc<Self>) -> Result<u32> {
+    pub(in crate::queue) fn classic_purge(self: &Arc<Self>, c: &Classic) -> Result<u32> {
         let mut after = AfterUnlock::default();
         let n = {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             drain_ready(&mut st, &mut after.acks)
         };
         self.append_acks(&mut after.acks);
@@ -289,9 +290,9 @@ impl Queue {
     }
 
     /// `Queue::mark_deleted` of a classic queue on this node.
-    pub(in crate::queue) fn classic_mark_deleted(self: &Arc<Self>) -> u32 {
+    pub(in crate::queue) fn classic_mark_deleted(self: &Arc<Self>, c: &Classic) -> u32 {
         let (n, consumers, mut acks) = {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             st.deleted = true;
             let mut acks = Batch::new();
             let n = drain_ready(&mut st, &mut acks);
@@ -361,7 +362,9 @@ impl Queue {
             if st.publisher_waiting && (!st.held_back || st.ready.len() <= FLOW_RESUME_AT) {
                 st.held_back = false;
                 st.publisher_waiting = false;
-                self.drained.notify_waiters();
+                if let Some(classic) = self.classic() {
+                    classic.drained.notify_waiters();
+                }
             }
         }
     }

@@ -27,8 +27,8 @@ const READABLE_WITHIN: Duration = Duration::from_secs(30);
 
 impl Queue {
     /// `Queue::rewind` of a classic queue on this node.
-    pub(in crate::queue) async fn classic_rewind(self: &Arc<Self>, to_ms: u64) -> Result<RewindOutcome> {
-        let _one_at_a_time = self.rewinding.lock().await;
+    pub(in crate::queue) async fn classic_rewind(self: &Arc<Self>, c: &Classic, to_ms: u64) -> Result<RewindOutcome> {
+        let _one_at_a_time = c.rewinding.lock().await;
         let now = crate::now_ms();
         let oldest_kept = now.saturating_sub(self.args.retention_ms);
         let at = to_ms.max(oldest_kept);
@@ -43,7 +43,7 @@ impl Queue {
 
         let mut batch = Batch::new();
         let epochs = {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             if st.deleted {
                 return Err(BrokerError::not_found(format!("queue '{}' was deleted", self.name)));
             }
@@ -80,7 +80,7 @@ impl Queue {
         let mut after = AfterUnlock::default();
         let mut rewound = 0;
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             for (level, ranges) in taken.iter().enumerate() {
                 st.select(level);
                 let store_id = st.store_id;

@@ -62,9 +62,10 @@ impl Queue {
     /// Merges a read made off the lock into the lane of `store_id` (`take`, which drops a stale
     /// one), then delivers and wakes basic.gets waiting for it.
     pub(super) fn merge_read(self: &Arc<Self>, store_id: u64, take: impl FnOnce(&Self, &mut QueueState, &mut AfterUnlock)) {
+        let Some(c) = self.classic() else { return };
         let mut after = AfterUnlock::default();
         {
-            let mut st = self.state.lock();
+            let mut st = c.state.lock();
             st.refills_done += 1;
             if !st.deleted {
                 st.select(store_id.saturating_sub(self.id) as usize);
@@ -73,7 +74,7 @@ impl Queue {
                 self.dispatch_locked(&mut st, crate::now_ms(), &mut after);
             }
         }
-        self.refilled.notify_waiters();
+        c.refilled.notify_waiters();
         self.finish(after);
     }
 

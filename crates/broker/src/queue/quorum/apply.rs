@@ -104,7 +104,7 @@ impl QuorumReplica {
                 tokio::time::sleep(Duration::from_millis(due - now)).await;
             }
             let Some(queue) = queue.upgrade() else { return };
-            if let Some(r) = queue.replica.as_ref() {
+            if let Some(r) = queue.replica() {
                 let _ = r.armed_due.compare_exchange(due, u64::MAX, Ordering::Relaxed, Ordering::Relaxed);
                 r.due_tick(&queue);
             }
@@ -359,7 +359,7 @@ impl QuorumReplica {
             let weak = Arc::downgrade(queue);
             let give_up = move || {
                 let Some(queue) = weak.upgrade() else { return };
-                let Some(r) = &queue.replica else { return };
+                let Some(r) = queue.replica() else { return };
                 {
                     let mut st = r.state.lock();
                     for local in &gets {

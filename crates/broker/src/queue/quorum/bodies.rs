@@ -178,7 +178,7 @@ impl QuorumReplica {
     /// again.
     pub(super) fn read_ahead_task(rt: &tokio::runtime::Handle, queue: Arc<Queue>, range: ReadRange) {
         rt.spawn_blocking(move || {
-            let Some(me) = &queue.replica else { return };
+            let Some(me) = queue.replica() else { return };
             let ReadRange { seqs: range, bytes, from_entries } = range;
             let (read, read_until) = match from_entries {
                 Some(ids) => {

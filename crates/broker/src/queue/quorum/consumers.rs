@@ -246,7 +246,7 @@ impl QuorumReplica {
             routing_key: queue.args.dead_letter_routing_key.clone(),
             settle: Some(Box::new(move |done| {
                 if let Some(queue) = weak.upgrade() {
-                    if let Some(r) = &queue.replica {
+                    if let Some(r) = queue.replica() {
                         r.dead_letter_settled(&queue, id, done);
                     }
                 }
@@ -395,7 +395,7 @@ impl QuorumReplica {
                 let weak = Arc::downgrade(queue);
                 vhost.when_dead_letter_room(Box::new(move || {
                     let Some(queue) = weak.upgrade() else { return };
-                    let Some(r) = &queue.replica else { return };
+                    let Some(r) = queue.replica() else { return };
                     r.state.lock().waiting_for_room = false;
                     r.expire_more(&queue);
                 }));
