@@ -1,6 +1,5 @@
 //! The node's broker: its virtual hosts, users, the shared message store, and recovery.
 
-use crate::definitions;
 use crate::metadata::log::OnCorruption;
 use crate::metadata::group::{self, MetadataGroup};
 use crate::metadata::{Metadata, MetadataError};
@@ -135,7 +134,7 @@ impl Broker {
         let mut restored = Vec::new();
         for name in names {
             let vhost = broker.add_vhost(&name);
-            restored.extend(definitions::restore(&vhost, &metadata.vhost(&name)));
+            restored.extend(vhost.restore_definitions(&metadata.vhost(&name)));
         }
         report.queues = restored.len();
         for q in &restored {

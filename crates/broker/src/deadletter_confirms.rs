@@ -8,7 +8,7 @@
 //! ticket is waited for here. A background task settles the letters in publish order as their
 //! operations resolve (woken by the session, and every few milliseconds for store tickets).
 
-use crate::channel::{ClientSink, Delivery};
+use crate::sink::{ClientSink, Delivery};
 use crate::deadletter::SettleDeadLetter;
 use crate::publisher::PublisherSession;
 use parking_lot::Mutex;

@@ -4,8 +4,6 @@
 //! They are kept in the metadata log (`crate::metadata`). Versions before it wrote them whole to
 //! `definitions.json` on every change; [`load_legacy`] reads that file once, to import it.
 
-use crate::exchange::{Destination, Exchange, ExchangeKind};
-use crate::vhost::VHost;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -103,72 +101,6 @@ pub fn load_legacy(path: &Path) -> std::io::Result<(u64, BTreeMap<String, VHostD
         std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{} is not a valid definitions file: {e}", path.display()))
     })?;
     Ok((file.next_queue_id.max(1), file.vhosts))
-}
-
-pub fn exchange_def(ex: &Exchange) -> ExchangeDef {
-    ExchangeDef {
-        name: ex.name.clone(),
-        kind: ex.type_name().to_string(),
-        auto_delete: ex.auto_delete,
-        internal: ex.internal,
-        arguments: table_to_json(&ex.arguments),
-    }
-}
-
-pub fn queue_def(q: &crate::queue::Queue) -> QueueDef {
-    QueueDef {
-        name: q.name.clone(),
-        id: q.id,
-        auto_delete: q.auto_delete,
-        arguments: table_to_json(&q.arguments),
-        home: q.home_node(),
-        members: q.recorded_members(),
-        leader: q.recorded_leader(),
-        members_changed: q.members_changed(),
-        transient: q.transient_def(),
-    }
-}
-
-pub fn binding_def(source: &str, b: &crate::exchange::Binding) -> BindingDef {
-    BindingDef {
-        source: source.to_string(),
-        destination: b.destination.name().to_string(),
-        destination_type: if b.destination.is_queue() { "queue" } else { "exchange" }.to_string(),
-        routing_key: b.routing_key.clone(),
-        arguments: table_to_json(&b.arguments),
-    }
-}
-
-/// Rebuilds a vhost's durable topology. Returns the queues by store id.
-pub fn restore(vhost: &VHost, defs: &VHostDefs) -> Vec<std::sync::Arc<crate::queue::Queue>> {
-    for e in &defs.exchanges {
-        let arguments = table_from_json(&e.arguments);
-        let Ok((kind, delayed)) = ExchangeKind::parse_declared(&e.kind, &arguments) else {
-            tracing::warn!(exchange = %e.name, kind = %e.kind, "skipping exchange of unknown type in definitions");
-            continue;
-        };
-        vhost.restore_exchange(Exchange::new(e.name.clone(), kind, delayed, true, e.auto_delete, e.internal, arguments));
-    }
-    let mut queues = Vec::new();
-    for q in &defs.queues {
-        queues.push(vhost.restore_queue(q));
-    }
-    for b in &defs.bindings {
-        let Ok(source) = vhost.exchange(&b.source) else { continue };
-        let destination = if b.destination_type == "queue" {
-            match vhost.queue_any(&b.destination) {
-                Some(q) => Destination::Queue(q),
-                None => continue,
-            }
-        } else {
-            match vhost.exchange(&b.destination) {
-                Ok(e) => Destination::Exchange(e),
-                Err(_) => continue,
-            }
-        };
-        source.bind(crate::exchange::Binding { destination, routing_key: b.routing_key.clone(), arguments: table_from_json(&b.arguments) });
-    }
-    queues
 }
 
 // Field tables are stored with their AMQP types, so a restored argument is exactly what was declared.

@@ -39,8 +39,8 @@ impl ReplyConsumers {
     /// Registers `channel`'s reply consumer; returns its token.
     pub fn register(&self, channel: &Arc<Channel>) -> String {
         let token = match self.runtime.node() {
-            0 => crate::vhost::generated_name(""),
-            node => crate::vhost::generated_name(&format!("n{node}.")),
+            0 => crate::names::generated_name(""),
+            node => crate::names::generated_name(&format!("n{node}.")),
         };
         self.by_token.write().insert(token.clone(), Arc::downgrade(channel));
         token

@@ -1,5 +1,6 @@
 //! Exchanges and their bindings.
 
+use crate::definitions::{table_to_json, BindingDef, ExchangeDef};
 use crate::error::{BrokerError, Result};
 use crate::queue::Queue;
 use crate::routing::{headers_match, topic_matches};
@@ -258,4 +259,30 @@ impl Exchange {
 
 fn same_binding(a: &Binding, b: &Binding) -> bool {
     a.destination.same(&b.destination) && a.routing_key == b.routing_key && a.arguments == b.arguments
+}
+
+impl Exchange {
+    /// How the metadata log records this exchange.
+    pub fn def(&self) -> ExchangeDef {
+        ExchangeDef {
+            name: self.name.clone(),
+            kind: self.type_name().to_string(),
+            auto_delete: self.auto_delete,
+            internal: self.internal,
+            arguments: table_to_json(&self.arguments),
+        }
+    }
+}
+
+impl Binding {
+    /// How the metadata log records this binding of exchange `source`.
+    pub fn def(&self, source: &str) -> BindingDef {
+        BindingDef {
+            source: source.to_string(),
+            destination: self.destination.name().to_string(),
+            destination_type: if self.destination.is_queue() { "queue" } else { "exchange" }.to_string(),
+            routing_key: self.routing_key.clone(),
+            arguments: table_to_json(&self.arguments),
+        }
+    }
 }

@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Weak;
 
-use crate::channel::ClientSink;
+use crate::sink::ClientSink;
 
 /// Session ids are random: a group remembers a session's last pub seq to drop re-sent duplicates, so
 /// an id must never come back with its seqs starting again (after a restart, or on another node).

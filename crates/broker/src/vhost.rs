@@ -2,7 +2,7 @@
 //! published messages to queues.
 
 use crate::deadletter::{dead_lettered_message, is_cycle, DeadLetter, DeadLetterWork};
-use crate::definitions::{binding_def, exchange_def, table_from_json, table_to_json, BindingDef, QueueDef, TransientDef, VHostDefs};
+use crate::definitions::{table_from_json, table_to_json, BindingDef, QueueDef, TransientDef, VHostDefs};
 use crate::direct_reply::{self, ReplyConsumers};
 use crate::error::{BrokerError, Result};
 use crate::delay::Delays;
@@ -10,7 +10,8 @@ use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::message::{encode_header, Message, MessageRef};
 use crate::metadata::{GroupCommitError, Metadata, Op};
 use crate::publisher::Publisher;
-use crate::queue::{Enqueued, Owner, Queue};
+pub use crate::names::generated_name;
+use crate::queue::{Enqueued, Owner, Queue, QueueHost};
 use crate::queue::quorum::QuorumRuntime;
 use crate::queue_args::{first_difference, QueueArgs, QueueType, EQUIVALENCE_KEYS};
 use bytes::BytesMut;
@@ -128,10 +129,7 @@ pub struct VHost {
 /// Dead letters a caller re-publishes before handing the rest to a task (see `VHost::dead_letter`).
 const DEAD_LETTERS_PER_TURN: usize = 1024;
 
-/// Transient queues' ids start here. They are never in the metadata log, so at a start what the
-/// store still holds for one belongs to a queue that ended with the previous run and is dropped;
-/// a lower id the metadata log does not know is kept aside instead (see `Broker::open`).
-pub const TRANSIENT_QUEUE_IDS: u64 = 1 << 63;
+pub use crate::queue::TRANSIENT_QUEUE_IDS;
 static NEXT_TRANSIENT_QUEUE_ID: AtomicU64 = AtomicU64::new(TRANSIENT_QUEUE_IDS);
 
 const DEFAULT_EXCHANGES: &[(&str, ExchangeKind)] = &[
@@ -302,7 +300,7 @@ impl VHost {
         let exchange = Exchange::new(d.name.to_string(), kind, delayed, d.durable, d.auto_delete, d.internal, d.arguments.clone());
         if d.durable {
             // Made in memory by `apply_committed`, as every node of a cluster makes it.
-            let op = Op::ExchangeDeclared { vhost: self.name.clone(), exchange: exchange_def(&exchange) };
+            let op = Op::ExchangeDeclared { vhost: self.name.clone(), exchange: exchange.def() };
             if self.make_durable(vec![op], || format!("the declaration of exchange '{}'", d.name))? == Durable::Conflict {
                 // Another node's declaration of the name came first: answer as if it had existed.
                 return match self.find_exchange(d.name) {
@@ -426,7 +424,7 @@ impl VHost {
             return Ok(());
         }
         if src.durable && binding.destination.recorded() {
-            let op = Op::Bound { vhost: self.name.clone(), binding: binding_def(&src.name, &binding) };
+            let op = Op::Bound { vhost: self.name.clone(), binding: binding.def(&src.name) };
             self.make_durable(vec![op], || format!("the binding of '{}' to exchange '{}'", binding.destination.name(), src.name))?;
             return Ok(());
         }
@@ -444,7 +442,7 @@ impl VHost {
         let durable_binding = src.durable && binding.destination.recorded();
         let mut ops = Vec::new();
         if durable_binding {
-            ops.push(Op::Unbound { vhost: self.name.clone(), binding: binding_def(&src.name, binding) });
+            ops.push(Op::Unbound { vhost: self.name.clone(), binding: binding.def(&src.name) });
         }
         if auto_delete && src.durable {
             ops.push(Op::ExchangeDeleted { vhost: self.name.clone(), name: src.name.clone() });
@@ -1109,6 +1107,38 @@ impl VHost {
 
     // ---- recovery and metadata ----------------------------------------------------------
 
+    /// Rebuilds this vhost's durable topology from the metadata log. Returns the queues by store id.
+    pub fn restore_definitions(&self, defs: &VHostDefs) -> Vec<Arc<Queue>> {
+        for e in &defs.exchanges {
+            let arguments = table_from_json(&e.arguments);
+            let Ok((kind, delayed)) = ExchangeKind::parse_declared(&e.kind, &arguments) else {
+                tracing::warn!(exchange = %e.name, kind = %e.kind, "skipping exchange of unknown type in definitions");
+                continue;
+            };
+            self.restore_exchange(Exchange::new(e.name.clone(), kind, delayed, true, e.auto_delete, e.internal, arguments));
+        }
+        let mut queues = Vec::new();
+        for q in &defs.queues {
+            queues.push(self.restore_queue(q));
+        }
+        for b in &defs.bindings {
+            let Ok(source) = self.exchange(&b.source) else { continue };
+            let destination = if b.destination_type == "queue" {
+                match self.queue_any(&b.destination) {
+                    Some(q) => Destination::Queue(q),
+                    None => continue,
+                }
+            } else {
+                match self.exchange(&b.destination) {
+                    Ok(e) => Destination::Exchange(e),
+                    Err(_) => continue,
+                }
+            };
+            source.bind(crate::exchange::Binding { destination, routing_key: b.routing_key.clone(), arguments: table_from_json(&b.arguments) });
+        }
+        queues
+    }
+
     /// Recreates a durable exchange from the metadata log.
     pub fn restore_exchange(&self, exchange: Arc<Exchange>) {
         self.exchanges.write().insert(exchange.name.clone(), exchange);
@@ -1310,7 +1340,7 @@ impl VHost {
             defs.bindings.iter().map(|b| serde_json::to_string(b).unwrap_or_default()).collect();
         for src in self.exchanges().into_iter().filter(|e| e.durable) {
             for b in src.bindings().into_iter().filter(|b| b.destination.recorded()) {
-                if !wanted.contains(&serde_json::to_string(&binding_def(&src.name, &b)).unwrap_or_default()) {
+                if !wanted.contains(&serde_json::to_string(&b.def(&src.name)).unwrap_or_default()) {
                     src.unbind(&b);
                 }
             }
@@ -1338,15 +1368,29 @@ fn describe(v: Option<&warren_protocol::field::FieldValue>) -> String {
     }
 }
 
-/// `amq.gen-` followed by 22 random URL-safe base64 characters, as RabbitMQ names server-named queues.
-pub fn generated_name(prefix: &str) -> String {
-    use rand::Rng;
-    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let mut rng = rand::thread_rng();
-    let mut s = String::with_capacity(prefix.len() + 22);
-    s.push_str(prefix);
-    for _ in 0..22 {
-        s.push(ALPHABET[rng.gen_range(0..ALPHABET.len())] as char);
+
+impl QueueHost for VHost {
+    fn host_name(&self) -> &str {
+        &self.name
     }
-    s
+
+    fn dead_letter(&self, letters: Vec<DeadLetter>) {
+        VHost::dead_letter(self, letters)
+    }
+
+    fn dead_letter_room(&self) -> bool {
+        VHost::dead_letter_room(self)
+    }
+
+    fn when_dead_letter_room(&self, f: crate::deadletter::WhenRoom) {
+        VHost::when_dead_letter_room(self, f)
+    }
+
+    fn delete_queue_unchecked(&self, name: &str) {
+        VHost::delete_queue_unchecked(self, name)
+    }
+
+    fn doom(&self, queue: &Arc<Queue>) {
+        VHost::doom(self, queue)
+    }
 }

@@ -263,7 +263,7 @@ fn now_ms_rounded_up() -> u64 {
 /// Whether a record of run `run` names queue `id` in this run: a transient queue's id (from
 /// `TRANSIENT_QUEUE_IDS` on) only in the run that published it.
 fn counted(id: u64, run: u64) -> bool {
-    id < crate::vhost::TRANSIENT_QUEUE_IDS || run == crate::run_id()
+    id < crate::queue::TRANSIENT_QUEUE_IDS || run == crate::run_id()
 }
 
 #[cfg(test)]

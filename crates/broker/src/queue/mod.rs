@@ -25,7 +25,7 @@ use classic::{ready_count, Classic};
 
 use crate::channel::{Channel, Consumer, Settle};
 use crate::consumers::Consumers;
-use crate::lane::{Lane, Levels};
+
 use crate::message::Message;
 use warren_protocol::properties::PropertiesView;
 use crate::deadletter::{DeadLetter, DeathReason};
@@ -33,11 +33,15 @@ use crate::error::{BrokerError, Result};
 use crate::message::{decode_stored, MessageRef};
 use crate::publisher::Publisher;
 use crate::queue_args::{Overflow, QueueArgs};
-use crate::vhost::VHost;
 use parking_lot::Mutex;
 use std::sync::{Arc, Weak};
 use warren_protocol::field::FieldTable;
 use warren_store::{Batch, ReadBatch, RecoveredQueue, Store, StoreError, SyncTicket};
+
+/// Transient queues' ids start here. They are never in the metadata log, so at a start what the
+/// store still holds for one belongs to a queue that ended with the previous run and is dropped;
+/// a lower id the metadata log does not know is kept aside instead (see `Broker::open`).
+pub const TRANSIENT_QUEUE_IDS: u64 = 1 << 63;
 
 /// Most ready messages a queue holds in memory; the rest waits in the store.
 pub const WINDOW_MESSAGES: usize = 2048;
@@ -68,7 +72,7 @@ pub struct Queue {
     /// Arguments as declared (for redeclare equivalence and listing).
     pub arguments: FieldTable,
     pub args: QueueArgs,
-    vhost: Weak<VHost>,
+    vhost: Weak<dyn QueueHost>,
     /// The node's shared message log; only durable queues write messages to it.
     store: Store,
     /// This queue, for the tasks that read it back from the store (`classic::window`).
@@ -103,7 +107,7 @@ impl Queue {
         auto_delete: bool,
         arguments: FieldTable,
         args: QueueArgs,
-        vhost: Weak<VHost>,
+        vhost: Weak<dyn QueueHost>,
         store: Store,
         now_ms: u64,
         home: Option<remote::RemoteHome>,
@@ -120,7 +124,7 @@ impl Queue {
         id: u64,
         arguments: FieldTable,
         args: QueueArgs,
-        vhost: Weak<VHost>,
+        vhost: Weak<dyn QueueHost>,
         store: Store,
         runtime: Arc<quorum::QuorumRuntime>,
         recorded: quorum::Recorded,
@@ -139,7 +143,7 @@ impl Queue {
         auto_delete: bool,
         arguments: FieldTable,
         args: QueueArgs,
-        vhost: Weak<VHost>,
+        vhost: Weak<dyn QueueHost>,
         store: Store,
         kind: Kind,
     ) -> Arc<Queue> {
@@ -787,7 +791,7 @@ impl Queue {
     }
 
     fn vhost_name(&self) -> String {
-        self.vhost.upgrade().map(|v| v.name.clone()).unwrap_or_default()
+        self.vhost.upgrade().map(|v| v.host_name().to_string()).unwrap_or_default()
     }
 }
 

@@ -98,3 +98,21 @@ pub struct RewindOutcome {
     /// The time asked for is before the oldest message the retention keeps.
     pub clamped: bool,
 }
+
+/// What a queue asks of the vhost it is in (`VHost` implements it): the queue module knows no
+/// vhost, so the two do not import each other.
+pub trait QueueHost: Send + Sync {
+    /// The vhost's name.
+    fn host_name(&self) -> &str;
+    /// Re-publishes dead letters to their dead-letter exchanges.
+    fn dead_letter(&self, letters: Vec<DeadLetter>);
+    /// Whether few enough dead letters wait for a source that makes many at once to make more.
+    fn dead_letter_room(&self) -> bool;
+    /// Calls `f` once there is room for dead letters again (now, if there is).
+    fn when_dead_letter_room(&self, f: crate::deadletter::WhenRoom);
+    /// Deletes queue `name` without the client-facing checks (auto-delete, x-expires); retried at
+    /// the vhost's tick if that cannot be made durable now.
+    fn delete_queue_unchecked(&self, name: &str);
+    /// Deletes `queue` at the vhost's next tick, retried until it is gone.
+    fn doom(&self, queue: &Arc<Queue>);
+}

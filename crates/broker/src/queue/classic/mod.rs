@@ -16,11 +16,13 @@
 //! delivered marks, restore), `rewind`.
 
 mod durable;
+mod lane;
 mod ops;
 mod rewind;
 mod window;
 
 use super::*;
+use lane::{Lane, Levels};
 use remote::RemoteHome;
 
 /// Publishers held back by a slow no-ack consumer pause at this many waiting messages and go on at
@@ -273,6 +275,24 @@ mod refill_tests {
     use warren_store::sim::SimDisk;
     use warren_store::{Disk, StoreOptions};
 
+    /// A queue outside any vhost (nothing here dead-letters or deletes it).
+    struct NoHost;
+
+    impl QueueHost for NoHost {
+        fn host_name(&self) -> &str {
+            ""
+        }
+        fn dead_letter(&self, _: Vec<DeadLetter>) {}
+        fn dead_letter_room(&self) -> bool {
+            true
+        }
+        fn when_dead_letter_room(&self, f: crate::deadletter::WhenRoom) {
+            f()
+        }
+        fn delete_queue_unchecked(&self, _: &str) {}
+        fn doom(&self, _: &Arc<Queue>) {}
+    }
+
     /// Keeps the seqs of what basic.get handed out (the body holds the seq).
     #[derive(Default)]
     struct Gets(parking_lot::Mutex<Vec<u64>>);
@@ -300,7 +320,7 @@ mod refill_tests {
         let (store, _) = Store::open_on(&root.path().join("store"), opts, Disk::simulated(sim.clone())).unwrap();
         // Not durable: its gets need no delivered mark (which could not become durable on a full disk);
         // what does not fit in its window is still paged to the store.
-        let queue = Queue::new("q".into(), 1, false, None, false, FieldTable::default(), QueueArgs::default(), Weak::new(), store.clone(), 0, None);
+        let queue = Queue::new("q".into(), 1, false, None, false, FieldTable::default(), QueueArgs::default(), Weak::<NoHost>::new(), store.clone(), 0, None);
         let total = WINDOW_MESSAGES as u64 + 300;
         for seq in 0..total {
             let message = Arc::new(crate::Message {

@@ -413,7 +413,7 @@ impl QuorumReplica {
             self.expire_more(queue);
         }
         if after.expired {
-            tracing::info!(queue = %queue.name, vhost = %vhost.name, "deleting quorum queue unused for longer than its x-expires");
+            tracing::info!(queue = %queue.name, vhost = %vhost.host_name(), "deleting quorum queue unused for longer than its x-expires");
             let name = queue.name.clone();
             // Not from inside the group's apply: deleting stops the group.
             match tokio::runtime::Handle::try_current() {

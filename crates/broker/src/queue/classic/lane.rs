@@ -19,7 +19,7 @@ use warren_store::SyncTicket;
 
 /// One FIFO of ready messages and its place in the store.
 #[derive(Default)]
-pub(crate) struct Lane {
+pub(in crate::queue) struct Lane {
     /// The store queue id its messages are written under.
     pub store_id: u64,
     /// The in-memory window of ready messages.
@@ -71,7 +71,7 @@ pub(crate) struct Lane {
 /// window by seq. Memory is one entry per range (a rewind over messages still unacked or ready
 /// splits its range around them), not per message.
 #[derive(Default)]
-pub(crate) struct Rewound {
+pub(in crate::queue) struct Rewound {
     /// start -> end (exclusive), disjoint.
     ranges: BTreeMap<u64, u64>,
     count: u64,
@@ -148,7 +148,7 @@ impl Lane {
 
 /// A priority queue's lanes other than the current one; empty for a classic queue.
 #[derive(Default)]
-pub(crate) struct Levels {
+pub(in crate::queue) struct Levels {
     /// One per level; the current level's slot holds an empty placeholder.
     lanes: Vec<Lane>,
     current: usize,
