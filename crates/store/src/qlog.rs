@@ -127,6 +127,8 @@ pub struct ReadBatch {
     /// Seqs that were live but have no record: a rewind made them live (`QueueLog::rewind` goes by
     /// segment ranges, and a seq in one may never have been stored). They are gone now.
     pub holes: u64,
+    /// Bytes this read took from the queue's files (`StoreStats::bytes_read`).
+    pub bytes_read: u64,
 }
 
 /// An enqueue record that is only in the WAL so far.
@@ -208,6 +210,20 @@ pub(crate) struct QSeg {
     pub wal: Option<u64>,
 }
 
+/// Read positions a queue log keeps (see `QueueLog::cursors`).
+const CURSORS: usize = 4;
+
+/// Where a read left off: the next record of the queue in `segment` at file `offset` has a seq at
+/// or after `seq`.
+#[derive(Debug, Clone, Copy)]
+struct Cursor {
+    seq: u64,
+    segment: u64,
+    offset: u64,
+    /// `QueueLog::reads` when it was last moved.
+    used: u64,
+}
+
 pub(crate) struct QueueLog {
     pub id: u64,
     disk: Disk,
@@ -245,8 +261,15 @@ pub(crate) struct QueueLog {
     last_enqueue_ms: u64,
     /// Read handle of one segment.
     reader: Option<SegReader>,
-    /// Where the next in-order read starts: (seq, segment, file offset).
-    cursor: Option<(u64, u64, u64)>,
+    /// Where in-order reads left off, with when each was last used. A read at or after one
+    /// continues from there instead of walking its segment from the start. Several, so that readers
+    /// that take turns in different parts of the log each keep theirs: a quorum queue's two reads
+    /// ahead of its consumers over its Raft log, a classic queue's rewound range and its span.
+    /// (With one, each turn of one sent the other back to its segment's start: draining a rewound
+    /// quorum queue read and checksummed its log's segment again for each entry.)
+    cursors: [Option<Cursor>; CURSORS],
+    /// Counts reads, to find the cursor used longest ago.
+    reads: u64,
     /// Segments read for a rewrite and found not sparse enough by bytes: (first seq → gone count
     /// then), not read again until more of them is gone.
     compact_judged: HashMap<u64, u64>,
@@ -275,7 +298,8 @@ impl QueueLog {
             dirty: false,
             last_enqueue_ms: 0,
             reader: None,
-            cursor: None,
+            cursors: [None; CURSORS],
+            reads: 0,
             compact_judged: HashMap::new(),
         }
     }
@@ -500,7 +524,9 @@ impl QueueLog {
         if self.reader.as_ref().is_some_and(|r| r.file_of == SegFile::of(seg)) {
             self.reader = None;
         }
-        self.cursor = self.cursor.filter(|c| c.1 != seg.first_seq);
+        for c in &mut self.cursors {
+            *c = c.filter(|c| c.segment != seg.first_seq);
+        }
         self.compact_judged.remove(&seg.first_seq);
     }
 
@@ -727,6 +753,16 @@ impl QueueLog {
         Some(freed)
     }
 
+    /// The cursor a read of `seq` in segment `segment` continues from: the one in that segment
+    /// closest below it, else the one used longest ago (to be replaced).
+    fn cursor_for(&mut self, segment: u64, seq: u64) -> usize {
+        self.reads += 1;
+        let closest = (0..CURSORS)
+            .filter(|&i| self.cursors[i].is_some_and(|c| c.segment == segment && c.seq <= seq))
+            .max_by_key(|&i| self.cursors[i].map_or(0, |c| c.seq));
+        closest.unwrap_or_else(|| (0..CURSORS).min_by_key(|&i| self.cursors[i].map_or(0, |c| c.used)).unwrap_or(0))
+    }
+
     /// Reads live messages of `seqs` in order: at most `max_count` of them and about `max_bytes` of
     /// payload. `direct`: past the page cache (`direct::open_direct_reader`), for reads off the
     /// delivery path.
@@ -757,8 +793,9 @@ impl QueueLog {
                 }
             }
             // Every record of ours before `offset` has a seq below `own_next`.
-            let (offset, mut own_next) = match self.cursor {
-                Some((cseq, cseg, coff)) if cseg == first && cseq <= seq => (coff, cseq),
+            let slot = self.cursor_for(first, seq);
+            let (offset, mut own_next) = match self.cursors[slot] {
+                Some(c) if c.segment == first && c.seq <= seq => (c.offset, c.seq),
                 _ => (seg.start, seg.first_seq),
             };
             if offset >= seg.len {
@@ -770,6 +807,7 @@ impl QueueLog {
             }
             let want = (max_bytes - bytes).clamp(64 << 10, 4 << 20) as u64;
             let mut chunk = self.pread(&seg, offset, want.min(seg.len - offset) as usize, direct)?;
+            out.bytes_read += chunk.len() as u64;
             // A chunk must hold at least one whole record: read again if the first one is longer.
             let first_len = RECORD_HEADER_SIZE as u64 + u64::from(u32::from_le_bytes(format::array(&chunk, 0)));
             // (A length past the format's limit is damage, which the decode below reports: reading
@@ -777,6 +815,7 @@ impl QueueLog {
             let plausible = first_len <= (RECORD_HEADER_SIZE + format::MAX_BODY_LEN) as u64;
             if first_len > chunk.len() as u64 && plausible && offset + first_len <= seg.len {
                 chunk = self.pread(&seg, offset, first_len as usize, direct)?;
+                out.bytes_read += chunk.len() as u64;
             }
             let mut pos = 0usize;
             // An empty chunk (the file ends before the segment does: cut or damaged on disk) is decoded
@@ -804,11 +843,11 @@ impl QueueLog {
                                 tracing::error!(queue = self.id, segment = first, offset = offset + pos as u64 - n as u64, seq = rseq, after = own_next - 1,
                                     "a record out of seq order in a queue segment is skipped");
                             }
-                            self.cursor = Some((own_next, first, offset + pos as u64));
+                            self.cursors[slot] = Some(Cursor { seq: own_next, segment: first, offset: offset + pos as u64, used: self.reads });
                             continue;
                         }
                         own_next = rseq + 1;
-                        self.cursor = Some((own_next, first, offset + pos as u64));
+                        self.cursors[slot] = Some(Cursor { seq: own_next, segment: first, offset: offset + pos as u64, used: self.reads });
                         if rseq < seq {
                             // Before where this read starts: `next_seq` must not go back to it, or the
                             // next chunk would continue from here.
@@ -837,7 +876,7 @@ impl QueueLog {
                         // Another queue's record or an ack inside a WAL extent (own files hold only this
                         // queue's enqueues).
                         pos += n;
-                        self.cursor = Some((own_next, first, offset + pos as u64));
+                        self.cursors[slot] = Some(Cursor { seq: own_next, segment: first, offset: offset + pos as u64, used: self.reads });
                     }
                     Err(format::Damage::LengthPastEof { .. } | format::Damage::RecordHeaderTruncated { .. })
                         if pos > 0 && offset + (pos as u64) < seg.len =>
@@ -854,7 +893,9 @@ impl QueueLog {
                         self.gone.insert(lost_from, seg.end_seq);
                         out.lost += lost;
                         out.next_seq = self.gone.next_live(seg.end_seq);
-                        self.cursor = None;
+                        for c in &mut self.cursors {
+                            *c = c.filter(|c| c.segment != first);
+                        }
                         break;
                     }
                 }

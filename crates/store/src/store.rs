@@ -95,6 +95,9 @@ pub struct StoreStats {
     /// Messages lost with the bytes that held them since the store was opened: those recovery
     /// found missing (`Recovery::lost`) and those reads found damaged (`ReadBatch::lost`).
     pub lost_messages: u64,
+    /// Bytes reads took from queue files and WAL extents (page cache or disk) since the store was
+    /// opened.
+    pub bytes_read: u64,
     /// The current durable watermark.
     pub durable: SyncTicket,
 }
@@ -260,6 +263,7 @@ impl Store {
             segments_deleted: get(&c.segments_deleted),
             seq_regressions: get(&c.seq_regressions),
             lost_messages: get(&c.lost_messages),
+            bytes_read: get(&c.bytes_read),
             durable: s.durable_pos(),
         }
     }
@@ -293,6 +297,7 @@ impl Store {
         if batch.lost > 0 {
             self.inner.shared.counters.lost_messages.fetch_add(batch.lost, Ordering::Relaxed);
         }
+        self.inner.shared.counters.bytes_read.fetch_add(batch.bytes_read, Ordering::Relaxed);
         Ok(batch)
     }
 

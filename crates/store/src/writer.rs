@@ -146,6 +146,7 @@ pub(crate) struct Counters {
     pub segments_deleted: AtomicU64,
     pub seq_regressions: AtomicU64,
     pub lost_messages: AtomicU64,
+    pub bytes_read: AtomicU64,
 }
 
 impl Counters {

@@ -1188,7 +1188,9 @@ impl Group {
             return Err(io::Error::new(io::ErrorKind::TimedOut, format!("group {}: log record {seq} is not readable yet", self.id)));
         }
         // A retained record is never acked while pinned; read outside the lock (it may be large).
-        let got = store.read(self.log_queue(), seq, 1, READ_CHUNK_BYTES).map_err(io::Error::other)?;
+        // One record: the store reads the smallest chunk, then the record whole if it is longer
+        // (with `READ_CHUNK_BYTES` each entry read 4 MiB).
+        let got = store.read(self.log_queue(), seq, 1, 1).map_err(io::Error::other)?;
         let Some(m) = got.messages.into_iter().next().filter(|m| m.seq == seq) else { return Err(missing(self.id, seq)) };
         decode_record(self.id, seq, log_id, &m.payload).map(Some)
     }
