@@ -68,6 +68,9 @@ pub const GROUP_ID_LIMIT: GroupId = RAFT_STATE;
 
 /// Reads of entries from the store ask for at most this many payload bytes at once.
 const READ_CHUNK_BYTES: usize = 4 << 20;
+/// What a log record holds besides its payload (the store's record header and enqueue fields), so
+/// that a read of one record asks for all of it.
+const RECORD_OVERHEAD: usize = warren_store::format::RECORD_HEADER_SIZE + warren_store::format::ENQUEUE_FIXED_LEN;
 
 /// How long a read of a retained entry waits for the store to make its record readable.
 const READABLE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -1178,9 +1181,9 @@ impl Group {
             if g.removed {
                 return Err(gone());
             }
-            g.retained.get(&index).map(|s| (s.seq, s.ticket, LogId::new(s.leader, index)))
+            g.retained.get(&index).map(|s| (s.seq, s.len, s.ticket, LogId::new(s.leader, index)))
         };
-        let Some((seq, ticket, log_id)) = retained else {
+        let Some((seq, len, ticket, log_id)) = retained else {
             return Ok(self.read(store, index, index + 1, usize::MAX)?.pop());
         };
         // Purged right after its append, the record may not be readable yet (its cached copy went).
@@ -1188,9 +1191,10 @@ impl Group {
             return Err(io::Error::new(io::ErrorKind::TimedOut, format!("group {}: log record {seq} is not readable yet", self.id)));
         }
         // A retained record is never acked while pinned; read outside the lock (it may be large).
-        // One record: the store reads the smallest chunk, then the record whole if it is longer
-        // (with `READ_CHUNK_BYTES` each entry read 4 MiB).
-        let got = store.read(self.log_queue(), seq, 1, 1).map_err(io::Error::other)?;
+        // One record, in one read of about its size (with `READ_CHUNK_BYTES` each entry read 4 MiB;
+        // with less, the store reads the record again whole). Through the page cache: a direct read
+        // waits for the disk each time, and drained a rewound quorum queue at 185k msg/s, not 310k.
+        let got = store.read(self.log_queue(), seq, 1, len as usize + RECORD_OVERHEAD).map_err(io::Error::other)?;
         let Some(m) = got.messages.into_iter().next().filter(|m| m.seq == seq) else { return Err(missing(self.id, seq)) };
         decode_record(self.id, seq, log_id, &m.payload).map(Some)
     }
