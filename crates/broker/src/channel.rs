@@ -7,12 +7,13 @@
 
 use crate::consumers::ConsumerArgs;
 pub use crate::consumers::Consumer;
-pub use crate::sink::{AckWhenWritten, ClientSink, Delivery};
-use crate::direct_reply::ReplyConsumers;
+pub use crate::sink::{AckWhenWritten, ClientSink, Delivery, Kick};
+use crate::direct_reply::{ReplyConsumers, ReplyTarget};
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
 use crate::publisher::Publisher;
-use crate::queue::{Entry, Queue};
+pub use crate::queue::Settle;
+use crate::queue::{DeliverySink, Entry, Queue};
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -60,14 +61,6 @@ struct ReplyConsumer {
     registry: Arc<ReplyConsumers>,
 }
 
-/// Which settlement a client asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Settle {
-    Ack,
-    /// Reject or nack: back to the queue (redelivered) or, without requeue, dead-lettered/dropped.
-    Reject { requeue: bool },
-}
-
 pub struct Channel {
     pub number: u16,
     /// Connection identity, for exclusive queues.
@@ -96,11 +89,6 @@ impl Channel {
                 reply: None,
             }),
         })
-    }
-
-    /// This channel, for what must not keep it alive.
-    pub fn weak(&self) -> Weak<Channel> {
-        self.me.clone()
     }
 
     /// Whether the channel is closed (or closing: its consumers are being removed).
@@ -173,7 +161,7 @@ impl Channel {
             redelivered: entry.redelivered,
             returned: entry.returned,
             message: entry.message.clone(),
-            ack_when_written: if consumer.no_ack { AckWhenWritten::of(&consumer.queue, &entry) } else { None },
+            ack_when_written: if consumer.no_ack { ack_when_written(&consumer.queue, &entry) } else { None },
         });
         use crate::stats::Counter;
         crate::stats::delivered(if consumer.no_ack { Counter::DeliveredConsumeAutoAck } else { Counter::DeliveredConsumeManualAck }, entry.redelivered);
@@ -201,7 +189,7 @@ impl Channel {
             returned: entry.returned,
             message_count,
             message: entry.message.clone(),
-            ack_when_written: if no_ack { AckWhenWritten::of(queue, &entry) } else { None },
+            ack_when_written: if no_ack { ack_when_written(queue, &entry) } else { None },
         });
         use crate::stats::Counter;
         crate::stats::delivered(if no_ack { Counter::DeliveredGetAutoAck } else { Counter::DeliveredGetManualAck }, entry.redelivered);
@@ -254,7 +242,7 @@ impl Channel {
         if st.reply.is_some() {
             return Err(BrokerError::precondition_failed("reply consumer already set"));
         }
-        let token = registry.register(self);
+        let token = registry.register(self.me.clone());
         st.reply = Some(ReplyConsumer { tag, token, registry: registry.clone() });
         Ok(())
     }
@@ -509,4 +497,60 @@ fn take_unacked(unacked: &mut VecDeque<Unacked>, tag: u64, multiple: bool) -> Re
 
 fn unknown_tag(tag: u64) -> BrokerError {
     BrokerError::precondition_failed(format!("unknown delivery tag {tag}"))
+}
+
+/// What a no-ack delivery of `entry` from `queue` leaves the connection to ack in the store once
+/// written (None: not stored).
+fn ack_when_written(queue: &Queue, entry: &Entry) -> Option<AckWhenWritten> {
+    (entry.stored_bytes > 0).then(|| AckWhenWritten { queue: queue.store_id_of(entry), seq: entry.seq, stored_bytes: entry.stored_bytes })
+}
+
+impl DeliverySink for Channel {
+    fn connection_id(&self) -> u64 {
+        self.connection_id
+    }
+
+    fn number(&self) -> u16 {
+        self.number
+    }
+
+    fn weak_sink(&self) -> Weak<dyn DeliverySink> {
+        self.me.clone()
+    }
+
+    fn is_closed(&self) -> bool {
+        Channel::is_closed(self)
+    }
+
+    fn unacked_full(&self) -> bool {
+        Channel::unacked_full(self)
+    }
+
+    fn has_room(&self) -> bool {
+        Channel::has_room(self)
+    }
+
+    fn try_deliver(&self, consumer: &Arc<Consumer>, entry: Entry) -> std::result::Result<Option<Entry>, Entry> {
+        Channel::try_deliver(self, consumer, entry)
+    }
+
+    fn deliver_get(&self, queue: &Arc<Queue>, entry: Entry, no_ack: bool, message_count: u32) -> Option<Entry> {
+        Channel::deliver_get(self, queue, entry, no_ack, message_count)
+    }
+
+    fn consumer_cancelled_by_server(&self, tag: &Arc<str>) {
+        Channel::consumer_cancelled_by_server(self, tag)
+    }
+}
+
+impl Kick for Channel {
+    fn kick_consumers(&self) {
+        Channel::kick_consumers(self)
+    }
+}
+
+impl ReplyTarget for Channel {
+    fn deliver_reply(&self, message: MessageRef) -> bool {
+        Channel::deliver_reply(self, message)
+    }
 }

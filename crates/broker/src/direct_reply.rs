@@ -11,7 +11,6 @@
 //! consumer is on: a reply published on another node goes there (`VHost::publish_by`, the classic
 //! queue service's `Reply` request), as RabbitMQ routes replies from any node of a cluster.
 
-use crate::channel::Channel;
 use crate::error::{BrokerError, Result};
 use crate::message::MessageRef;
 use crate::queue::quorum::QuorumRuntime;
@@ -24,9 +23,16 @@ pub const PSEUDO_QUEUE: &str = "amq.rabbitmq.reply-to";
 /// What a publisher's `reply_to` is rewritten to, followed by the token.
 pub const PREFIX: &str = "amq.rabbitmq.reply-to.";
 
+/// Where a reply goes: the channel of a reply consumer (`Channel` implements it; this module names
+/// no channel).
+pub trait ReplyTarget: Send + Sync {
+    /// Delivers a reply to the channel's reply consumer; false if it has none now.
+    fn deliver_reply(&self, message: MessageRef) -> bool;
+}
+
 /// The reply consumers of a virtual host, by token.
 pub struct ReplyConsumers {
-    by_token: RwLock<HashMap<String, Weak<Channel>>>,
+    by_token: RwLock<HashMap<String, Weak<dyn ReplyTarget>>>,
     /// This node's id in its cluster (0: standalone), for the tokens.
     runtime: Arc<QuorumRuntime>,
 }
@@ -37,12 +43,12 @@ impl ReplyConsumers {
     }
 
     /// Registers `channel`'s reply consumer; returns its token.
-    pub fn register(&self, channel: &Arc<Channel>) -> String {
+    pub fn register(&self, channel: Weak<dyn ReplyTarget>) -> String {
         let token = match self.runtime.node() {
             0 => crate::names::generated_name(""),
             node => crate::names::generated_name(&format!("n{node}.")),
         };
-        self.by_token.write().insert(token.clone(), Arc::downgrade(channel));
+        self.by_token.write().insert(token.clone(), channel);
         token
     }
 

@@ -10,7 +10,6 @@
 mod blocking;
 pub mod broker;
 pub mod channel;
-pub mod consumers;
 pub mod deadletter;
 pub mod deadletter_confirms;
 pub mod delay;
@@ -22,6 +21,7 @@ pub mod message;
 pub mod metadata;
 mod names;
 pub mod queue;
+pub use queue::consumers;
 pub mod publisher;
 pub mod queue_args;
 pub mod quorum;

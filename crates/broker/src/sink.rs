@@ -2,9 +2,7 @@
 //! ([`Delivery`], with the store ack a no-ack delivery carries until written, [`AckWhenWritten`]), and
 //! the connection's side of that exchange ([`ClientSink`]).
 
-use crate::channel::Channel;
 use crate::message::MessageRef;
-use crate::queue::{Entry, Queue};
 use std::sync::{Arc, Weak};
 use warren_store::Batch;
 
@@ -47,13 +45,15 @@ pub struct AckWhenWritten {
 }
 
 impl AckWhenWritten {
-    pub(crate) fn of(queue: &Queue, entry: &Entry) -> Option<AckWhenWritten> {
-        (entry.stored_bytes > 0).then(|| AckWhenWritten { queue: queue.store_id_of(entry), seq: entry.seq, stored_bytes: entry.stored_bytes })
-    }
-
     pub fn add_to(&self, acks: &mut Batch) {
         acks.ack(self.queue, self.seq, self.stored_bytes);
     }
+}
+
+/// A channel whose consumers found no room, dispatched again once there is (`Channel` implements it;
+/// the sink names no channel).
+pub trait Kick: Send + Sync {
+    fn kick_consumers(&self);
 }
 
 /// Implemented by the connection that owns a channel: queues push deliveries through it.
@@ -72,7 +72,7 @@ pub trait ClientSink: Send + Sync {
     }
 
     /// Asks to have `channel`'s consumers dispatched again once `has_room` turns true.
-    fn wake_when_room(&self, _channel: Weak<Channel>) {}
+    fn wake_when_room(&self, _channel: Weak<dyn Kick>) {}
 
     /// Whether so much already waits for the client's socket that what cannot wait (a direct reply,
     /// pushed by another connection) must be dropped instead of buffered.

@@ -258,7 +258,7 @@ impl ClassicHome {
         };
         let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT - Duration::from_secs(2);
         loop {
-            match queue.get(&channel, no_ack) {
+            match queue.get(&*channel, no_ack) {
                 Got::Message => break,
                 Got::Empty => {
                     give_up(self);
@@ -531,7 +531,7 @@ impl ClientSink for RelaySink {
         self.state.lock().waiting_bytes < PUSH_BYTES
     }
 
-    fn wake_when_room(&self, _channel: Weak<Channel>) {
+    fn wake_when_room(&self, _channel: Weak<dyn warren_broker::channel::Kick>) {
         self.state.lock().wake = true;
     }
 

@@ -14,6 +14,7 @@
 //! relay beside its new replica: `settle` splits what each delivered.
 
 pub mod body_memory;
+pub mod consumers;
 pub mod remote;
 pub mod quorum;
 mod classic;
@@ -23,8 +24,8 @@ pub use types::*;
 
 use classic::{ready_count, Classic};
 
-use crate::channel::{Channel, Consumer, Settle};
-use crate::consumers::Consumers;
+use consumers::Consumer;
+use consumers::Consumers;
 
 use crate::message::Message;
 use warren_protocol::properties::PropertiesView;
@@ -646,7 +647,7 @@ impl Queue {
     /// waits: when the head may leave only once something is on disk, it returns [`Got::Later`]; the
     /// caller awaits [`Queue::wait_for`] and asks again (holding back what the client sent after the
     /// basic.get, so replies stay in order).
-    pub fn get(self: &Arc<Self>, channel: &Channel, no_ack: bool) -> Got {
+    pub fn get(self: &Arc<Self>, channel: &dyn DeliverySink, no_ack: bool) -> Got {
         if !no_ack && channel.unacked_full() {
             return Got::Empty;
         }

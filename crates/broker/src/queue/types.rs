@@ -116,3 +116,35 @@ pub trait QueueHost: Send + Sync {
     /// Deletes `queue` at the vhost's next tick, retried until it is gone.
     fn doom(&self, queue: &Arc<Queue>);
 }
+
+/// Which settlement a client asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settle {
+    Ack,
+    /// Reject or nack: back to the queue (redelivered) or, without requeue, dead-lettered/dropped.
+    Reject { requeue: bool },
+}
+
+/// What a queue delivers through: the channel of a consumer or of a basic.get (`Channel`
+/// implements it), so that the queue module names no channel.
+pub trait DeliverySink: Send + Sync {
+    /// The connection the channel is on, and its number there.
+    fn connection_id(&self) -> u64;
+    fn number(&self) -> u16;
+    /// This channel, for what must not keep it alive (a basic.get waiting for its answer).
+    fn weak_sink(&self) -> std::sync::Weak<dyn DeliverySink>;
+    /// Whether the channel is closed (or closing: its consumers are being removed).
+    fn is_closed(&self) -> bool;
+    /// Whether the connection holds as many unacknowledged bytes as it may.
+    fn unacked_full(&self) -> bool;
+    /// Whether the connection can take more deliveries now (its outgoing buffer is not full).
+    fn has_room(&self) -> bool;
+    /// Hands a message to `consumer`, under the queue's lock. Gives the entry back if the channel
+    /// cannot take it (closed, flow off, no credit). `Ok(Some)`: delivered to a no-ack consumer, so
+    /// settled (the connection acks it in the store once written).
+    fn try_deliver(&self, consumer: &Arc<Consumer>, entry: Entry) -> std::result::Result<Option<Entry>, Entry>;
+    /// basic.get-ok of `entry` from `queue`. Returns the entry when no_ack (settled).
+    fn deliver_get(&self, queue: &Arc<Queue>, entry: Entry, no_ack: bool, message_count: u32) -> Option<Entry>;
+    /// The queue was deleted under consumer `tag`: forget it and tell the client.
+    fn consumer_cancelled_by_server(&self, tag: &Arc<str>);
+}

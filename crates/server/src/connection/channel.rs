@@ -399,7 +399,7 @@ impl ChannelHandler {
     /// basic.get: answers now, or leaves a [`WaitingGet`] for the connection, which awaits what the
     /// queue needs (off the runtime's threads' time) and calls this again before reading on.
     pub fn get(&mut self, queue: Arc<Queue>, no_ack: bool, conn: &ConnectionShared) {
-        match queue.get(&self.channel, no_ack) {
+        match queue.get(&*self.channel, no_ack) {
             Got::Message => {}
             Got::Empty => self.reply(conn, Method::BasicGetEmpty(BasicGetEmpty { reserved_1: String::new() })),
             Got::Later(wait) => *conn.waiting_get.lock() = Some(WaitingGet { channel: self.number, queue, no_ack, wait }),

@@ -17,7 +17,8 @@ use std::sync::Weak;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use warren_broker::channel::UNACKED_BYTES_LIMIT;
-use warren_broker::{Channel, ClientSink, Delivery, MessageRef};
+use warren_broker::channel::Kick;
+use warren_broker::{ClientSink, Delivery, MessageRef};
 use warren_protocol::method::Method;
 use warren_store::{Batch, Store, SyncTicket};
 
@@ -87,7 +88,7 @@ pub struct Outbox {
     /// Bytes of everything pushed and not yet written to the socket or dropped (see the module docs).
     outgoing_bytes: AtomicUsize,
     /// Channels that found the outbox full; their consumers are dispatched again when the writer takes.
-    waiting: Mutex<Vec<Weak<Channel>>>,
+    waiting: Mutex<Vec<Weak<dyn Kick>>>,
     /// Memory of the messages the connection's channels hold delivered and unacknowledged.
     unacked_bytes: AtomicUsize,
     /// Wakes the reader: outgoing bytes fell below the limit, or the writer stopped.
@@ -261,7 +262,7 @@ impl ClientSink for Outbox {
         self.notify.notify_one();
     }
 
-    fn wake_when_room(&self, channel: Weak<Channel>) {
+    fn wake_when_room(&self, channel: Weak<dyn Kick>) {
         let mut waiting = self.waiting.lock();
         if !waiting.iter().any(|w| w.ptr_eq(&channel)) {
             waiting.push(channel);

@@ -348,13 +348,13 @@ mod refill_tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         let sink = Arc::new(Gets::default());
-        let channel = Channel::new(1, 1, sink.clone());
+        let channel = crate::channel::Channel::new(1, 1, sink.clone());
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         let (q, ch, handle) = (queue.clone(), channel.clone(), rt.handle().clone());
         let getter = std::thread::spawn(move || {
             let _in_runtime = handle.enter();
             for _ in 0..1100 {
-                assert_eq!(q.get(&ch, true), Got::Message);
+                assert_eq!(q.get(&*ch, true), Got::Message);
             }
             done_tx.send(()).unwrap();
         });
@@ -364,7 +364,7 @@ mod refill_tests {
         assert!(prompt, "basic.get waited for a refill that waits for the disk");
 
         loop {
-            match queue.get(&channel, true) {
+            match queue.get(&*channel, true) {
                 Got::Message => {}
                 Got::Empty => break,
                 Got::Later(wait) => rt.block_on(queue.wait_for(wait)),

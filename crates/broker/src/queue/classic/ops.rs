@@ -203,7 +203,7 @@ impl Queue {
     }
 
     /// `Queue::get` of a classic queue on this node.
-    pub(in crate::queue) fn classic_get(self: &Arc<Self>, c: &Classic, channel: &Channel, no_ack: bool) -> Got {
+    pub(in crate::queue) fn classic_get(self: &Arc<Self>, c: &Classic, channel: &dyn DeliverySink, no_ack: bool) -> Got {
         let mut after = AfterUnlock::default();
         let got = {
             let mut st = c.state.lock();

@@ -142,10 +142,10 @@ impl QuorumReplica {
 
     /// basic.get: proposes a Dequeue and asks the connection to wait; called again once it is
     /// applied, it answers.
-    pub(in crate::queue) fn get(&self, queue: &Arc<Queue>, channel: &Channel, no_ack: bool) -> Got {
+    pub(in crate::queue) fn get(&self, queue: &Arc<Queue>, channel: &dyn DeliverySink, no_ack: bool) -> Got {
         let local = {
             let mut st = self.state.lock();
-            let mine = st.getters.iter().find(|(_, g)| g.connection == channel.connection_id && g.number == channel.number).map(|(id, g)| (*id, g.done));
+            let mine = st.getters.iter().find(|(_, g)| g.connection == channel.connection_id() && g.number == channel.number()).map(|(id, g)| (*id, g.done));
             match mine {
                 Some((id, Some(delivered))) => {
                     st.getters.remove(&id);
@@ -158,7 +158,7 @@ impl QuorumReplica {
                 return Got::Empty;
             }
             let local = self.new_local_id();
-            st.getters.insert(local, Getter { channel: channel.weak(), connection: channel.connection_id, number: channel.number, no_ack, done: None });
+            st.getters.insert(local, Getter { channel: channel.weak_sink(), connection: channel.connection_id(), number: channel.number(), no_ack, done: None });
             local
         };
         let mut p = self.proposals.lock();

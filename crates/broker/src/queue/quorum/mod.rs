@@ -59,7 +59,7 @@ use proposals::*;
 
 use super::body_memory::{BodyMemory, NodeBodies};
 use super::{GetWait, Got, Queue};
-use crate::channel::{Channel, Consumer, Settle};
+use crate::queue::{consumers::Consumer, DeliverySink, Settle};
 use crate::deadletter::{DeadLetter, DeathReason};
 use crate::error::{BrokerError, Result};
 use crate::message::{decode_stored, stored_has_expiration, MessageRef};
@@ -321,7 +321,7 @@ struct LocalConsumer {
 
 /// A basic.get under way on this node.
 struct Getter {
-    channel: Weak<Channel>,
+    channel: Weak<dyn DeliverySink>,
     connection: u64,
     number: u16,
     /// basic.get with no-ack: the message is still taken as for an acking getter (held by the

@@ -17,7 +17,7 @@ use tokio::sync::Notify;
 
 use super::wire::{self, Request};
 use super::RemoteHome;
-use crate::channel::Channel;
+use crate::queue::DeliverySink;
 use crate::error::{BrokerError, Result};
 use crate::message::decode_stored;
 use crate::queue::{Entry, GetWait, Got, Queue};
@@ -46,10 +46,10 @@ struct Getter {
 
 impl RemoteHome {
     /// basic.get: asks the home; the channel's connection waits ([`Got::Later`]) and asks again.
-    pub(in crate::queue) fn get(&self, queue: &Arc<Queue>, channel: &Channel, no_ack: bool) -> Got {
+    pub(in crate::queue) fn get(&self, queue: &Arc<Queue>, channel: &dyn DeliverySink, no_ack: bool) -> Got {
         let relay = {
             let mut waiting = self.gets.waiting.lock();
-            let mine = waiting.iter().find(|(_, g)| g.connection == channel.connection_id && g.number == channel.number).map(|(id, g)| (*id, g.done.clone()));
+            let mine = waiting.iter().find(|(_, g)| g.connection == channel.connection_id() && g.number == channel.number()).map(|(id, g)| (*id, g.done.clone()));
             match mine {
                 Some((id, Some(outcome))) => {
                     waiting.remove(&id);
@@ -63,11 +63,11 @@ impl RemoteHome {
                 None => {}
             }
             let relay = super::relay::new_relay_id();
-            waiting.insert(relay, Getter { connection: channel.connection_id, number: channel.number, done: None });
+            waiting.insert(relay, Getter { connection: channel.connection_id(), number: channel.number(), done: None });
             relay
         };
         let weak_queue = Arc::downgrade(queue);
-        let weak_channel = channel.weak();
+        let weak_channel = channel.weak_sink();
         self.request(
             &Request::Get { queue: super::queue_ref(queue), relay, no_ack },
             Box::new(move |answer| {
@@ -85,7 +85,7 @@ impl RemoteHome {
 
     /// The home's answer to basic.get `relay`: hands the message to the channel. Whether it did, or
     /// why the home could not be asked (the channel's 404 text).
-    fn got(&self, queue: &Arc<Queue>, channel: Weak<Channel>, relay: u64, no_ack: bool, answer: std::result::Result<bytes::Bytes, String>) -> std::result::Result<bool, String> {
+    fn got(&self, queue: &Arc<Queue>, channel: Weak<dyn DeliverySink>, relay: u64, no_ack: bool, answer: std::result::Result<bytes::Bytes, String>) -> std::result::Result<bool, String> {
         let got = match answer.and_then(|a| wire::decode_got(&a).map_err(|e| e.to_string())) {
             Ok(Some(got)) => got,
             Ok(None) => return Ok(false), // the home closed the relay itself

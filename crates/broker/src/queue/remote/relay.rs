@@ -24,7 +24,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::wire::{self, Request};
 use super::RemoteHome;
-use crate::channel::{Consumer, Settle};
+use crate::queue::{consumers::Consumer, Settle};
 use crate::error::Result;
 use crate::message::MessageRef;
 use crate::queue::{Entry, Queue};

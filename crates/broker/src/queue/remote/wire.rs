@@ -28,7 +28,7 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::channel::Settle;
+use crate::queue::Settle;
 use crate::quorum::codec::{err, put_bool, put_var, put_zigzag, DecodeError, Reader};
 
 const VERSION: u8 = 1;

@@ -196,14 +196,14 @@ pub async fn consumers(State(ctx): State<Arc<HttpContext>>, vhost_name: Option<P
         queues.sort_by(|a, b| a.name.cmp(&b.name));
         for q in queues.iter().filter(|q| !q.is_deleted()) {
             for c in q.local_consumers() {
-                let connection = connections.iter().find(|info| info.opened.id == c.channel.connection_id);
+                let connection = connections.iter().find(|info| info.opened.id == c.channel.connection_id());
                 let connection_name = connection.map_or_else(String::new, |info| info.name.clone());
                 items.push(json!({
                     "consumer_tag": &*c.tag,
                     "queue": {"name": q.name, "vhost": v.name},
                     "channel_details": {
-                        "name": format!("{connection_name} ({})", c.channel.number),
-                        "number": c.channel.number,
+                        "name": format!("{connection_name} ({})", c.channel.number()),
+                        "number": c.channel.number(),
                         "connection_name": connection_name,
                         "node": ctx.node_name,
                         "user": connection.map(|info| info.opened.user.clone()),

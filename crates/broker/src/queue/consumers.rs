@@ -11,9 +11,8 @@
 //! With every consumer at one priority (the usual case) there is one group and the choice is a plain
 //! round-robin cursor, as cheap as a single list.
 
-use crate::channel::Channel;
 use crate::error::{BrokerError, Result};
-use crate::queue::Queue;
+use crate::queue::{DeliverySink, Queue};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use warren_protocol::field::FieldTable;
@@ -21,7 +20,8 @@ use warren_protocol::field::FieldTable;
 /// A consumer registered on a queue by basic.consume.
 pub struct Consumer {
     pub tag: Arc<str>,
-    pub channel: Arc<Channel>,
+    /// The channel it delivers through.
+    pub channel: Arc<dyn DeliverySink>,
     pub queue: Arc<Queue>,
     pub no_ack: bool,
     pub exclusive: bool,
