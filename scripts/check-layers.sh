@@ -20,7 +20,8 @@ check() { # check FILE... -- FORBIDDEN-MODULE...
     forbidden=("$@")
     for f in "${files[@]}"; do
         for m in "${forbidden[@]}"; do
-            if sed '/#\[cfg(test)\]/,$d' "$f" | grep -v '^\s*//' | grep -q "crate::$m\b"; then
+            # `crate::m` and `crate::{.., m, ..}` (one line), outside comments and tests.
+            if sed '/#\[cfg(test)\]/,$d' "$f" | grep -v '^\s*//' | grep -Eq "crate::$m\b|crate::\{[^}]*\b$m\b"; then
                 echo "check-layers: $f names crate::$m, a module above it" >&2
                 fail=1
             fi
