@@ -23,7 +23,7 @@ deps:
 # namespaces and fault timings are machine-wide).
 test: SHELL := /bin/bash
 test: deps build hooks
-	bash scripts/check-layers.sh
+	python3 scripts/check-layers.py
 	time cargo test --workspace --release --features warren-store/test-hooks,warren-cluster/test-hooks
 	cargo build --release
 	time python3 -m pytest -q --timeout=120 --durations=25 -n 3 tests/python

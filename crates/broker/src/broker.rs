@@ -210,7 +210,8 @@ impl Broker {
 
     /// Starts firing delayed messages (`crate::delay`). Call from the runtime, before serving clients.
     pub fn start_delays(self: &Arc<Self>) {
-        self.delays.start(Arc::downgrade(self));
+        let host: Arc<dyn crate::delay::DueHost> = self.clone();
+        self.delays.start(Arc::downgrade(&host));
     }
 
     /// The node's delayed messages.
@@ -471,5 +472,19 @@ mod secret_tests {
         assert!(!same_secret(b"guest", b"guest\0"), "a longer one padded with zeros");
         assert!(!same_secret(b"guest", b"gues"));
         assert!(!same_secret(b"", b"\0"));
+    }
+}
+
+impl crate::delay::DueHost for Broker {
+    fn due_queue(&self, vhost: &str, id: u64) -> Option<Arc<crate::queue::Queue>> {
+        self.vhost(vhost)?.queue_by_id(id)
+    }
+
+    fn publish_due(&self, vhost: &str, message: crate::message::MessageRef, queue: &Arc<crate::queue::Queue>, settle: crate::deadletter::SettleDeadLetter) {
+        match self.vhost(vhost) {
+            Some(v) => v.publish_due(message, queue, settle),
+            // Deleted since its queues were looked up: nothing holds it, nothing will.
+            None => settle(true),
+        }
     }
 }

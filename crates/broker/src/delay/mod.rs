@@ -121,6 +121,17 @@ impl Directory {
     }
 }
 
+/// What the timer asks of the node when a delayed message is due (`Broker` implements it; the
+/// delay store names no broker or vhost).
+pub trait DueHost: Send + Sync {
+    /// Queue `id` of vhost `vhost`, unless one or the other was deleted.
+    fn due_queue(&self, vhost: &str, id: u64) -> Option<Arc<crate::queue::Queue>>;
+    /// Publishes a due message to `queue` of `vhost` as an at-least-once dead letter: `settle` is
+    /// told true once the queue holds it durably, false when it must be tried again (also when the
+    /// vhost is gone).
+    fn publish_due(&self, vhost: &str, message: crate::message::MessageRef, queue: &Arc<crate::queue::Queue>, settle: crate::deadletter::SettleDeadLetter);
+}
+
 /// The node's delayed messages (one per broker, shared by its vhosts).
 pub struct Delays {
     store: Store,
@@ -162,7 +173,7 @@ impl Delays {
 
     /// Starts the timer that fires due messages (once; needs a Tokio runtime). `broker` resolves a
     /// record's vhost and queues when it is due.
-    pub fn start(self: &Arc<Self>, broker: std::sync::Weak<crate::Broker>) {
+    pub fn start(self: &Arc<Self>, broker: std::sync::Weak<dyn DueHost>) {
         if !self.timer_started.swap(true, Ordering::AcqRel) {
             tokio::spawn(timer::run(self.clone(), broker));
         }

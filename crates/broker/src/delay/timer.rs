@@ -2,9 +2,8 @@
 //! before they start, publishes each message when due, drops a slot once all it held is durable
 //! in its queues, and moves coarse slots into fine ones an hour ahead.
 
-use super::{counted, horizon_ms, record, Delays, SlotKey};
+use super::{counted, horizon_ms, record, Delays, DueHost, SlotKey};
 use crate::queue::Queue;
-use crate::Broker;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -73,7 +72,7 @@ struct Timer {
     held_back: bool,
 }
 
-pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
+pub(super) async fn run(delays: Arc<Delays>, broker: Weak<dyn DueHost>) {
     let counter = delays.clone();
     let spawned = std::thread::Builder::new().name("warren-delay-count".into()).spawn(move || count_recovered(&counter));
     if let Err(e) = spawned {
@@ -94,7 +93,7 @@ pub(super) async fn run(delays: Arc<Delays>, broker: Weak<Broker>) {
         // each time: under load the allocator kept ~800 MB spread over their arenas.
         timer.move_coarse(now);
         timer.load(now);
-        timer.fire(&broker, now);
+        timer.fire(&*broker, now);
         timer.close(now);
         drop(broker);
         let next = timer.next_wake(now);
@@ -200,7 +199,7 @@ impl Timer {
     }
 
     /// Publishes every loaded message that is due.
-    fn fire(&mut self, broker: &Broker, now: u64) {
+    fn fire(&mut self, broker: &dyn DueHost, now: u64) {
         self.held_back = false;
         if self.due.first_key_value().is_none_or(|((due, _, _), _)| *due > now) {
             return;
@@ -221,12 +220,11 @@ impl Timer {
             let Some(firing) = self.firing.get_mut(&index) else { continue };
             firing.loaded = firing.loaded.saturating_sub(1);
             self.delays.uncount(&rec.queues, rec.run);
-            let Some(vhost) = broker.vhost(&rec.vhost) else { continue }; // the vhost was deleted
             let wanted = |id: &&u64| counted(**id, rec.run);
             let queues: Vec<Arc<Queue>> =
-                rec.queues.iter().filter(wanted).filter_map(|id| vhost.queue_by_id(*id).filter(|q| !q.is_deleted())).collect();
+                rec.queues.iter().filter(wanted).filter_map(|id| broker.due_queue(&rec.vhost, *id).filter(|q| !q.is_deleted())).collect();
             if queues.is_empty() {
-                continue; // its queues were deleted
+                continue; // its queues (or its vhost) were deleted
             }
             let Some(message) = record::due_message(&rec.message) else {
                 tracing::error!(vhost = %rec.vhost, "a delayed message does not decode; it is dropped");
@@ -239,13 +237,14 @@ impl Timer {
                 let settling = firing.settling.clone();
                 settling.unsettled.fetch_add(1, Ordering::AcqRel);
                 unsettled += 1;
-                let (delays, rec, id) = (self.delays.clone(), rec.clone(), queue.id);
-                vhost.publish_due(
+                let (delays, retried, id) = (self.delays.clone(), rec.clone(), queue.id);
+                broker.publish_due(
+                    &rec.vhost,
                     message.clone(),
                     &queue,
                     Box::new(move |held| {
                         if !held {
-                            delays.retry(&rec, id, &settling);
+                            delays.retry(&retried, id, &settling);
                         }
                         settling.unsettled.fetch_sub(1, Ordering::AcqRel);
                     }),

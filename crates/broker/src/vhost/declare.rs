@@ -183,8 +183,6 @@ impl VHost {
         Ok(())
     }
 
-    // ---- queues -------------------------------------------------------------------------
-
     /// queue.declare: returns (name, message count, consumer count).
     pub fn queue_declare(&self, d: &QueueDeclare) -> Result<(String, u32, u32)> {
         let (name, messages, consumers) = self.declare_queue_locked(d)?;
@@ -546,6 +544,4 @@ impl VHost {
         }
         self.retry_doomed(now_ms);
     }
-
-    // ---- publishing ---------------------------------------------------------------------
 }

@@ -285,8 +285,6 @@ impl VHost {
         }
     }
 
-    // ---- exchanges ----------------------------------------------------------------------
-
     /// The topology lock. Waiting for it may mean waiting for another change's fsync, so a
     /// contended wait runs as blocking work (`crate::blocking`), off the runtime's workers.
     fn lock_topology(&self) -> parking_lot::MutexGuard<'_, ()> {
