@@ -26,8 +26,9 @@
 //!   follower): its followers elect as if its node were down (`leader_gone`);
 //! - a group this node leads whose preferred member (the one that first led it) has been back for
 //!   [`REBALANCE_SETTLE`] and has caught up is handed back to it (leaders spread over the nodes
-//!   again after a node returns); a transfer that does not land is asked again (openraft's leader
-//!   takes no writes while a transfer is pending);
+//!   again after a node returns). A transfer starts only once the target has taken a blank entry
+//!   the leader appends first (see `Handle::transfer_leader`), off the sweep; one that does not
+//!   land is asked again (openraft's leader takes no writes while a transfer is pending);
 //! - when a node comes (back) up, the groups this node leads that include it are heartbeaten at
 //!   once, so a restarted node learns its leaders before it would start elections.
 //!
@@ -281,7 +282,11 @@ trait GroupHandle: Send + Sync + 'static {
     /// For a leader: its term, the group's preferred member and every voter's lag behind the
     /// leader's last log index (None: not known to have anything yet).
     fn leader_view(&self, group: GroupId) -> Option<(u64, Option<NodeId>, Vec<(NodeId, Option<u64>)>)>;
+    /// Hands the leadership to `to` (see the implementation for the entry appended first). Once
+    /// this returned `Ok`, the leader takes no writes until the target won or the term changed.
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>>;
+    /// Whether this node leads the group in the term it started a transfer in (so takes no writes).
+    fn transfer_pending(&self) -> bool;
     fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome>;
     fn shutdown(&self) -> BoxFuture<()>;
 }
@@ -294,6 +299,16 @@ struct Handle<SM: RaftStateMachine<TypeConfig>> {
     metrics: WatchReceiverOf<TypeConfig, RaftMetrics<TypeConfig>>,
     /// The member recorded to lead the group first (see [`preferred_member`]).
     preferred: Option<NodeId>,
+    /// The term in which this node, leading, last started a leadership transfer.
+    transferring: Arc<parking_lot::Mutex<Option<u64>>>,
+}
+
+/// How long a transfer waits for its target to take the blank entry appended first.
+const TRANSFER_PRIME_WAIT: Duration = Duration::from_secs(1);
+
+/// On a leader: the index `peer` is known to have (None: nothing known yet).
+fn matched_index(m: &RaftMetrics<TypeConfig>, peer: NodeId) -> Option<u64> {
+    m.replication.as_ref().and_then(|r| r.get(&peer)).and_then(|l| l.as_ref()).map(|l| l.index)
 }
 
 fn write_outcome<T>(r: Result<T, RaftError<TypeConfig, ClientWriteError<TypeConfig>>>, ok: impl FnOnce(T) -> Reply) -> WriteOutcome {
@@ -455,8 +470,7 @@ where
         let lags = voters
             .iter()
             .map(|v| {
-                let matched = m.replication.as_ref().and_then(|r| r.get(v)).and_then(|l| l.as_ref()).map(|l| l.index);
-                (*v, matched.map(|i| last.saturating_sub(i)))
+                (*v, matched_index(&m, *v).map(|i| last.saturating_sub(i)))
             })
             .collect();
         Some((m.current_term, preferred_member(group, &voters, self.preferred), lags))
@@ -464,7 +478,51 @@ where
 
     fn transfer_leader(&self, to: NodeId) -> BoxFuture<Result<(), String>> {
         let raft = self.raft.clone();
-        Box::pin(async move { raft.trigger().transfer_leader(to).await.map_err(|e| e.to_string()) })
+        let transferring = self.transferring.clone();
+        // A transfer already pending (sent again to another target) cannot append: the leader
+        // takes no writes until it lands.
+        let pending = self.transfer_pending();
+        Box::pin(async move {
+            if pending {
+                return raft.trigger().transfer_leader(to).await.map_err(|e| e.to_string());
+            }
+            // openraft's target takes the leadership only once it has flushed, under this leader's
+            // vote, an entry at or past the leader's last one. A target restarted since this
+            // leader's last append has flushed nothing under it (openraft starts a node's flush
+            // point at its vote alone, whatever its log holds), so it refuses every transfer of an
+            // idle group, while the leader, its transfer pending, takes no writes and sends no
+            // heartbeats, and nothing is ever appended again: the group stalls for good (a
+            // dead-letter target, idle while its source elected, in CI on 2026-11-30). So append
+            // a blank entry first and wait until the target has it.
+            let mut renewed = false;
+            let blank = loop {
+                match raft.write_blank().await {
+                    Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))
+                        if f.reason == ForwardReason::LeaseExpired && !renewed =>
+                    {
+                        renewed = true;
+                        renew_lease(&raft).await;
+                    }
+                    Ok(r) => break r.log_id.index,
+                    Err(e) => return Err(format!("cannot append the entry the transfer target must have first: {e}")),
+                }
+            };
+            let term = raft
+                .wait(Some(TRANSFER_PRIME_WAIT))
+                .metrics(|m| m.state != ServerState::Leader || matched_index(m, to).is_some_and(|i| i >= blank), "transfer target has the leader's blank entry")
+                .await
+                .map_err(|_| format!("no transfer started: node {to} did not take the leader's entry {blank} within {TRANSFER_PRIME_WAIT:?} (down, cut off or far behind?); the leader keeps the group"))
+                .and_then(|m| if m.state == ServerState::Leader { Ok(m.current_term) } else { Err("no longer the leader".to_owned()) })?;
+            raft.trigger().transfer_leader(to).await.map_err(|e| e.to_string())?;
+            *transferring.lock() = Some(term);
+            Ok(())
+        })
+    }
+
+    fn transfer_pending(&self) -> bool {
+        use openraft::async_runtime::WatchReceiver;
+        let m = self.metrics.borrow_watched();
+        m.state == ServerState::Leader && *self.transferring.lock() == Some(m.current_term)
     }
 
     fn change_membership(&self, change: ChangeMembers<NodeId, NodeAddr>, learner: Option<(NodeId, NodeAddr)>) -> BoxFuture<WriteOutcome> {
@@ -849,7 +907,7 @@ impl ClusterNode {
             let mut groups = self.inner.groups.write();
             let fresh = !groups.contains_key(&group);
             if fresh {
-                groups.insert(group, Arc::new(Handle { raft: raft.clone(), metrics: raft.metrics(), preferred }));
+                groups.insert(group, Arc::new(Handle { raft: raft.clone(), metrics: raft.metrics(), preferred, transferring: Default::default() }));
                 self.inner.groups_version.fetch_add(1, Ordering::Release);
             }
             fresh
@@ -1614,7 +1672,7 @@ impl ClusterNode {
     /// For a group this node leads: hands the leadership to the group's preferred member when it is
     /// back and caught up (leaders spread over the nodes again after a node returns), and sees a
     /// pending transfer through.
-    async fn rebalance(&self, group: GroupId, h: &dyn GroupHandle, t: &mut GroupTimer, now: Instant, handbacks: &mut u32) {
+    fn rebalance(&self, group: GroupId, h: &Arc<dyn GroupHandle>, t: &mut GroupTimer, now: Instant, handbacks: &mut u32) {
         let me = self.inner.id;
         let fresh = t.preferred.is_some_and(|(p, at)| p == Some(me) && now.duration_since(at) < PREFERRED_RECHECK);
         if t.transfer.is_none() && fresh {
@@ -1628,18 +1686,28 @@ impl ClusterNode {
                 if now.duration_since(at) < TRANSFER_WAIT {
                     return;
                 }
+                t.rebalance_after = Some(now + REBALANCE_BACKOFF);
+                if !h.transfer_pending() {
+                    // It never started (the target did not take the entry appended first, or it
+                    // was refused): this node still takes writes. Try again after the backoff.
+                    t.transfer = None;
+                    return;
+                }
                 // Still leading, and taking no writes: ask again, the same node while it is up
                 // (twice at most), else the most caught-up other voter that answers.
                 let to = if tries < 2 && detector.is_up(to) {
                     Some(to)
                 } else {
-                    lags.iter().filter(|(v, _)| *v != me && detector.is_up(*v)).min_by_key(|(_, lag)| lag.unwrap_or(u64::MAX)).map(|(v, _)| *v)
+                    // Another than the one that did not take it first, if any.
+                    let mut others: Vec<(NodeId, u64)> =
+                        lags.iter().filter(|(v, _)| *v != me && detector.is_up(*v)).map(|(v, lag)| (*v, lag.unwrap_or(u64::MAX))).collect();
+                    others.sort_by_key(|(v, lag)| (*v == to, *lag));
+                    others.first().map(|(v, _)| *v)
                 };
-                t.rebalance_after = Some(now + REBALANCE_BACKOFF);
                 if let Some(to) = to {
                     tracing::info!(group, to, tries, "a leadership transfer did not land: asking again");
                     t.transfer = Some((term, to, now, tries + 1));
-                    let _ = h.transfer_leader(to).await;
+                    self.spawn_transfer(group, h, to);
                 }
                 return;
             }
@@ -1676,11 +1744,19 @@ impl ClusterNode {
         tracing::info!(group, to, "the group's preferred member is back: handing it the leadership");
         *handbacks -= 1;
         t.transfer = Some((term, to, now, 1));
-        if let Err(e) = h.transfer_leader(to).await {
-            tracing::warn!(group, to, error = %e, "cannot start a leadership transfer");
-            t.transfer = None;
-            t.rebalance_after = Some(now + REBALANCE_BACKOFF);
-        }
+        self.spawn_transfer(group, h, to);
+    }
+
+    /// Starts a leadership transfer off the sweep: it first waits for a commit and for the target
+    /// to take it (see [`GroupHandle::transfer_leader`]), which must not hold up the other groups'
+    /// elections. The sweep sees how it went through [`GroupHandle::transfer_pending`].
+    fn spawn_transfer(&self, group: GroupId, h: &Arc<dyn GroupHandle>, to: NodeId) {
+        let h = h.clone();
+        tokio::spawn(async move {
+            if let Err(e) = h.transfer_leader(to).await {
+                tracing::warn!(group, to, error = %e, "cannot start a leadership transfer");
+            }
+        });
     }
 }
 
@@ -1769,7 +1845,7 @@ async fn sweep(node: Weak<NodeInner>, mut stop: watch::Receiver<bool>) {
                     t.last_heartbeat = Some(now);
                     h.heartbeat().await;
                 }
-                node.rebalance(group, h.as_ref(), t, now, &mut handbacks).await;
+                node.rebalance(group, h, t, now, &mut handbacks);
                 if !moved && t.transfer.is_none() {
                     t.quiet_until = Some((now + LEADER_RECHECK, liveness));
                 }

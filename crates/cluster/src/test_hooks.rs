@@ -7,6 +7,8 @@ use openraft::raft::AppendEntriesRequest;
 #[cfg(feature = "test-hooks")]
 static HELD_CONFIGS: parking_lot::Mutex<Vec<(NodeId, NodeId, GroupId)>> = parking_lot::Mutex::new(Vec::new());
 #[cfg(feature = "test-hooks")]
+static HELD_APPENDS: parking_lot::Mutex<Vec<(NodeId, NodeId, GroupId)>> = parking_lot::Mutex::new(Vec::new());
+#[cfg(feature = "test-hooks")]
 static CONFIGS_HELD: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// While set, node `from` fails every append-entries of `group` to node `to` that carries a
@@ -16,6 +18,21 @@ pub fn hold_uniform_configs(from: NodeId, to: NodeId, group: GroupId, held: bool
     #[cfg(feature = "test-hooks")]
     {
         let mut list = HELD_CONFIGS.lock();
+        list.retain(|l| *l != (from, to, group));
+        if held {
+            list.push((from, to, group));
+        }
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (from, to, group, held);
+}
+
+/// While set, node `from` fails every append-entries (heartbeats included) of `group` to node
+/// `to`, as a replication stream that does not get through while the nodes still hear each other.
+pub fn hold_appends(from: NodeId, to: NodeId, group: GroupId, held: bool) {
+    #[cfg(feature = "test-hooks")]
+    {
+        let mut list = HELD_APPENDS.lock();
         list.retain(|l| *l != (from, to, group));
         if held {
             list.push((from, to, group));
@@ -35,10 +52,13 @@ pub fn uniform_configs_held() -> u64 {
     0
 }
 
-/// Whether `hold_uniform_configs` fails this append-entries from `from` to `to`.
+/// Whether `hold_appends` or `hold_uniform_configs` fails this append-entries from `from` to `to`.
 pub(crate) fn holds_append(from: NodeId, to: NodeId, group: GroupId, req: &AppendEntriesRequest<TypeConfig>) -> bool {
     #[cfg(feature = "test-hooks")]
     {
+        if HELD_APPENDS.lock().contains(&(from, to, group)) {
+            return true;
+        }
         let list = HELD_CONFIGS.lock();
         if list.is_empty() || !list.contains(&(from, to, group)) {
             return false;

@@ -403,3 +403,51 @@ async fn a_node_is_out_of_a_group_only_once_the_configuration_without_it_is_comm
         stop_node(n).await;
     }
 }
+
+/// A leader handing a group back to its restarted preferred member before that member heard from
+/// it: openraft's target, restarted, has flushed nothing under the current leader until an
+/// append-entries from it arrives, so it refuses the transfer (`LogNotFlushed`), and a leader whose
+/// transfer is pending takes no writes and sends no heartbeats, so nothing ever reaches the target
+/// again: the group stalled for good (a dead-letter target in CI, 2026-11-30). The leader now
+/// appends an entry first and transfers only once the target has it: here it never gets it while
+/// the leader's appends to it are held, so no transfer starts and the group takes writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_back_to_a_restarted_member_that_has_not_heard_from_the_leader_does_not_stall_the_group() {
+    if !warren_store::test_hooks::enabled() {
+        eprintln!("skipped: needs a test-hooks build (cargo test --features warren-cluster/test-hooks)");
+        return;
+    }
+    let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    // Its preferred member is node 2 (`preferred_member`: the group id's rank among the members).
+    const GROUP: u64 = 1;
+    let root = tempfile::tempdir().expect("tempdir");
+    let d = dirs(root.path());
+    let ports: Vec<(NodeId, u16)> = (1..=3).map(|i| (i, free_port())).collect();
+    let groups = [METADATA_GROUP, GROUP];
+    let mut nodes = start_all(&d, &ports, &groups).await;
+    assert!(agreed_leader_is(&nodes.iter().collect::<Vec<_>>(), GROUP, 2, Duration::from_secs(15)).await, "node 2 leads first");
+    // Moved on purpose while every node has long been up (past the hand-back's slack): node 1
+    // keeps it, and node 2 has every entry of its term.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    nodes[0].node.admin(AdminRequest::TransferLeader { group: GROUP, node: 1 }).await.expect("transfer started");
+    assert!(agreed_leader_is(&nodes.iter().collect::<Vec<_>>(), GROUP, 1, Duration::from_secs(10)).await, "node 1 leads");
+    nodes[2].node.propose(GROUP, Command(Bytes::from_static(b"before")), Duration::from_secs(10)).await.expect("taken");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(agreed_leader_is(&nodes.iter().collect::<Vec<_>>(), GROUP, 1, Duration::from_secs(1)).await, "node 1 keeps the leadership");
+
+    // Node 2 restarts; the leader's appends to it do not get through for a while, past the time
+    // the hand-back is due (node 2 up for `REBALANCE_SETTLE`, and caught up as the leader last saw).
+    stop_node(nodes.remove(1)).await;
+    warren_cluster::test_hooks::hold_appends(1, 2, GROUP, true);
+    nodes.insert(1, start_node(2, &d[1], &ports, &groups).await);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    warren_cluster::test_hooks::hold_appends(1, 2, GROUP, false);
+
+    let started = Instant::now();
+    nodes[2].node.propose(GROUP, Command(Bytes::from_static(b"after")), Duration::from_secs(8)).await.unwrap_or_else(|e| {
+        panic!("the group took no write {:?} after the held appends went through again: {e}", started.elapsed())
+    });
+    for n in nodes {
+        stop_node(n).await;
+    }
+}

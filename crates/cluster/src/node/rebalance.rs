@@ -27,7 +27,7 @@ use openraft::{RaftMetrics, ServerState};
 use parking_lot::Mutex;
 use tokio::sync::watch;
 
-use super::{preferred_member, ClusterNode, GroupHandle, NodeInner};
+use super::{matched_index, preferred_member, ClusterNode, GroupHandle, NodeInner};
 use crate::types::{GroupId, NodeId, TypeConfig, METADATA_GROUP};
 
 /// How often the watch (and a forced pass) runs.
@@ -93,7 +93,7 @@ impl Rebalancer {
 
 /// Whether `peer`'s replicated index has reached the leader's last log index.
 fn caught_up(m: &RaftMetrics<TypeConfig>, peer: NodeId) -> bool {
-    let matched = m.replication.as_ref().and_then(|r| r.get(&peer)).and_then(|l| l.as_ref()).map(|l| l.index);
+    let matched = matched_index(m, peer);
     matched.is_some() && matched == m.last_log_index
 }
 

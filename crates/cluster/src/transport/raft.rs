@@ -177,7 +177,7 @@ impl<SD: SnapshotWire> RaftNetworkV2<TypeConfig> for GroupNetwork<SD> {
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<TypeConfig>, RPCError<TypeConfig>> {
         if crate::test_hooks::holds_append(self.transport.node_id(), self.target, self.group, &rpc) {
-            let e = std::io::Error::other("held by a test (test_hooks::hold_uniform_configs)");
+            let e = std::io::Error::other("held by a test (test_hooks::hold_appends or hold_uniform_configs)");
             return Err(RPCError::Unreachable(Unreachable::new(&e)));
         }
         self.call(self.link, Rpc::AppendEntries, RPCTypes::AppendEntries, &rpc, option.soft_ttl()).await
