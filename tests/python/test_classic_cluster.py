@@ -364,3 +364,41 @@ def test_a_classic_queue_is_rewound_through_any_node_and_the_rewind_survives_a_k
     cluster[1].kill9()
     cluster[1].start()
     eventually(lambda: drain_by_get(cluster[1], name) == bodies, timeout=30, interval=0.5)
+
+
+def test_the_management_api_on_every_node_shows_the_homes_counts_and_down_when_the_home_is(cluster):
+    """`GET /api/queues` and `/api/queues/%2F/NAME` on a node that is not a classic queue's home
+    show the home's ready, unacked and consumer counts (wire op STATS, one request per home);
+    with the home killed they show state `down` and no counts, as RabbitMQ shows a classic queue
+    whose node is down. Before, the other nodes showed their own empty view (0 unacked, and the
+    list 0 messages)."""
+    name = "classic-counted"
+    declare_on(cluster, name, home=2)
+    confirmed, _ = publish_confirmed(cluster[1], name, [f"c-{k}".encode() for k in range(20)])
+    assert len(confirmed) == 20
+    holder = Consumer(cluster[2], name, prefetch=5, ack=False)
+    assert pump_all([holder], lambda: len(holder.got) == 5), holder.got
+
+    def api(node, path):
+        r = requests.get(f"http://127.0.0.1:{node.http_port}/api/{path}", auth=("guest", "guest"), timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def counts(q):
+        return {k: q.get(k) for k in ("messages", "messages_ready", "messages_unacknowledged", "consumers", "state")}
+
+    want = {"messages": 20, "messages_ready": 15, "messages_unacknowledged": 5, "consumers": 1, "state": "running"}
+    for i in (1, 2, 3):
+        listed = [q for q in api(cluster[i], "queues") if q["name"] == name]
+        assert len(listed) == 1 and counts(listed[0]) == want, (i, listed)
+        assert counts(api(cluster[i], f"queues/%2F/{name}")) == want, i
+
+    holder.conn.close()
+    cluster[2].kill9()
+    down = {"messages": None, "messages_ready": None, "messages_unacknowledged": None, "consumers": None, "state": "down"}
+    for i in (1, 3):
+        started = time.monotonic()
+        listed = [q for q in api(cluster[i], "queues") if q["name"] == name]
+        assert len(listed) == 1 and counts(listed[0]) == down, (i, listed)
+        assert time.monotonic() - started < 5, "a down home costs the list at most its wait"
+        assert counts(api(cluster[i], f"queues/%2F/{name}")) == down, i

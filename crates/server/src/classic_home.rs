@@ -20,7 +20,7 @@ use warren_broker::consumers::ConsumerArgs;
 use warren_broker::message::{decode_stored, encode_header, encode_stored};
 use warren_broker::queue::remote::relay::incarnation_of;
 use warren_broker::queue::remote::wire::{encode_flags, encode_got, encode_ids, GotMessage, QueueRef, Relayed, Request};
-use warren_broker::queue::remote::{RequestDone, REQUEST_TIMEOUT};
+use warren_broker::queue::remote::{HomeStats, RequestDone, REQUEST_TIMEOUT};
 use warren_broker::queue::{Enqueued, Got};
 use warren_broker::{Broker, Queue};
 use warren_cluster::node::ClassicService;
@@ -148,6 +148,17 @@ impl ClassicHome {
                 // Asked by a queue.declare on another node: as a declare here, it renews x-expires.
                 q.touch(warren_broker::now_ms());
                 Ok(encode_ids(&[q.message_count() as u64, q.consumer_count() as u64]))
+            }
+            Request::Stats { queues } => {
+                let stats: Vec<Option<HomeStats>> = queues
+                    .iter()
+                    .map(|queue| {
+                        let q = self.home_queue(&broker, queue).ok()?;
+                        let retained = if q.args.retention_ms > 0 { q.retention_stats().consumed } else { 0 };
+                        Some(HomeStats { ready: q.message_count() as u64, unacked: q.unacked_count(), consumers: q.consumer_count() as u64, retained })
+                    })
+                    .collect();
+                Ok(HomeStats::answer(&stats))
             }
             Request::Applied { index } => {
                 if broker.metadata_applied_at_least(index, APPLIED_WAIT).await {

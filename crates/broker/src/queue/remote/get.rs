@@ -192,3 +192,55 @@ impl RemoteHome {
         }
     }
 }
+
+/// A classic queue's counts as its home has them (`STATS`: the management API's lists).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HomeStats {
+    pub ready: u64,
+    pub unacked: u64,
+    /// Every consumer, this node's and other nodes' (theirs are relays on the home).
+    pub consumers: u64,
+    /// Consumed messages kept for a rewind (`x-retention-seconds`).
+    pub retained: u64,
+}
+
+/// What `STATS` answers for a queue that does not live on the asked node.
+const NOT_HERE: u64 = u64::MAX;
+
+impl HomeStats {
+    /// The home's answer to `STATS` for each queue asked (`Request::Stats`).
+    pub fn answer(stats: &[Option<HomeStats>]) -> bytes::Bytes {
+        let flat: Vec<u64> = stats
+            .iter()
+            .flat_map(|s| match s {
+                Some(s) => [s.ready, s.unacked, s.consumers, s.retained],
+                None => [NOT_HERE; 4],
+            })
+            .collect();
+        wire::encode_ids(&flat)
+    }
+}
+
+impl RemoteHome {
+    /// Asks this home for the counts of `queues` (all living there, as this queue does) in one
+    /// request; None for one it does not have. The caller bounds the wait.
+    pub fn ask_stats(&self, queues: &[Arc<Queue>]) -> impl std::future::Future<Output = std::result::Result<Vec<Option<HomeStats>>, String>> + Send + 'static {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let request = Request::Stats { queues: queues.iter().map(|q| super::queue_ref(q)).collect() };
+        self.request(&request, Box::new(move |answer| {
+            let _ = tx.send(answer);
+        }));
+        let (home, n) = (self.home(), queues.len());
+        async move {
+            let answer = rx.await.map_err(|_| format!("node {home} did not answer"))??;
+            let counts = wire::decode_ids(&answer).map_err(|e| format!("node {home}'s counts do not decode: {e}"))?;
+            if counts.len() != 4 * n {
+                return Err(format!("node {home} answered {} counts for {n} queues", counts.len()));
+            }
+            Ok(counts
+                .chunks_exact(4)
+                .map(|c| (c[0] != NOT_HERE).then(|| HomeStats { ready: c[0], unacked: c[1], consumers: c[2], retained: c[3] }))
+                .collect())
+        }
+    }
+}

@@ -22,6 +22,7 @@
 //! Requests and answers: `wire`.
 
 mod get;
+pub use get::HomeStats;
 pub mod relay;
 pub mod wire;
 

@@ -22,6 +22,10 @@
 //! - `STAT` (to the home): `queue`; answer `version | 2 | messages | consumers`.
 //! - `REWIND` (to the home): `queue | to_ms varint`; answer `version | 3 | rewound | from_ms + 1
 //!   (0: none) | clamped` (`Queue::rewind`). A node without it answers "unknown request".
+//! - `STATS` (to the home): `count | count × queue`: the management API's lists and shows; answer
+//!   `version | 4 × count | per queue: ready, unacknowledged, consumers, retained` (`u64::MAX`
+//!   four times for a queue that does not live there). Unlike `STAT` it renews no x-expires. A
+//!   node without it answers "unknown request".
 //! - `REPLY`: `vhost | varint len | store encoding`: a direct reply for a consumer of this node.
 //! - `APPLIED`: `index varint`: answered (empty) once this node has applied metadata-group entry
 //!   `index` (a declaration's -ok waits for every reachable node: read-your-writes on each).
@@ -46,6 +50,7 @@ const OP_STAT: u8 = 10;
 const OP_REPLY: u8 = 11;
 const OP_APPLIED: u8 = 12;
 const OP_REWIND: u8 = 13;
+const OP_STATS: u8 = 15; // 14 is time-plan.md's PUBLISH_DELAYED
 
 /// A queue as nodes name it to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +84,8 @@ pub enum Request {
     /// A queue.declare on another node: the counts for its declare-ok. The home takes it as a
     /// declare of its own: it renews the queue's x-expires.
     Stat { queue: QueueRef },
+    /// The counts of classic queues living on the asked node, for the management API (`STATS`).
+    Stats { queues: Vec<QueueRef> },
     /// A rewind asked of another node (the management API, CMQ).
     Rewind { queue: QueueRef, to_ms: u64 },
     /// A direct reply (`amq.rabbitmq.reply-to.n<node>.…`) published on another node, for the reply
@@ -194,6 +201,13 @@ impl Request {
                 out.put_u8(OP_STAT);
                 put_queue(&mut out, queue);
             }
+            Request::Stats { queues } => {
+                out.put_u8(OP_STATS);
+                put_var(&mut out, queues.len() as u64);
+                for q in queues {
+                    put_queue(&mut out, q);
+                }
+            }
             Request::Rewind { queue, to_ms } => {
                 out.put_u8(OP_REWIND);
                 put_queue(&mut out, queue);
@@ -281,6 +295,15 @@ impl Request {
             OP_GET => Request::Get { queue: get_queue(&mut r)?, relay: r.var()?, no_ack: r.bool()? },
             OP_PURGE => Request::Purge { queue: get_queue(&mut r)? },
             OP_STAT => Request::Stat { queue: get_queue(&mut r)? },
+            OP_STATS => {
+                // A queue is at least three bytes (two empty names and an id).
+                let count = r.count(3)?;
+                let mut queues = Vec::with_capacity(count);
+                for _ in 0..count {
+                    queues.push(get_queue(&mut r)?);
+                }
+                Request::Stats { queues }
+            }
             OP_REWIND => Request::Rewind { queue: get_queue(&mut r)?, to_ms: r.var()? },
             OP_REPLY => Request::Reply { vhost: get_str(&mut r)?, message: get_blob(&mut r, buf)? },
             OP_APPLIED => Request::Applied { index: r.var()? },
@@ -426,6 +449,8 @@ mod tests {
             Request::Get { queue: queue(), relay: 1 << 33 | 2, no_ack: true },
             Request::Purge { queue: queue() },
             Request::Stat { queue: queue() },
+            Request::Stats { queues: vec![queue(), QueueRef { vhost: String::new(), name: "q2".into(), id: 0 }] },
+            Request::Stats { queues: vec![] },
             Request::Rewind { queue: queue(), to_ms: 1_764_412_800_000 },
             Request::Reply { vhost: "/".into(), message: Bytes::from_static(b"a reply") },
             Request::Applied { index: u64::MAX },

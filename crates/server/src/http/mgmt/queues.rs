@@ -1,6 +1,8 @@
 //! `/api/queues`: list, show, declare, delete, purge, bindings of queues (classic and quorum).
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
@@ -8,6 +10,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
 use warren_broker::vhost::QueueDeclare;
+use warren_broker::queue::remote::HomeStats;
 use warren_broker::{Queue, VHost};
 
 use crate::http::list;
@@ -89,22 +92,85 @@ fn this_node_id(ctx: &HttpContext) -> u64 {
     ctx.cluster.as_ref().map_or(0, |n| n.node_id())
 }
 
-fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
+/// How long a list or show waits for the home nodes of classic queues living elsewhere.
+const HOME_STATS_WAIT: Duration = Duration::from_secs(2);
+
+/// The counts of the classic queues among `queues` that live on other nodes, as their homes have
+/// them: one request per home, all at once. A queue whose home did not answer in time maps to
+/// None (its node is down or cut off).
+async fn home_stats(queues: &[Arc<Queue>]) -> HashMap<u64, Option<HomeStats>> {
+    let mut by_home: BTreeMap<u64, Vec<Arc<Queue>>> = BTreeMap::new();
+    for q in queues.iter().filter(|q| q.remote_home().is_some()) {
+        by_home.entry(q.home_node().unwrap_or(0)).or_default().push(q.clone());
+    }
+    let asked: Vec<_> = by_home
+        .into_values()
+        .filter_map(|group| {
+            let ask = group.first()?.remote_home()?.ask_stats(&group);
+            Some((group, tokio::spawn(tokio::time::timeout(HOME_STATS_WAIT, ask))))
+        })
+        .collect();
+    let mut out = HashMap::new();
+    for (group, answer) in asked {
+        let stats = match answer.await {
+            Ok(Ok(Ok(stats))) => stats,
+            Ok(Ok(Err(e))) => {
+                tracing::debug!(home = group[0].home_node(), error = %e, "no counts from the home of classic queues");
+                vec![None; group.len()]
+            }
+            _ => vec![None; group.len()],
+        };
+        out.extend(group.iter().map(|q| q.id).zip(stats));
+    }
+    out
+}
+
+/// `queue_json` of a classic queue living on another node, with its home's counts: or, with no
+/// answer from the home, none and state `down` (as RabbitMQ shows a classic queue whose node is down).
+fn with_home_stats(mut v: Value, stats: Option<HomeStats>) -> Value {
+    match stats {
+        Some(s) => {
+            v["messages_ready"] = s.ready.into();
+            v["messages_unacknowledged"] = s.unacked.into();
+            v["messages"] = (s.ready + s.unacked).into();
+            v["consumers"] = s.consumers.into();
+            v["consumer_capacity"] = if s.consumers > 0 { 1.0 } else { 0.0 }.into();
+            if v.get("messages_retained").is_some() {
+                v["messages_retained"] = s.retained.into();
+            }
+        }
+        None => {
+            if let Some(o) = v.as_object_mut() {
+                for key in ["messages", "messages_ready", "messages_unacknowledged", "consumers", "messages_retained"] {
+                    o.remove(key);
+                }
+            }
+            v["state"] = "down".into();
+        }
+    }
+    v
+}
+
+async fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
     let mut items = Vec::new();
     for v in super::vhosts(ctx, vhost_name)? {
-        let mut queues = v.queues();
+        let mut queues: Vec<Arc<Queue>> = v.queues().into_iter().filter(|q| !q.is_deleted()).collect();
         queues.sort_by(|a, b| a.name.cmp(&b.name));
-        items.extend(queues.iter().filter(|q| !q.is_deleted()).map(|q| queue_json(ctx, &v, q)));
+        let mut homes = home_stats(&queues).await;
+        items.extend(queues.iter().map(|q| match homes.remove(&q.id) {
+            Some(stats) => with_home_stats(queue_json(ctx, &v, q), stats),
+            None => queue_json(ctx, &v, q),
+        }));
     }
     Ok(items)
 }
 
 pub async fn list_all(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(list_of(&ctx, None)?, &query)
+    list::answer(list_of(&ctx, None).await?, &query)
 }
 
 pub async fn list_vhost(State(ctx): State<Arc<HttpContext>>, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(list_of(&ctx, Some(&vhost))?, &query)
+    list::answer(list_of(&ctx, Some(&vhost)).await?, &query)
 }
 
 fn find(v: &VHost, name: &str) -> ApiResult<Arc<Queue>> {
@@ -116,10 +182,8 @@ pub async fn show(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)):
     let q = find(&v, &name)?;
     let mut answer = queue_json(&ctx, &v, &q);
     // A classic queue living on another node: its counts are its home's.
-    if let Some((ready, consumers)) = q.home_counts() {
-        answer["messages_ready"] = ready.into();
-        answer["messages"] = ready.into();
-        answer["consumers"] = consumers.into();
+    if let Some(stats) = home_stats(std::slice::from_ref(&q)).await.remove(&q.id) {
+        answer = with_home_stats(answer, stats);
     }
     Ok(Json(answer))
 }
