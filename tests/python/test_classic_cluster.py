@@ -402,3 +402,72 @@ def test_the_management_api_on_every_node_shows_the_homes_counts_and_down_when_t
         assert len(listed) == 1 and counts(listed[0]) == down, (i, listed)
         assert time.monotonic() - started < 5, "a down home costs the list at most its wait"
         assert counts(api(cluster[i], f"queues/%2F/{name}")) == down, i
+
+
+def test_connections_channels_consumers_and_nodes_are_cluster_wide_from_any_node(cluster):
+    """Issue 35: "cluster-wide answers from any node". `/api/connections`, `/api/channels`,
+    `/api/consumers`, `/api/nodes` and the overview's totals on any node list every node's (each
+    node answers for its own, wire op MANAGEMENT); a consumer relayed to a classic queue's home is
+    listed once, on its client's node (not as the home's relay too); a connection on another node
+    is shown and closed (DELETE) through any node. Before, each node answered for itself only."""
+    name = "classic-listed"
+    declare_on(cluster, name, home=2)
+
+    def open_on(i, label):
+        c = cluster[i].connection(client_properties={"connection_name": label})
+        return c
+
+    conns = {label: open_on(i, label) for i, label in ((1, "on-1"), (2, "on-2"), (3, "on-3"))}
+    ch1 = conns["on-1"].channel()
+    ch1.basic_consume(name, lambda *a: None, consumer_tag="tag-on-1")
+    ch3a, ch3b = conns["on-3"].channel(), conns["on-3"].channel()
+    ch3b.basic_consume(name, lambda *a: None, consumer_tag="tag-on-3")
+    conns["on-2"].channel()
+    for c in conns.values():
+        c.process_data_events(time_limit=0.2)
+
+    def api(i, path, method="GET", **kw):
+        return requests.request(method, f"http://127.0.0.1:{cluster[i].http_port}/api/{path}", auth=("guest", "guest"), timeout=10, **kw)
+
+    node_names = {i: api(i, "overview").json()["node"] for i in cluster}
+    by_label = {}
+    for i in cluster:
+        listed = api(i, "connections").json()
+        labels = {c["client_properties"].get("connection_name"): c for c in listed}
+        assert set(labels) == {"on-1", "on-2", "on-3"}, (i, list(labels))
+        assert {lbl: c["node"] for lbl, c in labels.items()} == {"on-1": node_names[1], "on-2": node_names[2], "on-3": node_names[3]}
+        by_label = {lbl: c["name"] for lbl, c in labels.items()}
+        channels = api(i, "channels").json()
+        per_connection = sorted((c["connection_details"]["name"], c["number"]) for c in channels)
+        assert per_connection == sorted([(by_label["on-1"], 1), (by_label["on-2"], 1), (by_label["on-3"], 1), (by_label["on-3"], 2)]), (i, per_connection)
+        consumers = api(i, "consumers").json()
+        assert sorted((c["consumer_tag"], c["channel_details"]["node"], c["channel_details"]["connection_name"]) for c in consumers) == [
+            ("tag-on-1", node_names[1], by_label["on-1"]),
+            ("tag-on-3", node_names[3], by_label["on-3"]),
+        ], (i, consumers)
+        totals = api(i, "overview").json()["object_totals"]
+        assert (totals["connections"], totals["channels"]) == (3, 4), (i, totals)
+        nodes = api(i, "nodes").json()
+        assert sorted(n["name"] for n in nodes) == sorted(node_names.values())
+        assert all(n["running"] and n.get("mem_used", 0) > 0 and n.get("os_pid") for n in nodes), (i, nodes)
+        assert len(api(i, f"connections/{requests.utils.quote(by_label['on-1'], safe='')}/channels").json()) == 1
+
+    # Shown and closed through a node that is not the connection's.
+    quoted = requests.utils.quote(by_label["on-1"], safe="")
+    shown = api(3, f"connections/{quoted}")
+    assert shown.status_code == 200 and shown.json()["node"] == node_names[1], shown.text
+    closed = api(3, f"connections/{quoted}", method="DELETE", headers={"X-Reason": "closed from node 3"})
+    assert closed.status_code == 204, closed.text
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as e:
+        for _ in range(50):
+            conns["on-1"].process_data_events(time_limit=0.1)
+    assert e.value.reply_code == 320 and "closed from node 3" in e.value.reply_text, e.value
+    assert api(2, f"connections/{quoted}", method="DELETE").status_code == 404
+    eventually(lambda: {c["client_properties"].get("connection_name") for c in api(2, "connections").json()} == {"on-2", "on-3"}, timeout=5)
+
+    # A node down: the others answer without it, within their wait.
+    cluster[3].kill9()
+    started = time.monotonic()
+    eventually(lambda: {c["client_properties"].get("connection_name") for c in api(1, "connections").json()} == {"on-2"}, timeout=10)
+    assert time.monotonic() - started < 8
+    assert [c["consumer_tag"] for c in api(2, "consumers").json()] == []

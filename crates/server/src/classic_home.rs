@@ -34,7 +34,7 @@ const PUSH_BYTES: usize = 4 << 20;
 /// How long a node waits to have applied a metadata entry another node's declaration waits for.
 const APPLIED_WAIT: Duration = Duration::from_secs(2);
 /// Relay channels are not a client's: no connection id a client can have.
-const RELAY_CONNECTION: u64 = u64::MAX;
+pub const RELAY_CONNECTION: u64 = u64::MAX;
 
 /// This node's classic-queue service: what `Rpc::Classic` reaches.
 pub struct ClassicHome {
@@ -42,7 +42,12 @@ pub struct ClassicHome {
     node: ClusterNode,
     runtime: tokio::runtime::Handle,
     relays: Mutex<HashMap<u64, HomeRelay>>,
+    /// What answers other nodes' management API (`Request::Management`), once it serves.
+    management: std::sync::OnceLock<ManagementService>,
 }
+
+/// Answers another node's management query (`http::mgmt::peers`).
+pub type ManagementService = Arc<dyn Fn(Bytes) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, String>> + Send>> + Send + Sync>;
 
 /// A consumer of another node on a queue living here, or a basic.get of another node holding its
 /// message (no consumer).
@@ -55,7 +60,7 @@ struct HomeRelay {
 impl ClassicHome {
     /// Starts the service on `node` (and its watch of the relays of unreachable nodes).
     pub fn start(broker: Weak<Broker>, node: ClusterNode) -> Arc<ClassicHome> {
-        let home = Arc::new(ClassicHome { broker, node: node.clone(), runtime: tokio::runtime::Handle::current(), relays: Mutex::new(HashMap::new()) });
+        let home = Arc::new(ClassicHome { broker, node: node.clone(), runtime: tokio::runtime::Handle::current(), relays: Mutex::new(HashMap::new()), management: Default::default() });
         let weak = Arc::downgrade(&home);
         let service: ClassicService = Arc::new(move |from, request| {
             let home = weak.clone();
@@ -67,6 +72,11 @@ impl ClassicHome {
         node.set_classic_service(service);
         home.runtime.spawn(watch_nodes(Arc::downgrade(&home)));
         home
+    }
+
+    /// Installs what answers other nodes' management queries.
+    pub fn set_management(&self, service: ManagementService) {
+        let _ = self.management.set(service);
     }
 
     /// Sends a request to another node (the broker's `QuorumHost::classic_request`).
@@ -160,6 +170,10 @@ impl ClassicHome {
                     .collect();
                 Ok(HomeStats::answer(&stats))
             }
+            Request::Management { query } => match self.management.get() {
+                Some(service) => service(query).await,
+                None => Err(format!("node {} does not serve its management API yet", self.me())),
+            },
             Request::Applied { index } => {
                 if broker.metadata_applied_at_least(index, APPLIED_WAIT).await {
                     Ok(Bytes::new())

@@ -176,6 +176,10 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
     let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone());
+    if let Some(classic) = quorum_groups.classic.get() {
+        // The other nodes' management APIs ask this one for its part of cluster-wide answers.
+        classic.set_management(crate::http::mgmt::peers::service(&http));
+    }
     tracing::info!("serving the management API on http://{}", http_listener.local_addr()?);
     tracing::info!("serving Prometheus metrics on http://{}/metrics", metrics_listener.local_addr()?);
     let write_timeout = Duration::from_secs(config.write_timeout as u64);

@@ -327,6 +327,17 @@ impl Queue {
         }
     }
 
+    /// The consumers of this node's channels on the queue: on its home (or replica) and relayed
+    /// to another node's, with the home's relay consumers among them (the caller tells those by
+    /// their channel).
+    pub fn consumers_here(&self) -> Vec<Arc<Consumer>> {
+        let mut consumers = self.local_consumers();
+        if let Some(remote) = self.relay_side() {
+            consumers.extend(remote.relayed_consumers());
+        }
+        consumers
+    }
+
     pub fn unacked_count(&self) -> u64 {
         match &self.kind {
             Kind::Quorum { replica, .. } => replica.unacked_count(),

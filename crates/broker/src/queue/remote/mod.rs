@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Notify;
 
+use super::consumers::Consumer;
 use super::quorum::QuorumRuntime;
 use crate::error::BrokerError;
 use crate::message::{encode_stored, MessageRef};
@@ -108,6 +109,11 @@ impl RemoteHome {
     /// The home node (or the member relayed through).
     pub fn home(&self) -> u64 {
         self.home.load(Ordering::Acquire)
+    }
+
+    /// This node's consumers served through the home (or member).
+    pub fn relayed_consumers(&self) -> Vec<Arc<Consumer>> {
+        self.relays.consumers()
     }
 
     /// Through a member: relays from now on go through another member than `lost`, if the group

@@ -103,6 +103,11 @@ struct Relay {
 pub const RELAY_SEQ: u64 = 1 << 63;
 
 impl Relays {
+    /// The consumers of this node's clients that these relays serve (not cancelled).
+    pub(super) fn consumers(&self) -> Vec<Arc<Consumer>> {
+        self.st.lock().by_id.values().filter(|r| !r.cancelled).map(|r| r.consumer.clone()).collect()
+    }
+
     /// A message basic.get took for get relay `relay` (tag `tag` on the home): the seq it carries
     /// in the client's channel here.
     pub(super) fn hold_got(&self, relay: u64, tag: u64) -> u64 {

@@ -26,6 +26,10 @@
 //!   `version | 4 × count | per queue: ready, unacknowledged, consumers, retained` (`u64::MAX`
 //!   four times for a queue that does not live there). Unlike `STAT` it renews no x-expires. A
 //!   node without it answers "unknown request".
+//! - `MANAGEMENT` (to any node): `varint len | query`: the management API asking for this node's
+//!   part of a cluster-wide answer (its connections, channels, consumers, itself) or to close one
+//!   of its connections. The query and its answer are the server's (JSON, `http::mgmt::peers`);
+//!   the broker only carries them. A node without it answers "unknown request".
 //! - `REPLY`: `vhost | varint len | store encoding`: a direct reply for a consumer of this node.
 //! - `APPLIED`: `index varint`: answered (empty) once this node has applied metadata-group entry
 //!   `index` (a declaration's -ok waits for every reachable node: read-your-writes on each).
@@ -51,6 +55,7 @@ const OP_REPLY: u8 = 11;
 const OP_APPLIED: u8 = 12;
 const OP_REWIND: u8 = 13;
 const OP_STATS: u8 = 15; // 14 is time-plan.md's PUBLISH_DELAYED
+const OP_MANAGEMENT: u8 = 16;
 
 /// A queue as nodes name it to each other.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,6 +93,8 @@ pub enum Request {
     Stats { queues: Vec<QueueRef> },
     /// A rewind asked of another node (the management API, CMQ).
     Rewind { queue: QueueRef, to_ms: u64 },
+    /// The management API's question to this node about its own part of a cluster-wide answer.
+    Management { query: Bytes },
     /// A direct reply (`amq.rabbitmq.reply-to.n<node>.…`) published on another node, for the reply
     /// consumer on this one: the message in its store encoding.
     Reply { vhost: String, message: Bytes },
@@ -208,6 +215,10 @@ impl Request {
                     put_queue(&mut out, q);
                 }
             }
+            Request::Management { query } => {
+                out.put_u8(OP_MANAGEMENT);
+                put_blob(&mut out, query);
+            }
             Request::Rewind { queue, to_ms } => {
                 out.put_u8(OP_REWIND);
                 put_queue(&mut out, queue);
@@ -305,6 +316,7 @@ impl Request {
                 Request::Stats { queues }
             }
             OP_REWIND => Request::Rewind { queue: get_queue(&mut r)?, to_ms: r.var()? },
+            OP_MANAGEMENT => Request::Management { query: get_blob(&mut r, buf)? },
             OP_REPLY => Request::Reply { vhost: get_str(&mut r)?, message: get_blob(&mut r, buf)? },
             OP_APPLIED => Request::Applied { index: r.var()? },
             other => return err(format!("unknown classic queue request {other}")),
@@ -452,6 +464,8 @@ mod tests {
             Request::Stats { queues: vec![queue(), QueueRef { vhost: String::new(), name: "q2".into(), id: 0 }] },
             Request::Stats { queues: vec![] },
             Request::Rewind { queue: queue(), to_ms: 1_764_412_800_000 },
+            Request::Management { query: Bytes::from_static(br#"{"list":"connections"}"#) },
+            Request::Management { query: Bytes::new() },
             Request::Reply { vhost: "/".into(), message: Bytes::from_static(b"a reply") },
             Request::Applied { index: u64::MAX },
         ];

@@ -7,6 +7,7 @@ mod definitions;
 mod exchanges;
 mod get;
 mod node;
+pub mod peers;
 pub mod queues;
 
 use std::collections::HashMap;
@@ -65,8 +66,8 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/connections/{name}", get(connections::connection).delete(connections::close_connection))
         .route("/connections/{name}/channels", get(connections::connection_channels))
         .route("/channels", get(connections::channels))
-        .route("/consumers", get(queues::consumers))
-        .route("/consumers/{vhost}", get(queues::consumers))
+        .route("/consumers", get(connections::consumers))
+        .route("/consumers/{vhost}", get(connections::consumers))
         .route("/queues", get(queues::list_all))
         .route("/queues/{vhost}", get(queues::list_vhost))
         .route("/queues/{vhost}/{name}", get(queues::show).put(queues::declare).delete(queues::delete))

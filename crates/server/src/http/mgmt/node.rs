@@ -31,8 +31,7 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params)
         }
         exchanges += v.exchanges().len();
     }
-    let connections = ctx.connections.list();
-    let channels: usize = connections.iter().map(|c| c.channels.lock().len()).sum();
+    let (connections, channels) = super::peers::totals(&ctx).await;
     let listeners: Vec<Value> = listeners(&ctx);
     let [messages_details, ready_details, unacked_details] = ctx.rates.length_details(Window::from_query(&query, "lengths"));
     let exchange_types: Vec<Value> =
@@ -58,7 +57,7 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params)
             "messages_unacknowledged": unacked, "messages_unacknowledged_details": unacked_details,
         },
         "object_totals": {
-            "channels": channels, "connections": connections.len(), "consumers": consumers,
+            "channels": channels, "connections": connections, "consumers": consumers,
             "exchanges": exchanges, "queues": queues,
         },
         "statistics_db_event_queue": 0,
@@ -102,7 +101,7 @@ pub async fn empty_list() -> Json<Value> {
 }
 
 /// This node as `/api/nodes` shows it, with its resources.
-fn this_node(ctx: &HttpContext) -> Value {
+pub(super) fn this_node(ctx: &HttpContext) -> Value {
     let limits = *ctx.limits.lock();
     let alarms = *ctx.alarms.borrow();
     let mem_used = crate::alarms::resident_memory().unwrap_or(0);
@@ -148,13 +147,20 @@ fn max_open_files() -> u64 {
     }
 }
 
-/// Every node of the cluster: this one with its resources, the others as reachable or not (what a
-/// node is asked about itself comes with the cluster-wide answers of a later step).
-fn all_nodes(ctx: &HttpContext) -> Vec<Value> {
+/// Every node of the cluster with its resources as it reports them (`peers`); one that does not
+/// answer, as reachable or not.
+async fn all_nodes(ctx: &HttpContext) -> Vec<Value> {
     let mut nodes = vec![this_node(ctx)];
     if let Some(cluster) = &ctx.cluster {
+        let mut reported: std::collections::HashMap<u64, Value> = super::peers::other_nodes(ctx).await.into_iter().collect();
         let status = cluster.local_status();
         for m in status.members.iter().filter(|m| m.id != status.node_id) {
+            if let Some(mut theirs) = reported.remove(&m.id) {
+                theirs["cluster_addr"] = m.cluster_addr.clone().into();
+                theirs["amqp_addr"] = m.amqp_addr.clone().into();
+                nodes.push(theirs);
+                continue;
+            }
             nodes.push(json!({
                 "name": ctx.node_name_of(m.id),
                 "type": "disc",
@@ -169,11 +175,12 @@ fn all_nodes(ctx: &HttpContext) -> Vec<Value> {
 }
 
 pub async fn nodes(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(all_nodes(&ctx), &query)
+    list::answer(all_nodes(&ctx).await, &query)
 }
 
 pub async fn node(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
     all_nodes(&ctx)
+        .await
         .into_iter()
         .find(|n| n["name"] == name.as_str())
         .map(Json)
