@@ -2,7 +2,7 @@
 """Checks the broker crate's layering (docs/internals/time-plan.md, section 1): no module names a
 module above it, so the crate's modules import each other in no circle. From the bottom:
 
-    error, message, stats, routing, names, queue_args, quorum (the machine), definitions,
+    error, auth, message, stats, routing, names, queue_args, quorum (the machine), definitions,
     deadletter, sink -> publisher -> queue (classic, quorum, remote) -> direct_reply, delay
     -> channel, exchange -> deadletter_confirms -> metadata -> vhost -> broker
 
@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "crates" / "broker" / "src"
 
 # Each layer, bottom first: a module may name modules of its own layer or below.
 LAYERS = [
-    ["error", "message", "stats", "routing", "names", "queue_args", "quorum", "definitions", "deadletter", "blocking", "sink"],
+    ["error", "auth", "message", "stats", "routing", "names", "queue_args", "quorum", "definitions", "deadletter", "blocking", "sink"],
     ["publisher"],
     ["queue", "consumers"],  # `consumers` is the queue's, re-exported at the crate root
     ["direct_reply", "delay"],

@@ -13,12 +13,23 @@ use std::sync::Arc;
 use std::time::Instant;
 use warren_store::{Batch, Store, StoreOptions};
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct User {
     pub name: String,
-    password: String,
+    /// Salted, as RabbitMQ stores passwords (`auth::password`).
+    password: crate::auth::PasswordHash,
+    /// What CMQ's HMAC signatures are keyed with (HMAC needs the key itself, so it cannot be the
+    /// hash): for now the default user's password (`default-pass`).
+    signing_key: Option<String>,
     /// Like RabbitMQ's `loopback_users`: this user may only connect from 127.0.0.0/8 or ::1.
     pub loopback_only: bool,
+}
+
+/// Shows no secret: the password hash and the signing key stay out of every log line.
+impl std::fmt::Debug for User {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("User").field("name", &self.name).field("loopback_only", &self.loopback_only).finish_non_exhaustive()
+    }
 }
 
 pub struct BrokerOptions {
@@ -257,7 +268,12 @@ impl Broker {
     pub fn add_user(&self, name: &str, password: &str, loopback_only: bool) {
         self.users
             .write()
-            .insert(name.to_string(), User { name: name.to_string(), password: password.to_string(), loopback_only });
+            .insert(name.to_string(), User {
+                name: name.to_string(),
+                password: crate::auth::PasswordHash::new(crate::auth::Algorithm::Sha256, password),
+                signing_key: Some(password.to_string()),
+                loopback_only,
+            });
     }
 
     /// Every user, sorted by name.
@@ -271,15 +287,19 @@ impl Broker {
     /// plain-text password, but the answer does not say which of the two was wrong.
     pub fn authenticate(&self, name: &str, password: &str) -> Option<User> {
         let users = self.users.read();
-        let user = users.get(name)?;
-        same_secret(user.password.as_bytes(), password.as_bytes()).then(|| user.clone())
+        let Some(user) = users.get(name) else {
+            // The same work as for a user that exists: timing does not tell which names do.
+            crate::auth::PasswordHash::verify_nothing(password);
+            return None;
+        };
+        user.password.verify(password).then(|| user.clone())
     }
 
     /// A user and the secret a signed request (CMQ's HMAC signature) is checked with: its password.
     pub fn signing_secret(&self, name: &str) -> Option<(User, String)> {
         let users = self.users.read();
         let user = users.get(name)?;
-        Some((user.clone(), user.password.clone()))
+        Some((user.clone(), user.signing_key.clone()?))
     }
 
     /// Whether a user may use a vhost. Every user has full permissions on every vhost for now.
@@ -447,31 +467,6 @@ impl Broker {
         if let Err(e) = self.store.close() {
             tracing::error!(error = %e, "closing the message store failed");
         }
-    }
-}
-
-/// Compares two secrets in a time that depends on their lengths only, not on how much of them
-/// matches: `==` stops at the first differing byte, which lets a client time its guesses byte by
-/// byte.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
-    }
-    std::hint::black_box(diff) == 0
-}
-
-#[cfg(test)]
-mod secret_tests {
-    #[test]
-    fn same_secret_only_for_equal_bytes() {
-        use super::same_secret;
-        assert!(same_secret(b"guest", b"guest"));
-        assert!(same_secret(b"", b""));
-        assert!(!same_secret(b"guest", b"guesT"));
-        assert!(!same_secret(b"guest", b"guest\0"), "a longer one padded with zeros");
-        assert!(!same_secret(b"guest", b"gues"));
-        assert!(!same_secret(b"", b"\0"));
     }
 }
 

@@ -7,6 +7,7 @@
 //! to a consumer with credit ([`Channel::try_deliver`]); the client's ack comes back through
 //! [`Channel::settle`] to [`Queue::settle`], which records the ack in the store.
 
+pub mod auth;
 mod blocking;
 pub mod broker;
 pub mod channel;

@@ -190,6 +190,15 @@ pub struct Config {
     pub max_connections: u32,
     /// Seconds a client has to complete the handshake (protocol header to connection.open).
     pub handshake_timeout: u32,
+    /// Most AMQP connections in their handshake at once (`login_guard::HandshakeSlots`).
+    pub max_handshakes: u32,
+    /// Most of them from one address (an IPv6 /64).
+    pub max_handshakes_per_source: u32,
+    /// Failed logins a (source address, user) may have in a minute before its attempts wait
+    /// (`login_guard::LoginGuard`); 0 never delays.
+    pub login_failures_before_delay: u32,
+    /// The longest a throttled login attempt waits for its turn (ms).
+    pub login_delay_max_ms: u64,
     /// Seconds a write to a client may make no progress before the connection is closed.
     pub write_timeout: u32,
     /// When the store fsyncs.
@@ -261,6 +270,10 @@ impl Default for Config {
             max_message_size: 128 << 20,
             max_connections: 0,
             handshake_timeout: 10,
+            max_handshakes: 1024,
+            max_handshakes_per_source: 64,
+            login_failures_before_delay: 5,
+            login_delay_max_ms: 5000,
             write_timeout: 30,
             sync: SyncMode::EveryBatch,
             segment_size: 32 << 20,
@@ -346,6 +359,10 @@ const KEYS: &[(&str, &str)] = &[
     ("max-message-size", "a size in bytes (1-536870912)"),
     ("max-connections", "a number of connections (0 for no limit)"),
     ("handshake-timeout", "a number of seconds (1-3600)"),
+    ("max-handshakes", "a number of connections (1 or more)"),
+    ("max-handshakes-per-source", "a number of connections (1 or more)"),
+    ("login-failures-before-delay", "a number of failed logins (0: never delay)"),
+    ("login-delay-max-ms", "a number of milliseconds (1-60000)"),
     ("write-timeout", "a number of seconds (1-3600)"),
     ("sync", SYNC_EXPECTED),
     ("segment-size", "a size in bytes (at least 4096)"),
@@ -681,6 +698,14 @@ impl Config {
                 return Err((key, format!("{secs} is outside 1-{TIMEOUT_MAX_S} seconds")));
             }
         }
+        for (key, n) in [("max-handshakes", self.max_handshakes), ("max-handshakes-per-source", self.max_handshakes_per_source)] {
+            if n == 0 {
+                return Err((key, "0 would refuse every connection; use 1 or more".to_owned()));
+            }
+        }
+        if self.login_delay_max_ms == 0 || self.login_delay_max_ms > 60_000 {
+            return Err(("login-delay-max-ms", format!("{} is outside 1-60000 ms", self.login_delay_max_ms)));
+        }
         if let SyncMode::IntervalMs(ms) = self.sync {
             if ms == 0 || ms > SYNC_INTERVAL_MAX_MS {
                 return Err((
@@ -779,7 +804,8 @@ impl Config {
         format!(
             "amqp={} http-port={} prometheus-port={} data-dir={} default-user={} default-pass=<redacted> \
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
-             max-message-size={} max-connections={} handshake-timeout={}s write-timeout={}s sync={} segment-size={} recovery-mode={} \
+             max-message-size={} max-connections={} handshake-timeout={}s max-handshakes={} max-handshakes-per-source={} \
+             login-failures-before-delay={} login-delay-max-ms={} write-timeout={}s sync={} segment-size={} recovery-mode={} \
              memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}{}",
             self.amqp_addr(),
             self.http_port,
@@ -794,6 +820,10 @@ impl Config {
             self.max_message_size,
             self.max_connections,
             self.handshake_timeout,
+            self.max_handshakes,
+            self.max_handshakes_per_source,
+            self.login_failures_before_delay,
+            self.login_delay_max_ms,
             self.write_timeout,
             self.sync,
             self.segment_size,

@@ -10,6 +10,7 @@ pub mod connection;
 pub mod ctl;
 pub mod ctl_api;
 pub mod http;
+pub mod login_guard;
 pub mod metadata_group;
 pub mod powercut;
 pub mod queue_members;

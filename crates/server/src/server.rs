@@ -167,15 +167,18 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), broker.store().clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
     let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits.clone(), broker.quorum_bodies(), shutdown_rx.clone()));
     let registry = Arc::new(connection::registry::ConnectionRegistry::default());
+    let logins = Arc::new(crate::login_guard::LoginGuard::new(config.login_failures_before_delay, config.login_delay_max_ms));
     let ctx = Arc::new(ServerContext {
         broker: broker.clone(),
         config: config.clone(),
         alarms: alarm_rx.clone(),
         slots: connection::ConnectionSlots::new(config.max_connections),
         registry: registry.clone(),
+        handshakes: crate::login_guard::HandshakeSlots::new(config.max_handshakes as usize, config.max_handshakes_per_source as usize),
+        logins: logins.clone(),
     });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
-    let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone());
+    let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone(), logins.clone());
     if let Some(classic) = quorum_groups.classic.get() {
         // The other nodes' management APIs ask this one for its part of cluster-wide answers.
         classic.set_management(crate::http::mgmt::peers::service(&http));
@@ -207,6 +210,8 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     };
 
     let mut connections = tokio::task::JoinSet::new();
+    let mut refused_handshakes = crate::login_guard::RefusedHandshakes::default();
+    use crate::login_guard::NoSlot;
     let signal = stop_signals.received();
     tokio::pin!(signal);
     let removed = async {
@@ -220,9 +225,26 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    connections.spawn(connection::serve(stream, peer, ctx.clone()));
-                }
+                Ok((stream, peer)) => match ctx.handshakes.take(peer.ip()) {
+                    Ok(handshake) => {
+                        connections.spawn(connection::serve(stream, peer, ctx.clone(), handshake));
+                    }
+                    // Past its source's share: it waits, unread, for one of its source's slots.
+                    Err(NoSlot::Source(_)) => match ctx.handshakes.wait_place() {
+                        Ok(place) => {
+                            let ctx = ctx.clone();
+                            connections.spawn(async move {
+                                let deadline = tokio::time::Instant::now() + Duration::from_secs(ctx.config.handshake_timeout as u64);
+                                if let Some(handshake) = ctx.handshakes.wait_for(peer.ip(), deadline, place).await {
+                                    connection::serve(stream, peer, ctx, handshake).await;
+                                }
+                            });
+                        }
+                        Err(full) => refused_handshakes.note(peer, full),
+                    },
+                    // Closed at once: a source holding silent handshakes must not lock the others out.
+                    Err(full) => refused_handshakes.note(peer, full),
+                },
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;

@@ -3,13 +3,12 @@
 
 use super::error::ConnError;
 use super::io::FrameReader;
-use crate::config::Config;
 use bytes::{Bytes, BytesMut};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
-use warren_broker::{Broker, User, VHost};
+use warren_broker::{User, VHost};
 use warren_protocol::constants as c;
 use warren_protocol::field::{FieldTable, FieldValue};
 use warren_protocol::frame::{self, Frame};
@@ -85,11 +84,10 @@ async fn expect_method(reader: &mut FrameReader, frame_max: u32) -> Result<Metho
 pub async fn negotiate(
     reader: &mut FrameReader,
     socket: &mut OwnedWriteHalf,
-    broker: &Broker,
-    config: &Config,
-    slots: &super::ConnectionSlots,
+    ctx: &super::ServerContext,
     peer: SocketAddr,
 ) -> Result<Negotiated, ConnError> {
+    let (broker, config, slots) = (&*ctx.broker, &ctx.config, &ctx.slots);
     send(
         socket,
         0,
@@ -138,10 +136,14 @@ pub async fn negotiate(
             11,
         )
     };
+    // A source that failed too often for this user waits its turn (inside the handshake deadline).
+    ctx.logins.wait_turn(peer.ip(), &username).await;
     let user = broker.authenticate(&username, &password).ok_or_else(|| {
         tracing::warn!(%peer, user = %username, "authentication failed: invalid credentials");
+        ctx.logins.failed(peer.ip(), &username);
         refused()
     })?;
+    ctx.logins.succeeded(peer.ip(), &username);
     if user.loopback_only && !peer.ip().is_loopback() {
         tracing::warn!(%peer, user = %username, "user can only connect via localhost");
         return Err(ConnError::new(

@@ -51,6 +51,10 @@ pub struct ServerContext {
     pub slots: ConnectionSlots,
     /// Open connections, as the management API lists and closes them.
     pub registry: Arc<registry::ConnectionRegistry>,
+    /// Connections in their handshake, against `max-handshakes` (taken at accept).
+    pub handshakes: crate::login_guard::HandshakeSlots,
+    /// Failed logins, shared with the HTTP APIs.
+    pub logins: Arc<crate::login_guard::LoginGuard>,
 }
 
 /// Counts open connections (those past connection.open) against `max-connections` (0: no limit).
@@ -110,7 +114,9 @@ pub struct ConnectionShared {
 }
 
 /// Serves one accepted socket until it closes.
-pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>) {
+/// Serves one accepted connection; `handshake` is its place among those in their handshake,
+/// given back once it is open (or refused).
+pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>, handshake: crate::login_guard::HandshakeSlot) {
     let _ = stream.set_nodelay(true);
     let stream_local = stream.local_addr().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
     let (read, mut write) = stream.into_split();
@@ -145,7 +151,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
 
     let negotiated = match tokio::time::timeout_at(
         deadline,
-        handshake::negotiate(&mut reader, &mut write, &ctx.broker, &ctx.config, &ctx.slots, peer),
+        handshake::negotiate(&mut reader, &mut write, &ctx, peer),
     )
     .await
     {
@@ -169,6 +175,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>)
         }
     };
 
+    drop(handshake);
     let _slot = negotiated.slot; // given back when this function returns
     let id = NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed);
     tracing::info!(%peer, connection = id, user = %negotiated.user.name, vhost = %negotiated.vhost.name,

@@ -23,7 +23,7 @@ pub struct AuthUser(pub User);
 /// Middleware: lets the request through with its [`AuthUser`], or answers 401.
 pub async fn require_user(State(ctx): State<Arc<HttpContext>>, mut request: Request, next: Next) -> Response {
     let peer = request.extensions().get::<Peer>().copied();
-    match authenticate(&ctx, request.headers().get(header::AUTHORIZATION), peer) {
+    match authenticate(&ctx, request.headers().get(header::AUTHORIZATION), peer).await {
         Ok(user) => {
             request.extensions_mut().insert(AuthUser(user));
             next.run(request).await
@@ -41,13 +41,23 @@ pub async fn require_user(State(ctx): State<Arc<HttpContext>>, mut request: Requ
     }
 }
 
-fn authenticate(ctx: &HttpContext, authorization: Option<&header::HeaderValue>, peer: Option<Peer>) -> Result<User, ApiError> {
+async fn authenticate(ctx: &HttpContext, authorization: Option<&header::HeaderValue>, peer: Option<Peer>) -> Result<User, ApiError> {
     let value = authorization.ok_or_else(|| ApiError::unauthorized("Not_Authorized"))?;
     let (name, password) = basic_credentials(value.as_bytes()).ok_or_else(|| ApiError::unauthorized("Not_Authorized"))?;
+    let source = peer.map(|p| p.0.ip());
+    if let Some(source) = source {
+        ctx.logins.wait_turn(source, &name).await;
+    }
     let user = ctx.broker.authenticate(&name, &password).ok_or_else(|| {
         tracing::warn!(user = %name, peer = ?peer.map(|p| p.0), "HTTP authentication failed: invalid credentials");
+        if let Some(source) = source {
+            ctx.logins.failed(source, &name);
+        }
         ApiError::unauthorized("Not_Authorized")
     })?;
+    if let Some(source) = source {
+        ctx.logins.succeeded(source, &name);
+    }
     if user.loopback_only && !peer.is_some_and(|p| p.0.ip().is_loopback()) {
         tracing::warn!(user = %name, peer = ?peer.map(|p| p.0), "HTTP user can only connect via localhost");
         return Err(ApiError::unauthorized(format!("User '{name}' can only log in via localhost")));

@@ -61,6 +61,8 @@ pub struct HttpContext {
     pub cmq: cmq::Cmq,
     /// Message rates, sampled by `rates::run`.
     pub rates: Arc<rates::Rates>,
+    /// Failed logins (Basic and CMQ signatures), shared with AMQP (`login_guard`).
+    pub logins: Arc<crate::login_guard::LoginGuard>,
     /// The open file descriptor count and when it was taken (`open_files`).
     open_files: parking_lot::Mutex<Option<(Instant, u64)>>,
 }
@@ -73,12 +75,13 @@ impl HttpContext {
         connections: Arc<ConnectionRegistry>,
         alarms: watch::Receiver<AlarmState>,
         limits: Arc<parking_lot::Mutex<Limits>>,
+        logins: Arc<crate::login_guard::LoginGuard>,
     ) -> Arc<HttpContext> {
         let node_name = match config.cluster() {
             Some(settings) => format!("warren@node-{}", settings.node_id),
             None => format!("warren@{}", hostname()),
         };
-        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), rates: Default::default(), open_files: Default::default() })
+        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), rates: Default::default(), logins, open_files: Default::default() })
     }
 
     /// This process's open file descriptors, counted at most every 5 s: counting them lists
@@ -196,7 +199,8 @@ pub fn standalone_router(data_dir: &std::path::Path) -> Result<Router, String> {
     broker.set_quorum_host(crate::server::standalone_quorum_groups(&config, raft_logs));
     let (_, alarms) = watch::channel(AlarmState::default());
     let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
-    let ctx = HttpContext::new(broker, config, None, Arc::new(ConnectionRegistry::default()), alarms, limits);
+    let logins = Arc::new(crate::login_guard::LoginGuard::new(config.login_failures_before_delay, config.login_delay_max_ms));
+    let ctx = HttpContext::new(broker, config, None, Arc::new(ConnectionRegistry::default()), alarms, limits, logins);
     Ok(management_router(ctx))
 }
 

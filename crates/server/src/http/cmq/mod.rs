@@ -136,7 +136,7 @@ pub struct Request {
 /// `/v2/index.php`: checks the signature, runs the action, answers JSON.
 pub async fn handle(State(ctx): State<Arc<HttpContext>>, peer: Option<Extension<Peer>>, method: Method, uri: Uri, headers: HeaderMap, body: Bytes) -> Response {
     let request_id = ctx.cmq.next_request.fetch_add(1, Ordering::Relaxed);
-    let outcome = match authenticate(&ctx, peer.map(|p| p.0), &method, &uri, &headers, &body) {
+    let outcome = match authenticate(&ctx, peer.map(|p| p.0), &method, &uri, &headers, &body).await {
         Ok(request) => run(request).await,
         Err(e) => Err(e),
     };
@@ -147,7 +147,7 @@ pub async fn handle(State(ctx): State<Arc<HttpContext>>, peer: Option<Extension<
     ([(header::CONTENT_TYPE, "application/json")], json::answer(code, &message, request_id, &fields)).into_response()
 }
 
-fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Result<Request, CmqError> {
+async fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) -> Result<Request, CmqError> {
     // The SDK posts the form without a Content-Type: a POST's body is the form whatever it says.
     let raw = if *method == Method::GET { uri.query().unwrap_or("").as_bytes() } else { body };
     let params = Params::parse(raw)?;
@@ -165,13 +165,27 @@ fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Method, uri
     let signature_method = sign::Method::parse(params.get("SignatureMethod")).map_err(CmqError::invalid)?;
     let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
     let refused = || CmqError::new(code::AUTH_FAILED, "authentication failed: unknown SecretId or wrong signature (the SecretKey is the user's password)");
-    let (user, secret) = ctx.broker.signing_secret(secret_id).ok_or_else(|| {
-        tracing::warn!(user = %secret_id, peer = ?peer.map(|p| p.0), "CMQ request refused: unknown SecretId");
+    // A source that failed too often for this SecretId waits its turn (`login_guard`).
+    let source = peer.map(|p| p.0.ip());
+    if let Some(source) = source {
+        ctx.logins.wait_turn(source, secret_id).await;
+    }
+    let failed = || {
+        if let Some(source) = source {
+            ctx.logins.failed(source, secret_id);
+        }
         refused()
-    })?;
+    };
+    let Some((user, secret)) = ctx.broker.signing_secret(secret_id) else {
+        tracing::warn!(user = %secret_id, peer = ?peer.map(|p| p.0), "CMQ request refused: unknown SecretId");
+        return Err(failed());
+    };
     if !sign::verify(signature_method, &secret, method.as_str(), host, PATH, &params, signature) {
         tracing::warn!(user = %secret_id, peer = ?peer.map(|p| p.0), "CMQ request refused: wrong signature");
-        return Err(refused());
+        return Err(failed());
+    }
+    if let Some(source) = source {
+        ctx.logins.succeeded(source, secret_id);
     }
     if user.loopback_only && !peer.is_some_and(|p| p.0.ip().is_loopback()) {
         return Err(CmqError::new(code::AUTH_FAILED, format!("user '{}' can only connect via localhost", user.name)));

@@ -88,7 +88,7 @@ pub fn verify(method: Method, key: &str, http_method: &str, host: &str, path: &s
 /// Whether a MAC the server computed equals the one a client gave, in time that does not depend on
 /// where they differ.
 pub fn same(expected: &str, given: &str) -> bool {
-    expected.len() == given.len() && expected.bytes().zip(given.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+    warren_broker::auth::same_secret(expected.as_bytes(), given.as_bytes())
 }
 
 #[cfg(test)]
