@@ -144,7 +144,7 @@ impl ClassicHome {
             }
             Request::Purge { queue } => {
                 let q = self.home_queue(&broker, &queue)?;
-                // A purge waits for nothing on a classic queue (its acks are appended, not awaited).
+                // Answers once the purge is durable (a blocking wait for one group commit).
                 let n = q.purge().map_err(|e| e.to_string())?;
                 Ok(encode_ids(&[n as u64]))
             }

@@ -278,14 +278,22 @@ impl Queue {
         self.finish(after)
     }
 
-    /// `Queue::purge` of a classic queue on this node.
+    /// `Queue::purge` of a classic queue on this node. Answers once the purge is durable: a purge-ok
+    /// followed by a crash must not bring the messages back (nor rewound ones the purge dropped).
     pub(in crate::queue) fn classic_purge(self: &Arc<Self>, c: &Classic) -> Result<u32> {
         let mut after = AfterUnlock::default();
         let n = {
             let mut st = c.state.lock();
             drain_ready(&mut st, &mut after.acks)
         };
-        self.append_acks(&mut after.acks);
+        if after.acks.is_empty() {
+            return Ok(n);
+        }
+        let ticket = self.store.append(&mut after.acks).map_err(crate::queue::store_error)?;
+        // A purge is rare: a blocking wait (off the worker's other tasks) for one group commit.
+        crate::blocking::run(|| self.store.wait_durable(ticket)).map_err(|e| {
+            BrokerError::internal(format!("the purge of queue '{}' is written but not known durable (the store: {e}); it may be undone by a crash", self.name))
+        })?;
         Ok(n)
     }
 
