@@ -16,7 +16,7 @@ returning node (a follower stopped, a backlog published, the follower started: h
 reaches the leader's), and the start time of a node holding Q4's quorum queues.
 
 RabbitMQ: ../shared/anchors/start_cluster.sh 3 (nodes rmq1..3, AMQP 5672-5674, data under $BASE).
-Warren: target/release/warren, node N with AMQP port 5690+N and cluster port 25690+N on 127.0.0.1
+Warren: target/release/warren, node N with AMQP port 5690+N, cluster port 25690+N, HTTP 26690+N and metrics 25680+N on 127.0.0.1
 (`--node-id N --cluster-addr 127.0.0.1:2569N --peers 1=...,2=...,3=... --cluster-secret ...`), data
 under target/bench/cluster/warren/. A measurement Warren cannot make yet (no quorum queues, no
 `warren ctl cluster-status` to find a queue's leader) is recorded as "not yet measurable: <reason>".
@@ -114,7 +114,7 @@ class WarrenCluster:
 
     def command(self, n):
         peers = ",".join(f"{i}={self.cluster_addr(i)}" for i in NODES)
-        return [str(BIN), "server", "--amqp-port", str(self.port(n)), "--http-port", str(25690 + n), "--prometheus-port", str(25680 + n),
+        return [str(BIN), "server", "--amqp-port", str(self.port(n)), "--http-port", str(26690 + n), "--prometheus-port", str(25680 + n),
                 "--data-dir", str(self.dir / f"n{n}"), "--node-id", str(n), "--cluster-addr", self.cluster_addr(n),
                 "--peers", peers, "--cluster-secret", SECRET]
 
