@@ -4,6 +4,7 @@
 pub mod codec;
 pub mod detector;
 pub mod group;
+pub mod handshake_slots;
 pub mod log_store;
 pub mod machine;
 pub mod node;

@@ -164,18 +164,28 @@ async fn garbage_oversized_and_malformed_frames_close_only_that_connection() {
     s.write_all(&big).await.expect("write");
     assert!(closed_by_server(&mut s, T).await, "an oversized frame closes the connection");
 
-    // And one that sends a malformed frame.
+    // And one that sends a malformed frame, sealed (it passes its tag, then fails to parse).
+    let mut s = TcpStream::connect(&addr).await.expect("connect");
+    let (_, mut keys) = handshake::dial(&mut s, b"cluster-secret", LinkKind::Bulk, 1, 2, "").await.expect("handshake");
+    let mut out = BytesMut::new();
+    keys.sealer.seal(&[3, 0, 0, 0, 9, 9, 9], &mut out).expect("seal");
+    s.write_all(&out).await.expect("write");
+    assert!(closed_by_server(&mut s, T).await, "a malformed frame closes the connection");
+
+    // A well-formed frame that is not sealed (the first version's frames in the clear).
     let mut s = TcpStream::connect(&addr).await.expect("connect");
     handshake::dial(&mut s, b"cluster-secret", LinkKind::Bulk, 1, 2, "").await.expect("handshake");
-    s.write_all(&[3, 0, 0, 0, 9, 9, 9]).await.expect("write");
-    assert!(closed_by_server(&mut s, T).await, "a malformed frame closes the connection");
+    s.write_all(&frame::request(1, Rpc::Propose, 1, b"in the clear")).await.expect("write");
+    assert!(closed_by_server(&mut s, T).await, "a frame that is not sealed closes the connection");
 
     // A ctl connection asking for an unknown rpc number.
     let mut s = TcpStream::connect(&addr).await.expect("connect");
-    handshake::dial(&mut s, b"cluster-secret", LinkKind::Ctl, 0, 0, "").await.expect("ctl handshake");
+    let (_, mut keys) = handshake::dial(&mut s, b"cluster-secret", LinkKind::Ctl, 0, 0, "").await.expect("ctl handshake");
     let mut bad = frame::request(1, Rpc::Status, 0, b"").to_vec();
     bad[4 + 9] = 200;
-    s.write_all(&bad).await.expect("write");
+    let mut out = BytesMut::new();
+    keys.sealer.seal(&bad, &mut out).expect("seal");
+    s.write_all(&out).await.expect("write");
     assert!(closed_by_server(&mut s, T).await, "an unknown rpc closes the connection");
 
     // The real node 1 was displaced by the impostors; it reconnects and is served again.
@@ -230,4 +240,113 @@ async fn ctl_requests_need_the_secret() {
     let e = warren_cluster::transport::ctl_request(&addr, b"wrong-secret", Rpc::Status, 0, b"q", T).await.expect_err("refused");
     assert!(e.contains("secret"), "{e}");
     a.shutdown();
+}
+
+/// Remembers every request payload it is asked to handle.
+struct Record(parking_lot::Mutex<Vec<Bytes>>);
+
+struct Recording(Arc<Record>);
+
+impl Handler for Recording {
+    fn handle(&self, _from: NodeId, _rpc: Rpc, _group: GroupId, payload: Bytes) -> BoxFuture<Result<Bytes, String>> {
+        self.0 .0.lock().push(payload.clone());
+        Box::pin(async move { Ok(payload) })
+    }
+}
+
+/// A man in the middle: node 1 reaches node 2 through a relay that forwards both ways (the
+/// handshake included, which it cannot fake without the secret), then injects a frame of its own
+/// toward node 2. Node 2 must not handle it: the frame fails its tag and node 2 drops that
+/// connection. Before frames were sealed, node 2 handled whatever a relay injected after the
+/// handshake (a Propose to any group, an Admin request).
+#[tokio::test]
+async fn a_relay_that_injects_a_frame_after_the_handshake_is_cut_off() {
+    let (p1, p2) = (free_port(), free_port());
+    let relay = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind relay");
+    let relay_port = relay.local_addr().expect("addr").port();
+    let node2 = start(2, &[(1, p1), (2, p2)], "cluster-secret").await;
+    let record = Arc::new(Record(parking_lot::Mutex::new(Vec::new())));
+    node2.set_handler(Arc::new(Recording(record.clone())));
+    // Node 1 believes node 2 is at the relay.
+    let node1 = start(1, &[(1, p1), (2, relay_port)], "cluster-secret").await;
+
+    let upstreams: Arc<parking_lot::Mutex<Vec<Arc<tokio::sync::Mutex<tokio::net::tcp::OwnedWriteHalf>>>>> = Default::default();
+    let cut_off = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let (upstreams, cut_off) = (upstreams.clone(), cut_off.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((client, _)) = relay.accept().await else { return };
+                let Ok(up) = TcpStream::connect(("127.0.0.1", p2)).await else { return };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut ur, uw) = up.into_split();
+                let uw = Arc::new(tokio::sync::Mutex::new(uw));
+                upstreams.lock().push(uw.clone());
+                let cut_off = cut_off.clone();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut ur, &mut cw).await;
+                    // Node 2 closed its side.
+                    cut_off.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                });
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 64 << 10];
+                    loop {
+                        let n = match cr.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if uw.lock().await.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+    }
+    assert!(wait_connected(&node1, 2, T).await, "node 1 reaches node 2 through the relay");
+    let answer = node1.request(2, LinkKind::Bulk, Rpc::Propose, 1, b"through the relay", T).await.expect("a request through the relay");
+    assert_eq!(answer.as_ref(), b"through the relay");
+
+    // The relay injects a request of its own on every link it carries.
+    let links = upstreams.lock().clone();
+    assert!(links.len() >= 2, "both links go through the relay");
+    for uw in &links {
+        let _ = uw.lock().await.write_all(&frame::request(7_777, Rpc::Propose, 1, b"injected")).await;
+    }
+    let deadline = Instant::now() + T;
+    while cut_off.load(std::sync::atomic::Ordering::SeqCst) < links.len() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(cut_off.load(std::sync::atomic::Ordering::SeqCst) >= links.len(), "node 2 drops every connection a frame was injected on");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(!record.0.lock().iter().any(|p| p.as_ref() == b"injected"), "node 2 never handled the injected frame");
+    assert!(record.0.lock().iter().any(|p| p.as_ref() == b"through the relay"));
+}
+
+/// One address holding many silent handshakes takes only its share of the slots: a peer from
+/// another address still connects at once (before, 64 silent connections from anywhere filled every
+/// slot, and the peer's dials were closed until the handshake timeout freed them).
+#[tokio::test]
+async fn silent_handshakes_from_one_address_do_not_lock_a_peer_out() {
+    let ports = [(1, free_port()), (2, free_port())];
+    let b = start(2, &ports, "cluster-secret").await;
+    let mut silent = Vec::new();
+    for _ in 0..100 {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.bind("127.0.0.2:0".parse().expect("addr")).expect("bind 127.0.0.2");
+        silent.push(socket.connect(format!("127.0.0.1:{}", ports[1].1).parse().expect("addr")).await.expect("connect"));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let a = start(1, &ports, "cluster-secret").await;
+    assert!(wait_connected(&a, 2, Duration::from_secs(2)).await, "the peer connects while the silent ones wait");
+    // Past its share and the waiting bound, the silent address's later connections are closed.
+    let mut closed = 0;
+    for s in &mut silent {
+        if closed_by_server(s, Duration::from_millis(10)).await {
+            closed += 1;
+        }
+    }
+    assert!(closed > 0, "100 silent connections from one address: 16 take slots, 64 wait, the rest are closed at once");
+    a.shutdown();
+    b.shutdown();
 }

@@ -168,6 +168,16 @@ pub async fn read_body<R: AsyncRead + Unpin>(
     idle: Duration,
     stall: Duration,
 ) -> Result<Bytes, FrameError> {
+    read_body_mut(r, limit, idle, stall).await.map(BytesMut::freeze)
+}
+
+/// [`read_body`], the body still mutable (a sealed frame is opened in place).
+pub async fn read_body_mut<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limit: usize,
+    idle: Duration,
+    stall: Duration,
+) -> Result<BytesMut, FrameError> {
     let mut len = [0u8; 4];
     let first = tokio::time::timeout(idle, r.read(&mut len)).await.map_err(|_| FrameError::Silent(idle))??;
     if first == 0 {
@@ -189,7 +199,7 @@ pub async fn read_body<R: AsyncRead + Unpin>(
                 return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
             }
         }
-        Ok(body.freeze())
+        Ok(body)
     })
     .await
     .map_err(|_| FrameError::Silent(stall))??;

@@ -4,14 +4,19 @@
 //! dialer meant to reach, an id outside the cluster, or that cannot prove the secret is refused.
 //!
 //! ```text
-//! dialer   -> Hello     magic "WARRENC1" | kind u8 | from u64 | to u64 | amqp addr | nonce[16]
-//! acceptor -> Challenge magic | id u64 | amqp addr | nonce[16] | mac("A")
+//! dialer   -> Hello     magic "WARRENC2" | kind u8 | from u64 | to u64 | amqp addr | nonce[16] | x25519 public[32]
+//! acceptor -> Challenge magic | id u64 | amqp addr | nonce[16] | x25519 public[32] | mac("A")
 //! dialer   -> Proof     mac("D")
 //! acceptor -> Welcome   1
-//! mac(side) = HMAC-SHA256(secret, side | kind | from | to | dialer nonce | acceptor nonce)
+//! mac(side) = HMAC-SHA256(secret, side | kind | from | to | dialer nonce | acceptor nonce
+//!                         | dialer public | acceptor public)
 //! ```
 //! Each message is a frame (`u32` length, body) of at most 4 KiB; the whole exchange must finish
-//! within [`HANDSHAKE_TIMEOUT`].
+//! within [`HANDSHAKE_TIMEOUT`]. Both sides then derive the connection's keys from the secret, both
+//! nonces and an X25519 exchange of keys made for this connection alone (the macs cover the public
+//! halves, so a relay cannot swap them; a recorded session does not open with the secret later):
+//! every later frame is sealed (`seal`). Version 1 (`WARRENC1`, frames in the clear)
+//! and version 2 do not talk: a v1 node's Hello is refused as not a Warren cluster connection.
 
 use std::time::Duration;
 
@@ -20,10 +25,11 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use super::frame::{read_body, FrameError};
+use super::seal::{self, Keys};
 use super::wire::{Dec, DecodeError, Enc};
 use crate::types::NodeId;
 
-const MAGIC: &[u8; 8] = b"WARRENC1";
+const MAGIC: &[u8; 8] = b"WARRENC2";
 const LIMIT: usize = 4096;
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -94,8 +100,47 @@ fn hmac(secret: &[u8], parts: &[&[u8]]) -> [u8; 32] {
     outer.finalize().into()
 }
 
-fn mac(secret: &[u8], side: u8, kind: LinkKind, from: NodeId, to: NodeId, nd: &[u8; 16], na: &[u8; 16]) -> [u8; 32] {
-    hmac(secret, &[&[side, kind as u8], &from.to_le_bytes(), &to.to_le_bytes(), nd, na])
+/// What both macs and the keys are bound to: the link, both ids, both nonces, both public keys.
+struct Transcript {
+    kind: LinkKind,
+    from: NodeId,
+    to: NodeId,
+    nd: [u8; 16],
+    na: [u8; 16],
+    ed: [u8; 32],
+    ea: [u8; 32],
+}
+
+impl Transcript {
+    fn mac(&self, secret: &[u8], side: u8) -> [u8; 32] {
+        let t = self;
+        hmac(secret, &[&[side, t.kind as u8], &t.from.to_le_bytes(), &t.to.to_le_bytes(), &t.nd, &t.na, &t.ed, &t.ea])
+    }
+
+    /// The connection's keys, once the macs proved the secret both ways. `mine` is this side's
+    /// ephemeral secret; `theirs` the other side's public key.
+    fn keys(&self, secret: &[u8], mine: &Ephemeral, theirs: &[u8; 32], dialer: bool) -> Result<Keys, HandshakeError> {
+        let shared = x25519_dalek::x25519(mine.0, *theirs);
+        // A low-order public key gives an all-zero secret: only a peer that knows the cluster
+        // secret (the macs passed) could send one, but it would add nothing to the keys.
+        if same(&shared, &[0u8; 32]) {
+            return Err(HandshakeError::Refused("a degenerate key exchange".into()));
+        }
+        Ok(seal::derive(secret, &shared, self.kind, self.from, self.to, &self.nd, &self.na, dialer))
+    }
+}
+
+/// A connection's X25519 secret, made for it alone and dropped with the handshake.
+struct Ephemeral([u8; 32]);
+
+impl Ephemeral {
+    fn new() -> Ephemeral {
+        Ephemeral(rand::random())
+    }
+
+    fn public(&self) -> [u8; 32] {
+        x25519_dalek::x25519(self.0, x25519_dalek::X25519_BASEPOINT_BYTES)
+    }
 }
 
 /// Compares without an early exit, so timing says nothing about where a guess went wrong.
@@ -117,7 +162,7 @@ async fn send<W: AsyncWrite + Unpin>(w: &mut W, body: &[u8]) -> Result<(), Hands
 }
 
 /// The dialer's Hello (see the module docs).
-fn hello(kind: LinkKind, from: NodeId, to: NodeId, amqp_addr: &str, nonce: &[u8; 16]) -> BytesMut {
+fn hello(kind: LinkKind, from: NodeId, to: NodeId, amqp_addr: &str, nonce: &[u8; 16], public: &[u8; 32]) -> BytesMut {
     let mut hello = BytesMut::new();
     let mut e = Enc(&mut hello);
     e.0.put_slice(MAGIC);
@@ -126,6 +171,7 @@ fn hello(kind: LinkKind, from: NodeId, to: NodeId, amqp_addr: &str, nonce: &[u8;
     e.u64(to);
     e.str(amqp_addr);
     e.0.put_slice(nonce);
+    e.0.put_slice(public);
     hello
 }
 
@@ -146,7 +192,7 @@ fn read_array<const N: usize>(d: &mut Dec) -> Result<[u8; N], DecodeError> {
     Ok(a)
 }
 
-/// The dialer's side. Returns the acceptor's AMQP address.
+/// The dialer's side. Returns the acceptor's AMQP address and the connection's keys.
 pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     s: &mut S,
     secret: &[u8],
@@ -154,10 +200,12 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
     from: NodeId,
     to: NodeId,
     amqp_addr: &str,
-) -> Result<String, HandshakeError> {
+) -> Result<(String, Keys), HandshakeError> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let nd = nonce();
-        send(s, &hello(kind, from, to, amqp_addr, &nd)).await?;
+        let mine = Ephemeral::new();
+        let ed = mine.public();
+        send(s, &hello(kind, from, to, amqp_addr, &nd, &ed)).await?;
 
         let mut d = recv(s).await?;
         if read_array::<8>(&mut d).ok() != Some(*MAGIC) {
@@ -166,21 +214,24 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
         let id = d.u64()?;
         let peer_amqp = d.string()?;
         let na = read_array::<16>(&mut d)?;
+        let ea = read_array::<32>(&mut d)?;
         let their = read_array::<32>(&mut d)?;
         d.finish()?;
-        if !same(&their, &mac(secret, b'A', kind, from, to, &nd, &na)) {
+        let t = Transcript { kind, from, to, nd, na, ed, ea };
+        if !same(&their, &t.mac(secret, b'A')) {
             return Err(HandshakeError::BadSecret);
         }
         if to != 0 && id != to {
             return Err(HandshakeError::Refused(format!("reached node {id}, expected node {to}")));
         }
-        send(s, &mac(secret, b'D', kind, from, to, &nd, &na)).await?;
+        let keys = t.keys(secret, &mine, &ea, true)?;
+        send(s, &t.mac(secret, b'D')).await?;
         let mut d = recv(s).await?;
         if d.u8()? != 1 {
             return Err(HandshakeError::Refused("not welcomed".into()));
         }
         d.finish()?;
-        Ok(peer_amqp)
+        Ok((peer_amqp, keys))
     })
     .await
     .map_err(|_| HandshakeError::Timeout)?
@@ -193,7 +244,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
     me: NodeId,
     amqp_addr: &str,
     allow: impl Fn(LinkKind, NodeId) -> Result<(), String>,
-) -> Result<Dialer, HandshakeError> {
+) -> Result<(Dialer, Keys), HandshakeError> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, async {
         let mut d = recv(s).await?;
         if read_array::<8>(&mut d).ok() != Some(*MAGIC) {
@@ -205,6 +256,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         let to = d.u64()?;
         let dialer_amqp = d.string()?;
         let nd = read_array::<16>(&mut d)?;
+        let ed = read_array::<32>(&mut d)?;
         d.finish()?;
         if to != 0 && to != me {
             return Err(HandshakeError::Refused(format!("dialer expected node {to}, this is node {me}")));
@@ -212,23 +264,27 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         allow(kind, from).map_err(HandshakeError::Refused)?;
 
         let na = nonce();
+        let mine = Ephemeral::new();
+        let t = Transcript { kind, from, to, nd, na, ed, ea: mine.public() };
         let mut ch = BytesMut::new();
         let mut e = Enc(&mut ch);
         e.0.put_slice(MAGIC);
         e.u64(me);
         e.str(amqp_addr);
         e.0.put_slice(&na);
-        e.0.put_slice(&mac(secret, b'A', kind, from, to, &nd, &na));
+        e.0.put_slice(&t.ea);
+        e.0.put_slice(&t.mac(secret, b'A'));
         send(s, &ch).await?;
 
         let mut d = recv(s).await?;
         let their = read_array::<32>(&mut d)?;
         d.finish()?;
-        if !same(&their, &mac(secret, b'D', kind, from, to, &nd, &na)) {
+        if !same(&their, &t.mac(secret, b'D')) {
             return Err(HandshakeError::BadSecret);
         }
+        let keys = t.keys(secret, &mine, &ed, false)?;
         send(s, &[1]).await?;
-        Ok(Dialer { kind, node: from, amqp_addr: dialer_amqp })
+        Ok((Dialer { kind, node: from, amqp_addr: dialer_amqp }, keys))
     })
     .await
     .map_err(|_| HandshakeError::Timeout)?
@@ -237,7 +293,7 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 /// Used by tests: the bytes of a valid Hello, to send garbage after it.
 #[doc(hidden)]
 pub fn hello_bytes(kind: LinkKind, from: NodeId, to: NodeId) -> Bytes {
-    framed(&hello(kind, from, to, "", &[0u8; 16])).freeze()
+    framed(&hello(kind, from, to, "", &[0u8; 16], &Ephemeral::new().public())).freeze()
 }
 
 #[cfg(test)]
@@ -254,6 +310,10 @@ mod tests {
     #[tokio::test]
     async fn both_sides_must_know_the_secret_and_the_ids() {
         async fn run(dial_secret: &'static [u8], to: NodeId) -> (Result<String, HandshakeError>, Result<Dialer, HandshakeError>) {
+            let (d, a) = run_keys(dial_secret, to).await;
+            (d.map(|(amqp, _)| amqp), a.map(|(dialer, _)| dialer))
+        }
+        async fn run_keys(dial_secret: &'static [u8], to: NodeId) -> (Result<(String, Keys), HandshakeError>, Result<(Dialer, Keys), HandshakeError>) {
             let (mut a, mut b) = tokio::io::duplex(8192);
             let acceptor = tokio::spawn(async move {
                 accept(&mut b, b"s3cret", 2, "amqp-2", |kind, from| {
@@ -265,9 +325,14 @@ mod tests {
             drop(a);
             (d, acceptor.await.expect("acceptor task"))
         }
-        let (d, a) = run(b"s3cret", 2).await;
-        assert_eq!(d.expect("dial ok"), "amqp-2");
-        let a = a.expect("accept ok");
+        let (d, a) = run_keys(b"s3cret", 2).await;
+        let (amqp, mut dialer_keys) = d.expect("dial ok");
+        let (a, mut acceptor_keys) = a.expect("accept ok");
+        assert_eq!(amqp, "amqp-2");
+        // Both sides derived the same keys, one per direction.
+        let mut out = BytesMut::new();
+        dialer_keys.sealer.seal(&framed(b"sealed"), &mut out).expect("seal");
+        assert_eq!(acceptor_keys.opener.open(out.split_off(4)).expect("open"), &b"sealed"[..]);
         assert_eq!((a.kind, a.node, a.amqp_addr.as_str()), (LinkKind::Bulk, 1, "amqp-1"));
         let (d, a) = run(b"wrong", 2).await;
         assert!(matches!(d, Err(HandshakeError::BadSecret)), "{d:?}");

@@ -6,8 +6,10 @@
 //! connection is symmetric: both sides send requests on it and answer the other's, multiplexed by
 //! request id; every Raft group of the node shares them (a request names its group).
 //!
-//! Every connection starts with [`handshake`] (ids checked, the cluster secret proven both ways).
-//! A frame over [`frame::MAX_FRAME`], a malformed frame, a peer silent for [`IDLE_TIMEOUT`]
+//! Every connection starts with [`handshake`] (ids checked, the cluster secret proven both ways),
+//! which also gives it its keys: every later frame is sealed ([`seal`]: encrypted and
+//! authenticated, in order), so a relay of the handshake cannot inject, alter or replay a frame.
+//! A frame that fails its tag, a frame over [`frame::MAX_FRAME`], a malformed frame, a peer silent for [`IDLE_TIMEOUT`]
 //! (links send a keepalive every second) or one that stalls mid-frame or stops reading closes that
 //! connection only; the dialer reconnects with backoff (100 ms doubling to 2 s). `warren ctl`
 //! connects the same way with link kind `Ctl`.
@@ -15,6 +17,7 @@
 pub mod frame;
 pub mod handshake;
 pub mod raft;
+pub mod seal;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -25,7 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use parking_lot::{Mutex, RwLock};
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
@@ -35,6 +38,7 @@ pub use frame::Rpc;
 use frame::{Frame, FrameError, RequestFrame, MAX_FRAME};
 pub use handshake::LinkKind;
 
+use crate::handshake_slots::{HandshakeSlots, NoSlot};
 use crate::types::{GroupId, NodeId};
 
 /// A connection with nothing received for this long is dead.
@@ -49,10 +53,16 @@ const MAX_INFLIGHT_PER_CONNECTION: usize = 1024;
 const WRITE_QUEUE: usize = 4096;
 /// A connection's read buffer.
 const READ_BUFFER: usize = 64 << 10;
-/// Frames at least this large are written from their own buffer, not copied into the write buffer.
-const COPY_BELOW: usize = 16 << 10;
-/// Connections still in their handshake; more are closed at once.
+/// A connection's write buffer (frames are sealed into it), kept between writes up to 4 times this.
+const OUT_BUFFER: usize = 64 << 10;
+/// Connections still in their handshake; more are closed at once (`handshake_slots`).
 const MAX_HANDSHAKES: usize = 64;
+/// Of those, from one address: a peer dials two links, a node on the same host as others (tests,
+/// one machine) a few more, `warren ctl` one a call. Past it a connection waits for its
+/// address's next slot, up to the handshake timeout.
+const HANDSHAKES_PER_SOURCE: usize = 16;
+/// Refused handshakes are logged at most this often (with how many there were).
+const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -308,25 +318,33 @@ pub async fn ctl_request(addr: &str, secret: &[u8], rpc: Rpc, group: GroupId, pa
     let fut = async {
         let mut stream = TcpStream::connect(addr).await.map_err(|e| format!("cannot connect to {addr}: {e}"))?;
         let _ = stream.set_nodelay(true);
-        handshake::dial(&mut stream, secret, LinkKind::Ctl, 0, 0, "").await.map_err(|e| format!("{addr}: {e}"))?;
+        let (_, keys) = handshake::dial(&mut stream, secret, LinkKind::Ctl, 0, 0, "").await.map_err(|e| format!("{addr}: {e}"))?;
+        let (mut sealer, mut opener) = (keys.sealer, keys.opener);
         let (mut rd, mut wr) = stream.into_split();
-        wr.write_all(&frame::request(1, rpc, group, payload)).await.map_err(|e| e.to_string())?;
+        let mut out = BytesMut::new();
+        sealer.seal(&frame::request(1, rpc, group, payload), &mut out).map_err(|e| e.to_string())?;
+        wr.write_all(&out).await.map_err(|e| e.to_string())?;
         // Keepalives while the answer takes its time (adding a node waits for it to catch up): the
         // node closes a link silent for `IDLE_TIMEOUT`.
         let keepalives = async move {
             loop {
                 tokio::time::sleep(KEEPALIVE_EVERY).await;
-                if let Err(e) = wr.write_all(&frame::keepalive()).await {
-                    return e;
+                let mut out = BytesMut::new();
+                if let Err(e) = sealer.seal(&frame::keepalive(), &mut out) {
+                    return e.to_string();
+                }
+                if let Err(e) = wr.write_all(&out).await {
+                    return e.to_string();
                 }
             }
         };
         tokio::pin!(keepalives);
         loop {
             let body = tokio::select! {
-                body = frame::read_body(&mut rd, MAX_FRAME, timeout, STALL_TIMEOUT) => body.map_err(|e| e.to_string())?,
+                body = frame::read_body_mut(&mut rd, MAX_FRAME + seal::TAG_LEN, timeout, STALL_TIMEOUT) => body.map_err(|e| e.to_string())?,
                 e = &mut keepalives => return Err(format!("{addr}: {e}")),
             };
+            let body = opener.open(body).map_err(|e| format!("{addr}: {e}"))?.freeze();
             match frame::parse(body).map_err(|e| e.to_string())? {
                 Frame::Response { id: 1, result } => return result,
                 _ => continue,
@@ -337,7 +355,8 @@ pub async fn ctl_request(addr: &str, secret: &[u8], rpc: Rpc, group: GroupId, pa
 }
 
 async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
-    let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+    let slots = Arc::new(HandshakeSlots::new(MAX_HANDSHAKES, HANDSHAKES_PER_SOURCE));
+    let (mut refused, mut refused_logged) = (0u64, None::<tokio::time::Instant>);
     let mut shutdown = inner.shutdown.subscribe();
     loop {
         let (stream, from) = tokio::select! {
@@ -351,12 +370,34 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             },
             _ = stopped(&mut shutdown) => return,
         };
-        let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-            tracing::warn!(%from, "too many cluster connections in their handshake; closing this one");
-            continue;
+        // A slot now, or a place among those waiting for one of this address's slots.
+        let deadline = tokio::time::Instant::now() + handshake::HANDSHAKE_TIMEOUT;
+        let slot = match slots.take(from.ip()) {
+            Ok(slot) => Ok(slot),
+            Err(NoSlot::Source(_)) => match slots.wait_place() {
+                Ok(place) => Err(place),
+                Err(why) => {
+                    note_refused(&mut refused, &mut refused_logged, from, why);
+                    continue;
+                }
+            },
+            Err(why) => {
+                note_refused(&mut refused, &mut refused_logged, from, why);
+                continue;
+            }
         };
-        let inner = inner.clone();
+        let (inner, slots) = (inner.clone(), slots.clone());
         tokio::spawn(async move {
+            let permit = match slot {
+                Ok(slot) => slot,
+                Err(place) => match slots.wait_for(from.ip(), deadline, place).await {
+                    Some(slot) => slot,
+                    None => {
+                        tracing::warn!(%from, "cluster connection closed: {HANDSHAKES_PER_SOURCE} connections from its address stayed in their handshake");
+                        return;
+                    }
+                },
+            };
             let mut stream = stream;
             let _ = stream.set_nodelay(true);
             let me = inner.me;
@@ -370,7 +411,7 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             })
             .await;
             drop(permit);
-            let dialer = match result {
+            let (dialer, keys) = match result {
                 Ok(d) => d,
                 Err(e) => {
                     tracing::warn!(%from, error = %e, "cluster connection refused");
@@ -378,7 +419,7 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 }
             };
             if dialer.kind == LinkKind::Ctl {
-                run_conn(inner, stream, None, LinkKind::Ctl).await;
+                run_conn(inner, stream, keys, None, LinkKind::Ctl).await;
                 return;
             }
             if !known(dialer.node) {
@@ -388,9 +429,24 @@ async fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
             let Some(peer) = inner.peers.read().get(&dialer.node).cloned() else { return };
             *peer.amqp_addr.lock() = dialer.amqp_addr;
             tracing::debug!(peer = peer.id, kind = ?dialer.kind, %from, "cluster link accepted");
-            run_conn(inner, stream, Some(peer), dialer.kind).await;
+            run_conn(inner, stream, keys, Some(peer), dialer.kind).await;
         });
     }
+}
+
+/// Logs a connection closed for want of a handshake slot, at most every [`REFUSED_LOG_EVERY`].
+fn note_refused(refused: &mut u64, logged: &mut Option<tokio::time::Instant>, from: SocketAddr, why: NoSlot) {
+    *refused += 1;
+    if logged.is_some_and(|t| t.elapsed() < REFUSED_LOG_EVERY) {
+        return;
+    }
+    let why = match why {
+        NoSlot::All(n) => format!("{n} cluster connections are in their handshake"),
+        NoSlot::Source(n) | NoSlot::Waiting(n) => format!("{n} cluster connections wait for a handshake slot of their address"),
+    };
+    tracing::warn!(%from, refused = *refused, "cluster connection closed at once: {why}");
+    *logged = Some(tokio::time::Instant::now());
+    *refused = 0;
 }
 
 async fn dial_loop(inner: Arc<Inner>, peer: Arc<Peer>, kind: LinkKind) {
@@ -408,24 +464,24 @@ async fn dial_loop(inner: Arc<Inner>, peer: Arc<Peer>, kind: LinkKind) {
                 .map_err(|_| "connect timed out".to_owned())?
                 .map_err(|e| e.to_string())?;
             let _ = stream.set_nodelay(true);
-            let amqp = handshake::dial(&mut stream, &inner.secret, kind, inner.me, peer.id, &inner.amqp_addr)
+            let (amqp, keys) = handshake::dial(&mut stream, &inner.secret, kind, inner.me, peer.id, &inner.amqp_addr)
                 .await
                 .map_err(|e| e.to_string())?;
-            Ok::<_, String>((stream, amqp))
+            Ok::<_, String>((stream, amqp, keys))
         };
         let result = tokio::select! {
             r = attempt => r,
             _ = stopped(&mut shutdown) => return,
         };
         match result {
-            Ok((stream, amqp)) => {
+            Ok((stream, amqp, keys)) => {
                 *peer.amqp_addr.lock() = amqp;
                 if logged_down || kind == LinkKind::Control {
                     tracing::info!(peer = peer.id, %addr, ?kind, "cluster link up");
                 }
                 logged_down = false;
                 backoff = BACKOFF_MIN;
-                run_conn(inner.clone(), stream, Some(peer.clone()), kind).await;
+                run_conn(inner.clone(), stream, keys, Some(peer.clone()), kind).await;
                 if kind == LinkKind::Control {
                     tracing::info!(peer = peer.id, "cluster link down");
                 }
@@ -447,7 +503,8 @@ async fn dial_loop(inner: Arc<Inner>, peer: Arc<Peer>, kind: LinkKind) {
 
 /// Serves one authenticated connection until it closes. A peer connection replaces any older one
 /// of the same kind (the peer restarted or redialed).
-async fn run_conn(inner: Arc<Inner>, stream: TcpStream, peer: Option<Arc<Peer>>, kind: LinkKind) {
+async fn run_conn(inner: Arc<Inner>, stream: TcpStream, keys: seal::Keys, peer: Option<Arc<Peer>>, kind: LinkKind) {
+    let seal::Keys { sealer, mut opener } = keys;
     let (rd, wr) = stream.into_split();
     // Buffered: a frame's length and a small frame come in one system call, not two.
     let mut rd = tokio::io::BufReader::with_capacity(READ_BUFFER, rd);
@@ -459,19 +516,19 @@ async fn run_conn(inner: Arc<Inner>, stream: TcpStream, peer: Option<Arc<Peer>>,
             old.close();
         }
     }
-    let mut writer = tokio::spawn(write_loop(wr, rx, closed.clone()));
+    let mut writer = tokio::spawn(write_loop(wr, sealer, rx, closed.clone()));
     let from = peer.as_ref().map_or(0, |p| p.id);
     let inflight = Arc::new(Semaphore::new(MAX_INFLIGHT_PER_CONNECTION));
     let mut closed_rx = closed;
     let mut shutdown = inner.shutdown.subscribe();
     let reason: FrameError = loop {
         let body = tokio::select! {
-            b = frame::read_body(&mut rd, MAX_FRAME, IDLE_TIMEOUT, STALL_TIMEOUT) => b,
+            b = frame::read_body_mut(&mut rd, MAX_FRAME + seal::TAG_LEN, IDLE_TIMEOUT, STALL_TIMEOUT) => b,
             _ = stopped(&mut closed_rx) => break FrameError::Closed,
             _ = stopped(&mut shutdown) => break FrameError::Closed,
             _ = &mut writer => break FrameError::WriteFailed,
         };
-        let frame = match body.and_then(frame::parse) {
+        let frame = match body.and_then(|b| opener.open(b)).and_then(|b| frame::parse(b.freeze())) {
             Ok(f) => f,
             Err(e) => break e,
         };
@@ -530,13 +587,11 @@ async fn run_conn(inner: Arc<Inner>, stream: TcpStream, peer: Option<Arc<Peer>>,
     conn.pending.lock().clear();
 }
 
-/// Writes queued frames, many per system call, and a keepalive when idle. A write that makes no
-/// progress for [`STALL_TIMEOUT`] (the peer stopped reading) closes the connection.
-async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>, mut closed: watch::Receiver<bool>) {
-    // Small frames are copied together; a large one (a batch of entries, a snapshot) is written from
-    // where it was encoded, as its own part of a vectored write.
-    let mut small = BytesMut::with_capacity(64 << 10);
-    let mut parts: Vec<Bytes> = Vec::new();
+/// Seals queued frames and writes them, many per system call, and a keepalive when idle. A write
+/// that makes no progress for [`STALL_TIMEOUT`] (the peer stopped reading) closes the connection.
+/// Frames are sealed here, in the order they are written: the nonce is the frame's place in it.
+async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut sealer: seal::Sealer, mut rx: mpsc::Receiver<Bytes>, mut closed: watch::Receiver<bool>) {
+    let mut out = BytesMut::with_capacity(OUT_BUFFER);
     loop {
         let first = tokio::select! {
             f = tokio::time::timeout(KEEPALIVE_EVERY, rx.recv()) => match f {
@@ -546,56 +601,24 @@ async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Recei
             },
             _ = stopped(&mut closed) => return,
         };
-        let mut queued = 0;
         let mut next = Some(first);
         while let Some(f) = next {
-            queued += f.len();
-            if f.len() < COPY_BELOW {
-                small.extend_from_slice(&f);
-            } else {
-                if !small.is_empty() {
-                    parts.push(small.split().freeze());
-                }
-                parts.push(f);
+            if let Err(e) = sealer.seal(&f, &mut out) {
+                tracing::error!(error = %e, "cannot seal a cluster frame; closing the connection");
+                return;
             }
-            next = if queued < (256 << 10) { rx.try_recv().ok() } else { None };
+            next = if out.len() < (256 << 10) { rx.try_recv().ok() } else { None };
         }
-        if !small.is_empty() {
-            parts.push(small.split().freeze());
-        }
-        match tokio::time::timeout(STALL_TIMEOUT, write_parts(&mut wr, &mut parts)).await {
+        match tokio::time::timeout(STALL_TIMEOUT, wr.write_all(&out)).await {
             Ok(Ok(())) => {}
             _ => return,
         }
-        parts.clear();
-        // Reuses its allocation, now that the parts that shared it are dropped.
-        small.reserve(64 << 10);
-    }
-}
-
-/// Writes every part, in order, with as few system calls as the socket allows.
-async fn write_parts(wr: &mut tokio::net::tcp::OwnedWriteHalf, parts: &mut [Bytes]) -> std::io::Result<()> {
-    const MAX_SLICES: usize = 64;
-    let mut first = 0;
-    while first < parts.len() {
-        let slices: Vec<std::io::IoSlice<'_>> = parts[first..].iter().take(MAX_SLICES).map(|p| std::io::IoSlice::new(p)).collect();
-        let mut n = wr.write_vectored(&slices).await?;
-        drop(slices);
-        if n == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        while n > 0 {
-            let part = &mut parts[first];
-            if n >= part.len() {
-                n -= part.len();
-                first += 1;
-            } else {
-                part.advance(n);
-                n = 0;
-            }
+        out.clear();
+        // A snapshot chunk grew it: give the memory back rather than keep it per connection.
+        if out.capacity() > 4 * OUT_BUFFER {
+            out = BytesMut::with_capacity(OUT_BUFFER);
         }
     }
-    Ok(())
 }
 
 /// Completes once the flag is set (or its sender is gone).
