@@ -143,6 +143,11 @@ pub(crate) fn decode(data: &[u8]) -> Result<Checkpoint, BadCheckpoint> {
             } else {
                 (HEADER_SIZE as u64, None)
             };
+            // A segment's seqs run from its first to its end: one that ends before it starts is
+            // damage the CRC missed (counting its seqs would overflow).
+            if end_seq < first_seq {
+                return Err(bad("a segment that ends before it starts"));
+            }
             segments.push(QSeg { first_seq, start, len, end_seq, first_ts, last_ts, wal });
         }
         queues.push(QueueState { id, next_seq, floor, live_bytes, retention_ms, delivered_until, ranges, segments });
@@ -236,5 +241,26 @@ mod tests {
         assert_eq!(decode(&far), Err(BadCheckpoint("WAL position out of range".into())));
         let fine = Checkpoint { wal_pos: MAX_WAL_POS, queues: vec![] };
         assert_eq!(decode(&encode(&fine)), Ok(fine));
+    }
+
+    /// Found by the store_recovery fuzz target (2026-12-07): a checkpoint (checksum valid) naming a
+    /// queue segment that ends before it starts made the first checkpoint after recovery overflow
+    /// counting the segment's seqs (`QueueLog::all_gone`: a panic of the store's writer). Refused.
+    #[test]
+    fn a_segment_that_ends_before_it_starts_is_damage() {
+        let queue = |end_seq| QueueState {
+            id: 4,
+            next_seq: 10,
+            floor: 0,
+            live_bytes: 0,
+            retention_ms: 0,
+            delivered_until: 0,
+            ranges: vec![],
+            segments: vec![QSeg { first_seq: 8, start: 32, len: 100, end_seq, first_ts: 1, last_ts: 2, wal: None }],
+        };
+        let bad = encode(&Checkpoint { wal_pos: 0, queues: vec![queue(7)] });
+        assert_eq!(decode(&bad), Err(BadCheckpoint("a segment that ends before it starts".into())));
+        let empty = Checkpoint { wal_pos: 0, queues: vec![queue(8)] };
+        assert_eq!(decode(&encode(&empty)), Ok(empty));
     }
 }
