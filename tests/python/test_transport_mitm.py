@@ -137,13 +137,14 @@ def test_a_frame_injected_after_the_handshake_drops_the_link_and_is_never_answer
 
     # The nodes redial (through the relay, which now only forwards) and work on: a durable
     # declaration through node 1 (a metadata commit needs both nodes) is seen on node 2.
-    def declared():
+    def declares(node, **how):
+        """Whether a queue.declare of the test's queue through `node` succeeds now."""
         try:
-            conn = pika.BlockingConnection(pika.URLParameters(nodes[1].url))
+            conn = pika.BlockingConnection(pika.URLParameters(node.url))
         except pika.exceptions.AMQPError:
             return False
         try:
-            conn.channel().queue_declare("after-the-relay", durable=True)
+            conn.channel().queue_declare("after-the-relay", **how)
             return True
         except pika.exceptions.AMQPError:
             return False
@@ -151,18 +152,6 @@ def test_a_frame_injected_after_the_handshake_drops_the_link_and_is_never_answer
             if conn.is_open:
                 conn.close()
 
-    eventually(declared, timeout=30, interval=0.5)
-
-    def seen_on_2():
-        conn = pika.BlockingConnection(pika.URLParameters(nodes[2].url))
-        try:
-            conn.channel().queue_declare("after-the-relay", passive=True)
-            return True
-        except pika.exceptions.ChannelClosedByBroker:
-            return False
-        finally:
-            if conn.is_open:
-                conn.close()
-
-    eventually(seen_on_2, timeout=10, interval=0.2)
+    eventually(lambda: declares(nodes[1], durable=True), timeout=30, interval=0.5)
+    eventually(lambda: declares(nodes[2], passive=True), timeout=10, interval=0.2)
     assert relay.connections >= 2, "the links came back through the relay"
