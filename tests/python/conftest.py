@@ -2,7 +2,8 @@
 
 Set WARREN_BIN to test another build. Set WARREN_TEST_EXTERNAL_URL to run the suite against
 an already running broker (e.g. RabbitMQ, to check the tests encode RabbitMQ's behaviour);
-tests marked `needs_process` or `warren_only` are then skipped.
+tests marked `needs_process` or `warren_only` are then skipped. WARREN_TEST_EXTERNAL_HTTP (e.g.
+http://guest:guest@127.0.0.1:15672) gives that broker's management API (`http_host`, `http_port`).
 """
 import os
 import signal
@@ -25,12 +26,13 @@ HOOKS_BIN = os.environ.get("WARREN_HOOKS_BIN", str(ROOT / "target" / "release" /
 
 def binary_for(env):
     """The binary to start with environment `env`: the hooks build if a test switch is set."""
-    if any(k.startswith("WARREN_TEST_") and k != "WARREN_TEST_EXTERNAL_URL" and v for k, v in env.items()):
+    if any(k.startswith("WARREN_TEST_") and k not in ("WARREN_TEST_EXTERNAL_URL", "WARREN_TEST_EXTERNAL_HTTP") and v for k, v in env.items()):
         if not Path(HOOKS_BIN).exists():
             pytest.skip(f"{HOOKS_BIN} is not built (`make test` builds it: cargo build --release -p warren-server --features test-hooks)")
         return HOOKS_BIN
     return BIN
 EXTERNAL = os.environ.get("WARREN_TEST_EXTERNAL_URL")
+EXTERNAL_HTTP = os.environ.get("WARREN_TEST_EXTERNAL_HTTP")
 
 
 def stale_binary_reason():
@@ -103,7 +105,7 @@ def eventually(fn, timeout=10.0, interval=0.05):
 
 class Broker:
     def __init__(self, data_dir, log_path):
-        self.host = "127.0.0.1"
+        self.host = self.http_host = "127.0.0.1"
         self.port = free_port()
         self.http_port = free_port()
         self.prometheus_port = free_port()
@@ -169,6 +171,10 @@ class ExternalBroker(Broker):
         self.port = parsed.port or 5672
         self._url = url
         self.proc = None
+        if EXTERNAL_HTTP:
+            http = urllib.parse.urlparse(EXTERNAL_HTTP)
+            self.http_host = http.hostname
+            self.http_port = http.port or 15672
 
     @property
     def url(self):

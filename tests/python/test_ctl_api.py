@@ -135,3 +135,43 @@ def test_refusals_say_why(broker, name):
     requests.put(f"http://127.0.0.1:{broker.http_port}/api/queues/%2F/{name}%1B%5B2J", auth=("guest", "guest"), json={})
     listed = ctl(broker, "list", "queues").stdout
     assert "\x1b" not in listed and f"{name}\\u{{1b}}[2J" in listed
+
+
+def amqp_login(broker, user, password, vhost="/"):
+    params = pika.ConnectionParameters(broker.host, broker.port, vhost, pika.PlainCredentials(user, password), connection_attempts=1)
+    return pika.BlockingConnection(params)
+
+
+def test_users_vhosts_and_permissions_as_rabbitmqctl_names_them(broker, name):
+    vhost = f"{name}-v"
+    assert ctl(broker, "add-vhost", vhost, "--description", "made by ctl").stdout.strip() == f"vhost added: {vhost}"
+    assert "already exists" in ctl(broker, "add-vhost", vhost, check=False).stderr
+    ctl(broker, "add-user", name, "first pw", "--tags", "monitoring")
+    assert "already exists" in ctl(broker, "add-user", name, "other", check=False).stderr
+    ctl(broker, "--vhost", vhost, "set-permissions", name, "^a", ".*", ".*")
+    amqp_login(broker, name, "first pw", vhost).close()
+    listed = json.loads(ctl(broker, "--vhost", vhost, "list", "permissions", "--json").stdout)
+    assert {(p["user"], p["configure"]) for p in listed} == {("guest", ".*"), (name, "^a")}, "the creator (guest) got every permission on it"
+    users = {u["name"]: u for u in json.loads(ctl(broker, "list", "users", "--json").stdout)}
+    assert users[name]["tags"] == ["monitoring"] and "first pw" not in json.dumps(users)
+
+    # The password changes and the tags stay; the tags change and the password stays.
+    ctl(broker, "change-password", name, "second pw")
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        amqp_login(broker, name, "first pw", vhost)
+    ctl(broker, "set-user-tags", name, "administrator", "management")
+    amqp_login(broker, name, "second pw", vhost).close()
+    assert requests.get(f"http://127.0.0.1:{broker.http_port}/api/whoami", auth=(name, "second pw")).json()["tags"] == ["administrator", "management"]
+
+    # Cleared permissions close the user's connections to that vhost; then the user and the vhost go.
+    c = amqp_login(broker, name, "second pw", vhost)
+    ctl(broker, "--vhost", vhost, "clear-permissions", name)
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+        c.channel()
+        c.process_data_events(time_limit=5)
+        c.channel().queue_declare("", exclusive=True)
+    assert closed.value.reply_code == 320
+    ctl(broker, "delete-user", name)
+    assert f"no user '{name}'" in ctl(broker, "delete-user", name, check=False).stderr
+    ctl(broker, "delete-vhost", vhost)
+    assert vhost not in [v["name"] for v in json.loads(ctl(broker, "list", "vhosts", "--json").stdout)]

@@ -13,22 +13,38 @@ use std::sync::Arc;
 use std::time::Instant;
 use warren_store::{Batch, Store, StoreOptions};
 
-#[derive(Clone)]
-pub struct User {
-    pub name: String,
-    /// Salted, as RabbitMQ stores passwords (`auth::password`).
-    password: crate::auth::PasswordHash,
-    /// What CMQ's HMAC signatures are keyed with (HMAC needs the key itself, so it cannot be the
-    /// hash): for now the default user's password (`default-pass`).
-    signing_key: Option<String>,
-    /// Like RabbitMQ's `loopback_users`: this user may only connect from 127.0.0.0/8 or ::1.
-    pub loopback_only: bool,
+pub use crate::auth::User;
+use crate::auth::defs::{PermissionDef, SigningKeyDef, UserDef, VHostDef, VHostLimits, ADMINISTRATOR};
+use crate::auth::{Algorithm, PasswordHash, Users};
+use crate::metadata::{GroupCommitError, Op, Refusal};
+
+/// A change to users or vhosts that open connections must follow (the server closes them:
+/// `Broker::on_auth_change`). Every node sees the same ones, in the same order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthChange {
+    UserDeleted(String),
+    PermissionCleared { user: String, vhost: String },
+    VhostDeleted(String),
 }
 
-/// Shows no secret: the password hash and the signing key stay out of every log line.
-impl std::fmt::Debug for User {
+pub type AuthListener = Box<dyn Fn(&AuthChange) + Send + Sync>;
+
+/// Why a change to users, vhosts or permissions was not made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AuthChangeError {
+    /// It names a user or vhost that does not exist: nothing changed.
+    Refused(Refusal),
+    /// Not recorded (a failed write, no quorum); `maybe`: it may still take effect.
+    Failed { reason: String, maybe: bool },
+}
+
+impl std::fmt::Display for AuthChangeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("User").field("name", &self.name).field("loopback_only", &self.loopback_only).finish_non_exhaustive()
+        match self {
+            AuthChangeError::Refused(r) => f.write_str(&r.text),
+            AuthChangeError::Failed { reason, maybe: false } => write!(f, "not recorded, nothing changed: {reason}"),
+            AuthChangeError::Failed { reason, maybe: true } => write!(f, "may not be recorded (it may still take effect): {reason}"),
+        }
     }
 }
 
@@ -58,7 +74,14 @@ pub enum OpenError {
 
 pub struct Broker {
     vhosts: RwLock<HashMap<String, Arc<VHost>>>,
-    users: RwLock<HashMap<String, User>>,
+    /// The recorded users and permissions as this node sees them (`refresh_users`).
+    users: RwLock<Arc<Users>>,
+    /// Recorded by the first start's bootstrap; until then the only user.
+    default_user: String,
+    default_pass: String,
+    default_vhost: String,
+    loopback_users: Vec<String>,
+    auth_listeners: RwLock<Vec<AuthListener>>,
     store: Store,
     metadata: Arc<Metadata>,
     next_queue_id: Arc<AtomicU64>,
@@ -121,7 +144,12 @@ impl Broker {
 
         let broker = Arc::new(Broker {
             vhosts: RwLock::new(HashMap::new()),
-            users: RwLock::new(HashMap::new()),
+            users: RwLock::new(Arc::default()),
+            default_user: opts.default_user.clone(),
+            default_pass: opts.default_pass.clone(),
+            default_vhost: opts.default_vhost.clone(),
+            loopback_users: opts.loopback_users.clone(),
+            auth_listeners: RwLock::new(Vec::new()),
             store: store.clone(),
             metadata: metadata.clone(),
             next_queue_id: next_queue_id.clone(),
@@ -129,15 +157,11 @@ impl Broker {
             delays: crate::delay::Delays::new(store.clone(), &recovery.queues),
         });
         broker.quorum.bodies().set_limit(opts.quorum_body_bytes);
-        broker.add_user(&opts.default_user, &opts.default_pass, opts.loopback_users.contains(&opts.default_user));
-        for name in opts.loopback_users.iter().filter(|u| **u != opts.default_user) {
-            if let Some(u) = broker.users.write().get_mut(name) {
-                u.loopback_only = true;
-            }
-        }
+        broker.refresh_users(Vec::new());
 
         let mut names = metadata.vhost_names();
-        if !names.contains(&opts.default_vhost) {
+        // Until the bootstrap declares it; from then on a deleted default vhost stays deleted.
+        if !broker.auth_initialized() && !names.contains(&opts.default_vhost) {
             names.push(opts.default_vhost.clone());
         }
         let mut report = RecoveryReport::default();
@@ -265,46 +289,145 @@ impl Broker {
         self.vhosts.read().values().cloned().collect()
     }
 
-    pub fn add_user(&self, name: &str, password: &str, loopback_only: bool) {
-        self.users
-            .write()
-            .insert(name.to_string(), User {
-                name: name.to_string(),
-                password: crate::auth::PasswordHash::new(crate::auth::Algorithm::Sha256, password),
-                signing_key: Some(password.to_string()),
-                loopback_only,
-            });
+    /// The recorded users and permissions as this node sees them now.
+    pub fn users(&self) -> Arc<Users> {
+        self.users.read().clone()
     }
 
-    /// Every user, sorted by name.
-    pub fn users(&self) -> Vec<User> {
-        let mut users: Vec<User> = self.users.read().values().cloned().collect();
-        users.sort_by(|a, b| a.name.cmp(&b.name));
-        users
+    /// Whether the first start's bootstrap is recorded (in a cluster: committed and applied here).
+    pub fn auth_initialized(&self) -> bool {
+        self.users.read().initialized
     }
 
-    /// Checks a username and password. Constant-time comparison is not needed for a local
-    /// plain-text password, but the answer does not say which of the two was wrong.
-    pub fn authenticate(&self, name: &str, password: &str) -> Option<User> {
-        let users = self.users.read();
-        let Some(user) = users.get(name) else {
-            // The same work as for a user that exists: timing does not tell which names do.
-            crate::auth::PasswordHash::verify_nothing(password);
-            return None;
+    /// Checks a user name and password; the answer does not say which of the two was wrong, and
+    /// an unknown name takes as long as a known one.
+    pub fn authenticate(&self, name: &str, password: &str) -> Option<Arc<User>> {
+        self.users().authenticate(name, password)
+    }
+
+    /// The user a signed request (CMQ's HMAC signature, `SecretId`) acts as, and its key.
+    pub fn signing_secret(&self, secret_id: &str) -> Option<(Arc<User>, String)> {
+        self.users().signing_key(secret_id)
+    }
+
+    /// Whether a user may use a vhost: it exists and the user has a permission on it.
+    pub fn can_access(&self, user: &User, vhost: &str) -> bool {
+        self.vhost(vhost).is_some() && self.users().permission(&user.name, vhost).is_some()
+    }
+
+    /// The declared vhosts, sorted by name, with their limits.
+    pub fn vhost_defs(&self) -> Vec<(VHostDef, VHostLimits)> {
+        self.metadata.auth().1
+    }
+
+    /// Calls `listener` with every change open connections must follow, on every node.
+    pub fn on_auth_change(&self, listener: AuthListener) {
+        self.auth_listeners.write().push(listener);
+    }
+
+    /// Rebuilds this node's view of users and permissions from the metadata state, and tells the
+    /// listeners what went (users, permissions, vhosts). Serialised by the view's lock, so views
+    /// are installed in the order of the states they come from.
+    fn refresh_users(&self, mut changes: Vec<AuthChange>) {
+        let mut view = self.users.write();
+        let (defs, vhosts) = self.metadata.auth();
+        let next = if defs.initialized {
+            Users::build(true, defs.users.values(), defs.permissions.values(), defs.topic_permissions.values(), defs.signing_keys.values(), &self.loopback_users)
+        } else {
+            let hash = PasswordHash::new(Algorithm::Sha256, &self.default_pass);
+            let user = User::new(&self.default_user, hash, vec![ADMINISTRATOR.to_string()], self.loopback_users.contains(&self.default_user));
+            Users::default_only(user, &self.default_pass)
         };
-        user.password.verify(password).then(|| user.clone())
+        let was_initialized = view.initialized;
+        if was_initialized {
+            // Vhosts a snapshot says were deleted while this node was away.
+            let declared: std::collections::HashSet<String> = vhosts.into_iter().map(|(d, _)| d.name).collect();
+            let gone: Vec<String> = self.vhosts.read().keys().filter(|n| !declared.contains(*n)).cloned().collect();
+            for name in gone {
+                let removed = self.vhosts.write().remove(&name);
+                if let Some(v) = removed {
+                    v.drop_everything();
+                }
+                changes.push(AuthChange::VhostDeleted(name));
+            }
+            let deleted_vhosts: Vec<String> =
+                changes.iter().filter_map(|c| if let AuthChange::VhostDeleted(v) = c { Some(v.clone()) } else { None }).collect();
+            for user in view.all() {
+                if next.user(&user.name).is_none() {
+                    changes.push(AuthChange::UserDeleted(user.name.clone()));
+                }
+            }
+            for p in view.permissions() {
+                // Said once: a deleted user's or vhost's permissions go with it.
+                if next.user(&p.user).is_some() && next.permission(&p.user, &p.vhost).is_none() && !deleted_vhosts.contains(&p.vhost) {
+                    changes.push(AuthChange::PermissionCleared { user: p.user, vhost: p.vhost });
+                }
+            }
+        }
+        *view = Arc::new(next);
+        drop(view);
+        let listeners = self.auth_listeners.read();
+        for change in &changes {
+            tracing::info!(?change, "closing the connections this change ends");
+            for listener in listeners.iter() {
+                listener(change);
+            }
+        }
     }
 
-    /// A user and the secret a signed request (CMQ's HMAC signature) is checked with: its password.
-    pub fn signing_secret(&self, name: &str) -> Option<(User, String)> {
-        let users = self.users.read();
-        let user = users.get(name)?;
-        Some((user.clone(), user.signing_key.clone()?))
+    /// Makes a change to vhosts, users or permissions durable (standalone: the metadata log;
+    /// cluster: the metadata group, applied on every node) and applies it here. Blocks the caller
+    /// (run it off the runtime's workers).
+    pub fn change_auth(&self, ops: Vec<Op>) -> Result<(), AuthChangeError> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        if !self.auth_initialized() && !ops.iter().any(|op| matches!(op, Op::AuthInitialized)) {
+            // A cluster whose bootstrap is not committed yet: it comes first (once, whoever proposes it).
+            self.bootstrap_auth()?;
+        }
+        if self.metadata.is_replicated() {
+            return self.metadata.commit_replicated(&ops).map_err(|e| match e {
+                GroupCommitError::Refused(r) => AuthChangeError::Refused(r),
+                GroupCommitError::NotCommitted(reason) => AuthChangeError::Failed { reason, maybe: false },
+                GroupCommitError::Unknown(reason) => AuthChangeError::Failed { reason, maybe: true },
+                // Only declarations of queues and exchanges conflict.
+                GroupCommitError::Conflict => AuthChangeError::Failed { reason: "a conflicting change came first".into(), maybe: false },
+            });
+        }
+        let applied = self.metadata.commit_admitted(ops).map_err(|e| AuthChangeError::Failed { reason: format!("writing the metadata log failed: {e}"), maybe: false })?;
+        if let Some(refusal) = applied.refused {
+            return Err(AuthChangeError::Refused(refusal));
+        }
+        self.apply_committed(&applied.ops);
+        Ok(())
     }
 
-    /// Whether a user may use a vhost. Every user has full permissions on every vhost for now.
-    pub fn can_access(&self, _user: &User, vhost: &str) -> bool {
-        self.vhost(vhost).is_some()
+    /// The first start's users and vhosts, as RabbitMQ's `default_user`: the default vhost (and
+    /// every vhost the topology of an older version names), the default user as administrator
+    /// with every permission on them, its password as its CMQ signing key. Recorded once: from then
+    /// on `default-user` and `default-pass` are not applied again (a second bootstrap, from another
+    /// node starting at the same time, is dropped whole). Nothing to do once recorded.
+    pub fn bootstrap_auth(&self) -> Result<(), AuthChangeError> {
+        if self.auth_initialized() {
+            return Ok(());
+        }
+        let mut vhosts = self.metadata.vhost_names();
+        if !vhosts.contains(&self.default_vhost) {
+            vhosts.push(self.default_vhost.clone());
+        }
+        let (password_hash, hashing_algorithm) = PasswordHash::new(Algorithm::Sha256, &self.default_pass).to_rabbitmq();
+        let user = &self.default_user;
+        let mut ops: Vec<Op> = vhosts.iter().map(|v| Op::VhostDeclared { vhost: VHostDef::named(v) }).collect();
+        ops.push(Op::UserPut {
+            user: UserDef { name: user.clone(), password_hash, hashing_algorithm: hashing_algorithm.to_string(), tags: vec![ADMINISTRATOR.to_string()], limits: serde_json::Value::Null },
+        });
+        ops.extend(vhosts.iter().map(|v| Op::PermissionSet { permission: PermissionDef::all(user, v) }));
+        ops.push(Op::SigningKeySet { key: SigningKeyDef { secret_id: user.clone(), user: user.clone(), key: self.default_pass.clone() } });
+        ops.push(Op::AuthInitialized);
+        self.change_auth(ops)?;
+        tracing::info!(user = %user, vhost = %self.default_vhost, "recorded the default user and vhost (first start); default-user and default-pass are not applied again");
+        Ok(())
     }
 
     /// Housekeeping for every vhost (TTL, x-expires); call periodically.
@@ -385,6 +508,7 @@ impl Broker {
                 crate::metadata::GroupCommitError::NotCommitted(e) => format!("not recorded: {e}"),
                 crate::metadata::GroupCommitError::Unknown(e) => format!("may not be recorded: {e}"),
                 crate::metadata::GroupCommitError::Conflict => "a conflicting change came first".to_string(),
+                crate::metadata::GroupCommitError::Refused(r) => r.text,
             })?;
         }
         Ok(())
@@ -407,7 +531,11 @@ impl Broker {
                 if let Some(applied) = &applied {
                     self.apply_committed(&applied.ops);
                 }
-                group::encode_reply(Ok(group::Committed { index, conflict: applied.is_some_and(|a| a.conflict) }))
+                if let Some(refusal) = applied.as_ref().and_then(|a| a.refused.as_ref()) {
+                    tracing::debug!(index, reason = %refusal.text, "a metadata-group entry was refused by the state");
+                }
+                let (conflict, refused) = applied.map(|a| (a.conflict, a.refused)).unwrap_or_default();
+                group::encode_reply(Ok(group::Committed { index, conflict, refused }))
             }
             Err(e) => {
                 tracing::error!(index, error = %e, "refusing a metadata-group entry");
@@ -418,14 +546,38 @@ impl Broker {
         reply
     }
 
-    fn apply_committed(&self, ops: &[crate::metadata::Op]) {
+    fn apply_committed(&self, ops: &[Op]) {
+        let mut auth_changed = false;
+        let mut deleted = Vec::new();
         for op in ops {
+            match op {
+                Op::VhostDeclared { vhost } => {
+                    self.add_vhost(&vhost.name);
+                }
+                Op::VhostDeleted { name } => {
+                    let removed = self.vhosts.write().remove(name);
+                    if let Some(v) = removed {
+                        v.drop_everything();
+                    }
+                    deleted.push(AuthChange::VhostDeleted(name.clone()));
+                }
+                _ => {}
+            }
+            if op.is_auth() {
+                auth_changed = true;
+                continue;
+            }
             let Some(name) = op.vhost() else { continue };
             let vhost = match self.vhost(name) {
                 Some(v) => v,
-                None => self.add_vhost(name),
+                // A vhost recorded only through what is in it (before vhosts were recorded).
+                None if !self.metadata.vhost_deleted(name) => self.add_vhost(name),
+                None => continue,
             };
             vhost.apply_committed(op);
+        }
+        if auth_changed {
+            self.refresh_users(deleted);
         }
     }
 
@@ -449,6 +601,8 @@ impl Broker {
                 let vhost = self.add_vhost(&name);
                 vhost.replace_durable(&state.vhost(&name));
             }
+            // Users, permissions, vhosts deleted while this node was away.
+            self.refresh_users(Vec::new());
         }
         self.metadata.group_entry_done(index);
         Ok(())

@@ -31,7 +31,7 @@ pub mod sink;
 pub mod stats;
 pub mod vhost;
 
-pub use broker::{Broker, BrokerOptions, User};
+pub use broker::{AuthChange, AuthChangeError, Broker, BrokerOptions, User};
 pub use queue::body_memory::DEFAULT_NODE_BODY_BYTES;
 pub use channel::{AckWhenWritten, Channel, ClientSink, Consumer, Delivery, Settle};
 pub use consumers::ConsumerArgs;

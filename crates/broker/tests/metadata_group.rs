@@ -94,7 +94,7 @@ impl MetadataGroup for Member {
             let index = log.len() as u64;
             seq.members.lock().retain(|m| m.send((index, entry.clone())).is_ok());
             // The members apply it later: no conflict is known here (test_cluster_metadata.py has them).
-            Ok(Committed { index, conflict: false })
+            Ok(Committed { index, conflict: false, refused: None })
         })
     }
 }
@@ -329,4 +329,58 @@ fn without_quorum_a_declare_fails_with_541_and_changes_nothing() {
     assert!(v1.queue("t", 1).is_err());
     let _ = group::COMMIT_TIMEOUT;
     seq.stop(&[&b1]);
+}
+
+#[test]
+fn users_and_vhosts_made_through_either_node_hold_on_both_and_removals_are_announced_on_both() {
+    use warren_broker::auth::defs::{PermissionDef, UserDef, VHostDef};
+    use warren_broker::auth::{Algorithm, PasswordHash};
+    use warren_broker::metadata::Op;
+    use warren_broker::AuthChange;
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (b1, b2) = (open(d1.path()), open(d2.path()));
+    let seq = Arc::new(Sequencer::default());
+    seq.join(&b1, 1);
+    seq.join(&b2, 1);
+    // Both nodes bootstrap (a cluster starting together): the second is dropped whole.
+    b1.bootstrap_auth().unwrap();
+    b2.bootstrap_auth().unwrap();
+    wait_applied(&b1, seq.log.lock().len() as u64);
+    wait_applied(&b2, seq.log.lock().len() as u64);
+    assert!(b1.auth_initialized() && b2.auth_initialized());
+    let hash = |b: &Broker| b.users().user("guest").unwrap().password_hash().to_rabbitmq().0;
+    assert_eq!(hash(&b1), hash(&b2), "one bootstrap's guest on both nodes");
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s = seen.clone();
+    b2.on_auth_change(Box::new(move |c| s.lock().push(c.clone())));
+
+    let (password_hash, algorithm) = PasswordHash::new(Algorithm::Sha256, "alice's pw").to_rabbitmq();
+    let alice = UserDef { name: "alice".into(), password_hash, hashing_algorithm: algorithm.into(), tags: vec![], limits: serde_json::Value::Null };
+    b1.change_auth(vec![Op::VhostDeclared { vhost: VHostDef::named("v") }, Op::UserPut { user: alice }, Op::PermissionSet { permission: PermissionDef::all("alice", "v") }])
+        .unwrap();
+    wait_applied(&b2, seq.log.lock().len() as u64);
+    let on_2 = b2.authenticate("alice", "alice's pw").expect("alice logs in on node 2");
+    assert!(b2.can_access(&on_2, "v") && !b2.can_access(&on_2, "/"));
+    queue(&b2.vhost("v").unwrap(), "in-v");
+    wait_applied(&b1, seq.log.lock().len() as u64);
+    assert!(b1.vhost("v").unwrap().queue("in-v", 1).is_ok());
+
+    b1.change_auth(vec![Op::PermissionCleared { user: "alice".into(), vhost: "v".into() }]).unwrap();
+    b2.change_auth(vec![Op::VhostDeleted { name: "v".into() }]).unwrap();
+    b1.change_auth(vec![Op::UserDeleted { name: "alice".into() }]).unwrap();
+    wait_applied(&b1, seq.log.lock().len() as u64);
+    wait_applied(&b2, seq.log.lock().len() as u64);
+    assert!(b1.vhost("v").is_none() && b2.vhost("v").is_none(), "deleted on both, with its queue");
+    assert!(b2.authenticate("alice", "alice's pw").is_none());
+    assert_eq!(
+        *seen.lock(),
+        [AuthChange::PermissionCleared { user: "alice".into(), vhost: "v".into() }, AuthChange::VhostDeleted("v".into()), AuthChange::UserDeleted("alice".into())]
+    );
+    seq.stop(&[&b1, &b2]);
+    drop((b1, b2));
+    // What node 1 applied is in its metadata log: after a restart, only guest, and no vhost v.
+    let b1 = open(d1.path());
+    assert!(b1.auth_initialized() && b1.vhost("v").is_none() && b1.authenticate("guest", "guest").is_some());
+    assert_eq!(b1.users().all().len(), 1);
+    b1.close();
 }

@@ -77,6 +77,48 @@ pub enum ApiCommand {
         #[arg(long)]
         transient: bool,
     },
+    /// Creates a user (rabbitmqctl add_user); its password is hashed by the node
+    AddUser {
+        name: String,
+        /// (Not `password`: that is the global --password this command logs in with.)
+        #[arg(value_name = "PASSWORD")]
+        new_password: String,
+        /// Comma-separated: administrator, monitoring, policymaker, management
+        #[arg(long, default_value = "")]
+        tags: String,
+    },
+    /// Deletes a user; its connections are closed on every node
+    DeleteUser { name: String },
+    /// Sets a user's password, keeping its tags
+    ChangePassword {
+        name: String,
+        #[arg(value_name = "PASSWORD")]
+        new_password: String,
+    },
+    /// Sets a user's tags, keeping its password (none: no tags)
+    SetUserTags { name: String, tags: Vec<String> },
+    /// Creates a vhost; the --user running this gets every permission on it
+    AddVhost {
+        name: String,
+        #[arg(long, default_value = "")]
+        description: String,
+    },
+    /// Deletes a vhost with everything in it (queues and their messages); its connections are closed
+    DeleteVhost { name: String },
+    /// Sets a user's permissions on --vhost: configure, write and read regular expressions
+    SetPermissions {
+        /// (Not `user`: that is the global --user this command logs in as.)
+        #[arg(value_name = "USER")]
+        username: String,
+        configure: String,
+        write: String,
+        read: String,
+    },
+    /// Clears a user's permissions on --vhost; its connections to that vhost are closed
+    ClearPermissions {
+        #[arg(value_name = "USER")]
+        username: String,
+    },
     /// Takes messages off a queue: look (requeued) by default, --ackmode ack_requeue_false to remove them
     Get {
         queue: String,
@@ -98,6 +140,7 @@ pub enum Listed {
     Nodes,
     Vhosts,
     Users,
+    Permissions,
 }
 
 #[derive(Subcommand, Debug)]
@@ -254,6 +297,8 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
                 Listed::Nodes => "/api/nodes".into(),
                 Listed::Vhosts => "/api/vhosts".into(),
                 Listed::Users => "/api/users".into(),
+                Listed::Permissions if !*all_vhosts => format!("/api/vhosts/{vh}/permissions"),
+                Listed::Permissions => "/api/permissions".into(),
             };
             let items = request(t, "GET", &path, None).await?;
             if as_json {
@@ -367,6 +412,48 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
             }
             Ok(if answer["routed"] == true { "message published".into() } else { "message published but not routed: no queue took it".into() })
         }
+        ApiCommand::AddUser { name, new_password: password, tags } => {
+            if get_optional(t, &format!("/api/users/{}", seg(name))).await?.is_some() {
+                return Err(format!("user '{name}' already exists (change-password or set-user-tags change it)"));
+            }
+            request(t, "PUT", &format!("/api/users/{}", seg(name)), Some(json!({"password": password, "tags": tags}))).await?;
+            Ok(format!("user added: {name}"))
+        }
+        ApiCommand::DeleteUser { name } => {
+            request(t, "DELETE", &format!("/api/users/{}", seg(name)), None).await?;
+            Ok(format!("user deleted: {name}"))
+        }
+        ApiCommand::ChangePassword { name, new_password: password } => {
+            let user = request(t, "GET", &format!("/api/users/{}", seg(name)), None).await?;
+            request(t, "PUT", &format!("/api/users/{}", seg(name)), Some(json!({"password": password, "tags": user["tags"]}))).await?;
+            Ok(format!("password changed: {name}"))
+        }
+        ApiCommand::SetUserTags { name, tags } => {
+            let user = request(t, "GET", &format!("/api/users/{}", seg(name)), None).await?;
+            let body = json!({"password_hash": user["password_hash"], "hashing_algorithm": user["hashing_algorithm"], "tags": tags});
+            request(t, "PUT", &format!("/api/users/{}", seg(name)), Some(body)).await?;
+            Ok(format!("tags set: {name} [{}]", tags.join(", ")))
+        }
+        ApiCommand::AddVhost { name, description } => {
+            if get_optional(t, &format!("/api/vhosts/{}", seg(name))).await?.is_some() {
+                return Err(format!("vhost '{name}' already exists"));
+            }
+            request(t, "PUT", &format!("/api/vhosts/{}", seg(name)), Some(json!({"description": description}))).await?;
+            Ok(format!("vhost added: {name}"))
+        }
+        ApiCommand::DeleteVhost { name } => {
+            request(t, "DELETE", &format!("/api/vhosts/{}", seg(name)), None).await?;
+            Ok(format!("vhost deleted: {name}"))
+        }
+        ApiCommand::SetPermissions { username: user, configure, write, read } => {
+            let body = json!({"configure": configure, "write": write, "read": read});
+            request(t, "PUT", &format!("/api/permissions/{vh}/{}", seg(user)), Some(body)).await?;
+            Ok(format!("permissions set: {user} on vhost {}", t.vhost))
+        }
+        ApiCommand::ClearPermissions { username: user } => {
+            request(t, "DELETE", &format!("/api/permissions/{vh}/{}", seg(user)), None).await?;
+            Ok(format!("permissions cleared: {user} on vhost {}", t.vhost))
+        }
         ApiCommand::Get { queue, count, ackmode } => {
             let body = json!({"count": count, "ackmode": ackmode, "encoding": "auto"});
             let messages = request(t, "POST", &format!("/api/queues/{vh}/{}/get", seg(queue)), Some(body)).await?;
@@ -393,6 +480,7 @@ fn columns(what: Listed) -> &'static [(&'static str, &'static str)] {
         Listed::Nodes => &[("name", "/name"), ("running", "/running"), ("mem_used", "/mem_used"), ("mem_alarm", "/mem_alarm"), ("disk_free", "/disk_free"), ("disk_free_alarm", "/disk_free_alarm")],
         Listed::Vhosts => &[("name", "/name"), ("messages", "/messages")],
         Listed::Users => &[("name", "/name"), ("tags", "/tags")],
+        Listed::Permissions => &[("user", "/user"), ("vhost", "/vhost"), ("configure", "/configure"), ("write", "/write"), ("read", "/read")],
     }
 }
 
@@ -438,6 +526,15 @@ fn parse_arguments(arguments: &[String]) -> Result<Value, String> {
 
 fn pretty(v: &Value) -> Result<String, String> {
     serde_json::to_string_pretty(v).map_err(|e| e.to_string())
+}
+
+/// A GET that may find nothing: None for a 404.
+async fn get_optional(t: &Target, path: &str) -> Result<Option<Value>, String> {
+    match request(t, "GET", path, None).await {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.contains("(HTTP 404 to GET") => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 async fn request(t: &Target, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {

@@ -77,6 +77,30 @@ pub fn standalone_quorum_groups(config: &Config, raft_logs: Arc<warren_cluster::
     crate::quorum::QuorumGroups::new(raft_logs, STANDALONE_NODE_ID, node_addr)
 }
 
+/// The first start records the default user and vhost (`Broker::bootstrap_auth`): standalone at
+/// once; in a cluster once the metadata group commits it (retried until then; meanwhile the
+/// configured default user is the only one). Nothing to do on later starts.
+fn bootstrap_users(broker: &Arc<Broker>, clustered: bool) -> Result<(), String> {
+    if broker.auth_initialized() {
+        return Ok(());
+    }
+    if !clustered {
+        return broker.bootstrap_auth().map_err(|e| format!("cannot record the default user and vhost: {e}"));
+    }
+    let broker = broker.clone();
+    tokio::spawn(async move {
+        let mut failures = 0u32;
+        while let Err(e) = broker.bootstrap_auth() {
+            failures += 1;
+            if failures % 10 == 0 {
+                tracing::warn!(error = %e, "the metadata group has not recorded the default user and vhost yet; retrying");
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    });
+    Ok(())
+}
+
 pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::error::Error>> {
     // Installed before anything else: a SIGTERM, SIGINT or SIGHUP that comes during recovery or just
     // after the listener binds is then handled, instead of killing the process (their default action).
@@ -168,6 +192,10 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits.clone(), broker.quorum_bodies(), shutdown_rx.clone()));
     let registry = Arc::new(connection::registry::ConnectionRegistry::default());
     let logins = Arc::new(crate::login_guard::LoginGuard::new(config.login_failures_before_delay, config.login_delay_max_ms));
+    // A connection whose user, permission or vhost is removed closes (every node applies the change).
+    let closing = registry.clone();
+    broker.on_auth_change(Box::new(move |change| closing.close_for(change)));
+    bootstrap_users(&broker, cluster.is_some())?;
     let ctx = Arc::new(ServerContext {
         broker: broker.clone(),
         config: config.clone(),

@@ -1,6 +1,10 @@
-//! Who a client is: users' password hashes (RabbitMQ's formats) and constant-time comparison of
-//! secrets. Permissions and user records come here with issue 37 (docs/internals/security-plan.md).
+//! Who a client is and what it may do: users' password hashes (RabbitMQ's formats), constant-time
+//! comparison of secrets, the recorded users, vhosts and permissions (`defs`, the metadata ops'
+//! fields) and the node's compiled view of them (`users`). docs/internals/security-plan.md.
 
+pub mod defs;
 pub mod password;
+pub mod users;
 
 pub use password::{same_secret, Algorithm, PasswordHash};
+pub use users::{Permission, User, Users};

@@ -26,7 +26,7 @@
 //! Entry and snapshot bytes: a version byte ([`ENTRY_VERSION`]), then JSON (the ops as in
 //! `metadata.log`; a snapshot is `{"applied": index, "ops": [...]}`, the shortest op list).
 
-use super::Op;
+use super::{Op, Refusal};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
@@ -56,13 +56,15 @@ pub enum ProposeFailed {
 }
 
 /// A committed entry, as the leader's apply answered (`encode_reply`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Committed {
     /// Its log index.
     pub index: u64,
     /// A declaration in it was dropped: the queue or exchange exists (declared first, on another
     /// node) with other properties (`AppliedEntry::conflict`).
     pub conflict: bool,
+    /// Applied as nothing: it names a user or vhost that does not exist (`AppliedEntry::refused`).
+    pub refused: Option<Refusal>,
 }
 
 /// The cluster's metadata group, as the broker sees it (implemented by the server).
@@ -123,11 +125,18 @@ pub fn decode_snapshot(bytes: &[u8]) -> Result<(u64, Vec<Op>), String> {
 
 /// The reply `apply` gives the proposer: the entry as committed, or why it was refused (every
 /// node answers the same entry the same way). A tag byte: 0 applied, 2 applied with a conflict
-/// (then the index, u64 little-endian), 1 refused (then the reason).
+/// (then the index, u64 little-endian), 1 undecodable (then the reason), 3 committed but
+/// refused by the state (then the index, the reply code as u16 little-endian, the reason).
 pub fn encode_reply(reply: Result<Committed, &str>) -> Bytes {
     let mut out = Vec::with_capacity(9);
     match reply {
-        Ok(Committed { index, conflict }) => {
+        Ok(Committed { index, refused: Some(refusal), .. }) => {
+            out.push(3);
+            out.extend_from_slice(&index.to_le_bytes());
+            out.extend_from_slice(&refusal.code.to_le_bytes());
+            out.extend_from_slice(refusal.text.as_bytes());
+        }
+        Ok(Committed { index, conflict, refused: None }) => {
             out.push(if conflict { 2 } else { 0 });
             out.extend_from_slice(&index.to_le_bytes());
         }
@@ -143,7 +152,16 @@ pub fn encode_reply(reply: Result<Committed, &str>) -> Bytes {
 pub fn decode_reply(reply: &[u8]) -> Result<Committed, String> {
     match reply.split_first() {
         Some((tag @ (0 | 2), rest)) if rest.len() == 8 => {
-            Ok(Committed { index: u64::from_le_bytes(rest.try_into().unwrap_or([0; 8])), conflict: *tag == 2 })
+            Ok(Committed { index: u64::from_le_bytes(rest.try_into().unwrap_or([0; 8])), conflict: *tag == 2, refused: None })
+        }
+        Some((3, rest)) if rest.len() >= 10 => {
+            let (index, rest) = rest.split_at(8);
+            let (code, text) = rest.split_at(2);
+            Ok(Committed {
+                index: u64::from_le_bytes(index.try_into().unwrap_or([0; 8])),
+                conflict: false,
+                refused: Some(Refusal { code: u16::from_le_bytes([code[0], code[1]]), text: String::from_utf8_lossy(text).into_owned() }),
+            })
         }
         Some((1, why)) => Err(String::from_utf8_lossy(why).into_owned()),
         _ => Err(format!("a metadata reply of {} bytes that is not one", reply.len())),
@@ -177,8 +195,9 @@ mod tests {
 
     #[test]
     fn replies_round_trip() {
-        for committed in [Committed { index: 7, conflict: false }, Committed { index: u64::MAX, conflict: true }] {
-            assert_eq!(decode_reply(&encode_reply(Ok(committed))), Ok(committed));
+        let refused = Committed { index: 9, conflict: false, refused: Some(Refusal { code: 404, text: "no user 'ü'".into() }) };
+        for committed in [Committed { index: 7, conflict: false, refused: None }, Committed { index: u64::MAX, conflict: true, refused: None }, refused] {
+            assert_eq!(decode_reply(&encode_reply(Ok(committed.clone()))), Ok(committed));
         }
         assert_eq!(decode_reply(&encode_reply(Err("bad entry"))), Err("bad entry".to_string()));
         assert!(decode_reply(&[2, 1, 2]).is_err() && decode_reply(&[]).is_err() && decode_reply(&[3; 9]).is_err());

@@ -15,10 +15,13 @@
 //! A start with no `metadata.log` but a `definitions.json` (written by earlier versions) imports
 //! it and renames it to `definitions.json.migrated`.
 
+pub mod auth;
 pub mod group;
 pub mod log;
 
+use crate::auth::defs::{PermissionDef, SigningKeyDef, TopicPermissionDef, UserDef, VHostDef, VHostLimits};
 use crate::definitions::{self, BindingDef, ExchangeDef, QueueDef, VHostDefs};
+pub use auth::{AuthDefs, Refusal};
 use group::{MetadataGroup, ProposeFailed};
 use log::{LogError, OnCorruption, RecordLog};
 use parking_lot::{Mutex, RwLock};
@@ -54,6 +57,26 @@ pub enum Op {
     /// Cluster only: the state includes every entry of the metadata group up to `index`
     /// (written with each applied entry and by compaction; see [`group`]).
     GroupApplied { index: u64 },
+    // ---- vhosts, users, permissions (`auth`) ----
+    /// Creates the vhost, or sets its description and tags.
+    VhostDeclared { vhost: VHostDef },
+    /// Deletes the vhost with everything in it: its queues (what the store holds for them may
+    /// go), exchanges, bindings, limits, and every permission on it.
+    VhostDeleted { name: String },
+    VhostLimitsSet { vhost: String, limits: VHostLimits },
+    /// Creates or replaces a user.
+    UserPut { user: UserDef },
+    /// Also removes the user's permissions, topic permissions and signing keys.
+    UserDeleted { name: String },
+    PermissionSet { permission: PermissionDef },
+    PermissionCleared { user: String, vhost: String },
+    TopicPermissionSet { permission: TopicPermissionDef },
+    TopicPermissionCleared { user: String, vhost: String, exchange: String },
+    SigningKeySet { key: SigningKeyDef },
+    /// The first start's bootstrap (default user, vhost, permission) is recorded: from now on only
+    /// recorded users log in, and the configured default user is not applied again. An entry
+    /// holding it is dropped whole once the state has it (two nodes bootstrapping together).
+    AuthInitialized,
 }
 
 impl Op {
@@ -68,6 +91,44 @@ impl Op {
             | Op::Bound { vhost, .. }
             | Op::Unbound { vhost, .. } => Some(vhost),
             Op::NextQueueId { .. } | Op::GroupApplied { .. } => None,
+            Op::VhostDeclared { .. }
+            | Op::VhostDeleted { .. }
+            | Op::VhostLimitsSet { .. }
+            | Op::UserPut { .. }
+            | Op::UserDeleted { .. }
+            | Op::PermissionSet { .. }
+            | Op::PermissionCleared { .. }
+            | Op::TopicPermissionSet { .. }
+            | Op::TopicPermissionCleared { .. }
+            | Op::SigningKeySet { .. }
+            | Op::AuthInitialized => None,
+        }
+    }
+
+    /// Whether it changes vhosts, users or permissions (`Broker::apply_committed` rebuilds its
+    /// view of them after such an op).
+    pub fn is_auth(&self) -> bool {
+        matches!(
+            self,
+            Op::VhostDeclared { .. }
+                | Op::VhostDeleted { .. }
+                | Op::VhostLimitsSet { .. }
+                | Op::UserPut { .. }
+                | Op::UserDeleted { .. }
+                | Op::PermissionSet { .. }
+                | Op::PermissionCleared { .. }
+                | Op::TopicPermissionSet { .. }
+                | Op::TopicPermissionCleared { .. }
+                | Op::SigningKeySet { .. }
+                | Op::AuthInitialized
+        )
+    }
+
+    /// A declaration in a vhost (refused once the vhost is deleted).
+    fn declares_in(&self) -> Option<&str> {
+        match self {
+            Op::ExchangeDeclared { vhost, .. } | Op::QueueDeclared { vhost, .. } | Op::Bound { vhost, .. } => Some(vhost),
+            _ => None,
         }
     }
 }
@@ -94,10 +155,16 @@ pub struct State {
     next_queue_id: u64,
     /// Cluster only: the last metadata-group entry applied.
     group_applied: Option<u64>,
+    /// Users, permissions, signing keys.
+    pub auth: AuthDefs,
 }
 
 #[derive(Debug, Default, Clone, PartialEq)]
 struct VHostState {
+    /// Created explicitly (by the bootstrap, the management API, an import). A vhost recorded
+    /// before vhosts were (only through what is in it) has none until the bootstrap declares it.
+    declared: Option<VHostDef>,
+    limits: VHostLimits,
     exchanges: BTreeMap<String, ExchangeDef>,
     queues: BTreeMap<String, QueueDef>,
     bindings: BTreeMap<BindingKey, BindingDef>,
@@ -154,6 +221,25 @@ impl State {
             }
             Op::NextQueueId { value } => self.next_queue_id = self.next_queue_id.max(value),
             Op::GroupApplied { index } => self.group_applied = Some(self.group_applied.unwrap_or(0).max(index)),
+            Op::VhostDeclared { vhost } => {
+                let name = vhost.name.clone();
+                self.vhosts.entry(name).or_default().declared = Some(vhost);
+            }
+            Op::VhostDeleted { ref name } => {
+                if let Some(v) = self.vhosts.remove(name) {
+                    for (_, q) in v.queues {
+                        self.next_queue_id = self.next_queue_id.max(q.last_store_id().saturating_add(1));
+                        self.deleted.insert(q.id, (name.clone(), q));
+                    }
+                }
+                self.auth.apply(&op);
+            }
+            Op::VhostLimitsSet { vhost, limits } => {
+                if let Some(v) = self.vhosts.get_mut(&vhost) {
+                    v.limits = limits;
+                }
+            }
+            auth => self.auth.apply(&auth),
         }
     }
 
@@ -171,8 +257,22 @@ impl State {
         let mut queues: HashMap<(String, String), Option<QueueDef>> = HashMap::new();
         let mut exchanges: HashMap<(String, String), Option<ExchangeDef>> = HashMap::new();
         let mut next = self.next_queue_id.max(1);
-        let mut admitted = AppliedEntry { ops: Vec::with_capacity(ops.len()), conflict: false };
+        let mut admitted = AppliedEntry { ops: Vec::with_capacity(ops.len()), conflict: false, refused: None };
+        if self.auth.initialized && ops.iter().any(|op| matches!(op, Op::AuthInitialized)) {
+            // A second bootstrap (another node's, proposed before it saw the first): nothing to do.
+            return admitted;
+        }
+        let mut pending = auth::Pending::default();
         for mut op in ops {
+            let refusal = match op.declares_in() {
+                // Declarations need their vhost once vhosts are recorded (one deleted a moment ago).
+                Some(vhost) if self.auth.initialized && !pending.vhost_exists(self, vhost) => Some(Refusal::not_found(format!("no vhost '{vhost}'"))),
+                Some(_) => None,
+                None => pending.check(self, &op),
+            };
+            if let Some(refusal) = refusal {
+                return AppliedEntry { ops: Vec::new(), conflict: false, refused: Some(refusal) };
+            }
             match &mut op {
                 Op::QueueDeclared { vhost, queue } => {
                     let key = (vhost.clone(), queue.name.clone());
@@ -234,6 +334,16 @@ impl State {
         self.group_applied
     }
 
+    /// Whether `name` was created as a vhost (and not deleted since).
+    pub fn vhost_declared(&self, name: &str) -> bool {
+        self.vhosts.get(name).is_some_and(|v| v.declared.is_some())
+    }
+
+    /// The declared vhosts, sorted by name, with their limits.
+    pub fn declared_vhosts(&self) -> Vec<(VHostDef, VHostLimits)> {
+        self.vhosts.values().filter_map(|v| v.declared.clone().map(|d| (d, v.limits.clone()))).collect()
+    }
+
     /// The queue named `name` in `vhost`, if durable.
     pub fn queue(&self, vhost: &str, name: &str) -> Option<&QueueDef> {
         self.vhosts.get(vhost)?.queues.get(name)
@@ -250,6 +360,16 @@ impl State {
         if let Some(index) = self.group_applied {
             ops.push(Op::GroupApplied { index });
         }
+        // Vhosts and users before what refers to them.
+        for v in self.vhosts.values() {
+            if let Some(def) = &v.declared {
+                ops.push(Op::VhostDeclared { vhost: def.clone() });
+                if v.limits != VHostLimits::default() {
+                    ops.push(Op::VhostLimitsSet { vhost: def.name.clone(), limits: v.limits.clone() });
+                }
+            }
+        }
+        self.auth.snapshot_ops(&mut ops);
         // Declared then deleted, so that replaying keeps which store ids the deleted queue had.
         for (id, (vhost, def)) in &self.deleted {
             ops.push(Op::QueueDeclared { vhost: vhost.clone(), queue: def.clone() });
@@ -274,7 +394,7 @@ impl State {
     }
 
     pub fn vhost_names(&self) -> Vec<String> {
-        self.vhosts.iter().filter(|(_, v)| !v.is_empty()).map(|(n, _)| n.clone()).collect()
+        self.vhosts.iter().filter(|(_, v)| v.declared.is_some() || !v.is_empty()).map(|(n, _)| n.clone()).collect()
     }
 
     pub fn vhost(&self, name: &str) -> VHostDefs {
@@ -334,6 +454,9 @@ pub enum GroupCommitError {
     /// Applied, but a declaration in it was dropped: another node had declared the name first
     /// (earlier in the group's log), with other properties. It exists here now.
     Conflict,
+    /// Nothing changed: the change names a user or vhost that does not exist (as the state was
+    /// when it came, in log order).
+    Refused(Refusal),
 }
 
 /// A metadata-group entry as applied to the durable state (see `State::admit`).
@@ -343,6 +466,8 @@ pub struct AppliedEntry {
     pub ops: Vec<Op>,
     /// A declaration was dropped as it names an existing queue or exchange with other properties.
     pub conflict: bool,
+    /// The entry was refused whole (`ops` is empty): it names a user or vhost that does not exist.
+    pub refused: Option<Refusal>,
 }
 
 /// What opening found, for the startup log.
@@ -430,6 +555,11 @@ impl Metadata {
         let payload = serde_json::to_vec(&ops).map_err(io::Error::other)?;
         crate::blocking::run(|| {
             let mut inner = self.inner.lock();
+            let state = &inner.state;
+            if let Some(vhost) = ops.iter().filter_map(Op::declares_in).find(|v| state.auth.initialized && !state.vhost_declared(v)) {
+                // Deleted while the declaration was on its way (its connection is being closed).
+                return Err(io::Error::other(format!("vhost '{vhost}' was deleted")));
+            }
             inner.repair_if_broken()?;
             inner.log.append(&payload)?;
             for op in ops {
@@ -442,6 +572,39 @@ impl Metadata {
 
     pub fn vhost_names(&self) -> Vec<String> {
         self.inner.lock().state.vhost_names()
+    }
+
+    /// Standalone: checks `ops` against the state as a metadata-group entry is (`State::admit`:
+    /// a permission for a missing user is refused, a second bootstrap dropped), then makes what is
+    /// admitted durable and applies it. Returns what was applied, for the in-memory changes.
+    pub fn commit_admitted(&self, ops: Vec<Op>) -> io::Result<AppliedEntry> {
+        crate::blocking::run(|| {
+            let mut inner = self.inner.lock();
+            let admitted = inner.state.admit(ops);
+            if admitted.ops.is_empty() {
+                return Ok(admitted);
+            }
+            let payload = serde_json::to_vec(&admitted.ops).map_err(io::Error::other)?;
+            inner.repair_if_broken()?;
+            inner.log.append(&payload)?;
+            for op in admitted.ops.iter().cloned() {
+                inner.state.apply(op);
+            }
+            inner.compact_if_due();
+            Ok(admitted)
+        })
+    }
+
+    /// Whether vhost `name` was deleted (vhosts are recorded and it is not declared).
+    pub fn vhost_deleted(&self, name: &str) -> bool {
+        let inner = self.inner.lock();
+        inner.state.auth.initialized && !inner.state.vhost_declared(name)
+    }
+
+    /// The recorded users, permissions and signing keys, and the declared vhosts.
+    pub fn auth(&self) -> (AuthDefs, Vec<(VHostDef, VHostLimits)>) {
+        let inner = self.inner.lock();
+        (inner.state.auth.clone(), inner.state.declared_vhosts())
     }
 
     // ---- the cluster's metadata group (see `group`) --------------------------------------
@@ -480,6 +643,9 @@ impl Metadata {
             Ok(lagging) => tracing::warn!(index, nodes = ?lagging, "reachable nodes had not applied a metadata change within {:?}; \
                 answering the client anyway (they will, and a miss on them waits for a barrier)", group::SPREAD_TIMEOUT),
             Err(e) => tracing::warn!(index, error = %e, "could not wait for the other nodes to apply a metadata change"),
+        }
+        if let Some(refusal) = committed.refused {
+            return Err(GroupCommitError::Refused(refusal));
         }
         if committed.conflict {
             return Err(GroupCommitError::Conflict);

@@ -414,3 +414,92 @@ fn a_torn_last_frame_with_blocks_persisted_out_of_order_is_cut_never_refused() {
     }
     assert!(torn > 20, "most cuts leave a torn frame to cut ({torn} of 40)");
 }
+
+// ---- vhosts, users, permissions ----------------------------------------------------------------
+
+fn user(name: &str) -> Op {
+    let (password_hash, algorithm) = crate::auth::PasswordHash::new(crate::auth::Algorithm::Sha256, "pw").to_rabbitmq();
+    Op::UserPut { user: UserDef { name: name.into(), password_hash, hashing_algorithm: algorithm.into(), tags: vec![], limits: serde_json::Value::Null } }
+}
+
+fn vhost_declared(name: &str) -> Op {
+    Op::VhostDeclared { vhost: VHostDef::named(name) }
+}
+
+fn permission(user: &str, vhost: &str) -> Op {
+    Op::PermissionSet { permission: PermissionDef::all(user, vhost) }
+}
+
+fn bootstrapped() -> State {
+    let mut state = State::default();
+    for op in state.admit(vec![vhost_declared("/"), user("guest"), permission("guest", "/"), Op::AuthInitialized]).ops {
+        state.apply(op);
+    }
+    state
+}
+
+#[test]
+fn a_permission_naming_a_missing_user_or_vhost_refuses_its_entry_whole() {
+    let state = bootstrapped();
+    let refused = state.admit(vec![user("alice"), permission("alice", "nowhere")]);
+    assert_eq!(refused.refused.map(|r| (r.code, r.text)), Some((404, "no vhost 'nowhere'".to_string())));
+    assert!(refused.ops.is_empty(), "nothing of a refused entry is applied, alice included");
+    assert_eq!(state.admit(vec![permission("bob", "/")]).refused.unwrap().text, "no user 'bob'");
+    assert_eq!(state.admit(vec![Op::UserDeleted { name: "bob".into() }]).refused.unwrap().text, "no user 'bob'");
+    // Earlier ops of the same entry count: a vhost and a user made together with the permission.
+    let made = state.admit(vec![vhost_declared("v"), user("alice"), permission("alice", "v")]);
+    assert!(made.refused.is_none() && made.ops.len() == 3);
+    // ... and so do deletions before it.
+    let gone = state.admit(vec![Op::VhostDeleted { name: "/".into() }, permission("guest", "/")]);
+    assert_eq!(gone.refused.unwrap().text, "no vhost '/'");
+}
+
+#[test]
+fn a_second_bootstrap_is_dropped_whole() {
+    let state = bootstrapped();
+    let again = state.admit(vec![vhost_declared("/"), user("guest"), permission("guest", "/"), Op::AuthInitialized]);
+    assert!(again.ops.is_empty() && again.refused.is_none(), "another node's bootstrap changes nothing (the first one's password hash stays)");
+}
+
+#[test]
+fn deleting_a_vhost_deletes_its_queues_and_permissions_and_later_declarations_in_it_are_refused() {
+    let mut state = bootstrapped();
+    for op in [vhost_declared("v"), user("alice"), permission("alice", "v"), permission("alice", "/"), queue("v", "q", 7), exchange("v", "x"), bound("v", "x", "q", "k")] {
+        state.apply(op);
+    }
+    let deleted = state.admit(vec![Op::VhostDeleted { name: "v".into() }]);
+    for op in deleted.ops {
+        state.apply(op);
+    }
+    assert!(!state.vhost_declared("v") && !state.vhost_names().contains(&"v".to_string()));
+    assert!(state.deleted.contains_key(&7), "its queue's store data may go");
+    assert_eq!(state.auth.permissions.keys().cloned().collect::<Vec<_>>(), [("/".to_string(), "alice".to_string()), ("/".to_string(), "guest".to_string())]);
+    let late = state.admit(vec![queue("v", "q2", 0)]);
+    assert_eq!(late.refused.unwrap().text, "no vhost 'v'");
+    // Deleting a user takes its permissions everywhere.
+    state.apply(Op::UserDeleted { name: "alice".into() });
+    assert_eq!(state.auth.permissions.len(), 1);
+}
+
+#[test]
+fn users_vhosts_and_permissions_survive_reopen_and_compaction_and_declared_empty_vhosts_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = open(dir.path());
+    let applied = m.commit_admitted(vec![vhost_declared("/"), vhost_declared("empty"), user("guest"), permission("guest", "/"), Op::AuthInitialized]).unwrap();
+    assert!(applied.refused.is_none());
+    m.commit_admitted(vec![Op::VhostLimitsSet { vhost: "empty".into(), limits: VHostLimits { max_connections: Some(3), max_queues: None } }]).unwrap();
+    let refused = m.commit_admitted(vec![permission("nobody", "/")]).unwrap();
+    assert!(refused.refused.is_some());
+    let before = m.state();
+    drop(m);
+    let m = open(dir.path());
+    assert_eq!(m.state(), before, "the refused entry left nothing in the log");
+    assert_eq!(m.vhost_names(), ["/", "empty"]);
+    m.compact().unwrap();
+    drop(m);
+    let m = open(dir.path());
+    assert_eq!(m.state(), before);
+    assert!(m.state().auth.initialized);
+    // A declaration in a vhost that is not declared is refused once vhosts are recorded.
+    assert!(m.commit(vec![queue("gone", "q", 3)]).unwrap_err().to_string().contains("vhost 'gone' was deleted"));
+}

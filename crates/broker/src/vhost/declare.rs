@@ -501,6 +501,18 @@ impl VHost {
         queue.mark_deleted()
     }
 
+    /// The vhost was deleted (`Op::VhostDeleted`, applied): every queue in it goes with its
+    /// messages, durable or not, as do its exchanges and bindings. Its connections are closed by
+    /// the server (`Broker::on_auth_change`).
+    pub fn drop_everything(&self) {
+        for queue in self.queues() {
+            self.drop_queue(&queue);
+        }
+        for ex in self.exchanges().into_iter().filter(|e| !e.name.is_empty() && !e.name.starts_with("amq.")) {
+            self.remove_exchange_locked(&ex);
+        }
+    }
+
     /// A connection closed: its exclusive queues go with it.
     pub fn connection_closed(&self, connection_id: u64) {
         let owned: Vec<String> = self

@@ -305,6 +305,8 @@ impl VHost {
             return match self.metadata.commit_replicated(&ops) {
                 Ok(()) => Ok(Durable::Made),
                 Err(GroupCommitError::Conflict) => Ok(Durable::Conflict),
+                // The vhost was deleted while the change was on its way.
+                Err(GroupCommitError::Refused(r)) => Err(BrokerError::not_found(r.text)),
                 Err(GroupCommitError::NotCommitted(e)) => Err(self.not_durable(what(), e, "nothing was changed")),
                 Err(GroupCommitError::Unknown(e)) => Err(self.not_durable(what(), e, "it may still take effect")),
             };

@@ -147,6 +147,8 @@ impl VHost {
                 }
             }
             Op::NextQueueId { .. } | Op::GroupApplied { .. } => {}
+            // The broker's: vhosts themselves, users, permissions.
+            _ => {}
         }
     }
 

@@ -17,7 +17,7 @@ use warren_protocol::method::*;
 pub struct Negotiated {
     /// This connection's place under `max-connections`, held while it is open.
     pub slot: super::Slot,
-    pub user: User,
+    pub user: std::sync::Arc<User>,
     pub vhost: Arc<VHost>,
     pub frame_max: u32,
     pub channel_max: u16,
@@ -217,17 +217,18 @@ pub async fn negotiate(
         Method::ConnectionOpen(m) => m,
         other => return Err(unexpected(&other, "connection.open")),
     };
-    let vhost = broker
-        .vhost(&open.virtual_host)
-        .filter(|_| broker.can_access(&user, &open.virtual_host))
-        .ok_or_else(|| {
-            ConnError::new(
-                c::NOT_ALLOWED,
-                format!("NOT_ALLOWED - vhost {} not found", open.virtual_host),
-                c::CLASS_CONNECTION,
-                40,
-            )
-        })?;
+    let vhost = broker.vhost(&open.virtual_host).ok_or_else(|| {
+        ConnError::new(c::NOT_ALLOWED, format!("NOT_ALLOWED - vhost {} not found", open.virtual_host), c::CLASS_CONNECTION, 40)
+    })?;
+    if !broker.can_access(&user, &open.virtual_host) {
+        tracing::warn!(%peer, user = %user.name, vhost = %open.virtual_host, "connection refused: the user has no permission on the vhost");
+        return Err(ConnError::new(
+            c::NOT_ALLOWED,
+            format!("NOT_ALLOWED - access to vhost '{}' refused for user '{}'", open.virtual_host, user.name),
+            c::CLASS_CONNECTION,
+            40,
+        ));
+    }
     let slot = slots.take().map_err(|max| {
         tracing::warn!(%peer, max_connections = max, "connection refused: max-connections reached");
         ConnError::new(

@@ -93,7 +93,7 @@ const FLOW_WAIT: Duration = Duration::from_millis(50);
 pub struct ConnectionShared {
     pub id: u64,
     pub vhost: Arc<VHost>,
-    pub user: User,
+    pub user: Arc<User>,
     pub outbox: Arc<Outbox>,
     pub max_message_size: u64,
     /// The node's delivery acknowledgement timeout in ms (0: off); see `Channel::ack_timed_out`.
@@ -191,6 +191,11 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>,
         channel_max: negotiated.channel_max,
         heartbeat: negotiated.heartbeat,
     });
+    // Its user, permission or vhost removed between the handshake's check and the registration
+    // (whose closing found no registered connection): closed as if registered first.
+    if !ctx.broker.can_access(&negotiated.user, &negotiated.vhost.name) || ctx.broker.users().user(&negotiated.user.name).is_none() {
+        registered.info.close(&format!("user '{}' may no longer use vhost '{}'", negotiated.user.name, negotiated.vhost.name));
+    }
     let outbox = Arc::new(Outbox::new(ctx.broker.store().clone()));
     let writer_config = Arc::new(parking_lot::Mutex::new(writer::WriterConfig {
         frame_max: negotiated.frame_max,

@@ -27,9 +27,10 @@ pub struct ConnectionInfo {
 }
 
 impl ConnectionInfo {
-    /// Asks the connection to close with connection.close 320 (CONNECTION_FORCED) and `reason`.
+    /// Asks the connection to close with connection.close 320 (CONNECTION_FORCED) and `reason`
+    /// (the first reason given, if several come).
     pub fn close(&self, reason: &str) {
-        *self.closed_by_operator.lock() = Some(reason.to_string());
+        self.closed_by_operator.lock().get_or_insert_with(|| reason.to_string());
         let _ = self.close.send(true);
     }
 }
@@ -104,6 +105,23 @@ impl ConnectionRegistry {
 
     pub fn count(&self) -> usize {
         self.state.lock().open.len()
+    }
+
+    /// Closes the connections a removed user, permission or vhost ends (320 CONNECTION_FORCED,
+    /// with RabbitMQ's reply texts for the first and last).
+    pub fn close_for(&self, change: &warren_broker::AuthChange) {
+        use warren_broker::AuthChange;
+        let (reason, ends): (String, Box<dyn Fn(&Opened) -> bool>) = match change {
+            AuthChange::UserDeleted(user) => (format!("user '{user}' is deleted"), Box::new(move |c| c.user == *user)),
+            AuthChange::PermissionCleared { user, vhost } => (
+                format!("user '{user}' has no permission on vhost '{vhost}' any more"),
+                Box::new(move |c| c.user == *user && c.vhost == *vhost),
+            ),
+            AuthChange::VhostDeleted(vhost) => (format!("vhost '{vhost}' is deleted"), Box::new(move |c| c.vhost == *vhost)),
+        };
+        for c in self.state.lock().open.values().filter(|c| ends(&c.opened)) {
+            c.close(&reason);
+        }
     }
 
     /// The server is stopping: every connection, open or opening, closes.

@@ -18,13 +18,16 @@ use super::{HttpContext, Peer};
 
 /// The authenticated user of a request (in its extensions, for the handlers).
 #[derive(Clone, Debug)]
-pub struct AuthUser(pub User);
+pub struct AuthUser(pub Arc<User>);
 
 /// Middleware: lets the request through with its [`AuthUser`], or answers 401.
 pub async fn require_user(State(ctx): State<Arc<HttpContext>>, mut request: Request, next: Next) -> Response {
     let peer = request.extensions().get::<Peer>().copied();
     match authenticate(&ctx, request.headers().get(header::AUTHORIZATION), peer).await {
         Ok(user) => {
+            if let Err(refused) = may_use(&user, request.uri().path()) {
+                return refused.into_response();
+            }
             request.extensions_mut().insert(AuthUser(user));
             next.run(request).await
         }
@@ -41,9 +44,24 @@ pub async fn require_user(State(ctx): State<Arc<HttpContext>>, mut request: Requ
     }
 }
 
-async fn authenticate(ctx: &HttpContext, authorization: Option<&header::HeaderValue>, peer: Option<Peer>) -> Result<User, ApiError> {
-    let value = authorization.ok_or_else(|| ApiError::unauthorized("Not_Authorized"))?;
-    let (name, password) = basic_credentials(value.as_bytes()).ok_or_else(|| ApiError::unauthorized("Not_Authorized"))?;
+/// The management API by tag, as RabbitMQ: a user with none of its tags is refused everything
+/// (401 "Not management user", no `WWW-Authenticate`: its password was right). Until the scopes of
+/// `management`, `monitoring` and `policymaker` come (security-plan.md, step 5), their users see
+/// only who they are and the overview; the rest is an administrator's.
+fn may_use(user: &User, path: &str) -> Result<(), ApiError> {
+    if !user.may_use_management() {
+        return Err(ApiError::not_authorised("Not management user"));
+    }
+    let path = path.trim_end_matches('/');
+    if user.is_administrator() || path.ends_with("/whoami") || path.ends_with("/overview") || path == "/whoami" || path == "/overview" {
+        return Ok(());
+    }
+    Err(ApiError::not_authorised("Not administrator user"))
+}
+
+async fn authenticate(ctx: &HttpContext, authorization: Option<&header::HeaderValue>, peer: Option<Peer>) -> Result<Arc<User>, ApiError> {
+    let value = authorization.ok_or_else(|| ApiError::unauthorized("Login failed"))?;
+    let (name, password) = basic_credentials(value.as_bytes()).ok_or_else(|| ApiError::unauthorized("Login failed"))?;
     let source = peer.map(|p| p.0.ip());
     if let Some(source) = source {
         ctx.logins.wait_turn(source, &name).await;
@@ -53,7 +71,7 @@ async fn authenticate(ctx: &HttpContext, authorization: Option<&header::HeaderVa
         if let Some(source) = source {
             ctx.logins.failed(source, &name);
         }
-        ApiError::unauthorized("Not_Authorized")
+        ApiError::unauthorized("Login failed")
     })?;
     if let Some(source) = source {
         ctx.logins.succeeded(source, &name);

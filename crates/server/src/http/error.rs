@@ -28,6 +28,11 @@ impl ApiError {
         ApiError { status: StatusCode::UNAUTHORIZED, error: "not_authorized", reason: reason.into() }
     }
 
+    /// Logged in, but not allowed (RabbitMQ's spelling and code for a user lacking a tag).
+    pub fn not_authorised(reason: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::UNAUTHORIZED, error: "not_authorised", reason: reason.into() }
+    }
+
     pub fn unavailable(reason: impl Into<String>) -> ApiError {
         ApiError { status: StatusCode::SERVICE_UNAVAILABLE, error: "unavailable", reason: reason.into() }
     }
@@ -65,7 +70,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": self.error, "reason": self.reason}).to_string();
         let mut response = (self.status, [(header::CONTENT_TYPE, "application/json")], body).into_response();
-        if self.status == StatusCode::UNAUTHORIZED {
+        if self.status == StatusCode::UNAUTHORIZED && self.error != "not_authorised" {
             // rabbitmqadmin and browsers look for it; the realm is RabbitMQ's.
             response.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Basic realm=\"RabbitMQ Management\""));
         }

@@ -129,7 +129,7 @@ impl Cmq {
 pub struct Request {
     pub ctx: Arc<HttpContext>,
     pub params: Params,
-    pub user: User,
+    pub user: Arc<User>,
     pub vhost: Arc<VHost>,
 }
 

@@ -55,15 +55,22 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
             "product_version": env!("CARGO_PKG_VERSION"), "parameters": [], "policies": [],
             "queues": queues, "exchanges": exchanges, "bindings": bindings}));
     }
-    let users: Vec<Value> = ctx.broker.users().iter().map(super::node::user_json).collect();
-    let permissions = super::node::all_permissions(ctx);
+    let users: Vec<Value> = ctx.broker.users().all().iter().map(|u| super::access::user_json(u)).collect();
+    let permissions = super::access::all_permissions(ctx);
+    let topic_permissions: Vec<Value> = ctx.broker.users().topic_permissions().iter()
+        .map(|p| json!({"user": p.user, "vhost": p.vhost, "exchange": p.exchange, "write": p.write, "read": p.read})).collect();
+    let vhost_defs = ctx.broker.vhost_defs();
     Ok(json!({
         "rabbit_version": RABBITMQ_VERSION, "rabbitmq_version": RABBITMQ_VERSION, "product_name": "Warren",
         "product_version": env!("CARGO_PKG_VERSION"),
         "users": users,
-        "vhosts": vhosts.iter().map(|v| json!({"name": v.name, "limits": [], "metadata": {"description": "", "tags": []}})).collect::<Vec<_>>(),
+        "vhosts": vhosts.iter().map(|v| {
+            let def = vhost_defs.iter().find(|(d, _)| d.name == v.name);
+            let (description, tags) = def.map(|(d, _)| (d.description.clone(), d.tags.clone())).unwrap_or_default();
+            json!({"name": v.name, "limits": [], "metadata": {"description": description, "tags": tags}})
+        }).collect::<Vec<_>>(),
         "permissions": permissions,
-        "topic_permissions": [], "parameters": [], "global_parameters": [], "policies": [],
+        "topic_permissions": topic_permissions, "parameters": [], "global_parameters": [], "policies": [],
         "queues": queues, "exchanges": exchanges, "bindings": bindings,
     }))
 }
@@ -124,7 +131,7 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
         let users = ctx.broker.users();
         for u in defs.get("users").and_then(Value::as_array).into_iter().flatten() {
             let name = u.get("name").and_then(Value::as_str).unwrap_or("");
-            if !users.iter().any(|known| known.name == name) {
+            if users.user(name).is_none() {
                 return Err(ApiError::bad_request(format!("user '{name}' does not exist and this Warren version cannot create users; nothing was imported")));
             }
         }

@@ -2,6 +2,7 @@
 //! its JSON shapes, field names and status codes. Reference: RabbitMQ's "HTTP API reference";
 //! `docs/http.md` lists what Warren serves and where it differs.
 
+mod access;
 mod connections;
 mod definitions;
 mod exchanges;
@@ -37,15 +38,23 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/nodes/{name}", get(node::node))
         .route("/extensions", get(node::extensions))
         .route("/vhosts", get(node::vhosts))
-        .route("/vhosts/{vhost}", get(node::vhost).put(node::put_vhost).delete(node::delete_vhost))
-        .route("/vhosts/{vhost}/permissions", get(node::vhost_permissions))
+        .route("/vhosts/{vhost}", get(node::vhost).put(access::put_vhost).delete(access::delete_vhost))
+        .route("/vhosts/{vhost}/permissions", get(access::vhost_permissions))
+        .route("/vhosts/{vhost}/topic-permissions", get(access::vhost_topic_permissions))
         .route("/vhosts/{vhost}/connections", get(connections::vhost_connections))
         .route("/vhosts/{vhost}/channels", get(connections::vhost_channels))
-        .route("/users", get(node::users))
-        .route("/users/{user}", get(node::user))
-        .route("/users/{user}/permissions", get(node::user_permissions))
-        .route("/permissions", get(node::permissions))
-        .route("/permissions/{vhost}/{user}", get(node::permission))
+        .route("/users", get(access::users))
+        .route("/users/bulk-delete", post(access::bulk_delete_users))
+        .route("/users/{user}", get(access::user).put(access::put_user).delete(access::delete_user))
+        .route("/users/{user}/permissions", get(access::user_permissions))
+        .route("/users/{user}/topic-permissions", get(access::user_topic_permissions))
+        .route("/permissions", get(access::permissions))
+        .route("/permissions/{vhost}/{user}", get(access::permission).put(access::put_permission).delete(access::delete_permission))
+        .route("/topic-permissions", get(access::topic_permissions))
+        .route(
+            "/topic-permissions/{vhost}/{user}",
+            get(access::topic_permission).put(access::put_topic_permission).delete(access::delete_topic_permission),
+        )
         .route("/policies", get(node::empty_list))
         .route("/policies/{vhost}", get(node::empty_list))
         .route("/operator-policies", get(node::empty_list))

@@ -9,6 +9,7 @@ use axum::{Extension, Json};
 use serde_json::{json, Value};
 
 use crate::http::list;
+use warren_broker::auth::defs::{VHostDef, VHostLimits};
 use super::{rate, Params, RABBITMQ_VERSION};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ApiResult};
@@ -17,8 +18,6 @@ use crate::http::HttpContext;
 
 /// Every user may do everything on every vhost until users and permissions come (issue 37): the
 /// API says so with RabbitMQ's words for it.
-const USER_TAGS: [&str; 1] = ["administrator"];
-const ALL: &str = ".*";
 
 pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> Json<Value> {
     let (mut ready, mut unacked, mut queues, mut exchanges, mut consumers) = (0u64, 0u64, 0usize, 0usize, 0u64);
@@ -89,7 +88,7 @@ pub async fn cluster_name(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
 }
 
 pub async fn whoami(Extension(AuthUser(user)): Extension<AuthUser>) -> Json<Value> {
-    Json(json!({"name": user.name, "tags": USER_TAGS}))
+    Json(json!({"name": user.name, "tags": user.tags}))
 }
 
 pub async fn extensions() -> Json<Value> {
@@ -187,7 +186,8 @@ pub async fn node(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>)
         .ok_or_else(|| ApiError::not_found(format!("no node '{name}'")))
 }
 
-fn vhost_json(ctx: &HttpContext, v: &warren_broker::VHost) -> Value {
+fn vhost_json(ctx: &HttpContext, v: &warren_broker::VHost, defs: &[(VHostDef, VHostLimits)]) -> Value {
+    let def = defs.iter().find(|(d, _)| d.name == v.name).map(|(d, _)| d.clone()).unwrap_or_else(|| VHostDef::named(&v.name));
     let (mut ready, mut unacked) = (0u64, 0u64);
     for q in v.queues() {
         ready += q.message_count() as u64;
@@ -195,10 +195,10 @@ fn vhost_json(ctx: &HttpContext, v: &warren_broker::VHost) -> Value {
     }
     json!({
         "name": v.name,
-        "description": if v.name == ctx.config.default_vhost { "Default virtual host" } else { "" },
-        "tags": [],
-        "default_queue_type": "classic",
-        "metadata": {"description": "", "tags": []},
+        "description": def.description,
+        "tags": def.tags,
+        "default_queue_type": def.default_queue_type.as_deref().unwrap_or("classic"),
+        "metadata": {"description": def.description, "tags": def.tags},
         "tracing": false,
         "cluster_state": { ctx.node_name.clone(): "running" },
         "messages": ready + unacked, "messages_details": rate(0.0),
@@ -208,71 +208,13 @@ fn vhost_json(ctx: &HttpContext, v: &warren_broker::VHost) -> Value {
 }
 
 pub async fn vhosts(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    let items = super::vhosts(&ctx, None)?.iter().map(|v| vhost_json(&ctx, v)).collect();
+    let defs = ctx.broker.vhost_defs();
+    let items = super::vhosts(&ctx, None)?.iter().map(|v| vhost_json(&ctx, v, &defs)).collect();
     list::answer(items, &query)
 }
 
 pub async fn vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
-    Ok(Json(vhost_json(&ctx, &*super::vhost(&ctx, &name)?)))
-}
-
-/// Declaring an existing vhost changes nothing (204, as RabbitMQ); new vhosts come with issue 37.
-pub async fn put_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<StatusCode> {
-    match ctx.broker.vhost(&name) {
-        Some(_) => Ok(StatusCode::NO_CONTENT),
-        None => Err(ApiError::bad_request(format!(
-            "cannot create vhost '{name}': this Warren version serves one vhost per node, set by default-vhost ('{}')",
-            ctx.config.default_vhost
-        ))),
-    }
-}
-
-pub async fn delete_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<StatusCode> {
-    super::vhost(&ctx, &name)?;
-    Err(ApiError::bad_request(format!("cannot delete vhost '{name}': this Warren version serves one vhost per node, set by default-vhost")))
-}
-
-pub(super) fn user_json(user: &warren_broker::User) -> Value {
-    json!({"name": user.name, "password_hash": "", "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": USER_TAGS, "limits": {}})
-}
-
-pub async fn users(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(ctx.broker.users().iter().map(user_json).collect(), &query)
-}
-
-pub async fn user(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
-    ctx.broker.users().iter().find(|u| u.name == name).map(|u| Json(user_json(u))).ok_or_else(|| ApiError::not_found(format!("no user '{name}'")))
-}
-
-pub(super) fn all_permissions(ctx: &HttpContext) -> Vec<Value> {
-    let mut out = Vec::new();
-    for u in ctx.broker.users() {
-        for v in super::vhosts(ctx, None).unwrap_or_default() {
-            out.push(json!({"user": u.name, "vhost": v.name, "configure": ALL, "write": ALL, "read": ALL}));
-        }
-    }
-    out
-}
-
-pub async fn permissions(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(all_permissions(&ctx), &query)
-}
-
-pub async fn vhost_permissions(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    super::vhost(&ctx, &name)?;
-    list::answer(all_permissions(&ctx).into_iter().filter(|p| p["vhost"] == name.as_str()).collect(), &query)
-}
-
-pub async fn user_permissions(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(all_permissions(&ctx).into_iter().filter(|p| p["user"] == name.as_str()).collect(), &query)
-}
-
-pub async fn permission(State(ctx): State<Arc<HttpContext>>, Path((vhost, user)): Path<(String, String)>) -> ApiResult<Json<Value>> {
-    all_permissions(&ctx)
-        .into_iter()
-        .find(|p| p["vhost"] == vhost.as_str() && p["user"] == user.as_str())
-        .map(Json)
-        .ok_or_else(|| ApiError::not_found(format!("no permissions of user '{user}' on vhost '{vhost}'")))
+    Ok(Json(vhost_json(&ctx, &*super::vhost(&ctx, &name)?, &ctx.broker.vhost_defs())))
 }
 
 /// `{"status": "ok"}`, or 503 with `{"status": "failed", "reason": ...}`, as RabbitMQ's checks.
