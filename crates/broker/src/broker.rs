@@ -125,8 +125,11 @@ impl Broker {
     /// `disk`: the power-loss simulator in tests (`WARREN_TEST_SIMULATED_DISK`), else the real disk.
     pub fn open_on(data_dir: &Path, opts: BrokerOptions, disk: warren_store::Disk) -> Result<(Arc<Broker>, RecoveryReport), OpenError> {
         let started = Instant::now();
-        // Durably: the metadata log and the store are fsynced inside it.
+        // Durably: the metadata log and the store are fsynced inside it. A new one is the broker
+        // user's only (0700): it holds message bodies, password hashes and signing keys.
+        let new_dir = !data_dir.exists();
         warren_store::create_dir_durably(data_dir)
+            .and_then(|()| if new_dir { owner_only_dir(data_dir) } else { Ok(()) })
             .map_err(|source| OpenError::DataDir { path: data_dir.display().to_string(), source })?;
         let metadata_mode = OnCorruption::from(opts.store.recovery_mode);
         let (store, recovery) = Store::open_on(&data_dir.join("store"), opts.store, disk.clone())?;
@@ -622,6 +625,11 @@ impl Broker {
             tracing::error!(error = %e, "closing the message store failed");
         }
     }
+}
+
+fn owner_only_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
 impl crate::delay::DueHost for Broker {

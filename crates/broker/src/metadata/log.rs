@@ -116,6 +116,8 @@ impl RecordLog {
             let log = RecordLog::create(disk, path, &[]).map_err(io_err)?;
             return Ok((log, Replayed::default()));
         }
+        // Written by a version before it held password hashes and signing keys: readable by others.
+        owner_only(path).map_err(io_err)?;
         let bytes = fs::read(path).map_err(io_err)?;
         check_header(path, &bytes)?;
         let mut out = Replayed::default();
@@ -302,6 +304,7 @@ impl Write for Appending<'_> {
 /// Writes a complete log (header and `records`) at `path` and fsyncs it; returns it open for writing.
 fn write_snapshot(disk: &Disk, path: &Path, records: &[Vec<u8>]) -> io::Result<DiskFile> {
     let file = disk.open_file(path, true)?;
+    owner_only(path)?;
     let mut w = BufWriter::with_capacity(256 * 1024, Appending { file: &file, at: 0 });
     w.write_all(&encode_header())?;
     for r in records {
@@ -312,6 +315,13 @@ fn write_snapshot(disk: &Disk, path: &Path, records: &[Vec<u8>]) -> io::Result<D
     file.sync_all()?;
     sync_dir(disk, path)?;
     Ok(file)
+}
+
+/// Readable and writable by the broker's user only (mode 0600): the log holds password hashes and
+/// CMQ signing keys.
+fn owner_only(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o600))
 }
 
 /// Keeps bytes cut or skipped at `offset` of the log in `damaged/<log file name>.<offset>`.

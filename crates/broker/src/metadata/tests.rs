@@ -503,3 +503,19 @@ fn users_vhosts_and_permissions_survive_reopen_and_compaction_and_declared_empty
     // A declaration in a vhost that is not declared is refused once vhosts are recorded.
     assert!(m.commit(vec![queue("gone", "q", 3)]).unwrap_err().to_string().contains("vhost 'gone' was deleted"));
 }
+
+#[test]
+fn the_log_is_the_owners_only_as_it_holds_password_hashes() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let m = open(dir.path());
+    assert_eq!(mode(&log_path(dir.path())), 0o600);
+    m.compact().unwrap();
+    assert_eq!(mode(&log_path(dir.path())), 0o600, "a rewrite keeps it so");
+    drop(m);
+    // One from an older version, readable by everyone, is tightened at open.
+    fs::set_permissions(log_path(dir.path()), fs::Permissions::from_mode(0o644)).unwrap();
+    drop(open(dir.path()));
+    assert_eq!(mode(&log_path(dir.path())), 0o600);
+}

@@ -1,10 +1,13 @@
-//! `/api/definitions`: export the topology (exchanges, queues, bindings; vhosts, users and
-//! permissions as they are) in RabbitMQ's format, and import such a file.
+//! `/api/definitions`: export users (with their password hashes), vhosts, permissions, topic
+//! permissions and the topology (exchanges, queues, bindings) in RabbitMQ's format, and import
+//! such a file, a RabbitMQ 3.x export included: its users log in with their RabbitMQ passwords.
 //!
-//! An import is checked whole before anything changes: a file naming a vhost or a user this node
-//! does not have is refused (they come with issue 37), as is a malformed entry. Then exchanges,
-//! queues and bindings are declared in that order, as RabbitMQ does; declaring what exists with
-//! the same properties changes nothing, so importing the same file twice is harmless.
+//! An import is checked whole before anything changes (hashes decode, algorithms are known,
+//! patterns compile, every entry names a vhost the node or the file has). Then, in RabbitMQ's
+//! order: users, vhosts, permissions, topic permissions and vhost limits, recorded in entries of
+//! at most [`AUTH_OPS_PER_ENTRY`] ops (not atomic across entries: a failure says so), then
+//! exchanges, queues and bindings; declaring what exists with the same properties changes
+//! nothing, so importing the same file twice is harmless. A per-vhost import takes no users.
 
 use std::sync::Arc;
 
@@ -13,6 +16,9 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
+use warren_broker::auth::defs::{self, PermissionDef, TopicPermissionDef, UserDef, VHostDef, VHostLimits};
+use warren_broker::auth::{Algorithm, PasswordHash};
+use warren_broker::metadata::Op;
 use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
 
 use super::queues::{check_name, API_CONNECTION};
@@ -60,6 +66,12 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
     let topic_permissions: Vec<Value> = ctx.broker.users().topic_permissions().iter()
         .map(|p| json!({"user": p.user, "vhost": p.vhost, "exchange": p.exchange, "write": p.write, "read": p.read})).collect();
     let vhost_defs = ctx.broker.vhost_defs();
+    // As RabbitMQ exports them: runtime parameters of component `vhost-limits`.
+    let limit_parameters: Vec<Value> = vhost_defs
+        .iter()
+        .filter(|(_, l)| *l != VHostLimits::default())
+        .map(|(d, l)| json!({"vhost": d.name, "component": "vhost-limits", "name": "limits", "value": l}))
+        .collect();
     Ok(json!({
         "rabbit_version": RABBITMQ_VERSION, "rabbitmq_version": RABBITMQ_VERSION, "product_name": "Warren",
         "product_version": env!("CARGO_PKG_VERSION"),
@@ -70,7 +82,7 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
             json!({"name": v.name, "limits": [], "metadata": {"description": description, "tags": tags}})
         }).collect::<Vec<_>>(),
         "permissions": permissions,
-        "topic_permissions": topic_permissions, "parameters": [], "global_parameters": [], "policies": [],
+        "topic_permissions": topic_permissions, "parameters": limit_parameters, "global_parameters": [], "policies": [],
         "queues": queues, "exchanges": exchanges, "bindings": bindings,
     }))
 }
@@ -89,6 +101,86 @@ struct Entry<'a> {
     item: &'a Value,
 }
 
+/// Auth changes recorded per metadata entry: bounded, however large the file.
+const AUTH_OPS_PER_ENTRY: usize = 256;
+
+fn list<'a>(defs: &'a Value, key: &str) -> ApiResult<&'a [Value]> {
+    match defs.get(key) {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(items)) => Ok(items),
+        Some(_) => Err(ApiError::bad_request(format!("{key} must be a list"))),
+    }
+}
+
+fn text<'a>(item: &'a Value, key: &str, what: &str) -> ApiResult<&'a str> {
+    item.get(key).and_then(Value::as_str).ok_or_else(|| ApiError::bad_request(format!("{what} has no {key}")))
+}
+
+/// The users, vhosts, permissions, topic permissions and vhost limits of a definitions file, as
+/// metadata ops in RabbitMQ's import order, every one checked.
+fn auth_ops(defs: &Value) -> ApiResult<Vec<Op>> {
+    let mut ops = Vec::new();
+    for (i, u) in list(defs, "users")?.iter().enumerate() {
+        let what = format!("users[{i}]");
+        let name = text(u, "name", &what)?.to_string();
+        let algorithm = u.get("hashing_algorithm").and_then(Value::as_str).unwrap_or(Algorithm::Sha256.rabbitmq_name()).to_string();
+        let password_hash = match (u.get("password_hash").and_then(Value::as_str), u.get("password").and_then(Value::as_str)) {
+            (Some(hash), _) => hash.to_string(),
+            (None, Some(password)) => PasswordHash::new(Algorithm::from_rabbitmq_name(&algorithm)?, password).to_rabbitmq().0,
+            (None, None) => String::new(),
+        };
+        let tags = defs::parse_tags(u.get("tags").unwrap_or(&Value::Null)).map_err(|e| format!("{what} ({name}): {e}"))?;
+        let limits = u.get("limits").cloned().filter(|l| l.as_object().is_some_and(|o| !o.is_empty())).unwrap_or(Value::Null);
+        let user = UserDef { name: name.clone(), password_hash, hashing_algorithm: algorithm, tags, limits };
+        user.check().map_err(|e| format!("{what} ({name}): {e}"))?;
+        ops.push(Op::UserPut { user });
+    }
+    for (i, v) in list(defs, "vhosts")?.iter().enumerate() {
+        let what = format!("vhosts[{i}]");
+        let name = text(v, "name", &what)?;
+        defs::check_name("vhost", name)?;
+        let metadata = v.get("metadata").unwrap_or(&Value::Null);
+        let description = v.get("description").or_else(|| metadata.get("description")).and_then(Value::as_str).unwrap_or_default();
+        let tags = defs::parse_tags(v.get("tags").or_else(|| metadata.get("tags")).unwrap_or(&Value::Null)).map_err(|e| format!("{what}: {e}"))?;
+        let default_queue_type = v.get("default_queue_type").or_else(|| metadata.get("default_queue_type")).and_then(Value::as_str).map(str::to_string);
+        ops.push(Op::VhostDeclared { vhost: VHostDef { name: name.to_string(), description: description.to_string(), tags, default_queue_type } });
+    }
+    for (i, p) in list(defs, "permissions")?.iter().enumerate() {
+        let what = format!("permissions[{i}]");
+        let permission = PermissionDef {
+            user: text(p, "user", &what)?.into(),
+            vhost: text(p, "vhost", &what)?.into(),
+            configure: text(p, "configure", &what)?.into(),
+            write: text(p, "write", &what)?.into(),
+            read: text(p, "read", &what)?.into(),
+        };
+        permission.check().map_err(|e| format!("{what}: {e}"))?;
+        ops.push(Op::PermissionSet { permission });
+    }
+    for (i, p) in list(defs, "topic_permissions")?.iter().enumerate() {
+        let what = format!("topic_permissions[{i}]");
+        let permission = TopicPermissionDef {
+            user: text(p, "user", &what)?.into(),
+            vhost: text(p, "vhost", &what)?.into(),
+            exchange: text(p, "exchange", &what)?.into(),
+            write: text(p, "write", &what)?.into(),
+            read: text(p, "read", &what)?.into(),
+        };
+        permission.check().map_err(|e| format!("{what}: {e}"))?;
+        ops.push(Op::TopicPermissionSet { permission });
+    }
+    // RabbitMQ keeps vhost limits as runtime parameters of component `vhost-limits`; other
+    // parameters (federation, shovel) are not kept yet.
+    for (i, p) in list(defs, "parameters")?.iter().enumerate().filter(|(_, p)| p.get("component").and_then(Value::as_str) == Some("vhost-limits")) {
+        let what = format!("parameters[{i}]");
+        let value = p.get("value").unwrap_or(&Value::Null);
+        let limit = |key: &str| value.get(key).and_then(Value::as_i64).filter(|n| *n >= 0);
+        let limits = VHostLimits { max_connections: limit("max-connections"), max_queues: limit("max-queues") };
+        ops.push(Op::VhostLimitsSet { vhost: text(p, "vhost", &what)?.into(), limits });
+    }
+    Ok(ops)
+}
+
 fn entries<'a>(ctx: &HttpContext, defs: &'a Value, key: &str, into: Option<&str>) -> ApiResult<Vec<Entry<'a>>> {
     let items = match defs.get(key) {
         None | Some(Value::Null) => return Ok(Vec::new()),
@@ -101,8 +193,9 @@ fn entries<'a>(ctx: &HttpContext, defs: &'a Value, key: &str, into: Option<&str>
             Some(v) => v.to_owned(),
             None => item.get("vhost").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request(format!("{key}[{i}] has no vhost")))?.to_owned(),
         };
-        if ctx.broker.vhost(&vhost_name).is_none() {
-            return Err(ApiError::bad_request(format!("{key}[{i}] is in vhost '{vhost_name}', which this node does not have; nothing was imported")));
+        let in_file = || list(defs, "vhosts").is_ok_and(|vs| vs.iter().any(|v| v.get("name").and_then(Value::as_str) == Some(vhost_name.as_str())));
+        if ctx.broker.vhost(&vhost_name).is_none() && (into.is_some() || !in_file()) {
+            return Err(ApiError::bad_request(format!("{key}[{i}] is in vhost '{vhost_name}', which neither this node nor the file has; nothing was imported")));
         }
         let name_key = if key == "bindings" { "source" } else { "name" };
         let name = item.get(name_key).and_then(Value::as_str).ok_or_else(|| ApiError::bad_request(format!("{key}[{i}] has no {name_key}")))?;
@@ -121,24 +214,20 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
     if !defs.is_object() {
         return Err(ApiError::bad_request("the definitions must be a JSON object"));
     }
-    if into.is_none() {
-        for v in defs.get("vhosts").and_then(Value::as_array).into_iter().flatten() {
-            let name = v.get("name").and_then(Value::as_str).unwrap_or("");
-            if ctx.broker.vhost(name).is_none() {
-                return Err(ApiError::bad_request(format!("vhost '{name}' does not exist and this Warren version cannot create vhosts; nothing was imported")));
-            }
-        }
-        let users = ctx.broker.users();
-        for u in defs.get("users").and_then(Value::as_array).into_iter().flatten() {
-            let name = u.get("name").and_then(Value::as_str).unwrap_or("");
-            if users.user(name).is_none() {
-                return Err(ApiError::bad_request(format!("user '{name}' does not exist and this Warren version cannot create users; nothing was imported")));
-            }
-        }
-    }
+    let auth = if into.is_none() { auth_ops(&defs)? } else { Vec::new() };
     let exchanges = entries(ctx, &defs, "exchanges", into)?;
     let queues = entries(ctx, &defs, "queues", into)?;
     let bindings = entries(ctx, &defs, "bindings", into)?;
+    for (n, chunk) in auth.chunks(AUTH_OPS_PER_ENTRY).enumerate() {
+        ctx.broker.change_auth(chunk.to_vec()).map_err(|e| {
+            let done = n * AUTH_OPS_PER_ENTRY;
+            let reason = format!("importing users, vhosts and permissions stopped after {done} of {} changes: {e}", auth.len());
+            match e {
+                warren_broker::AuthChangeError::Refused(_) => ApiError::bad_request(reason),
+                warren_broker::AuthChangeError::Failed { .. } => ApiError::unavailable(reason),
+            }
+        })?;
+    }
     for Entry { vhost: v, item } in &exchanges {
         let v = vhost(ctx, v)?;
         let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments")?;
@@ -176,7 +265,7 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
             _ => v.queue_bind(destination, source, routing_key, &args, API_CONNECTION)?,
         }
     }
-    tracing::info!(exchanges = exchanges.len(), queues = queues.len(), bindings = bindings.len(), "definitions imported through the management API");
+    tracing::info!(auth_changes = auth.len(), exchanges = exchanges.len(), queues = queues.len(), bindings = bindings.len(), "definitions imported through the management API");
     Ok(StatusCode::NO_CONTENT)
 }
 
