@@ -82,6 +82,8 @@ pub struct Broker {
     default_vhost: String,
     loopback_users: Vec<String>,
     auth_listeners: RwLock<Vec<AuthListener>>,
+    /// Bumped whenever `users` is rebuilt: channels' cached permission checks compare it.
+    auth_generation: AtomicU64,
     store: Store,
     metadata: Arc<Metadata>,
     next_queue_id: Arc<AtomicU64>,
@@ -153,6 +155,7 @@ impl Broker {
             default_vhost: opts.default_vhost.clone(),
             loopback_users: opts.loopback_users.clone(),
             auth_listeners: RwLock::new(Vec::new()),
+            auth_generation: AtomicU64::new(0),
             store: store.clone(),
             metadata: metadata.clone(),
             next_queue_id: next_queue_id.clone(),
@@ -297,6 +300,11 @@ impl Broker {
         self.users.read().clone()
     }
 
+    /// Changes whenever users or permissions do (see `connection::access` in the server).
+    pub fn auth_generation(&self) -> u64 {
+        self.auth_generation.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Whether the first start's bootstrap is recorded (in a cluster: committed and applied here).
     pub fn auth_initialized(&self) -> bool {
         self.users.read().initialized
@@ -368,6 +376,7 @@ impl Broker {
             }
         }
         *view = Arc::new(next);
+        self.auth_generation.fetch_add(1, std::sync::atomic::Ordering::Release);
         drop(view);
         let listeners = self.auth_listeners.read();
         for change in &changes {

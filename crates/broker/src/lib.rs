@@ -20,7 +20,7 @@ pub mod error;
 pub mod exchange;
 pub mod message;
 pub mod metadata;
-mod names;
+pub mod names;
 pub mod queue;
 pub use queue::consumers;
 pub mod publisher;

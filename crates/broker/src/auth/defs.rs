@@ -143,6 +143,11 @@ pub fn compile(what: &str, pattern: &str) -> Result<regex::Regex, String> {
         .map_err(|e| format!("{what} pattern '{pattern}' is not a regular expression this broker reads: {e}"))
 }
 
+/// `s` as a pattern matching itself (topic permissions' `{username}` and `{vhost}`).
+pub fn escape(s: &str) -> String {
+    regex::escape(s)
+}
+
 /// Tags as RabbitMQ takes them: a list, or one string of comma-separated names.
 pub fn parse_tags(value: &serde_json::Value) -> Result<Vec<String>, String> {
     let mut tags: Vec<String> = match value {

@@ -1,6 +1,7 @@
 //! One channel of a connection: turns AMQP methods into broker calls, assembles published
 //! messages from method + header + body frames, and tracks confirm and transaction modes.
 
+use super::access::{Access, Perm, Resource};
 use super::error::ConnError;
 use super::outbox::{DurableAction, Outgoing};
 use super::ConnectionShared;
@@ -95,6 +96,8 @@ pub struct ChannelHandler {
     tx_settled: (u64, std::collections::BTreeSet<u64>),
     /// The last queue declared on this channel: AMQP lets "" mean it.
     last_queue: Option<String>,
+    /// The user's permissions in the vhost, as last looked up.
+    access: Access,
 }
 
 /// A failure while handling a method: a channel or a connection exception.
@@ -127,6 +130,7 @@ impl ChannelHandler {
             tx_bytes: 0,
             tx_settled: (0, std::collections::BTreeSet::new()),
             last_queue: None,
+            access: Access::default(),
         }
     }
 
@@ -235,6 +239,16 @@ impl ChannelHandler {
             Method::AccessRequest(_) => self.reply(conn, Method::AccessRequestOk(AccessRequestOk { reserved_1: 1 })),
 
             Method::ExchangeDeclare(m) => {
+                if !m.passive {
+                    self.access.check(conn, Perm::Configure, Resource::Exchange, &m.exchange)?;
+                    // A new exchange with an alternate exchange: reading it, writing the other.
+                    if let Some(ae) = m.arguments.get("alternate-exchange").and_then(|v| v.as_str()) {
+                        if vhost.exchange(&m.exchange).is_err() {
+                            self.access.check(conn, Perm::Read, Resource::Exchange, &m.exchange)?;
+                            self.access.check(conn, Perm::Write, Resource::Exchange, ae)?;
+                        }
+                    }
+                }
                 vhost.exchange_declare(&ExchangeDeclare {
                     name: &m.exchange,
                     kind: &m.kind,
@@ -249,18 +263,24 @@ impl ChannelHandler {
                 }
             }
             Method::ExchangeDelete(m) => {
+                // The default and amq.* exchanges are refused first, for what they are (as RabbitMQ).
+                if !m.exchange.is_empty() && !m.exchange.starts_with("amq.") {
+                    self.access.check(conn, Perm::Configure, Resource::Exchange, &m.exchange)?;
+                }
                 vhost.exchange_delete(&m.exchange, m.if_unused)?;
                 if !m.nowait {
                     self.reply(conn, Method::ExchangeDeleteOk(ExchangeDeleteOk {}));
                 }
             }
             Method::ExchangeBind(m) => {
+                self.check_binding(conn, Resource::Exchange, &m.destination, &m.source, &m.routing_key)?;
                 vhost.exchange_bind(&m.destination, &m.source, &m.routing_key, &m.arguments)?;
                 if !m.nowait {
                     self.reply(conn, Method::ExchangeBindOk(ExchangeBindOk {}));
                 }
             }
             Method::ExchangeUnbind(m) => {
+                self.check_binding(conn, Resource::Exchange, &m.destination, &m.source, &m.routing_key)?;
                 vhost.exchange_unbind(&m.destination, &m.source, &m.routing_key, &m.arguments)?;
                 if !m.nowait {
                     self.reply(conn, Method::ExchangeUnbindOk(ExchangeUnbindOk {}));
@@ -268,6 +288,18 @@ impl ChannelHandler {
             }
 
             Method::QueueDeclare(m) => {
+                if !m.passive {
+                    // A server-named queue is checked as one of its names (amq.gen-...).
+                    let checked = if m.queue.is_empty() { warren_broker::names::generated_name("amq.gen-") } else { m.queue.clone() };
+                    self.access.check(conn, Perm::Configure, Resource::Queue, &checked)?;
+                    // A new queue with a dead-letter exchange: reading it, writing the exchange.
+                    if let Some(dlx) = m.arguments.get("x-dead-letter-exchange").and_then(|v| v.as_str()) {
+                        if m.queue.is_empty() || vhost.queue_any(&m.queue).is_none() {
+                            self.access.check(conn, Perm::Read, Resource::Queue, &checked)?;
+                            self.access.check(conn, Perm::Write, Resource::Exchange, dlx)?;
+                        }
+                    }
+                }
                 let (queue, message_count, consumer_count) = vhost.queue_declare(&QueueDeclare {
                     name: &m.queue,
                     passive: m.passive,
@@ -285,6 +317,7 @@ impl ChannelHandler {
             Method::QueueBind(m) => {
                 let queue = self.queue_name(&m.queue)?;
                 let routing_key = if m.queue.is_empty() && m.routing_key.is_empty() { queue.clone() } else { m.routing_key };
+                self.check_binding(conn, Resource::Queue, &queue, &m.exchange, &routing_key)?;
                 vhost.queue_bind(&queue, &m.exchange, &routing_key, &m.arguments, conn.id)?;
                 if !m.nowait {
                     self.reply(conn, Method::QueueBindOk(QueueBindOk {}));
@@ -292,11 +325,13 @@ impl ChannelHandler {
             }
             Method::QueueUnbind(m) => {
                 let queue = self.queue_name(&m.queue)?;
+                self.check_binding(conn, Resource::Queue, &queue, &m.exchange, &m.routing_key)?;
                 vhost.queue_unbind(&queue, &m.exchange, &m.routing_key, &m.arguments, conn.id)?;
                 self.reply(conn, Method::QueueUnbindOk(QueueUnbindOk {}));
             }
             Method::QueuePurge(m) => {
                 let queue = self.queue_name(&m.queue)?;
+                self.access.check(conn, Perm::Read, Resource::Queue, &queue)?;
                 let message_count = vhost.queue_purge(&queue, conn.id)?;
                 if !m.nowait {
                     self.reply(conn, Method::QueuePurgeOk(QueuePurgeOk { message_count }));
@@ -304,6 +339,7 @@ impl ChannelHandler {
             }
             Method::QueueDelete(m) => {
                 let queue = self.queue_name(&m.queue)?;
+                self.access.check(conn, Perm::Configure, Resource::Queue, &queue)?;
                 let message_count = vhost.queue_delete(&queue, m.if_unused, m.if_empty, conn.id)?;
                 if !m.nowait {
                     self.reply(conn, Method::QueueDeleteOk(QueueDeleteOk { message_count }));
@@ -329,7 +365,9 @@ impl ChannelHandler {
                 }
             }
             Method::BasicGet(m) => {
-                let queue = vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
+                let name = self.queue_name(&m.queue)?;
+                self.access.check(conn, Perm::Read, Resource::Queue, &name)?;
+                let queue = vhost.queue(&name, conn.id)?;
                 queue.check_consumable()?;
                 self.get(queue, m.no_ack, conn);
             }
@@ -414,7 +452,9 @@ impl ChannelHandler {
         if m.queue == direct_reply::PSEUDO_QUEUE {
             return self.reply_consume(m, conn);
         }
-        let queue = conn.vhost.queue(&self.queue_name(&m.queue)?, conn.id)?;
+        let name = self.queue_name(&m.queue)?;
+        self.access.check(conn, Perm::Read, Resource::Queue, &name)?;
+        let queue = conn.vhost.queue(&name, conn.id)?;
         let tag = self.new_consumer_tag(&m.consumer_tag)?;
         let args = warren_broker::ConsumerArgs::parse(&queue.name, &m.arguments)?;
         let consumer = self.channel.new_consumer(tag.clone().into(), queue.clone(), m.no_ack, m.exclusive, args);
@@ -658,6 +698,10 @@ impl ChannelHandler {
             None => pending.body.freeze(),
         };
         let publish = pending.publish;
+        if let Err(e) = self.check_publish(conn, &publish) {
+            self.fail(e, c::CLASS_BASIC, 40, conn);
+            return Ok(());
+        }
         match self.build_message(&publish, header.properties, body, conn) {
             Err(e) => {
                 self.fail(e, c::CLASS_BASIC, 40, conn);
@@ -691,6 +735,30 @@ impl ChannelHandler {
                 }
             }
         }
+    }
+
+    /// basic.publish's checks, in RabbitMQ's order: write on the exchange; with topic permissions,
+    /// the exchange must exist and not be internal, then the routing key is checked on it.
+    fn check_publish(&mut self, conn: &ConnectionShared, publish: &BasicPublish) -> Result<(), BrokerError> {
+        self.access.check_publish(conn, &publish.exchange)?;
+        if self.access.has_topic_permissions(conn) {
+            let exchange = conn.vhost.publishable_exchange(&publish.exchange)?;
+            self.access.check_topic(conn, Perm::Write, &exchange.name, exchange.kind, &publish.routing_key)?;
+        }
+        Ok(())
+    }
+
+    /// A binding's checks, in RabbitMQ's order: write on the destination, read on the source,
+    /// then (a topic exchange, with topic permissions) read of the routing key.
+    fn check_binding(&mut self, conn: &ConnectionShared, kind: Resource, destination: &str, source: &str, key: &str) -> Result<(), BrokerError> {
+        self.access.check(conn, Perm::Write, kind, destination)?;
+        self.access.check(conn, Perm::Read, Resource::Exchange, source)?;
+        if self.access.has_topic_permissions(conn) {
+            if let Ok(exchange) = conn.vhost.exchange(source) {
+                self.access.check_topic(conn, Perm::Read, &exchange.name, exchange.kind, key)?;
+            }
+        }
+        Ok(())
     }
 
     fn build_message(

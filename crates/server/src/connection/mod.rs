@@ -5,6 +5,7 @@
 //! connection exception closes the connection (connection.close) after which only
 //! connection.close-ok is read. Nothing a peer sends can panic the server.
 
+mod access;
 mod channel;
 mod error;
 mod frames;
@@ -92,6 +93,8 @@ const FLOW_WAIT: Duration = Duration::from_millis(50);
 
 pub struct ConnectionShared {
     pub id: u64,
+    /// Users and permissions (`access`).
+    pub broker: Arc<Broker>,
     pub vhost: Arc<VHost>,
     pub user: Arc<User>,
     pub outbox: Arc<Outbox>,
@@ -211,6 +214,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>,
     let mut conn = Connection {
         shared: ConnectionShared {
             id,
+            broker: ctx.broker.clone(),
             vhost: negotiated.vhost.clone(),
             user: negotiated.user.clone(),
             outbox: outbox.clone(),
