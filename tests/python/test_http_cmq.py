@@ -637,3 +637,35 @@ def test_a_client_gone_during_a_long_poll_leaves_no_consumer_behind(broker):
         got.append(m.msgBody)
         q.delete_message(m.receiptHandle)
     assert sorted(got) == ["after-0", "after-1", "after-2"]
+
+
+def test_a_users_permissions_decide_its_cmq_actions(broker, name):
+    """A signing key per user (Warren's PUT /api/users/{u}/signing-keys/{id}); each action is
+    checked as the AMQP operations it is made of: sends write the default exchange, receives read
+    the queue, creating a queue configures it."""
+    admin = ("guest", "guest")
+    api = f"http://127.0.0.1:{broker.http_port}/api"
+    assert requests.put(f"{api}/users/{name}", json={"password": "pw", "tags": ""}, auth=admin).status_code == 201
+    # May configure and read queues starting with its name, write nowhere.
+    perm = {"configure": f"^{name}", "write": "^$", "read": f"^{name}"}
+    assert requests.put(f"{api}/permissions/%2F/{name}", json=perm, auth=admin).status_code == 201
+    key = requests.put(f"{api}/users/{name}/signing-keys/{name}-id", auth=admin).json()
+    assert key["secret_id"] == f"{name}-id" and len(key["secret_key"]) == 32
+    taken = requests.put(f"{api}/users/{name}/signing-keys/guest", auth=admin)
+    assert taken.status_code == 400 and "signs for user 'guest'" in taken.json()["reason"]
+    acct = account(broker, key["secret_id"], key["secret_key"])
+    create_queue(acct, f"{name}-q")
+    with pytest.raises(CMQServerException) as refused:
+        create_queue(acct, "not-mine")
+    assert refused.value.code == 4100 and "access to queue 'not-mine'" in refused.value.message
+    q = acct.get_queue(f"{name}-q")
+    with pytest.raises(CMQServerException) as refused:
+        q.send_message(Message("hello"))
+    assert refused.value.code == 4100 and "exchange 'amq.default'" in refused.value.message and "write" in refused.value.message
+    # Sent by guest, received by the user (read on its queue).
+    account(broker).get_queue(f"{name}-q").send_message(Message("from guest"))
+    got = q.receive_message(1)
+    assert got.msgBody == "from guest"
+    q.delete_message(got.receiptHandle)
+    # The wrong key is refused as any bad signature.
+    assert error_code(lambda: account(broker, key["secret_id"], "wrong").get_queue(f"{name}-q").get_attributes()) == 4100

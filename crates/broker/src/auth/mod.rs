@@ -7,4 +7,4 @@ pub mod password;
 pub mod users;
 
 pub use password::{same_secret, Algorithm, PasswordHash};
-pub use users::{Permission, User, Users};
+pub use users::{exchange_resource, Perm, Permission, User, Users};

@@ -54,6 +54,33 @@ impl User {
     }
 }
 
+/// What an operation does to a queue or exchange, as RabbitMQ's permissions name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Perm {
+    Configure,
+    Write,
+    Read,
+}
+
+impl Perm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Perm::Configure => "configure",
+            Perm::Write => "write",
+            Perm::Read => "read",
+        }
+    }
+}
+
+/// The name permissions are matched against: the default exchange is `amq.default`.
+pub fn exchange_resource(name: &str) -> &str {
+    if name.is_empty() {
+        "amq.default"
+    } else {
+        name
+    }
+}
+
 /// A user's permission in one vhost, its patterns compiled.
 #[derive(Debug, Clone)]
 pub struct Permission {
@@ -64,6 +91,16 @@ pub struct Permission {
 }
 
 impl Permission {
+    /// Whether it lets `perm` be done to the resource `name` (unanchored, as RabbitMQ's `re:run`).
+    pub fn allows(&self, perm: Perm, name: &str) -> bool {
+        match perm {
+            Perm::Configure => &self.configure,
+            Perm::Write => &self.write,
+            Perm::Read => &self.read,
+        }
+        .is_match(name)
+    }
+
     fn compile(def: &PermissionDef) -> Option<Permission> {
         let c = |what, p: &str| super::defs::compile(what, p).ok();
         Some(Permission { configure: c("configure", &def.configure)?, write: c("write", &def.write)?, read: c("read", &def.read)?, def: def.clone() })

@@ -12,18 +12,12 @@
 use std::sync::Arc;
 
 use warren_broker::auth::defs::TopicPermissionDef;
+pub use warren_broker::auth::Perm;
 use warren_broker::auth::Permission;
 use warren_broker::exchange::ExchangeKind;
 use warren_broker::BrokerError;
 
 use super::ConnectionShared;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Perm {
-    Configure,
-    Write,
-    Read,
-}
 
 /// What a resource is, in refusals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +27,7 @@ pub enum Resource {
 }
 
 impl Resource {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Resource::Queue => "queue",
             Resource::Exchange => "exchange",
@@ -60,10 +54,9 @@ impl Default for Access {
 
 /// The name permissions are matched against: the default exchange is `amq.default`.
 fn resource_name(kind: Resource, name: &str) -> &str {
-    if kind == Resource::Exchange && name.is_empty() {
-        "amq.default"
-    } else {
-        name
+    match kind {
+        Resource::Exchange => warren_broker::auth::exchange_resource(name),
+        Resource::Queue => name,
     }
 }
 
@@ -84,14 +77,7 @@ impl Access {
     pub fn check(&mut self, conn: &ConnectionShared, perm: Perm, kind: Resource, name: &str) -> Result<(), BrokerError> {
         self.refresh(conn);
         let name = resource_name(kind, name);
-        let allowed = self.permission.as_ref().is_some_and(|p| {
-            let pattern = match perm {
-                Perm::Configure => &p.configure,
-                Perm::Write => &p.write,
-                Perm::Read => &p.read,
-            };
-            pattern.is_match(name)
-        });
+        let allowed = self.permission.as_ref().is_some_and(|p| p.allows(perm, name));
         if allowed {
             return Ok(());
         }

@@ -5,7 +5,7 @@
 //! connection exception closes the connection (connection.close) after which only
 //! connection.close-ok is read. Nothing a peer sends can panic the server.
 
-mod access;
+pub mod access;
 mod channel;
 mod error;
 mod frames;

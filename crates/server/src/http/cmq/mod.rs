@@ -18,6 +18,7 @@ mod send;
 pub mod sign;
 mod topics;
 
+use crate::connection::access::{Perm, Resource};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -209,8 +210,51 @@ async fn authenticate(ctx: &Arc<HttpContext>, peer: Option<Peer>, method: &Metho
     Ok(Request { ctx: ctx.clone(), params, user, vhost })
 }
 
+impl Request {
+    /// Whether the user may `perm` the queue or exchange `name`, as an AMQP client would be
+    /// checked (`connection::access`); refused with 4100 naming what was refused.
+    pub fn check(&self, perm: Perm, kind: Resource, name: &str) -> Result<(), CmqError> {
+        let resource = if kind == Resource::Exchange { warren_broker::auth::exchange_resource(name) } else { name };
+        let allowed = self.ctx.broker.users().permission(&self.user.name, &self.vhost.name).is_some_and(|p| p.allows(perm, resource));
+        if allowed {
+            return Ok(());
+        }
+        Err(CmqError::new(
+            code::AUTH_FAILED,
+            format!("access to {} '{resource}' in vhost '{}' refused for user '{}' (it needs {} permission)", kind.as_str(), self.vhost.name, self.user.name, perm.as_str()),
+        ))
+    }
+}
+
+/// The permission checks of an action, before it runs (as the AMQP operations it is made of). A
+/// missing name is left to the action, which refuses it as such.
+fn check_action(request: &Request, action: &str) -> Result<(), CmqError> {
+    let check = |perm, kind, param: &str| match request.params.get(param) {
+        Some(name) => request.check(perm, kind, name),
+        None => Ok(()),
+    };
+    match action {
+        "CreateQueue" | "SetQueueAttributes" | "DeleteQueue" => check(Perm::Configure, Resource::Queue, "queueName"),
+        // A send is a publish through the default exchange.
+        "SendMessage" | "BatchSendMessage" => request.check(Perm::Write, Resource::Exchange, ""),
+        "ReceiveMessage" | "BatchReceiveMessage" | "DeleteMessage" | "BatchDeleteMessage" | "RewindQueue" => check(Perm::Read, Resource::Queue, "queueName"),
+        "CreateTopic" | "SetTopicAttributes" | "DeleteTopic" => check(Perm::Configure, Resource::Exchange, "topicName"),
+        "PublishMessage" | "BatchPublishMessage" => check(Perm::Write, Resource::Exchange, "topicName"),
+        // A subscription is a binding: write on the queue, read on the topic's exchange.
+        "Subscribe" | "CreateSubscription" => {
+            check(Perm::Write, Resource::Queue, "endpoint")?;
+            check(Perm::Read, Resource::Exchange, "topicName")
+        }
+        // The queue's write permission is checked by `topics::unsubscribe`, which knows the queue.
+        "Unsubscribe" | "DeleteSubscription" => check(Perm::Read, Resource::Exchange, "topicName"),
+        // Lists and attributes: access to the vhost is enough.
+        _ => Ok(()),
+    }
+}
+
 async fn run(request: Request) -> CmqResult {
     let action = request.params.required("Action")?.to_owned();
+    check_action(&request, &action)?;
     match action.as_str() {
         "CreateQueue" => queues::create(&request),
         "ListQueue" => queues::list(&request),

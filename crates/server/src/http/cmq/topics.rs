@@ -218,6 +218,8 @@ pub fn unsubscribe(request: &Request) -> CmqResult {
         let Destination::Queue(q) = &b.destination else { continue };
         if b.arguments.get(SUBSCRIPTION_ARG).and_then(FieldValue::as_str) == Some(name) {
             found = true;
+            // An unbind: write on the queue (read on the topic was checked before).
+            request.check(crate::connection::access::Perm::Write, crate::connection::access::Resource::Queue, &q.name)?;
             request.vhost.queue_unbind(&q.name, &e.name, &b.routing_key, &b.arguments, API_CONNECTION)?;
         }
     }

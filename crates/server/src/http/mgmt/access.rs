@@ -109,6 +109,27 @@ pub async fn bulk_delete_users(State(ctx): State<Arc<HttpContext>>, body: Bytes)
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// PUT /api/users/{user}/signing-keys/{secret_id} (Warren's own): a new random key that signs CMQ
+/// requests as the user, answered once, `{"secret_id": ..., "secret_key": ...}`. A secret id
+/// names one key: putting it again replaces the key.
+pub async fn put_signing_key(State(ctx): State<Arc<HttpContext>>, Path((user, secret_id)): Path<(String, String)>) -> ApiResult<(StatusCode, Json<Value>)> {
+    defs::check_name("secret id", &secret_id)?;
+    if ctx.broker.users().user(&user).is_none() {
+        return Err(ApiError::not_found("Not Found"));
+    }
+    if let Some((owner, _)) = ctx.broker.users().signing_key(&secret_id).filter(|(owner, _)| owner.name != user) {
+        return Err(ApiError::bad_request(format!("secret id '{secret_id}' signs for user '{}'; choose another", owner.name)));
+    }
+    let key: String = {
+        use rand::Rng;
+        let mut rng = rand::thread_rng();
+        (0..32).map(|_| char::from(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"[rng.gen_range(0..62)])).collect()
+    };
+    let signing = defs::SigningKeyDef { secret_id: secret_id.clone(), user, key: key.clone() };
+    change(&ctx, vec![Op::SigningKeySet { key: signing }])?;
+    Ok((StatusCode::CREATED, Json(json!({"secret_id": secret_id, "secret_key": key}))))
+}
+
 // ---- vhosts ------------------------------------------------------------------------------
 
 /// PUT /api/vhosts/{name}: creates it (201), its creator getting every permission on it (as

@@ -48,6 +48,7 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/users/{user}", get(access::user).put(access::put_user).delete(access::delete_user))
         .route("/users/{user}/permissions", get(access::user_permissions))
         .route("/users/{user}/topic-permissions", get(access::user_topic_permissions))
+        .route("/users/{user}/signing-keys/{secret_id}", axum::routing::put(access::put_signing_key))
         .route("/permissions", get(access::permissions))
         .route("/permissions/{vhost}/{user}", get(access::permission).put(access::put_permission).delete(access::delete_permission))
         .route("/topic-permissions", get(access::topic_permissions))
