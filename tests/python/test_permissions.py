@@ -15,7 +15,6 @@ as `amq.gen-*`."""
 import re
 from collections import namedtuple
 
-import pika
 import pytest
 from pika.exceptions import ChannelClosedByBroker, ConnectionClosedByBroker
 

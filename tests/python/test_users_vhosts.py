@@ -364,3 +364,31 @@ def test_a_user_made_on_node_1_logs_in_on_node_3_at_once_and_deleting_it_on_node
     assert delete(n2, f"/users/{name}").status_code == 204
     assert forced_close(c) == (320, f"CONNECTION_FORCED - user '{name}' is deleted")
     assert refused(n3, name, "pw", "/", ProbableAuthenticationError)[0] == 403
+
+
+# ---- vhost limits ----
+
+@pytest.mark.warren_only
+def test_vhost_limits_refuse_the_queue_and_the_connection_past_them(broker, made, name):
+    vhost = name + "-lim"
+    make_vhost(broker, made, vhost)
+    assert put(broker, f"/vhost-limits/{vhost}/max-queues", {"value": 2}).status_code == 204
+    assert put(broker, f"/vhost-limits/{vhost}/max-connections", {"value": 1}).status_code == 204
+    assert get(broker, f"/vhost-limits/{vhost}").json() == [{"vhost": vhost, "value": {"max-connections": 1, "max-queues": 2}}]
+    c = connect(broker, "guest", "guest", vhost)
+    ch = c.channel()
+    ch.queue_declare("q1", durable=True)
+    ch.queue_declare("", exclusive=True)  # transient ones count too
+    ch.queue_declare("q1", durable=True)  # an existing one is no new queue
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+        ch.queue_declare("q3", durable=True)
+    assert (e.value.reply_code, e.value.reply_text) == (406, f"PRECONDITION_FAILED - cannot declare queue 'q3': queue limit in vhost '{vhost}' (2) is reached")
+    code, text = refused(broker, "guest", "guest", vhost, ProbableAccessDeniedError)
+    assert (code, text) == (530, f"NOT_ALLOWED - access to vhost '{vhost}' refused for user 'guest': connection limit (1) is reached")
+    # Lifted (a negative value, or DELETE): both work again.
+    assert put(broker, f"/vhost-limits/{vhost}/max-queues", {"value": -1}).status_code == 204
+    assert delete(broker, f"/vhost-limits/{vhost}/max-connections").status_code == 204
+    c.channel().queue_declare("q3", durable=True)
+    connect(broker, "guest", "guest", vhost).close()
+    assert get(broker, f"/vhost-limits/{vhost}").json() == []
+    c.close()

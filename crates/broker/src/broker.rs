@@ -331,6 +331,11 @@ impl Broker {
         self.metadata.auth().1
     }
 
+    /// A vhost's limits (none: no limit).
+    pub fn vhost_limits(&self, vhost: &str) -> VHostLimits {
+        self.metadata.vhost_limits(vhost)
+    }
+
     /// Calls `listener` with every change open connections must follow, on every node.
     pub fn on_auth_change(&self, listener: AuthListener) {
         self.auth_listeners.write().push(listener);

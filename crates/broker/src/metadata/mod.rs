@@ -595,6 +595,11 @@ impl Metadata {
         })
     }
 
+    /// The limits of vhost `name` (none if it has none, or does not exist).
+    pub fn vhost_limits(&self, name: &str) -> VHostLimits {
+        self.inner.lock().state.vhosts.get(name).map(|v| v.limits.clone()).unwrap_or_default()
+    }
+
     /// Whether vhost `name` was deleted (vhosts are recorded and it is not declared).
     pub fn vhost_deleted(&self, name: &str) -> bool {
         let inner = self.inner.lock();

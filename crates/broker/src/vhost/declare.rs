@@ -218,6 +218,13 @@ impl VHost {
             return Err(self.no_queue(d.name));
         }
         let name = if d.name.is_empty() { generated_name("amq.gen-") } else { d.name.to_string() };
+        // The vhost's `max-queues` (rabbitmqctl set_vhost_limits), counting every queue this node
+        // knows in it: exact standalone; in a cluster other nodes' transient queues are not counted.
+        if let Some(max) = self.metadata.vhost_limits(&self.name).max_queues {
+            if self.queues.read().len() as i64 >= max {
+                return Err(BrokerError::precondition_failed(format!("cannot declare queue '{name}': queue limit in vhost '{}' ({max}) is reached", self.name)));
+            }
+        }
         let args = QueueArgs::parse(&name, &self.name, d.arguments)?;
         if args.queue_type == QueueType::Quorum {
             return self.declare_quorum(name, d);

@@ -229,6 +229,20 @@ pub async fn negotiate(
             40,
         ));
     }
+    // The vhost's `max-connections`, counting this node's connections (in a cluster each node
+    // counts its own: the limit holds per node there).
+    if let Some(max) = broker.vhost_limits(&open.virtual_host).max_connections {
+        let open_here = ctx.registry.list().iter().filter(|c| c.opened.vhost == open.virtual_host).count() as i64;
+        if open_here >= max {
+            tracing::warn!(%peer, vhost = %open.virtual_host, max, "connection refused: the vhost's connection limit is reached");
+            return Err(ConnError::new(
+                c::NOT_ALLOWED,
+                format!("NOT_ALLOWED - access to vhost '{}' refused for user '{}': connection limit ({max}) is reached", open.virtual_host, user.name),
+                c::CLASS_CONNECTION,
+                40,
+            ));
+        }
+    }
     let slot = slots.take().map_err(|max| {
         tracing::warn!(%peer, max_connections = max, "connection refused: max-connections reached");
         ConnError::new(

@@ -11,7 +11,7 @@ use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
-use warren_broker::auth::defs::{self, PermissionDef, TopicPermissionDef, UserDef, VHostDef};
+use warren_broker::auth::defs::{self, PermissionDef, TopicPermissionDef, UserDef, VHostDef, VHostLimits};
 use warren_broker::auth::{Algorithm, PasswordHash};
 use warren_broker::metadata::Op;
 use warren_broker::AuthChangeError;
@@ -166,6 +166,51 @@ pub async fn delete_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<
         return Err(ApiError::not_found("Not Found"));
     }
     change(&ctx, vec![Op::VhostDeleted { name }])?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- vhost limits ------------------------------------------------------------------------
+
+fn limits_json(vhost: &str, limits: &VHostLimits) -> Value {
+    json!({"vhost": vhost, "value": limits})
+}
+
+/// GET /api/vhost-limits[/{vhost}]: the vhosts that have limits, as RabbitMQ lists them.
+pub async fn vhost_limits(State(ctx): State<Arc<HttpContext>>, vhost: Option<Path<String>>) -> ApiResult<Json<Value>> {
+    if let Some(Path(v)) = &vhost {
+        super::vhost(&ctx, v)?;
+    }
+    let items: Vec<Value> = ctx
+        .broker
+        .vhost_defs()
+        .iter()
+        .filter(|(d, l)| *l != VHostLimits::default() && vhost.as_ref().is_none_or(|Path(v)| *v == d.name))
+        .map(|(d, l)| limits_json(&d.name, l))
+        .collect();
+    Ok(Json(Value::Array(items)))
+}
+
+/// PUT /api/vhost-limits/{vhost}/{name} `{"value": N}`: `max-connections` or `max-queues`; a
+/// negative value lifts the limit, as RabbitMQ.
+pub async fn put_vhost_limit(State(ctx): State<Arc<HttpContext>>, Path((vhost, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
+    let body = body_object(&body)?;
+    let value = body.get("value").and_then(Value::as_i64).ok_or_else(|| ApiError::bad_request("value must be a number"))?;
+    set_limit(&ctx, vhost, &name, (value >= 0).then_some(value))
+}
+
+pub async fn delete_vhost_limit(State(ctx): State<Arc<HttpContext>>, Path((vhost, name)): Path<(String, String)>) -> ApiResult<StatusCode> {
+    set_limit(&ctx, vhost, &name, None)
+}
+
+fn set_limit(ctx: &HttpContext, vhost: String, name: &str, value: Option<i64>) -> ApiResult<StatusCode> {
+    super::vhost(ctx, &vhost)?;
+    let mut limits = ctx.broker.vhost_limits(&vhost);
+    match name {
+        "max-connections" => limits.max_connections = value,
+        "max-queues" => limits.max_queues = value,
+        other => return Err(ApiError::bad_request(format!("unknown vhost limit '{other}': max-connections or max-queues"))),
+    }
+    change(ctx, vec![Op::VhostLimitsSet { vhost, limits }])?;
     Ok(StatusCode::NO_CONTENT)
 }
 

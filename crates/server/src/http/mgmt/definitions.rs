@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::Json;
 use serde_json::{json, Value};
@@ -23,6 +23,7 @@ use warren_broker::vhost::{ExchangeDeclare, QueueDeclare};
 
 use super::queues::{check_name, API_CONNECTION};
 use super::{flag, vhost, RABBITMQ_VERSION};
+use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::fields;
 use crate::http::HttpContext;
@@ -34,7 +35,8 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
         let mut qs = v.queues();
         qs.sort_by(|a, b| a.name.cmp(&b.name));
         for q in qs.iter().filter(|q| q.durable && q.exclusive_owner.is_none() && !q.is_deleted()) {
-            queues.push(json!({"name": q.name, "vhost": v.name, "durable": true, "auto_delete": q.auto_delete, "arguments": fields::table_to_json(&q.arguments)}));
+            queues.push(json!({"name": q.name, "vhost": v.name, "durable": true, "auto_delete": q.auto_delete,
+                "type": if q.is_quorum() { "quorum" } else { "classic" }, "arguments": fields::table_to_json(&q.arguments)}));
         }
         let mut es = v.exchanges();
         es.sort_by(|a, b| a.name.cmp(&b.name));
@@ -79,7 +81,10 @@ fn export(ctx: &HttpContext, only: Option<&str>) -> ApiResult<Value> {
         "vhosts": vhosts.iter().map(|v| {
             let def = vhost_defs.iter().find(|(d, _)| d.name == v.name);
             let (description, tags) = def.map(|(d, _)| (d.description.clone(), d.tags.clone())).unwrap_or_default();
-            json!({"name": v.name, "limits": [], "metadata": {"description": description, "tags": tags}})
+            let limits: Vec<Value> = def
+                .map(|(_, l)| [("max-connections", l.max_connections), ("max-queues", l.max_queues)].into_iter().filter_map(|(k, n)| n.map(|n| json!([k, n]))).collect())
+                .unwrap_or_default();
+            json!({"name": v.name, "limits": limits, "metadata": {"description": description, "tags": tags}})
         }).collect::<Vec<_>>(),
         "permissions": permissions,
         "topic_permissions": topic_permissions, "parameters": limit_parameters, "global_parameters": [], "policies": [],
@@ -118,7 +123,7 @@ fn text<'a>(item: &'a Value, key: &str, what: &str) -> ApiResult<&'a str> {
 
 /// The users, vhosts, permissions, topic permissions and vhost limits of a definitions file, as
 /// metadata ops in RabbitMQ's import order, every one checked.
-fn auth_ops(defs: &Value) -> ApiResult<Vec<Op>> {
+fn auth_ops(ctx: &HttpContext, defs: &Value, importer: &str) -> ApiResult<Vec<Op>> {
     let mut ops = Vec::new();
     for (i, u) in list(defs, "users")?.iter().enumerate() {
         let what = format!("users[{i}]");
@@ -144,6 +149,17 @@ fn auth_ops(defs: &Value) -> ApiResult<Vec<Op>> {
         let tags = defs::parse_tags(v.get("tags").or_else(|| metadata.get("tags")).unwrap_or(&Value::Null)).map_err(|e| format!("{what}: {e}"))?;
         let default_queue_type = v.get("default_queue_type").or_else(|| metadata.get("default_queue_type")).and_then(Value::as_str).map(str::to_string);
         ops.push(Op::VhostDeclared { vhost: VHostDef { name: name.to_string(), description: description.to_string(), tags, default_queue_type } });
+        // A vhost the import creates is its importer's too, as RabbitMQ's import (the file's
+        // permissions, set after, may say otherwise).
+        if ctx.broker.vhost(name).is_none() {
+            ops.push(Op::PermissionSet { permission: PermissionDef::all(importer, name) });
+        }
+        // RabbitMQ 3.10 also writes a vhost's limits as pairs here: [["max-connections", 10], ...].
+        if let Some(pairs) = v.get("limits").and_then(Value::as_array).filter(|p| !p.is_empty()) {
+            let limit = |key: &str| pairs.iter().find(|p| p.get(0).and_then(Value::as_str) == Some(key)).and_then(|p| p.get(1)).and_then(Value::as_i64).filter(|n| *n >= 0);
+            let limits = VHostLimits { max_connections: limit("max-connections"), max_queues: limit("max-queues") };
+            ops.push(Op::VhostLimitsSet { vhost: name.to_string(), limits });
+        }
     }
     for (i, p) in list(defs, "permissions")?.iter().enumerate() {
         let what = format!("permissions[{i}]");
@@ -209,12 +225,12 @@ fn entries<'a>(ctx: &HttpContext, defs: &'a Value, key: &str, into: Option<&str>
     Ok(out)
 }
 
-fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<StatusCode> {
+fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>, importer: &str) -> ApiResult<StatusCode> {
     let defs: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("the definitions are not valid JSON: {e}")))?;
     if !defs.is_object() {
         return Err(ApiError::bad_request("the definitions must be a JSON object"));
     }
-    let auth = if into.is_none() { auth_ops(&defs)? } else { Vec::new() };
+    let auth = if into.is_none() { auth_ops(ctx, &defs, importer)? } else { Vec::new() };
     let exchanges = entries(ctx, &defs, "exchanges", into)?;
     let queues = entries(ctx, &defs, "queues", into)?;
     let bindings = entries(ctx, &defs, "bindings", into)?;
@@ -243,7 +259,13 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
     }
     for Entry { vhost: v, item } in &queues {
         let v = vhost(ctx, v)?;
-        let args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments")?;
+        let mut args = fields::table_from_json(item.get("arguments").unwrap_or(&Value::Null), "arguments")?;
+        // 3.10 exports also say `type`; a quorum queue without the argument is still one.
+        if let Some(kind @ "quorum") = item.get("type").and_then(Value::as_str) {
+            if args.get("x-queue-type").is_none() {
+                args.insert("x-queue-type".into(), warren_protocol::field::FieldValue::LongString(kind.as_bytes().to_vec().into()));
+            }
+        }
         v.queue_declare(&QueueDeclare {
             name: item["name"].as_str().unwrap_or_default(),
             passive: false,
@@ -269,11 +291,11 @@ fn import(ctx: &HttpContext, body: &[u8], into: Option<&str>) -> ApiResult<Statu
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub async fn import_all(State(ctx): State<Arc<HttpContext>>, body: Bytes) -> ApiResult<StatusCode> {
-    import(&ctx, &body, None)
+pub async fn import_all(State(ctx): State<Arc<HttpContext>>, Extension(AuthUser(user)): Extension<AuthUser>, body: Bytes) -> ApiResult<StatusCode> {
+    import(&ctx, &body, None, &user.name)
 }
 
 pub async fn import_vhost(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, body: Bytes) -> ApiResult<StatusCode> {
     vhost(&ctx, &name)?;
-    import(&ctx, &body, Some(&name))
+    import(&ctx, &body, Some(&name), "")
 }
