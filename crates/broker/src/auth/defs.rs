@@ -137,10 +137,66 @@ pub fn check_name(what: &str, name: &str) -> Result<(), String> {
 /// which RabbitMQ writes as `^$`).
 pub fn compile(what: &str, pattern: &str) -> Result<regex::Regex, String> {
     let pattern = if pattern.is_empty() { "^$" } else { pattern };
-    regex::RegexBuilder::new(pattern)
+    regex::RegexBuilder::new(&literal_braces(pattern))
         .size_limit(1 << 20)
         .build()
         .map_err(|e| format!("{what} pattern '{pattern}' is not a regular expression this broker reads: {e}"))
+}
+
+/// PCRE (Erlang's `re`) reads a `{` that does not start a repetition (`{2}`, `{2,}`, `{2,5}`)
+/// as a literal brace, and so a lone `}`; the `regex` crate refuses both. Escaped here, so
+/// `^{username}\.` compiles as RabbitMQ compiles it (topic permissions expand it first).
+fn literal_braces(pattern: &str) -> String {
+    let bytes = pattern.as_bytes();
+    let mut out = String::with_capacity(pattern.len() + 4);
+    let mut i = 0;
+    let mut class = false;
+    while i < bytes.len() {
+        let c = bytes[i];
+        match c {
+            b'\\' => {
+                // An escape and what it escapes, whole (a multi-byte character is copied below).
+                out.push('\\');
+                i += 1;
+                continue;
+            }
+            b'[' if !escaped(bytes, i) => class = true,
+            b']' if !escaped(bytes, i) => class = false,
+            b'{' if !class && !escaped(bytes, i) => {
+                let rest = &pattern[i + 1..];
+                let quantifier = rest.find('}').is_some_and(|end| {
+                    let inner = &rest[..end];
+                    let mut parts = inner.splitn(2, ',');
+                    let first = parts.next().unwrap_or("");
+                    !first.is_empty() && first.bytes().all(|b| b.is_ascii_digit()) && parts.next().is_none_or(|s| s.bytes().all(|b| b.is_ascii_digit()))
+                });
+                if quantifier {
+                    let end = i + 1 + rest.find('}').unwrap_or(0);
+                    out.push_str(&pattern[i..=end]);
+                    i = end + 1;
+                } else {
+                    out.push_str("\\{");
+                    i += 1;
+                }
+                continue;
+            }
+            b'}' if !class && !escaped(bytes, i) => {
+                out.push_str("\\}");
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        let ch = pattern[i..].chars().next().unwrap_or('\0');
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    out
+}
+
+/// Whether the byte at `i` is escaped by an odd run of backslashes before it.
+fn escaped(bytes: &[u8], i: usize) -> bool {
+    bytes[..i].iter().rev().take_while(|b| **b == b'\\').count() % 2 == 1
 }
 
 /// `s` as a pattern matching itself (topic permissions' `{username}` and `{vhost}`).
@@ -176,6 +232,13 @@ mod tests {
         assert!(compile("read", "b").unwrap().is_match("abc"), "unanchored, as re:run");
         assert!(compile("read", "(").unwrap_err().contains("read pattern '('"));
         assert!(compile("read", "(?=a)").is_err(), "lookaround is refused, not silently different");
+        // PCRE's literal braces: a placeholder-like `{name}`, a lone `}`; repetitions stay.
+        assert!(compile("write", "^{username}\\.").unwrap().is_match("{username}.x"));
+        assert!(compile("write", "a}").unwrap().is_match("a}"));
+        assert!(compile("write", "^a{2}$").unwrap().is_match("aa") && !compile("write", "^a{2}$").unwrap().is_match("a"));
+        assert!(compile("write", "^a{1,}b{0,1}$").unwrap().is_match("aaab"));
+        assert!(compile("write", "^\\{x\\}$").unwrap().is_match("{x}"), "escaped braces stay escaped");
+        assert!(compile("write", "^[{]x$").unwrap().is_match("{x"), "in a class, as given");
     }
 
     #[test]

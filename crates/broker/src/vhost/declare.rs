@@ -5,6 +5,9 @@ use super::*;
 
 impl VHost {
     pub fn exchange_declare(&self, d: &ExchangeDeclare) -> Result<()> {
+        if d.name.is_empty() && !d.passive {
+            return Err(BrokerError::access_refused("operation not permitted on the default exchange"));
+        }
         let _topology = self.lock_topology();
         if let Some(existing) = self.find_exchange_caught_up(d.name) {
             if d.passive {
@@ -80,11 +83,12 @@ impl VHost {
 
     pub fn exchange_delete(&self, name: &str, if_unused: bool) -> Result<()> {
         let _topology = self.lock_topology();
-        if name.is_empty() || name.starts_with("amq.") {
-            return Err(BrokerError::access_refused(format!(
-                "operation not permitted on the default exchange '{name}' in vhost '{}'",
-                self.name
-            )));
+        // RabbitMQ 3.10's refusals, word for word.
+        if name.is_empty() {
+            return Err(BrokerError::access_refused("operation not permitted on the default exchange"));
+        }
+        if name.starts_with("amq.") {
+            return Err(BrokerError::access_refused(format!("deletion of system exchange '{name}' in vhost '{}' not allowed", self.name)));
         }
         let exchange = self.exchange(name)?;
         if if_unused && exchange.has_bindings() {
@@ -135,10 +139,7 @@ impl VHost {
 
     fn check_bindable_source(&self, source: &str) -> Result<()> {
         if source.is_empty() {
-            return Err(BrokerError::access_refused(format!(
-                "operation not permitted on the default exchange in vhost '{}'",
-                self.name
-            )));
+            return Err(BrokerError::access_refused("operation not permitted on the default exchange"));
         }
         Ok(())
     }

@@ -239,7 +239,8 @@ impl ChannelHandler {
             Method::AccessRequest(_) => self.reply(conn, Method::AccessRequestOk(AccessRequestOk { reserved_1: 1 })),
 
             Method::ExchangeDeclare(m) => {
-                if !m.passive {
+                // The default exchange is refused for what it is first (by the vhost), as RabbitMQ.
+                if !m.passive && !m.exchange.is_empty() {
                     self.access.check(conn, Perm::Configure, Resource::Exchange, &m.exchange)?;
                     // A new exchange with an alternate exchange: reading it, writing the other.
                     if let Some(ae) = m.arguments.get("alternate-exchange").and_then(|v| v.as_str()) {
@@ -752,6 +753,10 @@ impl ChannelHandler {
     /// then (a topic exchange, with topic permissions) read of the routing key.
     fn check_binding(&mut self, conn: &ConnectionShared, kind: Resource, destination: &str, source: &str, key: &str) -> Result<(), BrokerError> {
         self.access.check(conn, Perm::Write, kind, destination)?;
+        if source.is_empty() {
+            // Refused for what it is (by the vhost), before the read check, as RabbitMQ.
+            return Ok(());
+        }
         self.access.check(conn, Perm::Read, Resource::Exchange, source)?;
         if self.access.has_topic_permissions(conn) {
             if let Ok(exchange) = conn.vhost.exchange(source) {
