@@ -328,7 +328,7 @@ impl Broker {
 
     /// The declared vhosts, sorted by name, with their limits.
     pub fn vhost_defs(&self) -> Vec<(VHostDef, VHostLimits)> {
-        self.metadata.auth().1
+        self.metadata.declared_vhosts()
     }
 
     /// A vhost's limits (none: no limit).

@@ -90,18 +90,8 @@ impl Op {
             | Op::QueueMembers { vhost, .. }
             | Op::Bound { vhost, .. }
             | Op::Unbound { vhost, .. } => Some(vhost),
-            Op::NextQueueId { .. } | Op::GroupApplied { .. } => None,
-            Op::VhostDeclared { .. }
-            | Op::VhostDeleted { .. }
-            | Op::VhostLimitsSet { .. }
-            | Op::UserPut { .. }
-            | Op::UserDeleted { .. }
-            | Op::PermissionSet { .. }
-            | Op::PermissionCleared { .. }
-            | Op::TopicPermissionSet { .. }
-            | Op::TopicPermissionCleared { .. }
-            | Op::SigningKeySet { .. }
-            | Op::AuthInitialized => None,
+            // Bookkeeping, and the broker's own (`is_auth`): vhosts themselves, users, permissions.
+            _ => None,
         }
     }
 
@@ -604,6 +594,11 @@ impl Metadata {
     pub fn vhost_deleted(&self, name: &str) -> bool {
         let inner = self.inner.lock();
         inner.state.auth.initialized && !inner.state.vhost_declared(name)
+    }
+
+    /// The declared vhosts, sorted by name, with their limits.
+    pub fn declared_vhosts(&self) -> Vec<(VHostDef, VHostLimits)> {
+        self.inner.lock().state.declared_vhosts()
     }
 
     /// The recorded users, permissions and signing keys, and the declared vhosts.

@@ -699,7 +699,7 @@ impl ChannelHandler {
             None => pending.body.freeze(),
         };
         let publish = pending.publish;
-        if let Err(e) = self.check_publish(conn, &publish) {
+        if let Err(e) = self.access.check_publish(conn, &publish.exchange, &publish.routing_key) {
             self.fail(e, c::CLASS_BASIC, 40, conn);
             return Ok(());
         }
@@ -736,17 +736,6 @@ impl ChannelHandler {
                 }
             }
         }
-    }
-
-    /// basic.publish's checks, in RabbitMQ's order: write on the exchange; with topic permissions,
-    /// the exchange must exist and not be internal, then the routing key is checked on it.
-    fn check_publish(&mut self, conn: &ConnectionShared, publish: &BasicPublish) -> Result<(), BrokerError> {
-        self.access.check_publish(conn, &publish.exchange)?;
-        if self.access.has_topic_permissions(conn) {
-            let exchange = conn.vhost.publishable_exchange(&publish.exchange)?;
-            self.access.check_topic(conn, Perm::Write, &exchange.name, exchange.kind, &publish.routing_key)?;
-        }
-        Ok(())
     }
 
     /// A binding's checks, in RabbitMQ's order: write on the destination, read on the source,

@@ -196,7 +196,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>,
     });
     // Its user, permission or vhost removed between the handshake's check and the registration
     // (whose closing found no registered connection): closed as if registered first.
-    if !ctx.broker.can_access(&negotiated.user, &negotiated.vhost.name) || ctx.broker.users().user(&negotiated.user.name).is_none() {
+    if !ctx.broker.can_access(&negotiated.user, &negotiated.vhost.name) {
         registered.info.close(&format!("user '{}' may no longer use vhost '{}'", negotiated.user.name, negotiated.vhost.name));
     }
     let outbox = Arc::new(Outbox::new(ctx.broker.store().clone()));
