@@ -563,3 +563,28 @@ def test_cluster_answers_from_any_node(cluster, name):
     assert eventually(n3_down, timeout=30)
     per_object = metrics(n1, "/metrics/per-object")
     assert sample(per_object, "rabbitmq_raft_term_total", f'{{vhost="/",queue="{name}"}}') >= 1
+
+
+def test_rabbitmqadmin_manages_users_vhosts_and_permissions(broker, name):
+    """rabbitmqadmin unchanged: a user, a vhost and a permission it declares let that user in,
+    and deleting them closes it out again."""
+    admin(broker, "declare", "vhost", f"name={name}")
+    admin(broker, "declare", "user", f"name={name}", "password=s3cret", "tags=management")
+    admin(broker, "declare", "permission", f"vhost={name}", f"user={name}", "configure=^app-", "write=.*", "read=.*")
+    listed = json.loads(admin(broker, "-f", "raw_json", "list", "permissions").stdout)
+    assert {"user": name, "vhost": name, "configure": "^app-", "write": ".*", "read": ".*"} in listed
+    users = {u["name"]: u for u in json.loads(admin(broker, "-f", "raw_json", "list", "users").stdout)}
+    assert users[name]["tags"] == ["management"] and "s3cret" not in json.dumps(users)
+    params = pika.ConnectionParameters("127.0.0.1", broker.port, name, pika.PlainCredentials(name, "s3cret"))
+    c = pika.BlockingConnection(params)
+    ch = c.channel()
+    ch.queue_declare("app-q")
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused:
+        ch.queue_declare("other-q")
+    assert refused.value.reply_code == 403
+    c.close()
+    admin(broker, "delete", "user", f"name={name}")
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError):
+        pika.BlockingConnection(params)
+    admin(broker, "delete", "vhost", f"name={name}")
+    assert name not in [v["name"] for v in json.loads(admin(broker, "-f", "raw_json", "list", "vhosts").stdout)]
