@@ -26,13 +26,16 @@ pub struct Uri {
     pub user: String,
     pub pass: String,
     pub vhost: String,
+    /// `amqps://`: TLS (see `tls`).
+    pub tls: bool,
 }
 
 impl Uri {
     pub fn parse(uri: &str) -> Result<Uri, Error> {
-        let rest = match uri.split_once("://") {
-            Some(("amqp", rest)) => rest,
-            Some((scheme, _)) => return Err(format!("--uri: scheme {scheme}:// is not supported (only amqp://)").into()),
+        let (rest, tls) = match uri.split_once("://") {
+            Some(("amqp", rest)) => (rest, false),
+            Some(("amqps", rest)) => (rest, true),
+            Some((scheme, _)) => return Err(format!("--uri: scheme {scheme}:// is not supported (amqp:// or amqps://)").into()),
             None => return Err(format!("--uri: expected amqp://user:pass@host:port/vhost, got {uri}").into()),
         };
         // Query parameters (heartbeat=..., etc.) are accepted and ignored.
@@ -54,20 +57,21 @@ impl Uri {
             Some((h, _)) => (h, "/".to_string()),
             None => (rest, "/".to_string()),
         };
+        let default_port = if tls { 5671 } else { 5672 };
         let (host, port) = if let Some(v6) = hostport.strip_prefix('[') {
             let (h, after) = v6.split_once(']').ok_or_else(|| format!("--uri: bad IPv6 address in {uri}"))?;
             match after.strip_prefix(':') {
                 Some(p) => (h.to_string(), p.parse().map_err(|_| format!("--uri: bad port in {uri}"))?),
-                None => (h.to_string(), 5672),
+                None => (h.to_string(), default_port),
             }
         } else {
             match hostport.rsplit_once(':') {
                 Some((h, p)) => (h.to_string(), p.parse().map_err(|_| format!("--uri: bad port in {uri}"))?),
-                None => (hostport.to_string(), 5672),
+                None => (hostport.to_string(), default_port),
             }
         };
         let host = if host.is_empty() { "localhost".to_string() } else { host };
-        Ok(Uri { host, port, user, pass, vhost })
+        Ok(Uri { host, port, user, pass, vhost, tls })
     }
 }
 
@@ -212,7 +216,7 @@ fn about(class_id: u16, method_id: u16) -> String {
 
 /// A connection with channel 1 open.
 pub struct Conn {
-    pub stream: TcpStream,
+    pub stream: crate::tls::Stream,
     pub rb: ReadBuf,
     /// Write buffer for setup calls; the hot loops keep their own.
     pub wb: BytesMut,
@@ -233,6 +237,13 @@ impl Conn {
             Err(_) => return Err(format!("cannot connect to {addr}: timed out").into()),
         };
         stream.set_nodelay(true)?;
+        let stream = match uri.tls {
+            false => crate::tls::Stream::Plain(stream),
+            true => match tokio::time::timeout(TIMEOUT, crate::tls::connect(stream, &uri.host)).await {
+                Ok(r) => r.map_err(|e| format!("{addr}: {e}"))?,
+                Err(_) => return Err(format!("{addr}: the TLS handshake timed out").into()),
+            },
+        };
         let mut c = Conn { stream, rb: ReadBuf::new(512 << 10), wb: BytesMut::with_capacity(4096), frame_max: CLIENT_FRAME_MAX };
         match tokio::time::timeout(TIMEOUT, c.handshake(uri, name)).await {
             Ok(r) => r.map_err(|e| format!("{addr}: {e}").into()).map(|()| c),
@@ -377,9 +388,11 @@ mod tests {
         let u = Uri::parse("amqp://u%40x:p%3Aw@[::1]:5673/a%2Fb?heartbeat=10").unwrap();
         assert_eq!(
             u,
-            Uri { host: "::1".into(), port: 5673, user: "u@x".into(), pass: "p:w".into(), vhost: "a/b".into() }
+            Uri { host: "::1".into(), port: 5673, user: "u@x".into(), pass: "p:w".into(), vhost: "a/b".into(), tls: false }
         );
-        assert!(Uri::parse("amqps://h").is_err());
+        let u = Uri::parse("amqps://h").unwrap();
+        assert_eq!((u.port, u.tls), (5671, true));
+        assert!(Uri::parse("http://h").is_err());
         assert!(Uri::parse("h:5672").is_err());
         assert!(Uri::parse("amqp://h:port/").is_err());
         assert_eq!(decode("%2"), "%2");

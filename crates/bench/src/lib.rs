@@ -13,6 +13,7 @@ mod cmq;
 mod consumer;
 mod producer;
 mod stats;
+mod tls;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,9 +29,14 @@ use stats::{cpu_seconds, Counts, Stats};
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Broker to load: amqp://user:pass@host:port/vhost (vhost percent-encoded: %2F is "/").
+    /// Broker to load: amqp://user:pass@host:port/vhost (vhost percent-encoded: %2F is "/"), or
+    /// amqps:// for TLS (port 5671 by default).
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2F")]
     pub uri: String,
+    /// With amqps://: CA certificates (PEM) the broker's certificate must chain to, for the URI's
+    /// host; without it any certificate is accepted (as PerfTest does).
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<std::path::PathBuf>,
     /// Publishing connections.
     #[arg(long, default_value_t = 1)]
     pub producers: usize,
@@ -207,6 +213,7 @@ fn validate(args: &mut BenchArgs) -> Result<(), String> {
     }
     queue_arguments(args)?;
     Uri::parse(&args.uri).map_err(|e| e.to_string())?;
+    tls::configure(args.tls_ca.as_deref()).map_err(|e| e.to_string())?;
     Ok(())
 }
 

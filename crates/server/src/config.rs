@@ -92,6 +92,41 @@ pub struct ServerArgs {
     /// Shared secret every node of the cluster (and `warren ctl`) must know [env: WARREN_CLUSTER_SECRET]
     #[arg(long, value_name = "TEXT")]
     pub cluster_secret: Option<String>,
+
+    /// The server's TLS certificate chain (PEM); with --tls-key, opens the AMQPS, HTTPS and
+    /// metrics-over-TLS ports [env: WARREN_TLS_CERT]
+    #[arg(long, value_name = "FILE")]
+    pub tls_cert: Option<String>,
+
+    /// The private key of --tls-cert (PEM: PKCS#8, RSA or SEC1) [env: WARREN_TLS_KEY]
+    #[arg(long, value_name = "FILE")]
+    pub tls_key: Option<String>,
+
+    /// CA certificates (PEM) client certificates are verified against; without it none is asked
+    /// for [env: WARREN_TLS_CA]
+    #[arg(long, value_name = "FILE")]
+    pub tls_ca: Option<String>,
+
+    /// With --tls-ca, refuse TLS clients that present no certificate [env: WARREN_TLS_FAIL_IF_NO_PEER_CERT]
+    #[arg(long)]
+    pub tls_fail_if_no_peer_cert: bool,
+
+    /// The user name of an EXTERNAL login: the client certificate's subject or its CN
+    /// [env: WARREN_TLS_CERT_LOGIN_FROM] [default: distinguished_name]
+    #[arg(long, value_name = "FROM")]
+    pub tls_cert_login_from: Option<crate::tls::CertLoginFrom>,
+
+    /// Port for AMQP 0-9-1 over TLS (with --tls-cert) [env: WARREN_AMQPS_PORT] [default: 5671]
+    #[arg(long, value_name = "N")]
+    pub amqps_port: Option<u16>,
+
+    /// Port of the management and CMQ APIs over TLS (with --tls-cert) [env: WARREN_HTTPS_PORT] [default: 15671]
+    #[arg(long, value_name = "N")]
+    pub https_port: Option<u16>,
+
+    /// Port of the Prometheus metrics over TLS (with --tls-cert) [env: WARREN_PROMETHEUS_TLS_PORT] [default: 15691]
+    #[arg(long, value_name = "N")]
+    pub prometheus_tls_port: Option<u16>,
 }
 
 /// When the store fsyncs, and so how long a publisher confirm can take.
@@ -224,6 +259,22 @@ pub struct Config {
     pub peers: Vec<String>,
     /// The secret nodes prove to each other (and `warren ctl` to a node) when they connect.
     pub cluster_secret: String,
+    /// The server's certificate chain (PEM); empty: no TLS listener.
+    pub tls_cert: String,
+    /// Its private key (PEM).
+    pub tls_key: String,
+    /// CA certificates client certificates are verified against; empty: none is asked for.
+    pub tls_ca: String,
+    /// With `tls-ca`, a client without a certificate is refused.
+    pub tls_fail_if_no_peer_cert: bool,
+    /// What names the user of an EXTERNAL login.
+    pub tls_cert_login_from: crate::tls::CertLoginFrom,
+    /// AMQP 0-9-1 over TLS.
+    pub amqps_port: u16,
+    /// The HTTP APIs over TLS.
+    pub https_port: u16,
+    /// Prometheus metrics over TLS.
+    pub prometheus_tls_port: u16,
 }
 
 /// The cluster part of the configuration, when the node is a cluster member.
@@ -286,6 +337,14 @@ impl Default for Config {
             cluster_addr: String::new(),
             peers: Vec::new(),
             cluster_secret: String::new(),
+            tls_cert: String::new(),
+            tls_key: String::new(),
+            tls_ca: String::new(),
+            tls_fail_if_no_peer_cert: false,
+            tls_cert_login_from: crate::tls::CertLoginFrom::DistinguishedName,
+            amqps_port: 5671,
+            https_port: 15671,
+            prometheus_tls_port: 15691,
         }
     }
 }
@@ -375,6 +434,14 @@ const KEYS: &[(&str, &str)] = &[
     ("cluster-addr", "HOST:PORT to listen on for the other nodes (empty: this node's address in peers)"),
     ("peers", "a list of \"ID=HOST:PORT\" (in the environment: comma-separated)"),
     ("cluster-secret", "a shared secret of at least 8 characters"),
+    ("tls-cert", "the path of a PEM certificate chain (empty: no TLS)"),
+    ("tls-key", "the path of a PEM private key"),
+    ("tls-ca", "the path of PEM CA certificates (empty: client certificates are not asked for)"),
+    ("tls-fail-if-no-peer-cert", "true or false"),
+    ("tls-cert-login-from", "\"distinguished_name\" or \"common_name\""),
+    ("amqps-port", "a port number (0-65535)"),
+    ("https-port", "a port number (0-65535)"),
+    ("prometheus-tls-port", "a port number (0-65535)"),
 ];
 
 fn expected(key: &str) -> &'static str {
@@ -565,6 +632,38 @@ impl Config {
             config.prometheus_port = port;
             flag("prometheus-port", "--prometheus-port");
         }
+        if let Some(port) = args.amqps_port {
+            config.amqps_port = port;
+            flag("amqps-port", "--amqps-port");
+        }
+        if let Some(port) = args.https_port {
+            config.https_port = port;
+            flag("https-port", "--https-port");
+        }
+        if let Some(port) = args.prometheus_tls_port {
+            config.prometheus_tls_port = port;
+            flag("prometheus-tls-port", "--prometheus-tls-port");
+        }
+        if let Some(path) = &args.tls_cert {
+            config.tls_cert = path.clone();
+            flag("tls-cert", "--tls-cert");
+        }
+        if let Some(path) = &args.tls_key {
+            config.tls_key = path.clone();
+            flag("tls-key", "--tls-key");
+        }
+        if let Some(path) = &args.tls_ca {
+            config.tls_ca = path.clone();
+            flag("tls-ca", "--tls-ca");
+        }
+        if args.tls_fail_if_no_peer_cert {
+            config.tls_fail_if_no_peer_cert = true;
+            flag("tls-fail-if-no-peer-cert", "--tls-fail-if-no-peer-cert");
+        }
+        if let Some(from) = args.tls_cert_login_from {
+            config.tls_cert_login_from = from;
+            flag("tls-cert-login-from", "--tls-cert-login-from");
+        }
         if let Some(bind) = args.bind {
             config.bind = bind;
             flag("bind", "--bind");
@@ -662,6 +761,31 @@ impl Config {
                 "prometheus-port",
                 format!("{} is also the amqp-port or the http-port; each listener needs its own port", self.prometheus_port),
             ));
+        }
+        if self.tls_cert.is_empty() != self.tls_key.is_empty() {
+            let (key, other) = if self.tls_cert.is_empty() { ("tls-cert", "tls-key") } else { ("tls-key", "tls-cert") };
+            return Err((key, format!("must be set together with {other} (the certificate and its private key)")));
+        }
+        if self.tls_cert.is_empty() && (!self.tls_ca.is_empty() || self.tls_fail_if_no_peer_cert) {
+            return Err(("tls-ca", "needs tls-cert and tls-key (client certificates are asked for over TLS only)".to_owned()));
+        }
+        if self.tls_fail_if_no_peer_cert && self.tls_ca.is_empty() {
+            return Err(("tls-fail-if-no-peer-cert", "needs tls-ca, the CA client certificates are verified against".to_owned()));
+        }
+        if self.tls().is_some() {
+            let ports = [
+                ("amqp-port", self.amqp_port),
+                ("http-port", self.http_port),
+                ("prometheus-port", self.prometheus_port),
+                ("amqps-port", self.amqps_port),
+                ("https-port", self.https_port),
+                ("prometheus-tls-port", self.prometheus_tls_port),
+            ];
+            for (i, (key, port)) in ports.iter().enumerate().skip(3) {
+                if let Some((other, _)) = ports.iter().take(i).find(|(_, p)| *port != 0 && p == port) {
+                    return Err((key, format!("{port} is also the {other}; each listener needs its own port")));
+                }
+            }
         }
         if self.data_dir.as_os_str().is_empty() {
             return Err(("data-dir", "must not be empty".to_owned()));
@@ -778,6 +902,33 @@ impl Config {
         Ok(Some(ClusterSettings { node_id: self.node_id, listen, peers, secret: self.cluster_secret.clone() }))
     }
 
+    /// The TLS files and options, when `tls-cert` and `tls-key` are set.
+    pub fn tls(&self) -> Option<crate::tls::TlsSettings> {
+        if self.tls_cert.is_empty() || self.tls_key.is_empty() {
+            return None;
+        }
+        Some(crate::tls::TlsSettings {
+            cert: PathBuf::from(&self.tls_cert),
+            key: PathBuf::from(&self.tls_key),
+            ca: (!self.tls_ca.is_empty()).then(|| PathBuf::from(&self.tls_ca)),
+            fail_if_no_peer_cert: self.tls_fail_if_no_peer_cert,
+            login_from: self.tls_cert_login_from,
+        })
+    }
+
+    /// Where AMQP over TLS, the HTTP APIs over TLS and the metrics over TLS listen.
+    pub fn amqps_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, self.amqps_port)
+    }
+
+    pub fn https_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, self.https_port)
+    }
+
+    pub fn prometheus_tls_addr(&self) -> SocketAddr {
+        SocketAddr::new(self.bind, self.prometheus_tls_port)
+    }
+
     /// Where the management API listens.
     pub fn http_addr(&self) -> SocketAddr {
         SocketAddr::new(self.bind, self.http_port)
@@ -806,7 +957,7 @@ impl Config {
              loopback-users={} default-vhost={} heartbeat={}s frame-max={} channel-max={} \
              max-message-size={} max-connections={} handshake-timeout={}s max-handshakes={} max-handshakes-per-source={} \
              login-failures-before-delay={} login-delay-max-ms={} write-timeout={}s sync={} segment-size={} recovery-mode={} \
-             memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}{}",
+             memory-high-watermark={} disk-free-limit={} consumer-timeout={}ms log={}{}{}",
             self.amqp_addr(),
             self.http_port,
             self.prometheus_port,
@@ -832,6 +983,19 @@ impl Config {
             self.disk_free_limit,
             self.consumer_timeout,
             self.log,
+            match self.tls() {
+                None => String::new(),
+                Some(t) => format!(
+                    " amqps-port={} https-port={} prometheus-tls-port={} tls-cert={} tls-key={} tls-ca={} tls-fail-if-no-peer-cert={}",
+                    self.amqps_port,
+                    self.https_port,
+                    self.prometheus_tls_port,
+                    t.cert.display(),
+                    t.key.display(),
+                    t.ca.as_ref().map_or("none".to_owned(), |p| p.display().to_string()),
+                    t.fail_if_no_peer_cert,
+                ),
+            },
             match self.cluster() {
                 None => " cluster=standalone".to_owned(),
                 Some(c) => format!(

@@ -30,7 +30,8 @@ pub struct CtlArgs {
     #[arg(long, value_name = "S", default_value_t = 15, global = true)]
     pub timeout: u64,
 
-    /// The management API to ask, http://HOST:PORT [default: this configuration's http-port on its bind address]
+    /// The management API to ask, http://HOST:PORT or https://HOST:PORT (with --tls-ca, the CA its
+    /// certificate chains to) [default: this configuration's http-port on its bind address]
     #[arg(long, value_name = "URL", global = true)]
     pub url: Option<String>,
 
@@ -108,12 +109,18 @@ pub fn run(args: CtlArgs) -> std::process::ExitCode {
     }
 }
 
-fn run_inner(args: CtlArgs) -> Result<String, String> {
+fn run_inner(mut args: CtlArgs) -> Result<String, String> {
+    // `--tls-ca` is, for ctl, the CA an https:// URL's certificate chains to (not the server's
+    // client-certificate CA, which needs the server's own certificate beside it).
+    let tls_ca = args.server.tls_ca.take();
     let config = Config::load(&args.server).map_err(|e| e.to_string())?;
     let timeout = Duration::from_secs(args.timeout.max(1));
     let (rpc, payload) = match &args.command {
         CtlCommand::Api(command) => {
-            let target = crate::ctl_api::Target::new(args.url.as_deref(), &config, args.user.clone(), args.password.clone(), args.vhost.clone(), timeout);
+            let mut target = crate::ctl_api::Target::new(args.url.as_deref(), &config, args.user.clone(), args.password.clone(), args.vhost.clone(), timeout);
+            if let Some(ca) = tls_ca {
+                target.tls_ca = Some(ca.into());
+            }
             return crate::ctl_api::run(command, &target, args.json);
         }
         CtlCommand::ClusterStatus => (Rpc::Status, Vec::new()),

@@ -6,6 +6,7 @@
 //! 127.0.0.1), the user `--user`/`--password` (`WARREN_CTL_USER`/`WARREN_CTL_PASSWORD`, default
 //! guest/guest, which the node accepts from loopback only).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -231,6 +232,8 @@ pub struct Target {
     pub password: String,
     pub vhost: String,
     pub timeout: Duration,
+    /// CA certificates (PEM) an `https://` URL's certificate must chain to.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Target {
@@ -244,7 +247,8 @@ impl Target {
                 format!("http://{host}:{}", config.http_port)
             }
         };
-        Target { url, user, password, vhost, timeout }
+        let tls_ca = (!config.tls_ca.is_empty()).then(|| std::path::PathBuf::from(&config.tls_ca));
+        Target { url, user, password, vhost, timeout, tls_ca }
     }
 }
 
@@ -543,12 +547,12 @@ async fn request(t: &Target, method: &str, path: &str, body: Option<Value>) -> R
 
 /// One request to the API; its JSON answer (null for an empty one), or the API's `reason` as the error.
 async fn request_with(t: &Target, method: &str, path: &str, body: Option<Value>, extra: &[(&str, &str)]) -> Result<Value, String> {
-    let authority = t.url.strip_prefix("http://").ok_or_else(|| format!("--url must start with http:// (not {})", t.url))?;
+    let (tls, authority) = match (t.url.strip_prefix("http://"), t.url.strip_prefix("https://")) {
+        (Some(rest), _) => (false, rest),
+        (_, Some(rest)) => (true, rest),
+        _ => return Err(format!("--url must start with http:// or https:// (not {})", t.url)),
+    };
     let authority = authority.split('/').next().unwrap_or(authority);
-    let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| format!("cannot connect to {}: {e}", t.url))?;
-    let (mut sender, connection) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(|e| format!("{}: {e}", t.url))?;
-    tokio::spawn(connection);
     let credentials = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, format!("{}:{}", t.user, t.password));
     let mut builder = hyper::Request::builder()
         .method(method)
@@ -561,7 +565,11 @@ async fn request_with(t: &Target, method: &str, path: &str, body: Option<Value>,
     }
     let body = body.map(|b| b.to_string()).unwrap_or_default();
     let request = builder.body(Full::new(Bytes::from(body))).map_err(|e| format!("cannot build the request: {e}"))?;
-    let response = sender.send_request(request).await.map_err(|e| format!("{}: {e}", t.url))?;
+    let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| format!("cannot connect to {}: {e}", t.url))?;
+    let response = match tls {
+        false => send(stream, request, t).await?,
+        true => send(tls_connect(stream, authority, t).await?, request, t).await?,
+    };
     let status = response.status();
     let bytes = response.into_body().collect().await.map_err(|e| format!("{}: {e}", t.url))?.to_bytes();
     let answer: Value = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned())) };
@@ -573,6 +581,46 @@ async fn request_with(t: &Target, method: &str, path: &str, body: Option<Value>,
         401 => format!("{} refused user '{}': {reason} (give --user and --password)", t.url, t.user),
         code => format!("{reason} (HTTP {code} to {method} {path})"),
     })
+}
+
+/// Sends one request over `stream` (plain or TLS).
+async fn send<S>(stream: S, request: hyper::Request<Full<Bytes>>, t: &Target) -> Result<hyper::Response<hyper::body::Incoming>, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await.map_err(|e| format!("{}: {e}", t.url))?;
+    tokio::spawn(connection);
+    sender.send_request(request).await.map_err(|e| format!("{}: {e}", t.url))
+}
+
+/// TLS to an `https://` URL, its certificate checked against `--tls-ca` for the URL's host.
+async fn tls_connect(
+    stream: tokio::net::TcpStream,
+    authority: &str,
+    t: &Target,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    use rustls_pki_types::pem::PemObject;
+    let ca = t.tls_ca.as_ref().ok_or_else(|| format!("{}: give --tls-ca, the CA certificates (PEM) its certificate chains to", t.url))?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in rustls_pki_types::CertificateDer::pem_file_iter(ca).map_err(|e| format!("--tls-ca {}: {e}", ca.display()))? {
+        let cert = cert.map_err(|e| format!("--tls-ca {}: {e}", ca.display()))?;
+        roots.add(cert).map_err(|e| format!("--tls-ca {}: {e}", ca.display()))?;
+    }
+    #[allow(deprecated)] // ring, as the server (tls.rs)
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let host = match authority.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => authority,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let name = rustls_pki_types::ServerName::try_from(host.to_string()).map_err(|e| format!("{}: {e}", t.url))?;
+    tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, stream).await.map_err(|e| format!("{}: TLS: {e}", t.url))
 }
 
 #[cfg(test)]

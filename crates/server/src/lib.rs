@@ -17,3 +17,4 @@ pub mod queue_members;
 pub mod quorum;
 pub mod server;
 pub mod time_point;
+pub mod tls;

@@ -2,7 +2,7 @@
 //! shuts down cleanly on SIGTERM/SIGINT.
 
 use crate::config::Config;
-use crate::connection::{self, ServerContext};
+use crate::connection::{self, ServerContext, Transport};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -54,6 +54,13 @@ impl StoreActivity {
         self.last = now;
         self.at = std::time::Instant::now();
     }
+}
+
+/// The listeners that speak TLS first, open when `tls-cert` and `tls-key` are set.
+struct TlsListeners {
+    amqp: TcpListener,
+    http: TcpListener,
+    metrics: TcpListener,
 }
 
 /// Re-reads the configuration (file, environment, flags) on SIGHUP.
@@ -185,11 +192,26 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     })?;
     let http_listener = crate::http::bind(config.http_addr(), "the management API (HTTP)").await?;
     let metrics_listener = crate::http::bind(config.prometheus_addr(), "Prometheus metrics (HTTP)").await?;
+    // With a certificate: AMQPS, HTTPS and the metrics over TLS, beside the plain ports.
+    let tls = match config.tls() {
+        Some(settings) => Some(crate::tls::Tls::load(&settings).map_err(|e| format!("cannot set up TLS: {e}"))?),
+        None => None,
+    };
+    let tls_listeners = match &tls {
+        Some(_) => Some(TlsListeners {
+            amqp: TcpListener::bind(config.amqps_addr())
+                .await
+                .map_err(|e| format!("cannot listen for AMQP over TLS on {}: {e}", config.amqps_addr()))?,
+            http: crate::http::bind(config.https_addr(), "the management API (HTTPS)").await?,
+            metrics: crate::http::bind(config.prometheus_tls_addr(), "Prometheus metrics (HTTPS)").await?,
+        }),
+        None => None,
+    };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let limits = Arc::new(parking_lot::Mutex::new(limits));
     let (alarm_tx, alarm_rx) = watch::channel(AlarmState::default());
     let alarm_monitor = tokio::spawn(alarms::monitor(config.data_dir.clone(), broker.store().clone(), limits.clone(), alarm_tx, shutdown_rx.clone()));
-    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits.clone(), broker.quorum_bodies(), shutdown_rx.clone()));
+    let reloader = tokio::spawn(reload_on_sighup(hangup, reload, limits.clone(), broker.quorum_bodies(), tls.clone(), shutdown_rx.clone()));
     let registry = Arc::new(connection::registry::ConnectionRegistry::default());
     let logins = Arc::new(crate::login_guard::LoginGuard::new(config.login_failures_before_delay, config.login_delay_max_ms));
     // A connection whose user, permission or vhost is removed closes (every node applies the change).
@@ -204,9 +226,10 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
         registry: registry.clone(),
         handshakes: crate::login_guard::HandshakeSlots::new(config.max_handshakes as usize, config.max_handshakes_per_source as usize),
         logins: logins.clone(),
+        tls: tls.clone(),
     });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
-    let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone(), logins.clone());
+    let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone(), logins.clone(), tls.clone());
     if let Some(classic) = quorum_groups.classic.get() {
         // The other nodes' management APIs ask this one for its part of cluster-wide answers.
         classic.set_management(crate::http::mgmt::peers::service(&http));
@@ -214,9 +237,23 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     tracing::info!("serving the management API on http://{}", http_listener.local_addr()?);
     tracing::info!("serving Prometheus metrics on http://{}/metrics", metrics_listener.local_addr()?);
     let write_timeout = Duration::from_secs(config.write_timeout as u64);
-    let http_server = tokio::spawn(crate::http::serve(http_listener, crate::http::management_router(http.clone()), write_timeout, shutdown_rx.clone()));
+    let mut http_servers = tokio::task::JoinSet::new();
+    let management = crate::http::management_router(http.clone());
+    let metrics = crate::http::metrics_router(http.clone());
+    http_servers.spawn(crate::http::serve(http_listener, management.clone(), write_timeout, None, shutdown_rx.clone()));
+    http_servers.spawn(crate::http::serve(metrics_listener, metrics.clone(), write_timeout, None, shutdown_rx.clone()));
+    let amqps_listener = match tls_listeners {
+        Some(TlsListeners { amqp, http: https, metrics: metrics_tls }) => {
+            tracing::info!("accepting AMQP 0-9-1 connections over TLS on {}", amqp.local_addr()?);
+            tracing::info!("serving the management API on https://{}", https.local_addr()?);
+            tracing::info!("serving Prometheus metrics on https://{}/metrics", metrics_tls.local_addr()?);
+            http_servers.spawn(crate::http::serve(https, management, write_timeout, tls.clone(), shutdown_rx.clone()));
+            http_servers.spawn(crate::http::serve(metrics_tls, metrics, write_timeout, tls.clone(), shutdown_rx.clone()));
+            Some(amqp)
+        }
+        None => None,
+    };
     let rate_sampler = tokio::spawn(crate::http::rates::run(http.rates.clone(), broker.clone(), shutdown_rx.clone()));
-    let metrics_server = tokio::spawn(crate::http::serve(metrics_listener, crate::http::metrics_router(http), write_timeout, shutdown_rx.clone()));
 
     let housekeeping = {
         let broker = broker.clone();
@@ -251,49 +288,57 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
     tokio::pin!(removed);
     let mut removed_from_cluster = false;
     loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => match ctx.handshakes.take(peer.ip()) {
-                    Ok(handshake) => {
-                        connections.spawn(connection::serve(stream, peer, ctx.clone(), handshake));
-                    }
-                    // Past its source's share: it waits, unread, for one of its source's slots.
-                    Err(NoSlot::Source(_)) => match ctx.handshakes.wait_place() {
-                        Ok(place) => {
-                            let ctx = ctx.clone();
-                            connections.spawn(async move {
-                                let deadline = tokio::time::Instant::now() + Duration::from_secs(ctx.config.handshake_timeout as u64);
-                                if let Some(handshake) = ctx.handshakes.wait_for(peer.ip(), deadline, place).await {
-                                    connection::serve(stream, peer, ctx, handshake).await;
-                                }
-                            });
-                        }
-                        Err(full) => refused_handshakes.note(peer, full),
-                    },
-                    // Closed at once: a source holding silent handshakes must not lock the others out.
-                    Err(full) => refused_handshakes.note(peer, full),
-                },
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        let amqps_accept = async {
+            match &amqps_listener {
+                Some(l) => l.accept().await.map(|(stream, peer)| (stream, peer, Transport::Tls)),
+                None => std::future::pending().await,
+            }
+        };
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted.map(|(stream, peer)| (stream, peer, Transport::Plain)),
+            accepted = amqps_accept => accepted,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
             _ = &mut signal => break,
             _ = &mut removed => {
                 removed_from_cluster = true;
                 break;
+            }
+        };
+        match accepted {
+            Ok((stream, peer, transport)) => match ctx.handshakes.take(peer.ip()) {
+                Ok(handshake) => {
+                    connections.spawn(connection::serve(stream, transport, peer, ctx.clone(), handshake));
+                }
+                // Past its source's share: it waits, unread, for one of its source's slots.
+                Err(NoSlot::Source(_)) => match ctx.handshakes.wait_place() {
+                    Ok(place) => {
+                        let ctx = ctx.clone();
+                        connections.spawn(async move {
+                            let deadline = tokio::time::Instant::now() + Duration::from_secs(ctx.config.handshake_timeout as u64);
+                            if let Some(handshake) = ctx.handshakes.wait_for(peer.ip(), deadline, place).await {
+                                connection::serve(stream, transport, peer, ctx, handshake).await;
+                            }
+                        });
+                    }
+                    Err(full) => refused_handshakes.note(peer, full),
+                },
+                // Closed at once: a source holding silent handshakes must not lock the others out.
+                Err(full) => refused_handshakes.note(peer, full),
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
     }
 
     tracing::info!("shutting down: closing connections");
     drop(listener);
+    drop(amqps_listener);
     let _ = shutdown_tx.send(true);
     registry.shut_down();
     let _ = tokio::time::timeout(Duration::from_secs(6), async {
-        let _ = http_server.await;
-        let _ = metrics_server.await;
+        while http_servers.join_next().await.is_some() {}
         let _ = rate_sampler.await;
     })
     .await;
@@ -334,6 +379,7 @@ async fn reload_on_sighup(
     reload: Reload,
     limits: Arc<parking_lot::Mutex<Limits>>,
     quorum_bodies: Arc<NodeBodies>,
+    tls: Option<Arc<crate::tls::Tls>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     loop {
@@ -347,8 +393,19 @@ async fn reload_on_sighup(
                 quorum_bodies.set_limit(quorum_body_bytes(&new));
                 tracing::info!(memory_limit = new.memory_bytes, disk_free_limit = new.disk_free_bytes,
                     quorum_body_limit = quorum_bodies.limit(),
-                    "configuration reloaded (SIGHUP): alarm limits applied; other changes need a restart");
+                    "configuration reloaded (SIGHUP): alarm limits and TLS files applied; other changes need a restart");
                 *limits.lock() = new;
+                // New connections take the new certificate; open ones keep theirs. A listener
+                // opens or closes only with a restart.
+                match (&tls, config.tls()) {
+                    (Some(tls), Some(settings)) => match tls.reload(&settings) {
+                        Ok(()) => tracing::info!(certificate = %settings.cert.display(), not_after = tls.not_after(), "TLS certificate reloaded (SIGHUP)"),
+                        Err(e) => tracing::error!("TLS reload (SIGHUP) failed, keeping the current certificate: {e}"),
+                    },
+                    (None, Some(_)) => tracing::warn!("tls-cert is now set: the TLS listeners open at the next restart"),
+                    (Some(_), None) => tracing::warn!("tls-cert is no longer set: the TLS listeners keep the current certificate until a restart"),
+                    (None, None) => {}
+                }
             }
             Err(e) => tracing::error!("configuration reload (SIGHUP) failed, keeping the current one: {e}"),
         }

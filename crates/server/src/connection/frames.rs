@@ -9,7 +9,7 @@ use bytes::{BufMut, BytesMut};
 use std::io::IoSlice;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use super::stream::WriteHalf;
 use warren_broker::MessageRef;
 use warren_protocol::constants::FRAME_END;
 
@@ -72,7 +72,7 @@ impl OutFrames {
     }
 
     /// Writes everything; fails if the peer is gone or a write makes no progress for `timeout`.
-    pub async fn write_to(&self, socket: &mut OwnedWriteHalf, timeout: Duration) -> Result<(), WriteFailed> {
+    pub async fn write_to(&self, socket: &mut WriteHalf, timeout: Duration) -> Result<(), WriteFailed> {
         if self.spliced.is_empty() {
             return write_all(socket, &self.buf, timeout).await;
         }
@@ -101,12 +101,12 @@ impl OutFrames {
                 }
             }
         }
-        Ok(())
+        flush(socket, timeout).await
     }
 }
 
 /// Writes all of `buf`; fails if the peer is gone or a write makes no progress for `timeout`.
-async fn write_all(socket: &mut OwnedWriteHalf, buf: &[u8], timeout: Duration) -> Result<(), WriteFailed> {
+async fn write_all(socket: &mut WriteHalf, buf: &[u8], timeout: Duration) -> Result<(), WriteFailed> {
     let mut pos = 0;
     while pos < buf.len() {
         match tokio::time::timeout(timeout, socket.write(&buf[pos..])).await {
@@ -115,7 +115,17 @@ async fn write_all(socket: &mut OwnedWriteHalf, buf: &[u8], timeout: Duration) -
             Err(_) => return Err(WriteFailed::TimedOut),
         }
     }
-    Ok(())
+    flush(socket, timeout).await
+}
+
+/// Sends what the socket holds back: nothing for a plain socket; over TLS, the records rustls
+/// made of the last write but could not send yet.
+async fn flush(socket: &mut WriteHalf, timeout: Duration) -> Result<(), WriteFailed> {
+    match tokio::time::timeout(timeout, socket.flush()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => Err(WriteFailed::Gone),
+        Err(_) => Err(WriteFailed::TimedOut),
+    }
 }
 
 #[cfg(test)]
@@ -135,7 +145,7 @@ mod tests {
         let client = tokio::spawn(async move { tokio::net::TcpStream::connect(addr).await.unwrap() });
         let (server, _) = listener.accept().await.unwrap();
         let mut client = client.await.unwrap();
-        let (_read, mut write) = server.into_split();
+        let (_read, mut write) = super::super::stream::split_plain(server);
 
         let mut out = OutFrames::default();
         let mut expected = Vec::new();

@@ -7,7 +7,7 @@ use bytes::{Bytes, BytesMut};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use super::stream::WriteHalf;
 use warren_broker::{User, VHost};
 use warren_protocol::constants as c;
 use warren_protocol::field::{FieldTable, FieldValue};
@@ -61,10 +61,50 @@ pub fn server_properties() -> FieldTable {
     props
 }
 
-async fn send(socket: &mut OwnedWriteHalf, channel: u16, method: Method) -> Result<(), ConnError> {
+async fn send(socket: &mut WriteHalf, channel: u16, method: Method) -> Result<(), ConnError> {
     let mut buf = BytesMut::new();
     frame::write_method(&mut buf, channel, &method);
-    socket.write_all(&buf).await.map_err(|_| ConnError::Gone)
+    socket.write_all(&buf).await.map_err(|_| ConnError::Gone)?;
+    socket.flush().await.map_err(|_| ConnError::Gone)
+}
+
+/// PLAIN or AMQPLAIN: a user name and password, checked against the user's hash (failures per
+/// source and user are throttled, `login_guard`).
+async fn password_login(
+    start_ok: &ConnectionStartOk,
+    ctx: &super::ServerContext,
+    peer: SocketAddr,
+    refused: &impl Fn() -> ConnError,
+) -> Result<Arc<User>, ConnError> {
+    let (username, password) = match start_ok.mechanism.as_str() {
+        "PLAIN" => parse_plain(&start_ok.response),
+        "AMQPLAIN" => parse_amqplain(&start_ok.response),
+        other => {
+            return Err(ConnError::new(
+                c::ACCESS_REFUSED,
+                format!("ACCESS_REFUSED - unsupported authentication mechanism '{other}' (use PLAIN or AMQPLAIN, or EXTERNAL with a client certificate over TLS)"),
+                c::CLASS_CONNECTION,
+                11,
+            ))
+        }
+    }
+    .ok_or_else(|| {
+        ConnError::new(
+            c::ACCESS_REFUSED,
+            format!("ACCESS_REFUSED - malformed {} response", start_ok.mechanism),
+            c::CLASS_CONNECTION,
+            11,
+        )
+    })?;
+    // A source that failed too often for this user waits its turn (inside the handshake deadline).
+    ctx.logins.wait_turn(peer.ip(), &username).await;
+    let user = ctx.broker.authenticate(&username, &password).ok_or_else(|| {
+        tracing::warn!(%peer, user = %username, "authentication failed: invalid credentials");
+        ctx.logins.failed(peer.ip(), &username);
+        refused()
+    })?;
+    ctx.logins.succeeded(peer.ip(), &username);
+    Ok(user)
 }
 
 /// Reads the next method frame on channel 0, refusing anything else.
@@ -83,11 +123,14 @@ async fn expect_method(reader: &mut FrameReader, frame_max: u32) -> Result<Metho
 /// Runs the handshake after the protocol header was accepted.
 pub async fn negotiate(
     reader: &mut FrameReader,
-    socket: &mut OwnedWriteHalf,
+    socket: &mut WriteHalf,
     ctx: &super::ServerContext,
     peer: SocketAddr,
+    identity: Option<&crate::tls::PeerIdentity>,
 ) -> Result<Negotiated, ConnError> {
     let (broker, config, slots) = (&*ctx.broker, &ctx.config, &ctx.slots);
+    // EXTERNAL (rabbitmq_auth_mechanism_ssl) only where a verified client certificate names a user.
+    let certificate_user = identity.and_then(|i| i.user.clone());
     send(
         socket,
         0,
@@ -95,7 +138,10 @@ pub async fn negotiate(
             version_major: 0,
             version_minor: 9,
             server_properties: server_properties(),
-            mechanisms: Bytes::from_static(b"PLAIN AMQPLAIN"),
+            mechanisms: match certificate_user {
+                Some(_) => Bytes::from_static(b"PLAIN AMQPLAIN EXTERNAL"),
+                None => Bytes::from_static(b"PLAIN AMQPLAIN"),
+            },
             locales: Bytes::from_static(b"en_US"),
         }),
     )
@@ -105,26 +151,6 @@ pub async fn negotiate(
         Method::ConnectionStartOk(m) => m,
         other => return Err(unexpected(&other, "connection.start-ok")),
     };
-    let (username, password) = match start_ok.mechanism.as_str() {
-        "PLAIN" => parse_plain(&start_ok.response),
-        "AMQPLAIN" => parse_amqplain(&start_ok.response),
-        other => {
-            return Err(ConnError::new(
-                c::ACCESS_REFUSED,
-                format!("ACCESS_REFUSED - unsupported authentication mechanism '{other}' (use PLAIN or AMQPLAIN)"),
-                c::CLASS_CONNECTION,
-                11,
-            ))
-        }
-    }
-    .ok_or_else(|| {
-        ConnError::new(
-            c::ACCESS_REFUSED,
-            format!("ACCESS_REFUSED - malformed {} response", start_ok.mechanism),
-            c::CLASS_CONNECTION,
-            11,
-        )
-    })?;
     let refused = || {
         ConnError::new(
             c::ACCESS_REFUSED,
@@ -136,14 +162,14 @@ pub async fn negotiate(
             11,
         )
     };
-    // A source that failed too often for this user waits its turn (inside the handshake deadline).
-    ctx.logins.wait_turn(peer.ip(), &username).await;
-    let user = broker.authenticate(&username, &password).ok_or_else(|| {
-        tracing::warn!(%peer, user = %username, "authentication failed: invalid credentials");
-        ctx.logins.failed(peer.ip(), &username);
-        refused()
-    })?;
-    ctx.logins.succeeded(peer.ip(), &username);
+    let user = match (start_ok.mechanism.as_str(), &certificate_user) {
+        ("EXTERNAL", Some(name)) => broker.users().user(name).ok_or_else(|| {
+            tracing::warn!(%peer, user = %name, "authentication failed: no user named as the client certificate's subject");
+            refused()
+        })?,
+        _ => password_login(&start_ok, ctx, peer, &refused).await?,
+    };
+    let username = user.name.clone();
     if user.loopback_only && !peer.ip().is_loopback() {
         tracing::warn!(%peer, user = %username, "user can only connect via localhost");
         return Err(ConnError::new(

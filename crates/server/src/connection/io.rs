@@ -6,16 +6,16 @@
 use super::error::ConnError;
 use bytes::BytesMut;
 use tokio::io::AsyncReadExt;
-use tokio::net::tcp::OwnedReadHalf;
+use super::stream::ReadHalf;
 use warren_protocol::frame::{parse_frame, Frame};
 
 pub struct FrameReader {
-    socket: OwnedReadHalf,
+    socket: ReadHalf,
     buf: BytesMut,
 }
 
 impl FrameReader {
-    pub fn new(socket: OwnedReadHalf, leftover: BytesMut) -> Self {
+    pub fn new(socket: ReadHalf, leftover: BytesMut) -> Self {
         FrameReader { socket, buf: leftover }
     }
 
@@ -26,6 +26,9 @@ impl FrameReader {
 
     /// Reads more bytes from the socket; `Gone` on EOF or error.
     pub async fn fill(&mut self) -> Result<(), ConnError> {
+        if self.buf.is_empty() && self.socket.is_tls() {
+            return self.fill_tls().await;
+        }
         if self.buf.is_empty() {
             if self.buf.capacity() > 0
                 && tokio::time::timeout(super::RELEASE_BUFFERS_AFTER, self.socket.readable()).await.is_err()
@@ -37,12 +40,37 @@ impl FrameReader {
                 self.socket.readable().await.map_err(|_| ConnError::Gone)?;
             }
         }
+        self.read_more().await
+    }
+
+    async fn read_more(&mut self) -> Result<(), ConnError> {
         if self.buf.capacity() - self.buf.len() < 16 * 1024 {
             self.buf.reserve(64 * 1024);
         }
         match self.socket.read_buf(&mut self.buf).await {
             Ok(0) | Err(_) => Err(ConnError::Gone),
             Ok(_) => Ok(()),
+        }
+    }
+
+    /// `fill` with nothing buffered, over TLS: there is no `readable()` to wait on (rustls may
+    /// already hold decrypted bytes), so the read itself is what waits. A read cut off by the
+    /// timeout takes nothing, and the idle connection then waits with a small buffer on its stack.
+    async fn fill_tls(&mut self) -> Result<(), ConnError> {
+        if self.buf.capacity() > 0 {
+            if let Ok(read) = tokio::time::timeout(super::RELEASE_BUFFERS_AFTER, self.read_more()).await {
+                return read;
+            }
+            self.buf = BytesMut::new();
+        }
+        let mut first = [0u8; 1024];
+        match self.socket.read(&mut first).await {
+            Ok(0) | Err(_) => Err(ConnError::Gone),
+            Ok(n) => {
+                self.buf.reserve(64 * 1024);
+                self.buf.extend_from_slice(first.get(..n).unwrap_or_default());
+                Ok(())
+            }
         }
     }
 

@@ -13,6 +13,7 @@ mod handshake;
 mod io;
 pub mod outbox;
 pub mod registry;
+mod stream;
 mod writer;
 
 use crate::config::Config;
@@ -56,6 +57,8 @@ pub struct ServerContext {
     pub handshakes: crate::login_guard::HandshakeSlots,
     /// Failed logins, shared with the HTTP APIs.
     pub logins: Arc<crate::login_guard::LoginGuard>,
+    /// The AMQPS listener's TLS configuration (none without `tls-cert` and `tls-key`).
+    pub tls: Option<Arc<crate::tls::Tls>>,
 }
 
 /// Counts open connections (those past connection.open) against `max-connections` (0: no limit).
@@ -116,18 +119,45 @@ pub struct ConnectionShared {
     pub session: Arc<warren_broker::PublisherSession>,
 }
 
-/// Serves one accepted socket until it closes.
-/// Serves one accepted connection; `handshake` is its place among those in their handshake,
-/// given back once it is open (or refused).
-pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>, handshake: crate::login_guard::HandshakeSlot) {
+/// How an accepted socket is spoken to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Plain,
+    /// TLS first (the AMQPS port), with the context's `tls`.
+    Tls,
+}
+
+/// Serves one accepted connection until it closes; `handshake` is its place among those in their
+/// handshake, given back once it is open (or refused).
+pub async fn serve(stream: TcpStream, transport: Transport, peer: SocketAddr, ctx: Arc<ServerContext>, handshake: crate::login_guard::HandshakeSlot) {
     let _ = stream.set_nodelay(true);
     let stream_local = stream.local_addr().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-    let (read, mut write) = stream.into_split();
-    let mut read = read;
-    let mut buf = BytesMut::with_capacity(64 * 1024);
-    // One deadline for the whole handshake, from the protocol header to connection.open: a client that
+    // One deadline for the whole handshake, from the TLS handshake to connection.open: a client that
     // trickles its bytes (slowloris) cannot hold a connection longer than this.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(ctx.config.handshake_timeout as u64);
+    let (mut read, mut write, identity) = match (transport, &ctx.tls) {
+        (Transport::Plain, _) => {
+            let (read, write) = stream::split_plain(stream);
+            (read, write, None)
+        }
+        (Transport::Tls, None) => return,
+        (Transport::Tls, Some(tls)) => match tokio::time::timeout_at(deadline, tls.amqp_acceptor().accept(stream)).await {
+            Ok(Ok(stream)) => {
+                let identity = tls.peer_identity(stream.get_ref().1.peer_certificates());
+                let (read, write) = stream::split_tls(stream);
+                (read, write, identity)
+            }
+            Ok(Err(e)) => {
+                tracing::info!(%peer, error = %e, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::info!(%peer, timeout_s = ctx.config.handshake_timeout, "closing connection: TLS handshake not completed in handshake-timeout");
+                return;
+            }
+        },
+    };
+    let mut buf = BytesMut::with_capacity(64 * 1024);
     let header_ok = tokio::time::timeout_at(deadline, async {
         while buf.len() < 8 {
             match read.read_buf(&mut buf).await {
@@ -145,8 +175,11 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>,
     if buf.get(..8) != Some(&c::PROTOCOL_HEADER[..]) {
         // The spec: answer with the protocol header we speak, then close.
         tracing::debug!(%peer, "refused connection with a bad protocol header");
-        let _ = write.write_all(&c::PROTOCOL_HEADER).await;
-        let _ = write.shutdown().await;
+        let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, async {
+            write.write_all(&c::PROTOCOL_HEADER).await?;
+            write.shutdown().await
+        })
+        .await;
         return;
     }
     buf.advance(8);
@@ -154,7 +187,7 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>,
 
     let negotiated = match tokio::time::timeout_at(
         deadline,
-        handshake::negotiate(&mut reader, &mut write, &ctx, peer),
+        handshake::negotiate(&mut reader, &mut write, &ctx, peer, identity.as_ref()),
     )
     .await
     {
@@ -166,9 +199,13 @@ pub async fn serve(stream: TcpStream, peer: SocketAddr, ctx: Arc<ServerContext>,
                 0,
                 &Method::ConnectionClose(ConnectionClose { reply_code: code, reply_text: text, class_id, method_id }),
             );
-            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, write.write_all(&out)).await;
+            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, async {
+                write.write_all(&out).await?;
+                write.flush().await
+            })
+            .await;
             let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, reader.next(c::FRAME_MIN_SIZE)).await;
-            let _ = write.shutdown().await;
+            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, write.shutdown()).await;
             return;
         }
         Ok(Err(ConnError::Gone)) => return,

@@ -14,7 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
+use super::stream::WriteHalf;
 use tokio::sync::watch;
 use warren_broker::{Delivery, PublisherSession};
 use warren_protocol::frame;
@@ -40,7 +40,7 @@ struct PendingDurable {
 }
 
 pub async fn run(
-    socket: OwnedWriteHalf,
+    socket: WriteHalf,
     outbox: Arc<Outbox>,
     durable: watch::Receiver<u64>,
     session: Arc<PublisherSession>,
@@ -51,7 +51,7 @@ pub async fn run(
 }
 
 async fn write_loop(
-    mut socket: OwnedWriteHalf,
+    mut socket: WriteHalf,
     outbox: &Outbox,
     mut durable: watch::Receiver<u64>,
     session: &PublisherSession,
@@ -178,7 +178,7 @@ async fn write_loop(
             out.buf = BytesMut::new();
         }
         if closing {
-            let _ = socket.shutdown().await;
+            let _ = tokio::time::timeout(write_timeout, socket.shutdown()).await;
             return;
         }
     }

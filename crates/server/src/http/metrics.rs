@@ -228,6 +228,9 @@ fn render(ctx: &HttpContext, scope: Scope) -> String {
     out.single("warren_store_queue_files_bytes", "gauge", "Bytes of per-queue files on disk", s.queue_bytes);
     out.single("warren_store_checkpoints_total", "counter", "Store checkpoints taken", s.checkpoints);
     out.single("warren_store_lost_messages_total", "counter", "Messages found lost at recovery (store files missing or cut short)", s.lost_messages);
+    if let Some(tls) = &ctx.tls {
+        out.single("warren_tls_certificate_expiry_timestamp_seconds", "gauge", "When the TLS listeners' certificate expires (notAfter, unix seconds)", tls.not_after());
+    }
     out.text
 }
 

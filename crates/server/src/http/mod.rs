@@ -63,6 +63,8 @@ pub struct HttpContext {
     pub rates: Arc<rates::Rates>,
     /// Failed logins (Basic and CMQ signatures), shared with AMQP (`login_guard`).
     pub logins: Arc<crate::login_guard::LoginGuard>,
+    /// The TLS configuration of the node's TLS listeners (its certificate's expiry is a metric).
+    pub tls: Option<Arc<crate::tls::Tls>>,
     /// The open file descriptor count and when it was taken (`open_files`).
     open_files: parking_lot::Mutex<Option<(Instant, u64)>>,
 }
@@ -76,12 +78,13 @@ impl HttpContext {
         alarms: watch::Receiver<AlarmState>,
         limits: Arc<parking_lot::Mutex<Limits>>,
         logins: Arc<crate::login_guard::LoginGuard>,
+        tls: Option<Arc<crate::tls::Tls>>,
     ) -> Arc<HttpContext> {
         let node_name = match config.cluster() {
             Some(settings) => format!("warren@node-{}", settings.node_id),
             None => format!("warren@{}", hostname()),
         };
-        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), rates: Default::default(), logins, open_files: Default::default() })
+        Arc::new(HttpContext { broker, config, cluster, connections, alarms, limits, started: Instant::now(), node_name, cmq: cmq::Cmq::default(), rates: Default::default(), logins, tls, open_files: Default::default() })
     }
 
     /// This process's open file descriptors, counted at most every 5 s: counting them lists
@@ -200,15 +203,22 @@ pub fn standalone_router(data_dir: &std::path::Path) -> Result<Router, String> {
     let (_, alarms) = watch::channel(AlarmState::default());
     let limits = Arc::new(parking_lot::Mutex::new(Limits::from_config(&config)));
     let logins = Arc::new(crate::login_guard::LoginGuard::new(config.login_failures_before_delay, config.login_delay_max_ms));
-    let ctx = HttpContext::new(broker, config, None, Arc::new(ConnectionRegistry::default()), alarms, limits, logins);
+    let ctx = HttpContext::new(broker, config, None, Arc::new(ConnectionRegistry::default()), alarms, limits, logins, None);
     Ok(management_router(ctx))
 }
 
 /// Serves `router` on `listener` until `shutdown`, then lets requests in flight finish.
 /// `write_timeout`: a client that does not read its answer for this long is dropped (the
 /// configuration's `write-timeout`, as for AMQP), so that clients that never read cannot hold
-/// every connection slot.
-pub async fn serve(listener: TcpListener, router: Router, write_timeout: Duration, mut shutdown: watch::Receiver<bool>) {
+/// every connection slot. With `tls`, each connection is TLS first (its handshake within
+/// `HEADER_READ_TIMEOUT`, under the port's connection slot).
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    write_timeout: Duration,
+    tls: Option<Arc<crate::tls::Tls>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let slots = Arc::new(Semaphore::new(MAX_HTTP_CONNECTIONS));
     let mut connections = tokio::task::JoinSet::new();
     loop {
@@ -233,27 +243,43 @@ pub async fn serve(listener: TcpListener, router: Router, write_timeout: Duratio
         stream.set_write_timeout(Some(write_timeout));
         let stream = Box::pin(stream);
         let router = router.clone();
-        let mut stop = shutdown.clone();
+        let stop = shutdown.clone();
+        let acceptor = tls.as_ref().map(|tls| tls.http_acceptor());
         connections.spawn(async move {
             let _permit = permit;
-            let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
-                prepare(&mut request, peer);
-                router.clone().oneshot(request)
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => {}
-                _ = stop.changed() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
-                }
+            match acceptor {
+                None => serve_connection(stream, peer, router, stop).await,
+                Some(acceptor) => match tokio::time::timeout(HEADER_READ_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => serve_connection(stream, peer, router, stop).await,
+                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "HTTPS: TLS handshake failed"),
+                    Err(_) => tracing::debug!(%peer, "HTTPS: TLS handshake not completed in time"),
+                },
             }
         });
     }
     drop(listener);
     let _ = tokio::time::timeout(Duration::from_secs(5), async { while connections.join_next().await.is_some() {} }).await;
+}
+
+/// One HTTP/1.1 connection, until it closes or the server stops.
+async fn serve_connection<S>(stream: S, peer: SocketAddr, router: Router, mut stop: watch::Receiver<bool>)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+        prepare(&mut request, peer);
+        router.clone().oneshot(request)
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        _ = stop.changed() => {
+            conn.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+        }
+    }
 }
