@@ -36,6 +36,12 @@ func startBroker(t *testing.T) int {
 // startBrokerWithHTTP is startBroker, also returning the management API's port.
 func startBrokerWithHTTP(t *testing.T) (int, int) {
 	t.Helper()
+	return startBrokerArgs(t)
+}
+
+// startBrokerArgs is startBrokerWithHTTP with more server flags (e.g. TLS's) after the usual ones.
+func startBrokerArgs(t *testing.T, extra ...string) (int, int) {
+	t.Helper()
 	bin := os.Getenv("WARREN_BIN")
 	if bin == "" {
 		bin = filepath.Join("..", "..", "target", "release", "warren")
@@ -57,11 +63,12 @@ func startBrokerWithHTTP(t *testing.T) (int, int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, "server",
+	args := []string{"server",
 		"--amqp-port", fmt.Sprint(amqpPort),
 		"--http-port", fmt.Sprint(httpPort),
 		"--prometheus-port", "0",
-		"--data-dir", dataDir)
+		"--data-dir", dataDir}
+	cmd := exec.Command(bin, append(args, extra...)...)
 	cmd.Stdout = logFile
 	cmd.Stderr = logFile
 	if err := cmd.Start(); err != nil {

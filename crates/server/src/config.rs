@@ -103,7 +103,7 @@ pub struct ServerArgs {
     pub tls_key: Option<String>,
 
     /// CA certificates (PEM) client certificates are verified against; without it none is asked
-    /// for [env: WARREN_TLS_CA]
+    /// for. For `warren ctl`: the CA an https:// --url's certificate chains to [env: WARREN_TLS_CA]
     #[arg(long, value_name = "FILE")]
     pub tls_ca: Option<String>,
 

@@ -393,7 +393,7 @@ async fn reload_on_sighup(
                 quorum_bodies.set_limit(quorum_body_bytes(&new));
                 tracing::info!(memory_limit = new.memory_bytes, disk_free_limit = new.disk_free_bytes,
                     quorum_body_limit = quorum_bodies.limit(),
-                    "configuration reloaded (SIGHUP): alarm limits and TLS files applied; other changes need a restart");
+                    "configuration reloaded (SIGHUP): alarm limits applied; other changes but the TLS files need a restart");
                 *limits.lock() = new;
                 // New connections take the new certificate; open ones keep theirs. A listener
                 // opens or closes only with a restart.

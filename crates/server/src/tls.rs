@@ -58,6 +58,21 @@ pub struct Tls {
 pub struct PeerIdentity {
     /// The user name an EXTERNAL login is for (subject DN or CN, by `tls-cert-login-from`).
     pub user: Option<String>,
+    /// Subject and issuer as RabbitMQ shows them (`peer_cert_subject`, `peer_cert_issuer`).
+    pub subject: String,
+    pub issuer: String,
+    /// notBefore - notAfter (`peer_cert_validity`).
+    pub validity: String,
+}
+
+/// What an accepted TLS session is, for the management API's connection fields.
+#[derive(Debug, Clone)]
+pub struct Session {
+    /// `tlsv1.3` or `tlsv1.2`, as RabbitMQ's `ssl_protocol`.
+    pub protocol: &'static str,
+    /// The cipher suite's IANA name.
+    pub cipher: String,
+    pub peer: Option<PeerIdentity>,
 }
 
 /// Certificates nearer their end than this are warned of at start and reload.
@@ -94,15 +109,28 @@ impl Tls {
         self.current.read().not_after
     }
 
-    /// The identity in a client's certificate (rustls verified it during the handshake).
-    pub fn peer_identity(&self, certificates: Option<&[CertificateDer<'_>]>) -> Option<PeerIdentity> {
+    /// What a handshake established: protocol, cipher and the client's certificate (rustls
+    /// verified it against `tls-ca` during the handshake).
+    pub fn session(&self, connection: &rustls::ServerConnection) -> Session {
+        let protocol = match connection.protocol_version() {
+            Some(rustls::ProtocolVersion::TLSv1_3) => "tlsv1.3",
+            _ => "tlsv1.2",
+        };
+        let cipher = connection.negotiated_cipher_suite().map(|s| format!("{:?}", s.suite())).unwrap_or_default();
+        Session { protocol, cipher, peer: self.peer_identity(connection.peer_certificates()) }
+    }
+
+    fn peer_identity(&self, certificates: Option<&[CertificateDer<'_>]>) -> Option<PeerIdentity> {
         let leaf = certificates?.first()?;
         let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+        let subject = distinguished_name(cert.subject());
         let user = match self.login_from {
-            CertLoginFrom::DistinguishedName => Some(distinguished_name(cert.subject())),
+            CertLoginFrom::DistinguishedName => Some(subject.clone()),
             CertLoginFrom::CommonName => cert.subject().iter_common_name().next().and_then(|cn| cn.as_str().ok()).map(str::to_string),
         };
-        Some(PeerIdentity { user })
+        let validity = cert.validity();
+        let validity = format!("{} - {}", validity.not_before, validity.not_after);
+        Some(PeerIdentity { user, subject, issuer: distinguished_name(cert.issuer()), validity })
     }
 }
 
@@ -164,18 +192,18 @@ fn warn_if_expiring(not_after: i64, path: &Path) {
     }
 }
 
-/// A subject as rabbitmq_auth_mechanism_ssl names its user: RFC 4514's string form (the last RDN
-/// first, `,` between RDNs, `+` within one, attribute names by their short name, values escaped).
+/// A subject as rabbitmq_auth_mechanism_ssl names its user (checked against RabbitMQ 3.10.8 by
+/// tests/python/test_tls.py): RFC 4514's string form, the last RDN first, `,` between RDNs and `+`
+/// within one (in certificate order), attribute types by RabbitMQ's upper-case names or else the
+/// dotted OID, values escaped by [`escape_dn_value`].
 pub fn distinguished_name(name: &x509_parser::x509::X509Name<'_>) -> String {
     let rdns: Vec<String> = name
         .iter()
         .map(|rdn| {
             rdn.iter()
                 .map(|attr| {
-                    let oid = attr.attr_type();
-                    let key = x509_parser::objects::oid2abbrev(oid, x509_parser::objects::oid_registry())
-                        .map(str::to_string)
-                        .unwrap_or_else(|_| oid.to_id_string());
+                    let oid = attr.attr_type().to_id_string();
+                    let key = ATTRIBUTE_NAMES.iter().find(|(id, _)| *id == oid).map_or(oid.as_str(), |(_, name)| name).to_string();
                     let value = attr.as_str().map(escape_dn_value).unwrap_or_else(|_| {
                         // Not a string type: RFC 4514 gives the DER in hex after `#`.
                         let hex: String = attr.attr_value().data.iter().map(|b| format!("{b:02x}")).collect();
@@ -190,11 +218,40 @@ pub fn distinguished_name(name: &x509_parser::x509::X509Name<'_>) -> String {
     rdns.into_iter().rev().collect::<Vec<_>>().join(",")
 }
 
-/// RFC 4514 section 2.4: `"+,;<>\` and a leading `#` or space, a trailing space, escaped.
+/// The attribute types RabbitMQ names (its `rabbit_ssl` formatting); others are dotted OIDs.
+const ATTRIBUTE_NAMES: &[(&str, &str)] = &[
+    ("2.5.4.3", "CN"),
+    ("2.5.4.6", "C"),
+    ("2.5.4.7", "L"),
+    ("2.5.4.8", "ST"),
+    ("2.5.4.10", "O"),
+    ("2.5.4.11", "OU"),
+    ("0.9.2342.19200300.100.1.25", "DC"),
+    ("0.9.2342.19200300.100.1.1", "UID"),
+    ("2.5.4.4", "SN"),
+    ("2.5.4.42", "GIVENNAME"),
+    ("2.5.4.12", "TITLE"),
+    ("2.5.4.5", "SERIALNUMBER"),
+    ("1.2.840.113549.1.9.1", "EMAILADDRESS"),
+    ("2.5.4.43", "INITIALS"),
+    ("2.5.4.44", "GENERATIONQUALIFIER"),
+    ("2.5.4.65", "PSEUDONYM"),
+];
+
+/// RFC 4514 section 2.4 as RabbitMQ applies it: `"+,;<>\` and a leading `#` or space, a trailing
+/// space, after a backslash; control characters and each byte of a non-ASCII character as `\XX`
+/// (upper-case hex of its UTF-8 bytes).
 fn escape_dn_value(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     let last = value.chars().count().saturating_sub(1);
     for (i, ch) in value.chars().enumerate() {
+        if (ch as u32) < 0x20 || (ch as u32) >= 0x7f {
+            let mut bytes = [0u8; 4];
+            for b in ch.encode_utf8(&mut bytes).bytes() {
+                out.push_str(&format!("\\{b:02X}"));
+            }
+            continue;
+        }
         let special = matches!(ch, '"' | '+' | ',' | ';' | '<' | '>' | '\\')
             || (i == 0 && (ch == '#' || ch == ' '))
             || (i == last && ch == ' ');
@@ -216,5 +273,7 @@ mod tests {
         assert_eq!(escape_dn_value("#1 "), "\\#1\\ ");
         assert_eq!(escape_dn_value("a+b"), "a\\+b");
         assert_eq!(escape_dn_value("plain"), "plain");
+        assert_eq!(escape_dn_value("tab\there"), "tab\\09here");
+        assert_eq!(escape_dn_value("ümlaut"), "\\C3\\BCmlaut");
     }
 }

@@ -29,6 +29,8 @@ pub struct Negotiated {
     pub client_name: String,
     /// What the client said of itself (product, version, platform, capabilities), for the management API.
     pub client_properties: warren_protocol::field::FieldTable,
+    /// The SASL mechanism it logged in with.
+    pub auth_mechanism: String,
 }
 
 fn long_str(s: &str) -> FieldValue {
@@ -279,7 +281,7 @@ pub async fn negotiate(
         )
     })?;
     send(socket, 0, Method::ConnectionOpenOk(ConnectionOpenOk { reserved_1: String::new() })).await?;
-    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name, client_properties: start_ok.client_properties })
+    Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name, client_properties: start_ok.client_properties, auth_mechanism: start_ok.mechanism })
 }
 
 fn unexpected(got: &Method, wanted: &str) -> ConnError {

@@ -135,7 +135,7 @@ pub async fn serve(stream: TcpStream, transport: Transport, peer: SocketAddr, ct
     // One deadline for the whole handshake, from the TLS handshake to connection.open: a client that
     // trickles its bytes (slowloris) cannot hold a connection longer than this.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(ctx.config.handshake_timeout as u64);
-    let (mut read, mut write, identity) = match (transport, &ctx.tls) {
+    let (mut read, mut write, session) = match (transport, &ctx.tls) {
         (Transport::Plain, _) => {
             let (read, write) = stream::split_plain(stream);
             (read, write, None)
@@ -143,9 +143,9 @@ pub async fn serve(stream: TcpStream, transport: Transport, peer: SocketAddr, ct
         (Transport::Tls, None) => return,
         (Transport::Tls, Some(tls)) => match tokio::time::timeout_at(deadline, tls.amqp_acceptor().accept(stream)).await {
             Ok(Ok(stream)) => {
-                let identity = tls.peer_identity(stream.get_ref().1.peer_certificates());
+                let session = tls.session(stream.get_ref().1);
                 let (read, write) = stream::split_tls(stream);
-                (read, write, identity)
+                (read, write, Some(session))
             }
             Ok(Err(e)) => {
                 tracing::info!(%peer, error = %e, "TLS handshake failed");
@@ -187,7 +187,7 @@ pub async fn serve(stream: TcpStream, transport: Transport, peer: SocketAddr, ct
 
     let negotiated = match tokio::time::timeout_at(
         deadline,
-        handshake::negotiate(&mut reader, &mut write, &ctx, peer, identity.as_ref()),
+        handshake::negotiate(&mut reader, &mut write, &ctx, peer, session.as_ref().and_then(|s| s.peer.as_ref())),
     )
     .await
     {
@@ -230,6 +230,8 @@ pub async fn serve(stream: TcpStream, transport: Transport, peer: SocketAddr, ct
         frame_max: negotiated.frame_max,
         channel_max: negotiated.channel_max,
         heartbeat: negotiated.heartbeat,
+        auth_mechanism: negotiated.auth_mechanism.clone(),
+        tls: session,
     });
     // Its user, permission or vhost removed between the handshake's check and the registration
     // (whose closing found no registered connection): closed as if registered first.

@@ -72,6 +72,10 @@ pub struct Opened {
     pub frame_max: u32,
     pub channel_max: u16,
     pub heartbeat: u16,
+    /// PLAIN, AMQPLAIN or EXTERNAL.
+    pub auth_mechanism: String,
+    /// Over TLS (the AMQPS port): its protocol, cipher and client certificate.
+    pub tls: Option<crate::tls::Session>,
 }
 
 impl ConnectionRegistry {

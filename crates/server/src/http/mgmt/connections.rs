@@ -19,6 +19,8 @@ use crate::http::fields;
 use crate::http::HttpContext;
 
 fn connection_json(ctx: &HttpContext, c: &ConnectionInfo) -> Value {
+    let tls = c.opened.tls.as_ref();
+    let peer = tls.and_then(|t| t.peer.as_ref());
     json!({
         "name": c.name,
         "node": ctx.node_name,
@@ -28,8 +30,13 @@ fn connection_json(ctx: &HttpContext, c: &ConnectionInfo) -> Value {
         "type": "network",
         "protocol": "AMQP 0-9-1",
         "state": "running",
-        "auth_mechanism": "PLAIN",
-        "ssl": false,
+        "auth_mechanism": c.opened.auth_mechanism,
+        "ssl": tls.is_some(),
+        "ssl_protocol": tls.map(|t| t.protocol),
+        "ssl_cipher": tls.map(|t| t.cipher.as_str()),
+        "peer_cert_subject": peer.map(|p| p.subject.as_str()),
+        "peer_cert_issuer": peer.map(|p| p.issuer.as_str()),
+        "peer_cert_validity": peer.map(|p| p.validity.as_str()),
         "host": c.opened.local.ip().to_string(),
         "port": c.opened.local.port(),
         "peer_host": c.opened.peer.ip().to_string(),

@@ -73,6 +73,12 @@ fn listeners(ctx: &HttpContext) -> Vec<Value> {
         json!({"node": ctx.node_name, "protocol": "http", "ip_address": ip, "port": ctx.config.http_port, "socket_opts": {}}),
         json!({"node": ctx.node_name, "protocol": "http/prometheus", "ip_address": ip, "port": ctx.config.prometheus_port, "socket_opts": {}}),
     ];
+    if ctx.tls.is_some() {
+        // RabbitMQ's names for its TLS listeners.
+        out.push(json!({"node": ctx.node_name, "protocol": "amqp/ssl", "ip_address": ip, "port": ctx.config.amqps_port, "socket_opts": {}}));
+        out.push(json!({"node": ctx.node_name, "protocol": "https", "ip_address": ip, "port": ctx.config.https_port, "socket_opts": {}}));
+        out.push(json!({"node": ctx.node_name, "protocol": "https/prometheus", "ip_address": ip, "port": ctx.config.prometheus_tls_port, "socket_opts": {}}));
+    }
     if let Some(settings) = ctx.config.cluster() {
         out.push(json!({"node": ctx.node_name, "protocol": "clustering", "ip_address": settings.listen.ip().to_string(), "port": settings.listen.port(), "socket_opts": {}}));
     }
@@ -127,7 +133,11 @@ pub(super) fn this_node(ctx: &HttpContext) -> Value {
         "partitions": [],
         "applications": [],
         "exchange_types": [],
-        "auth_mechanisms": [{"name": "PLAIN", "enabled": true}, {"name": "AMQPLAIN", "enabled": true}],
+        "auth_mechanisms": [
+            {"name": "PLAIN", "enabled": true},
+            {"name": "AMQPLAIN", "enabled": true},
+            {"name": "EXTERNAL", "enabled": ctx.tls.is_some() && !ctx.config.tls_ca.is_empty()},
+        ],
         "enabled_plugins": ["rabbitmq_management", "rabbitmq_prometheus"],
         "rates_mode": "basic",
         "config_files": [],
@@ -235,10 +245,18 @@ pub async fn alarms_check(State(ctx): State<Arc<HttpContext>>) -> axum::response
 }
 
 pub async fn port_listener_check(State(ctx): State<Arc<HttpContext>>, Path(port): Path<String>) -> axum::response::Response {
-    let ports = [ctx.config.amqp_port, ctx.config.http_port, ctx.config.prometheus_port];
+    let mut ports = vec![ctx.config.amqp_port, ctx.config.http_port, ctx.config.prometheus_port];
+    if ctx.tls.is_some() {
+        ports.extend([ctx.config.amqps_port, ctx.config.https_port, ctx.config.prometheus_tls_port]);
+    }
     match port.parse::<u16>() {
-        Ok(p) if ports.contains(&p) => check(None),
-        Ok(p) => check(Some(format!("no listener on port {p}; this node listens on {ports:?}"))),
+        // RabbitMQ's answers: the port checked, or the one missing and those there are.
+        Ok(p) if ports.contains(&p) => Json(json!({"status": "ok", "port": p})).into_response(),
+        Ok(p) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "failed", "reason": format!("no listener on port {p}; this node listens on {ports:?}"), "missing": p, "ports": ports})),
+        )
+            .into_response(),
         Err(_) => ApiError::bad_request(format!("'{port}' is not a port number")).into_response(),
     }
 }
