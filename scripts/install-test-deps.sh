@@ -2,7 +2,8 @@
 # Installs what the end-to-end tests need on a fresh Debian machine. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -c "import pika, pytest, pytest_timeout, xdist, requests, cmq.account, selenium" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout pytest-xdist requests qcloud-cmq-sdk-py3 selenium
+# cryptography: tests/python/test_tls.py makes its certificates with it.
+python3 -c "import pika, pytest, pytest_timeout, xdist, requests, cmq.account, selenium, cryptography" 2>/dev/null || python3 -m pip install -q pika pytest pytest-timeout pytest-xdist requests qcloud-cmq-sdk-py3 selenium cryptography
 (cd tests/go && go mod download)
 # Fault tests (tests/cluster): `ip` and `tc` (iproute2) make the network namespaces and cut links.
 if { ! command -v ip >/dev/null || ! command -v tc >/dev/null; } && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
