@@ -154,3 +154,24 @@ def test_failed_http_and_cmq_logins_take_turns_too(start_broker):
         code, _ = cmq_wrong()
         assert code != 0
     assert time.monotonic() - started >= 1.6
+
+
+def test_every_limit_is_reported_as_the_node_applies_it_to_administrators_only(start_broker):
+    """`GET /api/limits` (Warren's own, also `warren_limits` in the overview) shows the bounds a
+    client meets as configured, not as compiled in; a user without the administrator tag is refused."""
+    b = start_broker(WARREN_MAX_HANDSHAKES=77, WARREN_MAX_HANDSHAKES_PER_SOURCE=7, WARREN_LOGIN_FAILURES_BEFORE_DELAY=3,
+                     WARREN_HANDSHAKE_TIMEOUT=4, WARREN_MAX_MESSAGE_SIZE=123456)
+    base = f"http://127.0.0.1:{b.http_port}/api"
+    limits = requests.get(f"{base}/limits", auth=("guest", "guest"), timeout=5).json()
+    amqp = limits["amqp"]
+    assert (amqp["max_handshakes"], amqp["max_handshakes_per_source"], amqp["login_failures_before_delay"],
+            amqp["handshake_timeout_s"], amqp["max_message_size"]) == (77, 7, 3, 4, 123456), limits
+    assert limits["http"]["max_connections_per_port"] == 512 and limits["http"]["max_body_bytes"] == 4 << 20, limits
+    assert limits["cluster"]["max_handshakes_per_source"] == 16, limits
+    assert limits["tls"] == {"enabled": False, "versions": [], "client_certificates": "not asked for", "certificate_not_after": None}
+    overview = requests.get(f"{base}/overview", auth=("guest", "guest"), timeout=5).json()
+    assert overview["warren_limits"] == limits
+    r = requests.put(f"{base}/users/watcher", json={"password": "w", "tags": "management"}, auth=("guest", "guest"), timeout=5)
+    assert r.status_code in (201, 204), r.text
+    r = requests.get(f"{base}/limits", auth=("watcher", "w"), timeout=5)
+    assert r.status_code == 401 and "administrator" in r.text, r.text

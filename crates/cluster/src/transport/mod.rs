@@ -48,19 +48,19 @@ pub const STALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// A link with nothing to send sends a keepalive this often.
 const KEEPALIVE_EVERY: Duration = Duration::from_secs(1);
 /// Requests from one connection being handled at once; past it the connection is not read.
-const MAX_INFLIGHT_PER_CONNECTION: usize = 1024;
+pub const MAX_INFLIGHT_PER_CONNECTION: usize = 1024;
 /// Frames queued for one connection's writer; senders wait past it.
-const WRITE_QUEUE: usize = 4096;
+pub const WRITE_QUEUE: usize = 4096;
 /// A connection's read buffer.
 const READ_BUFFER: usize = 64 << 10;
 /// A connection's write buffer (frames are sealed into it), kept between writes up to 4 times this.
 const OUT_BUFFER: usize = 64 << 10;
 /// Connections still in their handshake; more are closed at once (`handshake_slots`).
-const MAX_HANDSHAKES: usize = 64;
+pub const MAX_HANDSHAKES: usize = 64;
 /// Of those, from one address: a peer dials two links, a node on the same host as others (tests,
 /// one machine) a few more, `warren ctl` one a call. Past it a connection waits for its
 /// address's next slot, up to the handshake timeout.
-const HANDSHAKES_PER_SOURCE: usize = 16;
+pub const HANDSHAKES_PER_SOURCE: usize = 16;
 /// Refused handshakes are logged at most this often (with how many there were).
 const REFUSED_LOG_EVERY: Duration = Duration::from_secs(10);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);

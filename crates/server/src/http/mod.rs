@@ -38,11 +38,11 @@ use crate::connection::registry::ConnectionRegistry;
 /// The largest request body read (definitions of a few thousand queues fit).
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 /// A client must send a request's headers within this.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a count of open files is reused (`HttpContext::open_files`).
 const OPEN_FILES_EVERY: Duration = Duration::from_secs(5);
 /// Connections served at once per port; more wait in the kernel's accept queue.
-const MAX_HTTP_CONNECTIONS: usize = 512;
+pub const MAX_HTTP_CONNECTIONS: usize = 512;
 
 /// What the HTTP handlers read: the broker, the node's configuration and state.
 pub struct HttpContext {

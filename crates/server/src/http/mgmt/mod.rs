@@ -34,6 +34,7 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/overview", get(node::overview))
         .route("/cluster-name", get(node::cluster_name))
         .route("/whoami", get(node::whoami))
+        .route("/limits", get(node::limits))
         .route("/nodes", get(node::nodes))
         .route("/nodes/{name}", get(node::node))
         .route("/extensions", get(node::extensions))

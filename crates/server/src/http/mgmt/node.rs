@@ -62,6 +62,7 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params)
         "statistics_db_event_queue": 0,
         "node": ctx.node_name,
         "listeners": listeners,
+        "warren_limits": limits_json(&ctx),
         "contexts": [{"node": ctx.node_name, "description": "RabbitMQ Management", "path": "/", "port": ctx.config.http_port.to_string()}],
     }))
 }
@@ -95,6 +96,52 @@ pub async fn cluster_name(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
 
 pub async fn whoami(Extension(AuthUser(user)): Extension<AuthUser>) -> Json<Value> {
     Json(json!({"name": user.name, "tags": user.tags}))
+}
+
+/// Warren's own: every bound a hostile or careless client meets, as this node applies it
+/// (docs/security.md, "What bounds each stage"). Also under `warren_limits` in the overview.
+pub async fn limits(State(ctx): State<Arc<HttpContext>>) -> Json<Value> {
+    Json(limits_json(&ctx))
+}
+
+pub(super) fn limits_json(ctx: &HttpContext) -> Value {
+    use warren_cluster::transport as cluster;
+    let c = &ctx.config;
+    json!({
+        "amqp": {
+            "max_handshakes": c.max_handshakes,
+            "max_handshakes_per_source": c.max_handshakes_per_source,
+            "handshake_timeout_s": c.handshake_timeout,
+            "login_failures_before_delay": c.login_failures_before_delay,
+            "login_delay_max_ms": c.login_delay_max_ms,
+            "max_connections": c.max_connections,
+            "channel_max": c.channel_max,
+            "frame_max": c.frame_max,
+            "max_message_size": c.max_message_size,
+            "write_timeout_s": c.write_timeout,
+            "heartbeat_s": c.heartbeat,
+            "consumer_timeout_ms": c.consumer_timeout,
+        },
+        "http": {
+            "max_connections_per_port": crate::http::MAX_HTTP_CONNECTIONS,
+            "header_read_timeout_s": crate::http::HEADER_READ_TIMEOUT.as_secs(),
+            "max_body_bytes": crate::http::MAX_BODY_BYTES,
+            "write_timeout_s": c.write_timeout,
+        },
+        "cluster": {
+            "max_handshakes": cluster::MAX_HANDSHAKES,
+            "max_handshakes_per_source": cluster::HANDSHAKES_PER_SOURCE,
+            "handshake_timeout_s": cluster::handshake::HANDSHAKE_TIMEOUT.as_secs(),
+            "max_requests_in_flight_per_connection": cluster::MAX_INFLIGHT_PER_CONNECTION,
+            "max_queued_frames_per_connection": cluster::WRITE_QUEUE,
+        },
+        "tls": {
+            "enabled": ctx.tls.is_some(),
+            "versions": if ctx.tls.is_some() { json!(["tlsv1.2", "tlsv1.3"]) } else { json!([]) },
+            "client_certificates": if c.tls_ca.is_empty() { "not asked for" } else if c.tls_fail_if_no_peer_cert { "required" } else { "verified when given" },
+            "certificate_not_after": ctx.tls.as_ref().map(|t| t.not_after()),
+        },
+    })
 }
 
 pub async fn extensions() -> Json<Value> {
