@@ -1026,8 +1026,21 @@ mod recovery_mode_text {
 fn read_file(path: &Path, from: &'static str) -> Result<toml::Table, ConfigError> {
     let text =
         std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile { path: path.to_owned(), from, source })?;
-    text.parse::<toml::Table>()
-        .map_err(|e| ConfigError::Syntax { path: path.to_owned(), message: e.to_string().trim_end().to_owned() })
+    text.parse::<toml::Table>().map_err(|e| ConfigError::Syntax { path: path.to_owned(), message: syntax_message(&text, &e) })
+}
+
+/// Where and what the syntax error is, without the line itself: toml's own message quotes the
+/// source line, which may hold `default-pass` or `cluster-secret`.
+fn syntax_message(text: &str, e: &toml::de::Error) -> String {
+    match e.span() {
+        Some(span) => {
+            let before = text.get(..span.start).unwrap_or(text);
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            format!("{} at line {line}, column {column}", e.message().trim_end())
+        }
+        None => e.message().trim_end().to_owned(),
+    }
 }
 
 #[cfg(test)]

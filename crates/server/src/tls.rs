@@ -136,8 +136,15 @@ impl Tls {
 
 fn load(settings: &TlsSettings) -> Result<Loaded, String> {
     let certs = read_certificates(&settings.cert)?;
-    let key = PrivateKeyDer::from_pem_file(&settings.key)
-        .map_err(|e| format!("cannot read a private key from tls-key {}: {e}", settings.key.display()))?;
+    // The parser's error quotes the bytes where it stopped, which may be the key itself: only its kind.
+    let key = PrivateKeyDer::from_pem_file(&settings.key).map_err(|e| {
+        let why = match e {
+            rustls_pki_types::pem::Error::Io(e) => e.to_string(),
+            rustls_pki_types::pem::Error::NoItemsFound => "no PEM private key in it".to_string(),
+            _ => "not a well-formed PEM private key (PKCS#8, RSA or SEC1)".to_string(),
+        };
+        format!("cannot read a private key from tls-key {}: {why}", settings.key.display())
+    })?;
     let not_after = certs
         .first()
         .and_then(|leaf| x509_parser::parse_x509_certificate(leaf.as_ref()).ok())

@@ -46,7 +46,8 @@ fn string_field<'a>(body: &'a Value, key: &str) -> ApiResult<Option<&'a str>> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {other}"))),
+        // The value is not repeated: it may be a password or its hash.
+        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {}", json_type(other)))),
     }
 }
 
@@ -254,7 +255,8 @@ fn pattern(body: &Value, key: &str) -> ApiResult<String> {
     match body.get(key) {
         Some(Value::String(s)) => Ok(s.clone()),
         None => Err(ApiError::bad_request(format!("{key} is missing: a permission has configure, write and read patterns"))),
-        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {other}"))),
+        // The value is not repeated: it may be a password or its hash.
+        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {}", json_type(other)))),
     }
 }
 
@@ -354,4 +356,16 @@ pub async fn delete_topic_permission(State(ctx): State<Arc<HttpContext>>, Path((
     }
     change(&ctx, ops)?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A JSON value's type, for errors that must not repeat the value.
+fn json_type(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
 }
