@@ -34,6 +34,7 @@ import os
 import platform
 import resource
 import shutil
+import shlex
 import signal
 import socket
 import ssl
@@ -342,15 +343,14 @@ def measured(opts, broker, label, row_a=None, handshakes=None):
         if not r["disturbed"] or attempt == opts.max_tries:
             return r
         log(f"    run disturbed (other processes {r['other_cores']:.2f} cores): again")
-        broker.fresh()
 
 
 def measured_once(opts, broker, label, row_a, handshakes):
-    busy, waited = wait_quiet(opts.quiet_pct, opts.quiet_max_wait)
-    tag = f"{broker.name}-{label}"
-    res = {"label": label, "broker": broker.name, "quiet_busy_pct": round(busy, 1), "quiet_waited_s": round(waited)}
     broker.fresh()
     broker.used = True
+    busy, waited = wait_quiet(opts.quiet_pct, opts.quiet_max_wait)
+    tag = f"{broker.name}-{label}".replace(" + ", "-with-").replace(" ", "-")
+    res = {"label": label, "broker": broker.name, "quiet_busy_pct": round(busy, 1), "quiet_waited_s": round(waited)}
     pid = broker.pid()
     procs = {}
     s0, c0, t0 = stat_cpu(), cpu_ticks([pid]), time.time()
@@ -359,15 +359,15 @@ def measured_once(opts, broker, label, row_a, handshakes):
         hs_json = OUT / f"{tag}-handshakes.json"
         hs_json.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "handshakes", "--port", str(broker.tls_port), "--ca", str(opts.certs["ca"]),
-               "--rate", str(opts.hs_rate), "--seconds", str(handshakes), "--json", str(hs_json)]
-        res["handshake_command"] = " ".join(cmd[1:]).replace(str(ROOT) + "/", "")
+               "--rate", f"{opts.hs_rate:.6g}", "--seconds", str(handshakes), "--json", str(hs_json)]
+        res["handshake_command"] = shlex.join(cmd[1:]).replace(str(ROOT) + "/", "")
         procs["hs"] = (subprocess.Popen(cmd, stdout=open(OUT / f"{tag}-handshakes.txt", "w"), stderr=subprocess.STDOUT), hs_json)
     if row_a:
         tls, seconds = row_a
         a_json = OUT / f"{tag}.json"
         a_json.unlink(missing_ok=True)
         cmd = bench_cmd(opts, broker, tls, seconds, a_json)
-        res["bench_command"] = " ".join(cmd).replace(str(a_json), "FILE")
+        res["bench_command"] = shlex.join(cmd).replace(str(a_json), "FILE")
         procs["a"] = (subprocess.Popen(cmd, stdout=open(OUT / f"{tag}.txt", "w"), stderr=subprocess.STDOUT), a_json)
     longest = max(row_a[1] if row_a else 0, handshakes or 0)
     client_cpu = 0.0
@@ -589,8 +589,8 @@ def report(opts, facts, versions, rows, hs, probes, started, finished):
               "Warren from a fresh data dir every run, RabbitMQ one node for all runs (queue deleted after each). Both brokers "
               "have their TLS listener open in every run; only the client's URI differs. msg/s: consumed per second. Broker "
               "CPU: user+system of the broker process over the run (Warren's `warren`, RabbitMQ's `beam.smp`).", "",
-              "| broker | transport | msg/s, each run | mean | broker CPU, cores | broker CPU µs/msg | client CPU, cores |",
-              "|---|---|---|---|---|---|---|"]
+              "| broker | transport | msg/s, each run | mean | broker CPU, cores | broker CPU µs/msg | client CPU, cores | other processes, cores |",
+              "|---|---|---|---|---|---|---|---|"]
         ratios = []
         for b in [x for x in ("Warren", "RabbitMQ") if any(r["broker"] == x for r in rows)]:
             means = {}
@@ -604,8 +604,9 @@ def report(opts, facts, versions, rows, hs, probes, started, finished):
                 means[t] = (m, us)
                 cores = " / ".join(f"{r['broker_cores']:.2f}" for r in rs)
                 client = " / ".join(f"{r['client_cores']:.2f}" for r in rs)
+                other = " / ".join(f"{r['other_cores']:.2f}" for r in rs)
                 L.append(f"| {b} | {'amqps://' if t == 'tls' else 'amqp://'} | {each} | {k(m)} | {cores} | "
-                         f"{f'{us:.1f}' if us else '—'} | {client} |")
+                         f"{f'{us:.1f}' if us else '—'} | {client} | {other} |")
             if "plain" in means and "tls" in means and means["plain"][0] and means["tls"][0] and means["plain"][1] and means["tls"][1]:
                 (pm, pu), (tm, tu) = means["plain"], means["tls"]
                 ratios.append(f"{b}: TLS/plain msg/s {tm / pm:.2f} ({(tm / pm - 1) * 100:+.0f}%), broker CPU per message "
@@ -622,36 +623,34 @@ def report(opts, facts, versions, rows, hs, probes, started, finished):
               f"Row A alongside: over plain AMQP, on the same broker, {opts.hs_seconds} s; 'A alone' is the same "
               "run without handshakes, just before.", "",
               "| broker | run | handshakes ok / started | failed | latency p50 / p99 (TLS part p50 / p99) | row A msg/s | "
-              "broker CPU, cores | broker CPU per handshake | handshake client CPU, cores |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "broker CPU, cores | broker CPU per handshake | handshake client CPU, cores | other processes, cores |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for b in [x for x in ("Warren", "RabbitMQ") if any(r["broker"] == x for r in hs)]:
-            alone_hs = next((r for r in hs if r["broker"] == b and r["label"] == "handshakes"), None)
-            for r in [x for x in hs if x["broker"] == b]:
+            mine = [x for x in hs if x["broker"] == b]
+            a_alone = next((x for x in mine if x["label"] == "A alone"), None)
+            for r in mine:
                 h = r.get("hs")
-                hs_txt = (f"{h['ok']:,} / {h['attempted']:,} | {h['failed']:,}" + (f" ({', '.join(f'{v}× {kk}' for kk, v in h['failures'].items())})" if h['failures'] else "")
-                          + f" | {h['p50_ms']:.1f} / {h['p99_ms']:.1f} ms ({h['tls_p50_ms']:.1f} / {h['tls_p99_ms']:.1f})"
-                          if h and h["ok"] else ("— | — | —" if not h else f"0 / {h['attempted']} | {h['failed']} | —"))
-                per = ""
-                if r["label"] == "handshakes" and h and h["ok"]:
+                if not h:
+                    cells = ["—", "—", "—"] if r["label"] == "A alone" else ["client failed", "—", "—"]
+                else:
+                    fails = f"{h['failed']:,}" + (" (" + ", ".join(f"{v}× {e}" for e, v in h["failures"].items()) + ")" if h["failures"] else "")
+                    lat = (f"{h['p50_ms']:.1f} / {h['p99_ms']:.1f} ms ({h['tls_p50_ms']:.1f} / {h['tls_p99_ms']:.1f})" if h["ok"] else "—")
+                    cells = [f"{h['ok']:,} / {h['attempted']:,}", fails, lat]
+                per = "—"
+                if h and h["ok"] and r["label"] == "handshakes":
                     per = f"{r['broker_cpu_s'] * 1000 / h['ok']:.2f} ms"
-                elif r["label"] == "A + handshakes" and h and h["ok"]:
-                    base = next((x for x in hs if x["broker"] == b and x["label"] == "A alone"), None)
-                    if base and base.get("broker_us_per_msg") and r.get("a"):
-                        msgs = max(r["a"].get("consumed", 0), r["a"].get("sent", 0))
-                        extra = r["broker_cpu_s"] - base["broker_us_per_msg"] * msgs / 1e6
-                        per = f"≈{extra * 1000 / h['ok']:.2f} ms (over A's µs/msg alone)"
-                L.append(f"| {b} | {r['label']} | {hs_txt} | {k(r.get('rate')) if r.get('rate') else '—'} | {r['broker_cores']:.2f} | "
-                         f"{per or '—'} | {r['hs_client_cpu_s'] / r['wall_s']:.2f} |" if "hs_client_cpu_s" in r else
-                         f"| {b} | {r['label']} | {hs_txt} | {k(r.get('rate')) if r.get('rate') else '—'} | {r['broker_cores']:.2f} | — | — |")
-                if r["disturbed"]:
-                    L[-1] += " (disturbed)"
-            a_alone = next((r for r in hs if r["broker"] == b and r["label"] == "A alone"), None)
-            a_with = next((r for r in hs if r["broker"] == b and r["label"] == "A + handshakes"), None)
-            if a_alone and a_with and a_alone.get("rate") and a_with.get("rate"):
-                L.append(f"| {b} | row A with / without | | | | {a_with['rate'] / a_alone['rate']:.2f}× | | | |")
-            _ = alone_hs
-        L.append("")
-    L += ["Commands:", "", "```", f"python3 {' '.join([Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix() if Path(sys.argv[0]).resolve().is_relative_to(ROOT) else sys.argv[0], *sys.argv[1:]])}"]
+                elif h and h["ok"] and r.get("a") and a_alone and a_alone.get("broker_us_per_msg"):
+                    msgs = max(r["a"].get("consumed", 0), r["a"].get("sent", 0))
+                    per = f"≈{(r['broker_cpu_s'] - a_alone['broker_us_per_msg'] * msgs / 1e6) * 1000 / h['ok']:.2f} ms (¹)"
+                rate = k(r.get("rate")) if r.get("rate") else "—"
+                if r.get("rate") and a_alone and a_alone.get("rate") and r is not a_alone:
+                    rate += f" ({r['rate'] / a_alone['rate']:.2f}× alone)"
+                hc = f"{r['hs_client_cpu_s'] / r['wall_s']:.2f}" if "hs_client_cpu_s" in r else "—"
+                run = r["label"] + (" (disturbed)" if r["disturbed"] else "")
+                L.append(f"| {b} | {run} | {' | '.join(cells)} | {rate} | {r['broker_cores']:.2f} | {per} | {hc} | {r['other_cores']:.2f} |")
+        L += ["", "(¹) the broker's CPU over the run less row A's µs per message in 'A alone' times the messages of this run, per handshake.", ""]
+    me = Path(sys.argv[0]).resolve()
+    L += ["Commands:", "", "```", "python3 " + shlex.join([me.relative_to(ROOT).as_posix() if me.is_relative_to(ROOT) else sys.argv[0], *sys.argv[1:]])]
     for b, cmd in opts.server_commands.items():
         L.append(f"# {b}: {cmd}")
     if "rabbitmq_conf" in opts.__dict__:
@@ -695,8 +694,20 @@ def main():
     ap.add_argument("--quiet-max-wait", type=int, default=900)
     ap.add_argument("--disturbed-cores", type=float, default=0.3, help="CPU of other processes that makes a run count as disturbed")
     ap.add_argument("--max-tries", type=int, default=3)
+    ap.add_argument("--report-only", action="store_true", help="print the table again from the last run's results.json")
     opts = ap.parse_args()
     opts.bench_bin = opts.bench_bin or opts.warren_bin
+    if opts.report_only:
+        saved = json.loads((OUT / "results.json").read_text())
+        keep = vars(ap.parse_args(saved["argv"][1:]))  # the options of that run
+        vars(opts).update(keep, bench_bin=keep["bench_bin"] or keep["warren_bin"], certs=saved["certs"],
+                          server_commands=saved["server_commands"])
+        if saved.get("rabbitmq_conf"):
+            opts.rabbitmq_conf = saved["rabbitmq_conf"]
+        sys.argv = saved["argv"]
+        print(report(opts, saved["facts"], saved["versions"], saved["row_a"], saved["handshakes"], saved["probes"],
+                     datetime.datetime.fromisoformat(saved["started"]), datetime.datetime.fromisoformat(saved["finished"])))
+        return 0
     brokers = [b.strip().lower() for b in opts.brokers.split(",") if b.strip()]
     transports = [t.strip() for t in opts.transports.split(",") if t.strip()]
     OUT.mkdir(parents=True, exist_ok=True)
@@ -725,7 +736,9 @@ def main():
 
     def save():
         results_file.write_text(json.dumps({"started": started.isoformat(), "facts": facts, "versions": versions, "probes": probes,
-                                            "argv": sys.argv, "certs": opts.certs["kind"], "row_a": rows, "handshakes": hs}, indent=1, default=str))
+                                            "argv": sys.argv, "certs": opts.certs, "server_commands": opts.server_commands,
+                                            "rabbitmq_conf": getattr(opts, "rabbitmq_conf", None), "row_a": rows, "handshakes": hs,
+                                            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat()}, indent=1, default=str))
 
     try:
         for name in brokers:
