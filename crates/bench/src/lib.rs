@@ -13,7 +13,7 @@ mod cmq;
 mod consumer;
 mod producer;
 mod stats;
-mod tls;
+pub mod tls;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;

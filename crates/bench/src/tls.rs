@@ -14,6 +14,13 @@ static CLIENT_CONFIG: OnceLock<Arc<rustls::ClientConfig>> = OnceLock::new();
 
 /// Sets how servers are verified for the whole run: against `ca` (PEM), or not at all.
 pub fn configure(ca: Option<&std::path::Path>) -> Result<(), Error> {
+    let _ = CLIENT_CONFIG.set(client_config(ca)?);
+    Ok(())
+}
+
+/// A TLS client configuration (TLS 1.2/1.3, ring) trusting `ca` (PEM), or any certificate when
+/// none is given; `warren ctl` uses it too, always with a CA.
+pub fn client_config(ca: Option<&std::path::Path>) -> Result<Arc<rustls::ClientConfig>, Error> {
     #[allow(deprecated)] // ring, as the server (see crates/server/src/tls.rs)
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
@@ -29,8 +36,7 @@ pub fn configure(ca: Option<&std::path::Path>) -> Result<(), Error> {
         }
         None => builder.dangerous().with_custom_certificate_verifier(Arc::new(AnyCertificate(provider))).with_no_client_auth(),
     };
-    let _ = CLIENT_CONFIG.set(Arc::new(config));
-    Ok(())
+    Ok(Arc::new(config))
 }
 
 /// Opens TLS over `tcp` for `host` (the name the certificate must carry, with `--tls-ca`).

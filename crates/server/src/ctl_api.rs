@@ -6,7 +6,6 @@
 //! 127.0.0.1), the user `--user`/`--password` (`WARREN_CTL_USER`/`WARREN_CTL_PASSWORD`, default
 //! guest/guest, which the node accepts from loopback only).
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -600,27 +599,15 @@ async fn tls_connect(
     authority: &str,
     t: &Target,
 ) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
-    use rustls_pki_types::pem::PemObject;
     let ca = t.tls_ca.as_ref().ok_or_else(|| format!("{}: give --tls-ca, the CA certificates (PEM) its certificate chains to", t.url))?;
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_pki_types::CertificateDer::pem_file_iter(ca).map_err(|e| format!("--tls-ca {}: {e}", ca.display()))? {
-        let cert = cert.map_err(|e| format!("--tls-ca {}: {e}", ca.display()))?;
-        roots.add(cert).map_err(|e| format!("--tls-ca {}: {e}", ca.display()))?;
-    }
-    #[allow(deprecated)] // ring, as the server (tls.rs)
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let config = warren_bench::tls::client_config(Some(ca)).map_err(|e| e.to_string())?;
     let host = match authority.rsplit_once(':') {
         Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
         _ => authority,
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let name = rustls_pki_types::ServerName::try_from(host.to_string()).map_err(|e| format!("{}: {e}", t.url))?;
-    tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, stream).await.map_err(|e| format!("{}: TLS: {e}", t.url))
+    tokio_rustls::TlsConnector::from(config).connect(name, stream).await.map_err(|e| format!("{}: TLS: {e}", t.url))
 }
 
 #[cfg(test)]

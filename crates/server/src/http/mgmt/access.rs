@@ -47,7 +47,7 @@ fn string_field<'a>(body: &'a Value, key: &str) -> ApiResult<Option<&'a str>> {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
         // The value is not repeated: it may be a password or its hash.
-        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {}", json_type(other)))),
+        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {}", super::kind_of(other)))),
     }
 }
 
@@ -256,7 +256,7 @@ fn pattern(body: &Value, key: &str) -> ApiResult<String> {
         Some(Value::String(s)) => Ok(s.clone()),
         None => Err(ApiError::bad_request(format!("{key} is missing: a permission has configure, write and read patterns"))),
         // The value is not repeated: it may be a password or its hash.
-        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {}", json_type(other)))),
+        Some(other) => Err(ApiError::bad_request(format!("{key} must be a string, not {}", super::kind_of(other)))),
     }
 }
 
@@ -358,14 +358,3 @@ pub async fn delete_topic_permission(State(ctx): State<Arc<HttpContext>>, Path((
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// A JSON value's type, for errors that must not repeat the value.
-fn json_type(value: &Value) -> &'static str {
-    match value {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}

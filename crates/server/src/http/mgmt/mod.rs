@@ -145,7 +145,8 @@ pub fn body_object(bytes: &[u8]) -> ApiResult<Value> {
     }
 }
 
-fn kind_of(v: &Value) -> &'static str {
+/// A JSON value's type, for errors that must not repeat the value (it may be a password or a hash).
+pub(super) fn kind_of(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
