@@ -175,3 +175,19 @@ def test_users_vhosts_and_permissions_as_rabbitmqctl_names_them(broker, name):
     assert f"no user '{name}'" in ctl(broker, "delete-user", name, check=False).stderr
     ctl(broker, "delete-vhost", vhost)
     assert vhost not in [v["name"] for v in json.loads(ctl(broker, "list", "vhosts", "--json").stdout)]
+
+
+def test_a_password_left_off_the_command_line_is_read_from_stdin(broker, name):
+    # As rabbitmqctl: what is on a command line is visible to every user in `ps`.
+    ctl(broker, "add-user", name, "--tags", "management", stdin="from stdin pw\n")
+    try:
+        assert requests.get(f"http://127.0.0.1:{broker.http_port}/api/whoami", auth=(name, "from stdin pw"), timeout=10).status_code == 200
+        ctl(broker, "change-password", name, stdin="second\r\n")
+        assert requests.get(f"http://127.0.0.1:{broker.http_port}/api/whoami", auth=(name, "second"), timeout=10).status_code == 200
+        assert requests.get(f"http://127.0.0.1:{broker.http_port}/api/whoami", auth=(name, "from stdin pw"), timeout=10).status_code == 401
+        # Nothing on stdin changes nothing and says why.
+        refused = ctl(broker, "change-password", name, check=False, stdin="")
+        assert refused.returncode != 0 and "standard input" in refused.stderr, refused.stderr
+        assert requests.get(f"http://127.0.0.1:{broker.http_port}/api/whoami", auth=(name, "second"), timeout=10).status_code == 200
+    finally:
+        ctl(broker, "delete-user", name, check=False)

@@ -309,3 +309,20 @@ def test_a_permission_with_an_invalid_regex_refuses_the_file_with_400_naming_the
         if u["name"] != "guest":
             assert get(broker, f"/users/{q(u['name'])}").status_code == 404, u["name"]
     assert get(broker, "/vhosts/shop").status_code == 404
+
+
+@pytest.mark.warren_only
+@pytest.mark.parametrize("key,value", [("password_hash", 12345), ("password_hash", ["x"]), ("password", 7), ("hashing_algorithm", {"a": 1})])
+def test_a_user_whose_hash_or_password_is_not_a_string_refuses_the_file(broker, key, value):
+    # Once read as "no password" (a user without password login made from a broken file): now the
+    # file is refused, naming the field and not repeating the value (it may be a secret).
+    defs = fixture_defs()
+    bad = copy.deepcopy(defs)
+    bad["users"][-1][key] = value
+    r = post_definitions(broker, bad)
+    assert r.status_code == 400, (r.status_code, r.text)
+    reason = r.json()["reason"]
+    assert key in reason and "must be a string" in reason and "12345" not in reason, reason
+    for u in defs["users"]:
+        if u["name"] != "guest":
+            assert get(broker, f"/users/{q(u['name'])}").status_code == 404, u["name"]

@@ -570,10 +570,6 @@ def report(w, role, table, lines):
 @pytest.mark.parametrize("role", list(ROLES))
 def test_management_api_by_tag(world, role):
     lines = mismatches(world, role, TABLE)
-    if lines and not EXTERNAL and role != "no-tags":
-        # The spec of what is left, not a pass: Warren gives a non-administrator only /api/whoami
-        # and /api/overview until the scopes of security-plan step 5 land (then this xfail goes).
-        pytest.xfail("tag scopes: security-plan step 5, not yet in Warren:\n" + report(world, role, TABLE, lines))
     if lines:
         pytest.fail(report(world, role, TABLE, lines), pytrace=False)
 

@@ -311,9 +311,18 @@ impl Broker {
     }
 
     /// Checks a user name and password; the answer does not say which of the two was wrong, and
-    /// an unknown name takes as long as a known one.
+    /// an unknown name takes as long as a known one. In a cluster a refusal is given only after a
+    /// metadata read barrier (`Metadata::catch_up`): a user added or a password changed through
+    /// another node a moment ago works here at once. Failed logins are throttled before they get
+    /// here (`login_guard`), and concurrent misses share one barrier.
     pub fn authenticate(&self, name: &str, password: &str) -> Option<Arc<User>> {
-        self.users().authenticate(name, password)
+        self.users().authenticate(name, password).or_else(|| self.caught_up().then(|| self.users().authenticate(name, password)).flatten())
+    }
+
+    /// In a cluster, waits for a metadata read barrier before a "no": true if the caller should
+    /// look again.
+    fn caught_up(&self) -> bool {
+        self.metadata.is_replicated() && self.metadata.catch_up()
     }
 
     /// The user a signed request (CMQ's HMAC signature, `SecretId`) acts as, and its key.
@@ -321,9 +330,11 @@ impl Broker {
         self.users().signing_key(secret_id)
     }
 
-    /// Whether a user may use a vhost: it exists and the user has a permission on it.
+    /// Whether a user may use a vhost: it exists and the user has a permission on it (in a
+    /// cluster, a "no" after a read barrier, as `authenticate`).
     pub fn can_access(&self, user: &User, vhost: &str) -> bool {
-        self.vhost(vhost).is_some() && self.users().permission(&user.name, vhost).is_some()
+        let allowed = || self.vhost(vhost).is_some() && self.users().permission(&user.name, vhost).is_some();
+        allowed() || (self.caught_up() && allowed())
     }
 
     /// The declared vhosts, sorted by name, with their limits.

@@ -80,9 +80,11 @@ pub enum ApiCommand {
     /// Creates a user (rabbitmqctl add_user); its password is hashed by the node
     AddUser {
         name: String,
-        /// (Not `password`: that is the global --password this command logs in with.)
+        /// Omitted: read from the first line of standard input, as rabbitmqctl (a password given
+        /// here is visible to other users in `ps`). Not `password`: that is the global --password
+        /// this command logs in with.
         #[arg(value_name = "PASSWORD")]
-        new_password: String,
+        new_password: Option<String>,
         /// Comma-separated: administrator, monitoring, policymaker, management
         #[arg(long, default_value = "")]
         tags: String,
@@ -92,8 +94,9 @@ pub enum ApiCommand {
     /// Sets a user's password, keeping its tags
     ChangePassword {
         name: String,
+        /// Omitted: read from the first line of standard input, as rabbitmqctl
         #[arg(value_name = "PASSWORD")]
-        new_password: String,
+        new_password: Option<String>,
     },
     /// Sets a user's tags, keeping its password (none: no tags)
     SetUserTags { name: String, tags: Vec<String> },
@@ -415,7 +418,8 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
             }
             Ok(if answer["routed"] == true { "message published".into() } else { "message published but not routed: no queue took it".into() })
         }
-        ApiCommand::AddUser { name, new_password: password, tags } => {
+        ApiCommand::AddUser { name, new_password, tags } => {
+            let password = password_or_stdin(new_password.as_deref())?;
             if get_optional(t, &format!("/api/users/{}", seg(name))).await?.is_some() {
                 return Err(format!("user '{name}' already exists (change-password or set-user-tags change it)"));
             }
@@ -426,7 +430,8 @@ async fn execute(command: &ApiCommand, t: &Target, as_json: bool) -> Result<Stri
             request(t, "DELETE", &format!("/api/users/{}", seg(name)), None).await?;
             Ok(format!("user deleted: {name}"))
         }
-        ApiCommand::ChangePassword { name, new_password: password } => {
+        ApiCommand::ChangePassword { name, new_password } => {
+            let password = password_or_stdin(new_password.as_deref())?;
             let user = request(t, "GET", &format!("/api/users/{}", seg(name)), None).await?;
             request(t, "PUT", &format!("/api/users/{}", seg(name)), Some(json!({"password": password, "tags": user["tags"]}))).await?;
             Ok(format!("password changed: {name}"))
@@ -538,6 +543,21 @@ async fn get_optional(t: &Target, path: &str) -> Result<Option<Value>, String> {
         Err(e) if e.contains("(HTTP 404 to GET") => Ok(None),
         Err(e) => Err(e),
     }
+}
+
+/// A password given on the command line, or the first line of standard input (without its line
+/// end), as rabbitmqctl reads one it was not given.
+fn password_or_stdin(given: Option<&str>) -> Result<String, String> {
+    if let Some(p) = given {
+        return Ok(p.to_owned());
+    }
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).map_err(|e| format!("cannot read the password from standard input: {e}"))?;
+    let password = line.strip_suffix('\n').map(|l| l.strip_suffix('\r').unwrap_or(l)).unwrap_or(&line);
+    if password.is_empty() {
+        return Err("no password: give it after the user name or on the first line of standard input".into());
+    }
+    Ok(password.to_owned())
 }
 
 async fn request(t: &Target, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {

@@ -199,6 +199,13 @@ fn escaped(bytes: &[u8], i: usize) -> bool {
     bytes[..i].iter().rev().take_while(|b| **b == b'\\').count() % 2 == 1
 }
 
+/// A topic permission's pattern as checked for `user` in `vhost`: `{username}` and `{vhost}`
+/// expanded (each matching itself only), compiled. None when the expansion made it invalid: it
+/// grants nothing.
+pub fn topic_pattern(pattern: &str, user: &str, vhost: &str) -> Option<regex::Regex> {
+    compile("topic", &pattern.replace("{username}", &escape(user)).replace("{vhost}", &escape(vhost))).ok()
+}
+
 /// `s` as a pattern matching itself (topic permissions' `{username}` and `{vhost}`).
 pub fn escape(s: &str) -> String {
     regex::escape(s)

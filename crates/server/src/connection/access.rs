@@ -57,11 +57,7 @@ struct TopicPatterns {
 
 impl TopicPatterns {
     fn compile(p: &TopicPermissionDef, conn: &ConnectionShared) -> TopicPatterns {
-        use warren_broker::auth::defs::{compile, escape};
-        let expand = |pattern: &str| {
-            let expanded = pattern.replace("{username}", &escape(&conn.user.name)).replace("{vhost}", &escape(&conn.vhost.name));
-            compile("topic", &expanded).ok()
-        };
+        let expand = |pattern: &str| warren_broker::auth::defs::topic_pattern(pattern, &conn.user.name, &conn.vhost.name);
         TopicPatterns { exchange: p.exchange.clone(), write: expand(&p.write), read: expand(&p.read) }
     }
 }

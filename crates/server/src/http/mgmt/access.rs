@@ -2,7 +2,7 @@
 //! `/api/users`, `/api/vhosts/{v}` (PUT, DELETE), `/api/permissions`, `/api/topic-permissions`.
 //! A change is recorded through the broker (`Broker::change_auth`: the metadata log, or the
 //! cluster's metadata group, so it holds on every node at once); a password is hashed here and
-//! only its hash goes further. Administrators only (`super::require_administrator`).
+//! only its hash goes further. Administrators only (`scope::administrators`), but for the vhost limits, which anyone sees of the vhosts it may see.
 
 use std::sync::Arc;
 
@@ -16,6 +16,7 @@ use warren_broker::auth::{Algorithm, PasswordHash};
 use warren_broker::metadata::Op;
 use warren_broker::AuthChangeError;
 
+use super::scope::Scope;
 use super::{body_object, Params};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ApiResult};
@@ -177,15 +178,20 @@ fn limits_json(vhost: &str, limits: &VHostLimits) -> Value {
 }
 
 /// GET /api/vhost-limits[/{vhost}]: the vhosts that have limits, as RabbitMQ lists them.
-pub async fn vhost_limits(State(ctx): State<Arc<HttpContext>>, vhost: Option<Path<String>>) -> ApiResult<Json<Value>> {
+/// Every vhost's for administrator and monitoring, the others' of the vhosts they have a
+/// permission in (RabbitMQ's "vhost visible").
+pub async fn vhost_limits(State(ctx): State<Arc<HttpContext>>, scope: Scope, vhost: Option<Path<String>>) -> ApiResult<Json<Value>> {
     if let Some(Path(v)) = &vhost {
         super::vhost(&ctx, v)?;
+        if !scope.sees_vhost(v) {
+            return Err(ApiError::not_authorised("User not authorised to access virtual host"));
+        }
     }
     let items: Vec<Value> = ctx
         .broker
         .vhost_defs()
         .iter()
-        .filter(|(d, l)| *l != VHostLimits::default() && vhost.as_ref().is_none_or(|Path(v)| *v == d.name))
+        .filter(|(d, l)| *l != VHostLimits::default() && vhost.as_ref().is_none_or(|Path(v)| *v == d.name) && scope.sees_vhost(&d.name))
         .map(|(d, l)| limits_json(&d.name, l))
         .collect();
     Ok(Json(Value::Array(items)))

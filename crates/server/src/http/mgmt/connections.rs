@@ -12,7 +12,8 @@ use serde_json::{json, Value};
 use crate::classic_home::RELAY_CONNECTION;
 use crate::http::list;
 use super::peers::{self, Query as PeerQuery};
-use super::{vhost, Params};
+use super::scope::Scope;
+use super::Params;
 use crate::connection::registry::ConnectionInfo;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::fields;
@@ -55,6 +56,11 @@ pub(super) fn local_connections(ctx: &HttpContext) -> Vec<Value> {
     ctx.connections.list().iter().map(|c| connection_json(ctx, c)).collect()
 }
 
+/// The user a connection, channel or consumer (`channel_details`) of a list belongs to.
+fn owner(item: &Value) -> &str {
+    item.get("user").or_else(|| item["channel_details"].get("user")).and_then(Value::as_str).unwrap_or("")
+}
+
 /// Every node's connections (`peers`), those of `vhost` only if given.
 async fn connections_of(ctx: &HttpContext, vhost: Option<&str>) -> Vec<Value> {
     let mut items = peers::everywhere(ctx, PeerQuery::Connections).await;
@@ -62,13 +68,26 @@ async fn connections_of(ctx: &HttpContext, vhost: Option<&str>) -> Vec<Value> {
     items
 }
 
-pub async fn connections(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(connections_of(&ctx, None).await, &query)
+/// The user's own connections, channels or consumers among `items` (all of them for monitors).
+fn visible(scope: &Scope, mut items: Vec<Value>) -> Vec<Value> {
+    items.retain(|c| scope.sees_owner(owner(c)));
+    items
 }
 
-pub async fn vhost_connections(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    vhost(&ctx, &name)?;
-    list::answer(connections_of(&ctx, Some(&name)).await, &query)
+pub async fn connections(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(visible(&scope, connections_of(&ctx, None).await), &query)
+}
+
+pub async fn vhost_connections(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    scope.vhost(&ctx, &name)?;
+    list::answer(visible(&scope, connections_of(&ctx, Some(&name)).await), &query)
+}
+
+/// The user's own connections and channels (the overview's counts for a non-monitor).
+pub(super) async fn own_totals(ctx: &HttpContext, scope: &Scope) -> (usize, usize) {
+    let connections = visible(scope, connections_of(ctx, None).await).len();
+    let channels = visible(scope, peers::everywhere(ctx, PeerQuery::Channels).await).len();
+    (connections, channels)
 }
 
 /// Connection `name` on any node.
@@ -83,8 +102,10 @@ async fn find(ctx: &HttpContext, name: &str) -> ApiResult<Value> {
         .ok_or_else(|| ApiError::not_found(format!("no connection '{name}' on any node that answered")))
 }
 
-pub async fn connection(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<Json<Value>> {
-    Ok(Json(find(&ctx, &name).await?))
+pub async fn connection(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(name): Path<String>) -> ApiResult<Json<Value>> {
+    let c = find(&ctx, &name).await?;
+    scope.may_see(owner(&c))?;
+    Ok(Json(c))
 }
 
 /// Closes connection `name` if it is this node's; whether it was.
@@ -97,7 +118,9 @@ pub(super) fn close_local(ctx: &HttpContext, name: &str, reason: &str) -> bool {
 
 /// DELETE: closes the connection, on whichever node has it, with connection.close 320
 /// (CONNECTION_FORCED); the reason is the `X-Reason` header if given, as RabbitMQ's.
-pub async fn close_connection(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, headers: HeaderMap) -> ApiResult<StatusCode> {
+pub async fn close_connection(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(name): Path<String>, headers: HeaderMap) -> ApiResult<StatusCode> {
+    let c = find(&ctx, &name).await?;
+    scope.may_close(owner(&c))?;
     let reason = headers
         .get("x-reason")
         .and_then(|v| v.to_str().ok())
@@ -137,17 +160,18 @@ async fn channels_of(ctx: &HttpContext, keep: impl Fn(&Value) -> bool) -> Vec<Va
     items
 }
 
-pub async fn channels(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(channels_of(&ctx, |_| true).await, &query)
+pub async fn channels(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(visible(&scope, channels_of(&ctx, |_| true).await), &query)
 }
 
-pub async fn vhost_channels(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    vhost(&ctx, &name)?;
-    list::answer(channels_of(&ctx, |c| c["vhost"] == name.as_str()).await, &query)
+pub async fn vhost_channels(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    scope.vhost(&ctx, &name)?;
+    list::answer(visible(&scope, channels_of(&ctx, |c| c["vhost"] == name.as_str()).await), &query)
 }
 
-pub async fn connection_channels(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    find(&ctx, &name).await?;
+pub async fn connection_channels(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(name): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let c = find(&ctx, &name).await?;
+    scope.may_see(owner(&c))?;
     list::answer(channels_of(&ctx, |c| c["connection_details"]["name"] == name.as_str()).await, &query)
 }
 
@@ -189,12 +213,13 @@ pub(super) fn local_consumers(ctx: &HttpContext) -> Vec<Value> {
 }
 
 /// `/api/consumers[/{vhost}]`: every node's consumers, as RabbitMQ lists them.
-pub async fn consumers(State(ctx): State<Arc<HttpContext>>, vhost_name: Option<Path<String>>, Query(query): Params) -> ApiResult<Json<Value>> {
+/// Administrator and monitoring see everyone's, the others those of their own channels.
+pub async fn consumers(State(ctx): State<Arc<HttpContext>>, scope: Scope, vhost_name: Option<Path<String>>, Query(query): Params) -> ApiResult<Json<Value>> {
     let only = vhost_name.map(|Path(v)| v);
     if let Some(name) = &only {
-        vhost(&ctx, name)?;
+        scope.vhost(&ctx, name)?;
     }
     let mut items = peers::everywhere(&ctx, PeerQuery::Consumers).await;
     items.retain(|c| only.as_deref().is_none_or(|v| c["queue"]["vhost"] == v));
-    list::answer(items, &query)
+    list::answer(visible(&scope, items), &query)
 }

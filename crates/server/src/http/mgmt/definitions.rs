@@ -121,6 +121,17 @@ fn text<'a>(item: &'a Value, key: &str, what: &str) -> ApiResult<&'a str> {
     item.get(key).and_then(Value::as_str).ok_or_else(|| ApiError::bad_request(format!("{what} has no {key}")))
 }
 
+/// An optional string field: absent or null is None; any other type is refused, without repeating
+/// the value (it may be a password or a hash: a user given a number for a hash must not become a
+/// user without a password).
+fn optional_text<'a>(item: &'a Value, key: &str, what: &str) -> ApiResult<Option<&'a str>> {
+    match item.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(other) => Err(ApiError::bad_request(format!("{what}: {key} must be a string, not {}", super::kind_of(other)))),
+    }
+}
+
 /// The users, vhosts, permissions, topic permissions and vhost limits of a definitions file, as
 /// metadata ops in RabbitMQ's import order, every one checked.
 fn auth_ops(ctx: &HttpContext, defs: &Value, importer: &str) -> ApiResult<Vec<Op>> {
@@ -128,16 +139,17 @@ fn auth_ops(ctx: &HttpContext, defs: &Value, importer: &str) -> ApiResult<Vec<Op
     for (i, u) in list(defs, "users")?.iter().enumerate() {
         let what = format!("users[{i}]");
         let name = text(u, "name", &what)?.to_string();
-        let algorithm = u.get("hashing_algorithm").and_then(Value::as_str).unwrap_or(Algorithm::Sha256.rabbitmq_name()).to_string();
-        let password_hash = match (u.get("password_hash").and_then(Value::as_str), u.get("password").and_then(Value::as_str)) {
+        let what = format!("{what} ({name})");
+        let algorithm = optional_text(u, "hashing_algorithm", &what)?.unwrap_or(Algorithm::Sha256.rabbitmq_name()).to_string();
+        let password_hash = match (optional_text(u, "password_hash", &what)?, optional_text(u, "password", &what)?) {
             (Some(hash), _) => hash.to_string(),
             (None, Some(password)) => PasswordHash::new(Algorithm::from_rabbitmq_name(&algorithm)?, password).to_rabbitmq().0,
             (None, None) => String::new(),
         };
-        let tags = defs::parse_tags(u.get("tags").unwrap_or(&Value::Null)).map_err(|e| format!("{what} ({name}): {e}"))?;
+        let tags = defs::parse_tags(u.get("tags").unwrap_or(&Value::Null)).map_err(|e| format!("{what}: {e}"))?;
         let limits = u.get("limits").cloned().filter(|l| l.as_object().is_some_and(|o| !o.is_empty())).unwrap_or(Value::Null);
         let user = UserDef { name: name.clone(), password_hash, hashing_algorithm: algorithm, tags, limits };
-        user.check().map_err(|e| format!("{what} ({name}): {e}"))?;
+        user.check().map_err(|e| format!("{what}: {e}"))?;
         ops.push(Op::UserPut { user });
     }
     for (i, v) in list(defs, "vhosts")?.iter().enumerate() {

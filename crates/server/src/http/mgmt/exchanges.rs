@@ -19,7 +19,9 @@ use warren_protocol::properties::BasicProperties;
 
 use super::queues::{check_name, API_CONNECTION, MAX_NAME_BYTES};
 use crate::http::list;
-use super::{body_object, flag, vhost, Params};
+use super::scope::{Resource, Scope};
+use super::{body_object, flag, Params};
+use warren_broker::auth::Perm;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::fields;
 use crate::http::HttpContext;
@@ -53,9 +55,9 @@ fn exchange_json(v: &VHost, e: &Exchange) -> Value {
     })
 }
 
-fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
+fn list_of(ctx: &HttpContext, scope: &Scope, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
     let mut items = Vec::new();
-    for v in super::vhosts(ctx, vhost_name)? {
+    for v in scope.vhosts(ctx, vhost_name)? {
         let mut exchanges = v.exchanges();
         exchanges.sort_by(|a, b| a.name.cmp(&b.name));
         items.extend(exchanges.iter().map(|e| exchange_json(&v, e)));
@@ -63,26 +65,27 @@ fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>>
     Ok(items)
 }
 
-pub async fn list_all(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(list_of(&ctx, None)?, &query)
+pub async fn list_all(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(list_of(&ctx, &scope, None)?, &query)
 }
 
-pub async fn list_vhost(State(ctx): State<Arc<HttpContext>>, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(list_of(&ctx, Some(&vhost))?, &query)
+pub async fn list_vhost(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(list_of(&ctx, &scope, Some(&vhost))?, &query)
 }
 
 fn find(v: &VHost, name: &str) -> ApiResult<Arc<Exchange>> {
     v.exchange(real_name(name)).map_err(|_| ApiError::not_found(format!("no exchange '{name}' in vhost '{}'", v.name)))
 }
 
-pub async fn show(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn show(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     Ok(Json(exchange_json(&v, &*find(&v, &name)?)))
 }
 
-pub async fn declare(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn declare(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     check_name("exchange", &name)?;
+    scope.check(&v.name, Perm::Configure, Resource::Exchange, &name)?;
     let body = body_object(&body)?;
     let kind = body.get("type").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request("type is required: direct, fanout, topic or headers"))?;
     let arguments = fields::table_from_json(body.get("arguments").unwrap_or(&Value::Null), "arguments")?;
@@ -99,8 +102,9 @@ pub async fn declare(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name
     Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
 }
 
-pub async fn delete(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<StatusCode> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn delete(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<StatusCode> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
+    scope.check(&v.name, Perm::Configure, Resource::Exchange, real_name(&name))?;
     find(&v, &name)?;
     v.exchange_delete(real_name(&name), query.get("if-unused").is_some_and(|s| s == "true"))?;
     Ok(StatusCode::NO_CONTENT)
@@ -110,8 +114,11 @@ pub async fn delete(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)
 /// answers `{"routed": bool}` once the message is durable in the classic queues it reached (a
 /// quorum queue takes it as from a publisher without confirms: use AMQP or CMQ's SendMessage to
 /// know it is committed).
-pub async fn publish(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn publish(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
+    // As basic.publish, as the user: write on the exchange (the topic permission on the routing
+    // key is checked below, once the key is read).
+    scope.check_amqp(&v.name, Perm::Write, Resource::Exchange, real_name(&name)).map_err(|r| r.bad_request())?;
     // As AMQP publishers are blocked while a resource alarm is raised, so is this.
     let alarms = *ctx.alarms.borrow();
     if alarms.blocks_publishers() {
@@ -120,6 +127,9 @@ pub async fn publish(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name
     let body = body_object(&body)?;
     let routing_key = body.get("routing_key").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request("routing_key is required (a string)"))?;
     check_name("routing key", routing_key)?;
+    if let Ok(exchange) = v.exchange(real_name(&name)) {
+        scope.check_topic_write(&v.name, &exchange.name, exchange.kind, routing_key).map_err(|r| r.bad_request())?;
+    }
     let payload = body.get("payload").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request("payload is required (a string)"))?;
     let payload: Vec<u8> = match body.get("payload_encoding").and_then(Value::as_str).unwrap_or("string") {
         "string" => payload.as_bytes().to_vec(),
@@ -243,27 +253,27 @@ pub fn bindings_of(v: &VHost) -> Vec<Value> {
     out
 }
 
-fn bindings_in(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
-    Ok(super::vhosts(ctx, vhost_name)?.iter().flat_map(|v| bindings_of(v)).collect())
+fn bindings_in(ctx: &HttpContext, scope: &Scope, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
+    Ok(scope.vhosts(ctx, vhost_name)?.iter().flat_map(|v| bindings_of(v)).collect())
 }
 
-pub async fn bindings_all(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(bindings_in(&ctx, None)?, &query)
+pub async fn bindings_all(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(bindings_in(&ctx, &scope, None)?, &query)
 }
 
-pub async fn bindings_vhost(State(ctx): State<Arc<HttpContext>>, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(bindings_in(&ctx, Some(&vhost))?, &query)
+pub async fn bindings_vhost(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(bindings_in(&ctx, &scope, Some(&vhost))?, &query)
 }
 
-pub async fn bindings_from(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn bindings_from(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     find(&v, &name)?;
     let source = real_name(&name);
     list::answer(bindings_of(&v).into_iter().filter(|b| b["source"] == source).collect(), &query)
 }
 
-pub async fn bindings_to(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn bindings_to(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     find(&v, &name)?;
     list::answer(bindings_of(&v).into_iter().filter(|b| b["destination"] == name.as_str() && b["destination_type"] == "exchange").collect(), &query)
 }
@@ -290,20 +300,30 @@ fn between(v: &VHost, source: &str, kind: &str, destination: &str) -> ApiResult<
 
 pub async fn bindings_between(
     State(ctx): State<Arc<HttpContext>>,
+    scope: Scope,
     Path((vhost_name, source, kind, destination)): Path<(String, String, String, String)>,
     Query(query): Params,
 ) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+    let v = scope.vhost(&ctx, &vhost_name)?;
     list::answer(between(&v, &source, &kind, &destination)?, &query)
+}
+
+/// queue.bind's and exchange.bind's permissions (and their unbinds'): write on the destination,
+/// read on the source.
+fn check_bind(scope: &Scope, v: &VHost, source: &str, dtype: &str, destination: &str) -> ApiResult<()> {
+    let kind = if dtype == "queue" { Resource::Queue } else { Resource::Exchange };
+    scope.check(&v.name, Perm::Write, kind, destination)?;
+    scope.check(&v.name, Perm::Read, Resource::Exchange, real_name(source))
 }
 
 /// POST: adds a binding (`{"routing_key", "arguments"}`), 201 with its path in `Location`.
 pub async fn bind(
     State(ctx): State<Arc<HttpContext>>,
+    scope: Scope,
     Path((vhost_name, source, kind, destination)): Path<(String, String, String, String)>,
     body: Bytes,
 ) -> ApiResult<Response> {
-    let v = vhost(&ctx, &vhost_name)?;
+    let v = scope.vhost(&ctx, &vhost_name)?;
     let dtype = destination_type(&kind)?;
     if real_name(&source).is_empty() {
         return Err(ApiError::bad_request("the default exchange's bindings are implicit: it routes to the queue its routing key names"));
@@ -315,6 +335,7 @@ pub async fn bind(
         Some(other) => return Err(ApiError::bad_request(format!("routing_key must be a string, not {other}"))),
     };
     check_name("routing key", routing_key)?;
+    check_bind(&scope, &v, &source, dtype, &destination)?;
     let arguments = fields::table_from_json(body.get("arguments").unwrap_or(&Value::Null), "arguments")?;
     match dtype {
         "queue" => v.queue_bind(&destination, &source, routing_key, &arguments, API_CONNECTION)?,
@@ -330,9 +351,10 @@ pub async fn bind(
 
 pub async fn binding(
     State(ctx): State<Arc<HttpContext>>,
+    scope: Scope,
     Path((vhost_name, source, kind, destination, props)): Path<(String, String, String, String, String)>,
 ) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+    let v = scope.vhost(&ctx, &vhost_name)?;
     between(&v, &source, &kind, &destination)?
         .into_iter()
         .find(|b| b["properties_key"] == props.as_str())
@@ -342,15 +364,17 @@ pub async fn binding(
 
 pub async fn unbind(
     State(ctx): State<Arc<HttpContext>>,
+    scope: Scope,
     Path((vhost_name, source, kind, destination, props)): Path<(String, String, String, String, String)>,
 ) -> ApiResult<StatusCode> {
-    let v = vhost(&ctx, &vhost_name)?;
+    let v = scope.vhost(&ctx, &vhost_name)?;
     let exchange = find(&v, &source)?;
     let dtype = destination_type(&kind)?;
     let found = exchange.bindings().into_iter().find(|b| {
         b.destination.is_queue() == (dtype == "queue") && b.destination.name() == destination && properties_key(&b.routing_key, &b.arguments) == props
     });
     let Some(b) = found else { return Err(ApiError::not_found(format!("no binding '{props}' from '{source}' to '{destination}'"))) };
+    check_bind(&scope, &v, &source, dtype, &destination)?;
     match &b.destination {
         Destination::Queue(_) => v.queue_unbind(&destination, &exchange.name, &b.routing_key, &b.arguments, API_CONNECTION)?,
         Destination::Exchange(_) => v.exchange_unbind(&destination, &exchange.name, &b.routing_key, &b.arguments)?,

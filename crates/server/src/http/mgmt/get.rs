@@ -18,7 +18,9 @@ use warren_broker::{Channel, ClientSink, MessageRef, Settle};
 use warren_protocol::properties::BasicProperties;
 
 use super::queues::API_CONNECTION;
-use super::{body_object, vhost};
+use super::body_object;
+use super::scope::{Resource, Scope};
+use warren_broker::auth::Perm;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::fields;
 use crate::http::{durable_within, get_ready, HttpContext};
@@ -44,8 +46,10 @@ impl ClientSink for Collected {
     }
 }
 
-pub async fn get(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn get(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
+    // basic.get, as the user: read on the queue.
+    scope.check_amqp(&v.name, Perm::Read, Resource::Queue, &name).map_err(|r| r.not_authorised())?;
     let queue = v.queue_any(&name).filter(|q| !q.is_deleted()).ok_or_else(|| ApiError::not_found(format!("no queue '{name}' in vhost '{vhost_name}'")))?;
     if queue.exclusive_owner.is_some() {
         return Err(ApiError::bad_request(format!("queue '{name}' is exclusive to the connection that declared it")));

@@ -10,6 +10,7 @@ mod get;
 mod node;
 pub mod peers;
 pub mod queues;
+pub mod scope;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,43 +30,22 @@ pub const RABBITMQ_VERSION: &str = "3.10.8";
 
 pub type Params = Query<HashMap<String, String>>;
 
+/// The API's routes, each group behind the tag it needs (`scope`); within a group, each handler
+/// shows and does what the user's permissions allow (`scope::Scope`).
 pub fn router(ctx: Arc<HttpContext>) -> Router {
-    Router::new()
+    // Any management user (any of the four tags).
+    let management = Router::new()
         .route("/overview", get(node::overview))
         .route("/cluster-name", get(node::cluster_name))
         .route("/whoami", get(node::whoami))
-        .route("/limits", get(node::limits))
-        .route("/nodes", get(node::nodes))
-        .route("/nodes/{name}", get(node::node))
         .route("/extensions", get(node::extensions))
         .route("/vhosts", get(node::vhosts))
-        .route("/vhosts/{vhost}", get(node::vhost).put(access::put_vhost).delete(access::delete_vhost))
-        .route("/vhosts/{vhost}/permissions", get(access::vhost_permissions))
-        .route("/vhosts/{vhost}/topic-permissions", get(access::vhost_topic_permissions))
         .route("/vhosts/{vhost}/connections", get(connections::vhost_connections))
         .route("/vhosts/{vhost}/channels", get(connections::vhost_channels))
-        .route("/users", get(access::users))
-        .route("/users/bulk-delete", post(access::bulk_delete_users))
-        .route("/users/{user}", get(access::user).put(access::put_user).delete(access::delete_user))
-        .route("/users/{user}/permissions", get(access::user_permissions))
-        .route("/users/{user}/topic-permissions", get(access::user_topic_permissions))
-        .route("/users/{user}/signing-keys/{secret_id}", axum::routing::put(access::put_signing_key))
-        .route("/permissions", get(access::permissions))
-        .route("/permissions/{vhost}/{user}", get(access::permission).put(access::put_permission).delete(access::delete_permission))
-        .route("/topic-permissions", get(access::topic_permissions))
-        .route(
-            "/topic-permissions/{vhost}/{user}",
-            get(access::topic_permission).put(access::put_topic_permission).delete(access::delete_topic_permission),
-        )
-        .route("/policies", get(node::empty_list))
-        .route("/policies/{vhost}", get(node::empty_list))
-        .route("/operator-policies", get(node::empty_list))
-        .route("/parameters", get(node::empty_list))
-        .route("/global-parameters", get(node::empty_list))
+        .route("/policies", get(node::policies))
+        .route("/policies/{vhost}", get(node::policies))
         .route("/vhost-limits", get(access::vhost_limits))
         .route("/vhost-limits/{vhost}", get(access::vhost_limits))
-        .route("/vhost-limits/{vhost}/{name}", axum::routing::put(access::put_vhost_limit).delete(access::delete_vhost_limit))
-        .route("/feature-flags", get(node::empty_list))
         .route("/healthchecks/node", get(node::healthcheck))
         .route("/health/checks/alarms", get(node::alarms_check))
         .route("/health/checks/local-alarms", get(node::alarms_check))
@@ -97,9 +77,41 @@ pub fn router(ctx: Arc<HttpContext>) -> Router {
         .route("/bindings", get(exchanges::bindings_all))
         .route("/bindings/{vhost}", get(exchanges::bindings_vhost))
         .route("/bindings/{vhost}/e/{source}/{kind}/{destination}", get(exchanges::bindings_between).post(exchanges::bind))
-        .route("/bindings/{vhost}/e/{source}/{kind}/{destination}/{props}", get(exchanges::binding).delete(exchanges::unbind))
+        .route("/bindings/{vhost}/e/{source}/{kind}/{destination}/{props}", get(exchanges::binding).delete(exchanges::unbind));
+    let monitors = Router::new()
+        .route("/nodes", get(node::nodes))
+        .route("/nodes/{name}", get(node::node))
+        .route("/limits", get(node::limits))
+        .route_layer(middleware::from_fn(scope::monitors));
+    let policymakers = Router::new().route("/parameters", get(node::empty_list)).route_layer(middleware::from_fn(scope::policymakers));
+    let administrators = Router::new()
+        .route("/vhosts/{vhost}", get(node::vhost).put(access::put_vhost).delete(access::delete_vhost))
+        .route("/vhosts/{vhost}/permissions", get(access::vhost_permissions))
+        .route("/vhosts/{vhost}/topic-permissions", get(access::vhost_topic_permissions))
+        .route("/users", get(access::users))
+        .route("/users/bulk-delete", post(access::bulk_delete_users))
+        .route("/users/{user}", get(access::user).put(access::put_user).delete(access::delete_user))
+        .route("/users/{user}/permissions", get(access::user_permissions))
+        .route("/users/{user}/topic-permissions", get(access::user_topic_permissions))
+        .route("/users/{user}/signing-keys/{secret_id}", axum::routing::put(access::put_signing_key))
+        .route("/permissions", get(access::permissions))
+        .route("/permissions/{vhost}/{user}", get(access::permission).put(access::put_permission).delete(access::delete_permission))
+        .route("/topic-permissions", get(access::topic_permissions))
+        .route(
+            "/topic-permissions/{vhost}/{user}",
+            get(access::topic_permission).put(access::put_topic_permission).delete(access::delete_topic_permission),
+        )
+        .route("/vhost-limits/{vhost}/{name}", axum::routing::put(access::put_vhost_limit).delete(access::delete_vhost_limit))
+        .route("/operator-policies", get(node::empty_list))
+        .route("/global-parameters", get(node::empty_list))
+        .route("/feature-flags", get(node::empty_list))
         .route("/definitions", get(definitions::export_all).post(definitions::import_all))
         .route("/definitions/{vhost}", get(definitions::export_vhost).post(definitions::import_vhost))
+        .route_layer(middleware::from_fn(scope::administrators));
+    management
+        .merge(monitors)
+        .merge(policymakers)
+        .merge(administrators)
         .layer(middleware::from_fn_with_state(ctx.clone(), super::auth::require_user))
         .with_state(ctx)
 }

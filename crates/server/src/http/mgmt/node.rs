@@ -10,18 +10,24 @@ use serde_json::{json, Value};
 
 use crate::http::list;
 use warren_broker::auth::defs::{VHostDef, VHostLimits};
+use super::scope::{Resource, Scope};
 use super::{rate, Params, RABBITMQ_VERSION};
+use warren_broker::auth::Perm;
+
+/// The queue RabbitMQ's aliveness test declares.
+const ALIVENESS_QUEUE: &str = "aliveness-test";
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::rates::Window;
 use crate::http::HttpContext;
 
-/// Every user may do everything on every vhost until users and permissions come (issue 37): the
-/// API says so with RabbitMQ's words for it.
-
-pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> Json<Value> {
+/// The overview. For administrator and monitoring, everything's totals and the node's details;
+/// for the others, as RabbitMQ: the queues and exchanges of the vhosts they may see, their own
+/// connections and channels, no consumer count, no node, listeners or contexts.
+pub async fn overview(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
     let (mut ready, mut unacked, mut queues, mut exchanges, mut consumers) = (0u64, 0u64, 0usize, 0usize, 0u64);
-    for v in ctx.broker.vhosts() {
+    let counted = if scope.is_monitor() { super::vhosts(&ctx, None)? } else { scope.vhosts(&ctx, None)? };
+    for v in counted {
         for q in v.queues() {
             queues += 1;
             ready += q.message_count() as u64;
@@ -30,12 +36,17 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params)
         }
         exchanges += v.exchanges().len();
     }
-    let (connections, channels) = super::peers::totals(&ctx).await;
+    let (connections, channels) = if scope.is_monitor() {
+        super::peers::totals(&ctx).await
+    } else {
+        let (c, ch) = super::connections::own_totals(&ctx, &scope).await;
+        (c as u64, ch as u64)
+    };
     let listeners: Vec<Value> = listeners(&ctx);
     let [messages_details, ready_details, unacked_details] = ctx.rates.length_details(Window::from_query(&query, "lengths"));
     let exchange_types: Vec<Value> =
         ["direct", "fanout", "headers", "topic"].iter().map(|t| json!({"name": t, "description": format!("AMQP {t} exchange"), "enabled": true})).collect();
-    Json(json!({
+    let mut answer = json!({
         "management_version": RABBITMQ_VERSION,
         "rates_mode": "basic",
         "sample_retention_policies": {"global": [600, 3600, 28800, 86400], "basic": [600, 3600], "detailed": [600]},
@@ -64,7 +75,18 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, Query(query): Params)
         "listeners": listeners,
         "warren_limits": limits_json(&ctx),
         "contexts": [{"node": ctx.node_name, "description": "RabbitMQ Management", "path": "/", "port": ctx.config.http_port.to_string()}],
-    }))
+    });
+    if !scope.is_monitor() {
+        if let Some(o) = answer.as_object_mut() {
+            for key in ["node", "listeners", "contexts", "warren_limits", "statistics_db_event_queue"] {
+                o.remove(key);
+            }
+        }
+        if let Some(totals) = answer["object_totals"].as_object_mut() {
+            totals.remove("consumers");
+        }
+    }
+    Ok(Json(answer))
 }
 
 fn listeners(ctx: &HttpContext) -> Vec<Value> {
@@ -150,6 +172,15 @@ pub async fn extensions() -> Json<Value> {
 
 pub async fn empty_list() -> Json<Value> {
     Json(json!([]))
+}
+
+/// `/api/policies[/{vhost}]`: none yet (security-plan.md, step 8), but a vhost the user may not
+/// see is refused as for its other objects.
+pub async fn policies(State(ctx): State<Arc<HttpContext>>, scope: Scope, vhost: Option<Path<String>>) -> ApiResult<Json<Value>> {
+    if let Some(Path(name)) = vhost {
+        scope.vhost(&ctx, &name)?;
+    }
+    Ok(Json(json!([])))
 }
 
 /// This node as `/api/nodes` shows it, with its resources.
@@ -264,9 +295,10 @@ fn vhost_json(ctx: &HttpContext, v: &warren_broker::VHost, defs: &[(VHostDef, VH
     })
 }
 
-pub async fn vhosts(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
+/// Every vhost for administrator and monitoring; for the others, those they have a permission in.
+pub async fn vhosts(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
     let defs = ctx.broker.vhost_defs();
-    let items = super::vhosts(&ctx, None)?.iter().map(|v| vhost_json(&ctx, v, &defs)).collect();
+    let items = super::vhosts(&ctx, None)?.iter().filter(|v| scope.sees_vhost(&v.name)).map(|v| vhost_json(&ctx, v, &defs)).collect();
     list::answer(items, &query)
 }
 
@@ -316,9 +348,13 @@ pub async fn protocol_listener_check(Path(protocol): Path<String>) -> axum::resp
 }
 
 /// RabbitMQ's aliveness test: declares `aliveness-test` in the vhost, publishes to it and reads
-/// the message back. Warren checks the vhost is served and its store writes.
-pub async fn aliveness(State(ctx): State<Arc<HttpContext>>, Path(name): Path<String>) -> ApiResult<axum::response::Response> {
-    super::vhost(&ctx, &name)?;
+/// the message back, as the user. Warren checks the user's permissions for those three (as
+/// RabbitMQ's refusals say), that the vhost is served and that its store takes writes.
+pub async fn aliveness(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(name): Path<String>) -> ApiResult<axum::response::Response> {
+    let v = scope.vhost(&ctx, &name)?;
+    for (perm, what, resource) in [(Perm::Configure, Resource::Queue, ALIVENESS_QUEUE), (Perm::Write, Resource::Exchange, ""), (Perm::Read, Resource::Queue, ALIVENESS_QUEUE)] {
+        scope.check_amqp(&v.name, perm, what, resource).map_err(|r| r.not_authorised())?;
+    }
     let alarms = *ctx.alarms.borrow();
     Ok(check(alarms.disk.then(|| "the disk alarm is raised: the store takes no more messages".to_owned())))
 }

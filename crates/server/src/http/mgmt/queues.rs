@@ -14,7 +14,9 @@ use warren_broker::queue::remote::HomeStats;
 use warren_broker::{Queue, VHost};
 
 use crate::http::list;
-use super::{body_object, flag, rate, vhost, Params};
+use super::scope::{Resource, Scope};
+use super::{body_object, flag, rate, Params};
+use warren_broker::auth::Perm;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::fields;
 use crate::http::HttpContext;
@@ -151,9 +153,9 @@ fn with_home_stats(mut v: Value, stats: Option<HomeStats>) -> Value {
     v
 }
 
-async fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
+async fn list_of(ctx: &HttpContext, scope: &Scope, vhost_name: Option<&str>) -> ApiResult<Vec<Value>> {
     let mut items = Vec::new();
-    for v in super::vhosts(ctx, vhost_name)? {
+    for v in scope.vhosts(ctx, vhost_name)? {
         let mut queues: Vec<Arc<Queue>> = v.queues().into_iter().filter(|q| !q.is_deleted()).collect();
         queues.sort_by(|a, b| a.name.cmp(&b.name));
         let mut homes = home_stats(&queues).await;
@@ -165,20 +167,20 @@ async fn list_of(ctx: &HttpContext, vhost_name: Option<&str>) -> ApiResult<Vec<V
     Ok(items)
 }
 
-pub async fn list_all(State(ctx): State<Arc<HttpContext>>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(list_of(&ctx, None).await?, &query)
+pub async fn list_all(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(list_of(&ctx, &scope, None).await?, &query)
 }
 
-pub async fn list_vhost(State(ctx): State<Arc<HttpContext>>, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
-    list::answer(list_of(&ctx, Some(&vhost)).await?, &query)
+pub async fn list_vhost(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path(vhost): Path<String>, Query(query): Params) -> ApiResult<Json<Value>> {
+    list::answer(list_of(&ctx, &scope, Some(&vhost)).await?, &query)
 }
 
 fn find(v: &VHost, name: &str) -> ApiResult<Arc<Queue>> {
     v.queue_any(name).filter(|q| !q.is_deleted()).ok_or_else(|| ApiError::not_found(format!("no queue '{name}' in vhost '{}'", v.name)))
 }
 
-pub async fn show(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn show(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     let q = find(&v, &name)?;
     let mut answer = queue_json(&ctx, &v, &q);
     // A classic queue living on another node: its counts are its home's.
@@ -190,9 +192,10 @@ pub async fn show(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)):
 
 /// PUT: declares the queue (201 when new, 204 when it existed with the same properties, 400 when
 /// it exists with others, as queue.declare would refuse).
-pub async fn declare(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn declare(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     check_name("queue", &name)?;
+    scope.check(&v.name, Perm::Configure, Resource::Queue, &name)?;
     let body = body_object(&body)?;
     let durable = flag(&body, "durable", true)?;
     let auto_delete = flag(&body, "auto_delete", false)?;
@@ -208,8 +211,9 @@ pub async fn declare(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name
     Ok(if existed { StatusCode::NO_CONTENT } else { StatusCode::CREATED })
 }
 
-pub async fn delete(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<StatusCode> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn delete(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<StatusCode> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
+    scope.check(&v.name, Perm::Configure, Resource::Queue, &name)?;
     find(&v, &name)?;
     let if_unused = query.get("if-unused").is_some_and(|s| s == "true");
     let if_empty = query.get("if-empty").is_some_and(|s| s == "true");
@@ -217,8 +221,9 @@ pub async fn delete(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)
     Ok(StatusCode::NO_CONTENT)
 }
 
-pub async fn purge(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<StatusCode> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn purge(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>) -> ApiResult<StatusCode> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
+    scope.check(&v.name, Perm::Read, Resource::Queue, &name)?;
     find(&v, &name)?;
     v.queue_purge(&name, API_CONNECTION)?;
     Ok(StatusCode::NO_CONTENT)
@@ -228,10 +233,11 @@ pub async fn purge(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name))
 /// messages published since then that the queue still keeps (`x-retention-seconds`) ready again
 /// (`Queue::rewind`). 200 `{"rewound": N, "from": <publish time of the first kept message at or
 /// after "to", or null>, "to": <asked, unix ms>, "clamped": <"to" is before the oldest one kept>}`.
-pub async fn rewind(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn rewind(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, body: Bytes) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
+    // As a purge: read permission on the queue; an exclusive queue belongs to its connection.
+    scope.check(&v.name, Perm::Read, Resource::Queue, &name)?;
     find(&v, &name)?;
-    // As a purge: an exclusive queue belongs to its connection.
     let q = v.queue(&name, API_CONNECTION)?;
     let body = body_object(&body)?;
     let to = match body.get("to") {
@@ -243,8 +249,8 @@ pub async fn rewind(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)
     Ok(Json(json!({"rewound": outcome.rewound, "from": outcome.from_ms, "to": to, "clamped": outcome.clamped})))
 }
 
-pub async fn bindings(State(ctx): State<Arc<HttpContext>>, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
-    let v = vhost(&ctx, &vhost_name)?;
+pub async fn bindings(State(ctx): State<Arc<HttpContext>>, scope: Scope, Path((vhost_name, name)): Path<(String, String)>, Query(query): Params) -> ApiResult<Json<Value>> {
+    let v = scope.vhost(&ctx, &vhost_name)?;
     find(&v, &name)?;
     let items = super::exchanges::bindings_of(&v).into_iter().filter(|b| b["destination"] == name.as_str() && b["destination_type"] == "queue").collect();
     list::answer(items, &query)
