@@ -369,6 +369,34 @@ def test_a_user_made_on_node_1_logs_in_on_node_3_at_once_and_deleting_it_on_node
 # ---- vhost limits ----
 
 @pytest.mark.warren_only
+def test_a_vhost_connection_limit_counts_every_nodes_connections(cluster, name):
+    # As RabbitMQ counts its tracked connections on every node: a limit of 2 is 2 in the cluster,
+    # not 2 per node.
+    n1, n2, n3 = cluster[1], cluster[2], cluster[3]
+    vhost = name + "-lim"
+    eventually(lambda: put(n1, f"/vhosts/{q(vhost)}").status_code in (201, 204), timeout=30)
+    assert put(n2, f"/vhost-limits/{q(vhost)}/max-connections", {"value": 2}).status_code == 204
+    first, second = connect(n1, "guest", "guest", vhost), connect(n2, "guest", "guest", vhost)
+    code, text = refused(n3, "guest", "guest", vhost, ProbableAccessDeniedError)
+    assert (code, text) == (530, f"NOT_ALLOWED - access to vhost '{vhost}' refused for user 'guest': connection limit (2) is reached")
+    # One closed on node 1: node 3 takes its place, and now node 1, which has none, is refused.
+    first.close()
+
+    def open_on_3():
+        try:
+            return connect(n3, "guest", "guest", vhost)
+        except ProbableAccessDeniedError:  # node 1 has not yet let go of the closed one
+            return None
+
+    third = eventually(open_on_3, timeout=10)
+    assert refused(n1, "guest", "guest", vhost, ProbableAccessDeniedError)[0] == 530
+    second.close()
+    third.close()
+    for n in (n1, n2, n3):
+        connect(n, "guest", "guest", vhost).close()
+
+
+@pytest.mark.warren_only
 def test_vhost_limits_refuse_the_queue_and_the_connection_past_them(broker, made, name):
     vhost = name + "-lim"
     make_vhost(broker, made, vhost)

@@ -14,7 +14,7 @@ pub mod transport;
 pub mod types;
 
 pub use group::GroupRaft;
-pub use node::{ClusterNode, ClusterStatus, NodeConfig, ProposeError};
+pub use node::{ClusterNode, ClusterStatus, MemberStatus, NodeConfig, ProposeError};
 pub use types::{Command, GroupId, NodeAddr, NodeId, Reply, TypeConfig, METADATA_GROUP};
 pub use log_store::{Compaction, LogStore, LogStoreError, LogsOptions, RaftLogs, RecoveryStats, RAFT_LOG, RAFT_STATE};
 pub use machine::{GroupMachine, GroupSnapshot, SnapshotData, StateMachine};

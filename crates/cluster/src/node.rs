@@ -865,6 +865,13 @@ impl ClusterNode {
         peer == self.inner.id || self.inner.detector.is_up(peer)
     }
 
+    /// Whether `peer` is known down: it answered once and no longer does, or never did for a
+    /// while. A peer not heard from *yet* (just after a start) is not: a count that must include
+    /// every live node asks it anyway.
+    pub fn is_known_down(&self, peer: NodeId) -> bool {
+        peer != self.inner.id && self.inner.detector.is_down(peer)
+    }
+
     /// The address of a node this node knows.
     pub fn node_addr(&self, id: NodeId) -> Option<NodeAddr> {
         self.inner.addrs.read().get(&id).cloned()

@@ -227,6 +227,7 @@ pub async fn run(mut config: Config, reload: Reload) -> Result<(), Box<dyn std::
         handshakes: crate::login_guard::HandshakeSlots::new(config.max_handshakes as usize, config.max_handshakes_per_source as usize),
         logins: logins.clone(),
         tls: tls.clone(),
+        cluster: cluster.clone(),
     });
     tracing::info!("accepting AMQP 0-9-1 connections on {}", listener.local_addr()?);
     let http = crate::http::HttpContext::new(broker.clone(), config.clone(), cluster.clone(), registry.clone(), alarm_rx.clone(), limits.clone(), logins.clone(), tls.clone());

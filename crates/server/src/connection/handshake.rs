@@ -257,11 +257,14 @@ pub async fn negotiate(
             40,
         ));
     }
-    // The vhost's `max-connections`, counting this node's connections (in a cluster each node
-    // counts its own: the limit holds per node there).
+    // The vhost's `max-connections`, counting every node's connections as RabbitMQ does (those of
+    // the nodes that answer within VHOST_COUNT_WAIT; an unreachable node's are not counted).
     if let Some(max) = broker.vhost_limits(&open.virtual_host).max_connections {
-        let open_here = ctx.registry.list().iter().filter(|c| c.opened.vhost == open.virtual_host).count() as i64;
-        if open_here >= max {
+        let mut open_now = ctx.registry.count_in(&open.virtual_host) as u64;
+        if let Some(cluster) = ctx.cluster.as_ref().filter(|_| (open_now as i64) < max) {
+            open_now += crate::http::mgmt::peers::vhost_connections_elsewhere(cluster, &open.virtual_host, VHOST_COUNT_WAIT).await;
+        }
+        if open_now as i64 >= max {
             tracing::warn!(%peer, vhost = %open.virtual_host, max, "connection refused: the vhost's connection limit is reached");
             return Err(ConnError::new(
                 c::NOT_ALLOWED,
@@ -283,6 +286,9 @@ pub async fn negotiate(
     send(socket, 0, Method::ConnectionOpenOk(ConnectionOpenOk { reserved_1: String::new() })).await?;
     Ok(Negotiated { slot, user, vhost, frame_max, channel_max, heartbeat, consumer_cancel_notify, connection_blocked, client_name, client_properties: start_ok.client_properties, auth_mechanism: start_ok.mechanism })
 }
+
+/// How long a connection to a vhost with `max-connections` waits for the other nodes' counts.
+const VHOST_COUNT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 fn unexpected(got: &Method, wanted: &str) -> ConnError {
     ConnError::new(

@@ -59,6 +59,8 @@ pub struct ServerContext {
     pub logins: Arc<crate::login_guard::LoginGuard>,
     /// The AMQPS listener's TLS configuration (none without `tls-cert` and `tls-key`).
     pub tls: Option<Arc<crate::tls::Tls>>,
+    /// A cluster member's node: a vhost's `max-connections` counts every node's connections.
+    pub cluster: Option<warren_cluster::ClusterNode>,
 }
 
 /// Counts open connections (those past connection.open) against `max-connections` (0: no limit).

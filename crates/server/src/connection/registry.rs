@@ -111,6 +111,11 @@ impl ConnectionRegistry {
         self.state.lock().open.len()
     }
 
+    /// How many open connections are to `vhost`.
+    pub fn count_in(&self, vhost: &str) -> usize {
+        self.state.lock().open.values().filter(|c| c.opened.vhost == vhost).count()
+    }
+
     /// Closes the connections a removed user, permission or vhost ends (320 CONNECTION_FORCED,
     /// with RabbitMQ's reply texts for the first and last).
     pub fn close_for(&self, change: &warren_broker::AuthChange) {

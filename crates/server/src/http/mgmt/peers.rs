@@ -32,6 +32,8 @@ pub enum Query {
     Totals,
     /// Close connection `name` if it is on the asked node; the answer says whether it was.
     Close { name: String, reason: String },
+    /// How many connections the node has to `vhost` (its `max-connections` counts every node's).
+    VhostConnections { vhost: String },
 }
 
 /// This node's part: what it answers another node, and its own share of a merged answer.
@@ -47,6 +49,7 @@ fn part(ctx: &HttpContext, query: &Query) -> Value {
             serde_json::json!({"connections": connections.len(), "channels": channels})
         }
         Query::Close { name, reason } => Value::Bool(super::connections::close_local(ctx, name, reason)),
+        Query::VhostConnections { vhost } => ctx.connections.count_in(vhost).into(),
     }
 }
 
@@ -66,17 +69,29 @@ pub fn service(ctx: &Arc<HttpContext>) -> ManagementService {
 
 /// Every other node's answer to `query`, with its id, from those that answered in time.
 async fn ask_peers(ctx: &HttpContext, query: &Query) -> Vec<(u64, Value)> {
-    let Some(cluster) = &ctx.cluster else { return Vec::new() };
+    match &ctx.cluster {
+        Some(cluster) => ask(cluster, query, PEER_WAIT, |m| m.reachable).await,
+        None => Vec::new(),
+    }
+}
+
+/// The answers to `query` of the other members `asked` picks that came within `wait`, with their ids.
+async fn ask(
+    cluster: &warren_cluster::ClusterNode,
+    query: &Query,
+    wait: Duration,
+    asked: impl Fn(&warren_cluster::MemberStatus) -> bool,
+) -> Vec<(u64, Value)> {
     let Ok(query) = serde_json::to_vec(query) else { return Vec::new() };
     let request = Request::Management { query: Bytes::from(query) }.encode();
     let status = cluster.local_status();
     let asks: Vec<_> = status
         .members
         .iter()
-        .filter(|m| m.id != status.node_id && m.reachable)
+        .filter(|m| m.id != status.node_id && asked(m))
         .map(|m| {
             let (cluster, request, peer) = (cluster.clone(), request.clone(), m.id);
-            tokio::spawn(async move { (peer, cluster.classic_request(peer, &request, PEER_WAIT).await) })
+            tokio::spawn(async move { (peer, cluster.classic_request(peer, &request, wait).await) })
         })
         .collect();
     let mut answers = Vec::new();
@@ -128,4 +143,12 @@ pub async fn totals(ctx: &HttpContext) -> (u64, u64) {
 pub async fn close_elsewhere(ctx: &HttpContext, name: &str, reason: &str) -> bool {
     let query = Query::Close { name: name.to_owned(), reason: reason.to_owned() };
     ask_peers(ctx, &query).await.iter().any(|(_, closed)| *closed == Value::Bool(true))
+}
+
+/// How many connections to `vhost` the other nodes have, as those that answer within `wait` say.
+/// Every member not known down is asked (one just started, not yet heard from, has connections
+/// too); a node that does not answer is not counted, as RabbitMQ counts the nodes it reaches.
+pub async fn vhost_connections_elsewhere(cluster: &warren_cluster::ClusterNode, vhost: &str, wait: Duration) -> u64 {
+    let query = Query::VhostConnections { vhost: vhost.to_owned() };
+    ask(cluster, &query, wait, |m| !cluster.is_known_down(m.id)).await.iter().map(|(_, n)| n.as_u64().unwrap_or(0)).sum()
 }
