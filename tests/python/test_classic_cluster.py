@@ -412,6 +412,10 @@ def test_connections_channels_consumers_and_nodes_are_cluster_wide_from_any_node
     is shown and closed (DELETE) through any node. Before, each node answered for itself only."""
     name = "classic-listed"
     declare_on(cluster, name, home=2)
+    # Messages in a classic queue homed on node 2: every node's overview counts them (its own copy
+    # holds nothing; the home's counts are asked for).
+    declare_on(cluster, "classic-counted", home=2)
+    publish_confirmed(cluster[3], "classic-counted", [b"a", b"b", b"c"])
 
     def open_on(i, label):
         c = cluster[i].connection(client_properties={"connection_name": label})
@@ -445,8 +449,12 @@ def test_connections_channels_consumers_and_nodes_are_cluster_wide_from_any_node
             ("tag-on-1", node_names[1], by_label["on-1"]),
             ("tag-on-3", node_names[3], by_label["on-3"]),
         ], (i, consumers)
-        totals = api(i, "overview").json()["object_totals"]
-        assert (totals["connections"], totals["channels"]) == (3, 4), (i, totals)
+        overview = api(i, "overview").json()
+        totals = overview["object_totals"]
+        assert (totals["connections"], totals["channels"], totals["consumers"]) == (3, 4, 2), (i, totals)
+        assert (overview["queue_totals"]["messages_ready"], overview["queue_totals"]["messages"]) == (3, 3), (i, overview["queue_totals"])
+        amqp_listeners = sorted((lst["node"], lst["protocol"]) for lst in overview["listeners"] if lst["protocol"] == "amqp")
+        assert amqp_listeners == sorted((n, "amqp") for n in node_names.values()), (i, overview["listeners"])
         nodes = api(i, "nodes").json()
         assert sorted(n["name"] for n in nodes) == sorted(node_names.values())
         assert all(n["running"] and n.get("mem_used", 0) > 0 and n.get("os_pid") for n in nodes), (i, nodes)

@@ -30,7 +30,7 @@ import requests
 from pika.exceptions import ProbableAccessDeniedError, ProbableAuthenticationError
 
 import conftest
-from conftest import free_port
+from conftest import eventually, free_port
 
 pytestmark = pytest.mark.warren_only
 
@@ -131,6 +131,9 @@ def test_a_rabbitmq_export_imports_with_204_and_its_users_log_in_with_their_rabb
     assert refused(broker, "bob", "bob pw u", "shop", ProbableAuthenticationError) == (403, LOGIN_REFUSED)
     # guest came in the file too, with RabbitMQ's hash of "guest".
     connect(broker, "guest", "guest", "/").close()
+    # The file's policy (ha-all, a classic-mirroring leftover) is not kept yet: the log says so,
+    # naming it, rather than dropping it silently.
+    eventually(lambda: "policies shop/ha-all" in broker.log_text(), timeout=5)
 
 
 def test_the_import_keeps_hashes_vhost_metadata_permissions_limits_and_topology(broker):

@@ -27,14 +27,26 @@ use crate::http::HttpContext;
 pub async fn overview(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(query): Params) -> ApiResult<Json<Value>> {
     let (mut ready, mut unacked, mut queues, mut exchanges, mut consumers) = (0u64, 0u64, 0usize, 0usize, 0u64);
     let counted = if scope.is_monitor() { super::vhosts(&ctx, None)? } else { scope.vhosts(&ctx, None)? };
+    // Classic queues living on other nodes are counted as their homes count them (this node's
+    // copy holds nothing); one request per home, as `/api/queues` asks.
+    let mut elsewhere = Vec::new();
     for v in counted {
-        for q in v.queues() {
+        for q in v.queues().into_iter().filter(|q| !q.is_deleted()) {
             queues += 1;
+            if q.remote_home().is_some() {
+                elsewhere.push(q);
+                continue;
+            }
             ready += q.message_count() as u64;
             unacked += q.unacked_count();
             consumers += q.consumer_count() as u64;
         }
         exchanges += v.exchanges().len();
+    }
+    for stats in super::queues::home_stats(&elsewhere).await.into_values().flatten() {
+        ready += stats.ready;
+        unacked += stats.unacked;
+        consumers += stats.consumers as u64;
     }
     let (connections, channels) = if scope.is_monitor() {
         super::peers::totals(&ctx).await
@@ -42,7 +54,8 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(q
         let (c, ch) = super::connections::own_totals(&ctx, &scope).await;
         (c as u64, ch as u64)
     };
-    let listeners: Vec<Value> = listeners(&ctx);
+    // Every node's, as RabbitMQ lists them (those that answer).
+    let listeners: Vec<Value> = if scope.is_monitor() { super::peers::everywhere(&ctx, super::peers::Query::Listeners).await } else { Vec::new() };
     let [messages_details, ready_details, unacked_details] = ctx.rates.length_details(Window::from_query(&query, "lengths"));
     let exchange_types: Vec<Value> =
         ["direct", "fanout", "headers", "topic"].iter().map(|t| json!({"name": t, "description": format!("AMQP {t} exchange"), "enabled": true})).collect();
@@ -89,7 +102,8 @@ pub async fn overview(State(ctx): State<Arc<HttpContext>>, scope: Scope, Query(q
     Ok(Json(answer))
 }
 
-fn listeners(ctx: &HttpContext) -> Vec<Value> {
+/// This node's listeners, as `/api/overview` shows them.
+pub(super) fn listeners(ctx: &HttpContext) -> Vec<Value> {
     let ip = ctx.config.bind.to_string();
     let mut out = vec![
         json!({"node": ctx.node_name, "protocol": "amqp", "ip_address": ip, "port": ctx.config.amqp_port, "socket_opts": {}}),

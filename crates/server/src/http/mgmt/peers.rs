@@ -30,6 +30,8 @@ pub enum Query {
     Node,
     /// How many connections and channels the node has (`/api/overview`'s totals).
     Totals,
+    /// The node's listeners (`/api/overview` lists every node's).
+    Listeners,
     /// Close connection `name` if it is on the asked node; the answer says whether it was.
     Close { name: String, reason: String },
     /// How many connections the node has to `vhost` (its `max-connections` counts every node's).
@@ -43,6 +45,7 @@ fn part(ctx: &HttpContext, query: &Query) -> Value {
         Query::Channels => Value::Array(super::connections::local_channels(ctx)),
         Query::Consumers => Value::Array(super::connections::local_consumers(ctx)),
         Query::Node => super::node::this_node(ctx),
+        Query::Listeners => Value::Array(super::node::listeners(ctx)),
         Query::Totals => {
             let connections = ctx.connections.list();
             let channels: usize = connections.iter().map(|c| c.channels.lock().len()).sum();

@@ -100,7 +100,7 @@ const HOME_STATS_WAIT: Duration = Duration::from_secs(2);
 /// The counts of the classic queues among `queues` that live on other nodes, as their homes have
 /// them: one request per home, all at once. A queue whose home did not answer in time maps to
 /// None (its node is down or cut off).
-async fn home_stats(queues: &[Arc<Queue>]) -> HashMap<u64, Option<HomeStats>> {
+pub(super) async fn home_stats(queues: &[Arc<Queue>]) -> HashMap<u64, Option<HomeStats>> {
     let mut by_home: BTreeMap<u64, Vec<Arc<Queue>>> = BTreeMap::new();
     for q in queues.iter().filter(|q| q.remote_home().is_some()) {
         by_home.entry(q.home_node().unwrap_or(0)).or_default().push(q.clone());
