@@ -10,6 +10,7 @@ const enc = encodeURIComponent;
 const state = {
   auth: sessionStorage.getItem('warren-auth'), // base64 of "user:password"
   user: null,
+  tags: [], // the user's, from /api/whoami: what the navigation offers
   timer: null,
   page: null, // what is shown: {refresh}
 };
@@ -95,12 +96,19 @@ function dangerButton(label, action) {
 }
 
 const link = (hash, text) => h('a', { href: hash }, text);
+const hasTag = (tag) => state.tags.includes(tag);
+const isMonitor = () => hasTag('administrator') || hasTag('monitoring');
 const queueHash = (q) => '#/queues/' + enc(q.vhost) + '/' + enc(q.name);
 const exchangeHash = (e) => '#/exchanges/' + enc(e.vhost) + '/' + enc(e.name === '' ? 'amq.default' : e.name);
 
 // ---- The API -----------------------------------------------------------------------------
 
-class ApiError extends Error {}
+class ApiError extends Error {
+  constructor(message, status) {
+    super(message);
+    this.status = status;
+  }
+}
 
 async function api(method, path, body, headers) {
   const response = await fetch('/api' + path, {
@@ -108,14 +116,17 @@ async function api(method, path, body, headers) {
     headers: Object.assign({ Authorization: 'Basic ' + state.auth, 'Content-Type': 'application/json', 'X-Requested-With': 'XMLHttpRequest' }, headers || {}),
     body: body === undefined ? undefined : JSON.stringify(body),
   });
-  if (response.status === 401) {
-    logout('Your session needs logging in again.');
-    throw new ApiError('not logged in');
-  }
   const text = await response.text();
   let json = null;
   try { json = text ? JSON.parse(text) : null; } catch (e) { json = null; }
-  if (!response.ok) throw new ApiError((json && (json.reason || json.error)) || response.status + ' ' + response.statusText);
+  // 401 is also what the API answers a logged-in user whose tags do not reach a path ("Not
+  // administrator user"), with error "not_authorised" (RabbitMQ's spelling for that case): only
+  // the others ("not_authorized": the credentials) mean logging in again.
+  if (response.status === 401 && !(json && json.error === 'not_authorised')) {
+    logout('Your session needs logging in again.');
+    throw new ApiError('not logged in', 401);
+  }
+  if (!response.ok) throw new ApiError((json && (json.reason || json.error)) || response.status + ' ' + response.statusText, response.status);
   return json;
 }
 
@@ -213,16 +224,18 @@ function publishForm(vhost, exchange, routingKey) {
 }
 
 pages.overview = (main) => {
+  // The nodes are for monitoring and administrator users (the API refuses the others).
+  const monitor = isMonitor();
   main.append(
     h('h1', {}, 'Overview'),
     h('div', { id: 'totals' }),
     chartPanel('Queued messages', 'queued-chart'),
     chartPanel('Message rates', 'rates-chart'),
-    h('h2', {}, 'Nodes'),
-    h('div', { id: 'nodes' }));
+    monitor ? h('h2', {}, 'Nodes') : null,
+    monitor ? h('div', { id: 'nodes' }) : null);
   return async () => {
     const age = '?lengths_age=' + CHART_AGE_S + '&lengths_incr=5&msg_rates_age=' + CHART_AGE_S + '&msg_rates_incr=5';
-    const [overview, nodes] = await Promise.all([api('GET', '/overview' + age), api('GET', '/nodes')]);
+    const [overview, nodes] = await Promise.all([api('GET', '/overview' + age), monitor ? api('GET', '/nodes') : null]);
     const q = overview.queue_totals || {};
     const o = overview.object_totals || {};
     clear(document.getElementById('totals')).append(
@@ -252,6 +265,7 @@ pages.overview = (main) => {
     ];
     drawChart(document.getElementById('rates-chart'), rates, '/s');
     legend('rates-chart', rates, (s) => fmt.rate(s.rate) || '0.0/s');
+    if (!monitor) return;
     clear(document.getElementById('nodes')).append(table([
       ['Name', (n) => n.name],
       ['Running', (n) => (n.running ? h('span', { class: 'good' }, 'yes') : h('span', { class: 'bad' }, 'no'))],
@@ -538,6 +552,7 @@ function showLogin(message) {
 async function loggedIn() {
   const me = await api('GET', '/whoami');
   state.user = me.name;
+  state.tags = Array.isArray(me.tags) ? me.tags : String(me.tags || '').split(',').map((t) => t.trim());
   document.getElementById('nav').hidden = false;
   clear(document.getElementById('who')).append('User ', h('strong', { id: 'user' }, me.name), h('button', { type: 'button', id: 'logout', on: { click: () => logout() } }, 'Log out'));
   await show();
@@ -547,6 +562,7 @@ function logout(message) {
   clearInterval(state.timer);
   state.auth = null;
   state.user = null;
+  state.tags = [];
   sessionStorage.removeItem('warren-auth');
   showLogin(message);
 }
