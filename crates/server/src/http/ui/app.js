@@ -97,7 +97,8 @@ function dangerButton(label, action) {
 
 const link = (hash, text) => h('a', { href: hash }, text);
 const hasTag = (tag) => state.tags.includes(tag);
-const isMonitor = () => hasTag('administrator') || hasTag('monitoring');
+const isAdministrator = () => hasTag('administrator');
+const isMonitor = () => isAdministrator() || hasTag('monitoring');
 const queueHash = (q) => '#/queues/' + enc(q.vhost) + '/' + enc(q.name);
 const exchangeHash = (e) => '#/exchanges/' + enc(e.vhost) + '/' + enc(e.name === '' ? 'amq.default' : e.name);
 
@@ -481,6 +482,216 @@ pages.channels = (main) => {
   };
 };
 
+// ---- Admin: users, virtual hosts, permissions (administrator users: the API refuses others) -
+
+const userHash = (name) => '#/users/' + enc(name);
+const tagList = (tags) => (Array.isArray(tags) ? tags.join(', ') : tags || '');
+
+// What each element was last filled from: a refresh that brings the same rows leaves the element
+// as it is (a danger button stays armed between its two presses, an open select stays open).
+const shown = new WeakMap();
+function update(id, data, build) {
+  const el = document.getElementById(id);
+  const key = JSON.stringify(data);
+  if (shown.get(el) === key) return;
+  shown.set(el, key);
+  clear(el).append(build());
+}
+
+// A select's options set to `names`, keeping what is chosen (vhosts come and go while a form is open).
+function fillSelect(select, names) {
+  const same = select.options.length === names.length && names.every((n, i) => select.options[i].value === n);
+  if (same) return;
+  const chosen = select.value;
+  clear(select).append(...names.map((n) => h('option', { value: n }, n)));
+  if (names.includes(chosen)) select.value = chosen;
+}
+
+// Whether the object at `path` exists (404: no); any other error is thrown.
+async function exists(path) {
+  try {
+    await api('GET', path);
+    return true;
+  } catch (e) {
+    if (e instanceof ApiError && e.status === 404) return false;
+    throw e;
+  }
+}
+
+function adminNav(current) {
+  return h('nav', { class: 'sub', id: 'admin-nav' }, [['users', 'Users'], ['vhosts', 'Virtual hosts'], ['permissions', 'Permissions']]
+    .map(([tab, title]) => h('a', { href: '#/' + tab, class: tab === current ? 'current' : '' }, title)));
+}
+
+pages.users = (main) => {
+  const form = h('form', { class: 'inline', id: 'add-user' },
+    h('label', {}, 'Name ', h('input', { type: 'text', name: 'name', required: true, maxlength: 255, autocomplete: 'off' })),
+    h('label', {}, 'Password ', h('input', { type: 'password', name: 'password', autocomplete: 'new-password', title: 'empty: a user with no password, who cannot log in with one' })),
+    h('label', {}, 'Tags ', h('input', { type: 'text', name: 'tags', size: 30, title: 'comma-separated: administrator, monitoring, policymaker, management, or your own' })),
+    h('button', { type: 'submit' }, 'Add user'));
+  form.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const f = form.elements;
+    const name = f.name.value;
+    act(async () => {
+      // A PUT would replace an existing user's password and tags: that is its own page's to do.
+      if (await exists('/users/' + enc(name))) throw new ApiError('User ' + name + ' already exists: change it on its page.');
+      const body = { tags: f.tags.value };
+      if (f.password.value) body.password = f.password.value;
+      await api('PUT', '/users/' + enc(name), body);
+      form.reset();
+    }, 'User ' + name + ' added.');
+  });
+  main.append(adminNav('users'), h('h1', {}, 'Users'), h('div', { id: 'users' }), h('h2', {}, 'Add a user'), form);
+  return async () => {
+    const [users, permissions] = await Promise.all([api('GET', '/users'), api('GET', '/permissions')]);
+    const rows = users.map((u) => ({
+      name: u.name, tags: tagList(u.tags), password: Boolean(u.password_hash),
+      vhosts: permissions.filter((p) => p.user === u.name).map((p) => p.vhost).sort(),
+    }));
+    update('users', rows, () => table([
+      ['Name', (u) => link(userHash(u.name), u.name)],
+      ['Tags', (u) => u.tags],
+      ['Can access virtual hosts', (u) => (u.vhosts.length ? u.vhosts.join(', ') : h('span', { class: 'muted' }, 'No access'))],
+      ['Has password', (u) => (u.password ? 'yes' : 'no')],
+    ], rows, 'No users.'));
+  };
+};
+
+pages.user = async (main, name) => {
+  const path = '/users/' + enc(name);
+  let user;
+  try {
+    user = await api('GET', path);
+  } catch (e) {
+    throw e instanceof ApiError && e.status === 404 ? new ApiError('There is no user ' + name + '.', 404) : e;
+  }
+  const permission = h('form', { class: 'inline', id: 'set-permission' },
+    h('label', {}, 'Virtual host ', h('select', { name: 'vhost' }, await vhostOptions())),
+    ['configure', 'write', 'read'].map((key) => h('label', {}, key[0].toUpperCase() + key.slice(1) + ' ', h('input', { type: 'text', name: key, value: '.*', size: 12 }))),
+    h('button', { type: 'submit' }, 'Set permission'));
+  permission.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const f = permission.elements;
+    const vhost = f.vhost.value;
+    act(() => api('PUT', '/permissions/' + enc(vhost) + '/' + enc(name), { configure: f.configure.value, write: f.write.value, read: f.read.value }),
+      'Permission on ' + vhost + ' set.');
+  });
+  const password = h('form', { class: 'inline', id: 'change-password' },
+    h('label', {}, 'New password ', h('input', { type: 'password', name: 'password', required: true, autocomplete: 'new-password' })),
+    h('button', { type: 'submit' }, 'Change password'));
+  password.addEventListener('submit', (e) => {
+    e.preventDefault();
+    act(async () => {
+      // A PUT sets all of a user: its tags as they are now go with the new password.
+      const now = await api('GET', path);
+      await api('PUT', path, { password: password.elements.password.value, tags: now.tags });
+      password.reset();
+    }, 'Password changed.');
+  });
+  const tags = h('form', { class: 'inline', id: 'set-tags' },
+    h('label', {}, 'Tags ', h('input', { type: 'text', name: 'tags', size: 40, value: tagList(user.tags), title: 'comma-separated; empty: no tags (no management API)' })),
+    h('button', { type: 'submit' }, 'Set tags'));
+  tags.addEventListener('submit', (e) => {
+    e.preventDefault();
+    act(async () => {
+      // The password stays: its hash goes back as it is (as `warren ctl set-user-tags` does).
+      const now = await api('GET', path);
+      await api('PUT', path, { password_hash: now.password_hash, hashing_algorithm: now.hashing_algorithm, tags: tags.elements.tags.value });
+    }, 'Tags set.');
+  });
+  main.append(
+    adminNav('users'),
+    h('h1', {}, 'User ', h('span', { id: 'user-name' }, name)),
+    h('div', { id: 'user-info' }),
+    h('h2', {}, 'Permissions'), h('div', { id: 'user-permissions' }), permission,
+    h('h2', {}, 'Change password'), password,
+    h('h2', {}, 'Tags'), tags,
+    h('h2', {}, 'Delete'),
+    dangerButton('Delete user', () => act(async () => { await api('DELETE', path); location.hash = '#/users'; }, 'User ' + name + ' deleted.')));
+  return async () => {
+    const [now, permissions, vhosts] = await Promise.all([api('GET', path), api('GET', path + '/permissions'), api('GET', '/vhosts?columns=name')]);
+    fillSelect(permission.elements.vhost, vhosts.map((v) => v.name));
+    const info = { tags: tagList(now.tags), password: Boolean(now.password_hash) };
+    update('user-info', info, () => table([['Tags', () => info.tags], ['Has password', () => (info.password ? 'yes' : 'no')]], [info]));
+    update('user-permissions', permissions, () => table([
+      ['Virtual host', (p) => p.vhost],
+      ['Configure', (p) => p.configure],
+      ['Write', (p) => p.write],
+      ['Read', (p) => p.read],
+      ['', (p) => dangerButton('Clear', () => act(() => api('DELETE', '/permissions/' + enc(p.vhost) + '/' + enc(name)), 'Permission on ' + p.vhost + ' cleared.'))],
+    ], permissions, 'No permissions: this user cannot open a connection to any virtual host.'));
+  };
+};
+
+const VHOST_LIMITS = [['max-connections', 'Max connections'], ['max-queues', 'Max queues']];
+
+pages.vhosts = (main) => {
+  const add = h('form', { class: 'inline', id: 'add-vhost' },
+    h('label', {}, 'Name ', h('input', { type: 'text', name: 'name', required: true, maxlength: 255, autocomplete: 'off' })),
+    h('label', {}, 'Description ', h('input', { type: 'text', name: 'description', size: 30 })),
+    h('button', { type: 'submit' }, 'Add virtual host'));
+  add.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const f = add.elements;
+    const name = f.name.value;
+    act(async () => {
+      // A PUT on an existing one would clear its tags.
+      if (await exists('/vhosts/' + enc(name))) throw new ApiError('Virtual host ' + name + ' already exists.');
+      await api('PUT', '/vhosts/' + enc(name), { description: f.description.value });
+      add.reset();
+    }, 'Virtual host ' + name + ' added (you have every permission on it).');
+  });
+  const limit = h('form', { class: 'inline', id: 'set-limit' },
+    h('label', {}, 'Virtual host ', h('select', { name: 'vhost' })),
+    h('label', {}, 'Limit ', h('select', { name: 'limit' }, VHOST_LIMITS.map(([key]) => h('option', { value: key }, key)))),
+    h('label', {}, 'Value ', h('input', { type: 'number', name: 'value', min: 0, step: 1, required: true })),
+    h('button', { type: 'submit' }, 'Set limit'));
+  limit.addEventListener('submit', (e) => {
+    e.preventDefault();
+    const f = limit.elements;
+    const [vhost, key, value] = [f.vhost.value, f.limit.value, Number(f.value.value)];
+    act(() => api('PUT', '/vhost-limits/' + enc(vhost) + '/' + enc(key), { value }), 'Limit ' + key + ' of ' + vhost + ' set to ' + value + '.');
+  });
+  main.append(adminNav('vhosts'), h('h1', {}, 'Virtual hosts'), h('div', { id: 'vhosts' }),
+    h('h2', {}, 'Add a virtual host'), add,
+    h('h2', {}, 'Set a limit'), limit);
+  return async () => {
+    const [vhosts, limits] = await Promise.all([api('GET', '/vhosts'), api('GET', '/vhost-limits')]);
+    fillSelect(limit.elements.vhost, vhosts.map((v) => v.name));
+    const rows = vhosts.map((v) => ({
+      name: v.name, description: v.description, tags: tagList(v.tags), ready: v.messages_ready, unacked: v.messages_unacknowledged,
+      limits: (limits.find((l) => l.vhost === v.name) || {}).value || {},
+    }));
+    const limitCell = (key) => (v) => (v.limits[key] === undefined || v.limits[key] === null ? '' : [fmt.num(v.limits[key]) + ' ',
+      h('button', { type: 'button', class: 'small', on: { click: () => act(() => api('DELETE', '/vhost-limits/' + enc(v.name) + '/' + enc(key)), 'Limit ' + key + ' of ' + v.name + ' cleared.') } }, 'Clear')]);
+    update('vhosts', rows, () => table([
+      ['Name', (v) => v.name],
+      ['Description', (v) => v.description],
+      ['Tags', (v) => v.tags],
+      ['Ready', (v) => fmt.num(v.ready), 'num'],
+      ['Unacked', (v) => fmt.num(v.unacked), 'num'],
+      ...VHOST_LIMITS.map(([key, title]) => [title, limitCell(key), 'num']),
+      ['', (v) => dangerButton('Delete', () => act(() => api('DELETE', '/vhosts/' + enc(v.name)), 'Virtual host ' + v.name + ' deleted.'))],
+    ], rows, 'No virtual hosts.'));
+  };
+};
+
+pages.permissions = (main) => {
+  main.append(adminNav('permissions'), h('h1', {}, 'Permissions'), h('div', { id: 'permissions' }),
+    h('p', { class: 'muted' }, 'A user\'s permissions are set and cleared on its page (Users).'));
+  return async () => {
+    const permissions = await api('GET', '/permissions');
+    update('permissions', permissions, () => table([
+      ['User', (p) => link(userHash(p.user), p.user)],
+      ['Virtual host', (p) => p.vhost],
+      ['Configure', (p) => p.configure],
+      ['Write', (p) => p.write],
+      ['Read', (p) => p.read],
+    ], permissions, 'No permissions.'));
+  };
+};
+
 // ---- Navigation, refresh, login -----------------------------------------------------------
 
 function route() {
@@ -490,6 +701,10 @@ function route() {
     case 'exchanges': return parts.length >= 3 ? ['exchange', 'exchanges', parts[1], parts.slice(2).join('/')] : ['exchanges', 'exchanges'];
     case 'connections': return ['connections', 'connections'];
     case 'channels': return ['channels', 'channels'];
+    // The Admin pages: the navigation's "Admin" (#/users) stays marked on each.
+    case 'users': return parts.length >= 2 && parts[1] !== '' ? ['user', 'users', parts.slice(1).join('/')] : ['users', 'users'];
+    case 'vhosts': return ['vhosts', 'users'];
+    case 'permissions': return ['permissions', 'users'];
     default: return ['overview', ''];
   }
 }
@@ -553,6 +768,7 @@ async function loggedIn() {
   const me = await api('GET', '/whoami');
   state.user = me.name;
   state.tags = Array.isArray(me.tags) ? me.tags : String(me.tags || '').split(',').map((t) => t.trim());
+  document.getElementById('nav-admin').hidden = !isAdministrator();
   document.getElementById('nav').hidden = false;
   clear(document.getElementById('who')).append('User ', h('strong', { id: 'user' }, me.name), h('button', { type: 'button', id: 'logout', on: { click: () => logout() } }, 'Log out'));
   await show();
@@ -563,6 +779,7 @@ function logout(message) {
   state.auth = null;
   state.user = null;
   state.tags = [];
+  document.getElementById('nav-admin').hidden = true;
   sessionStorage.removeItem('warren-auth');
   showLogin(message);
 }
