@@ -295,6 +295,20 @@ def test_clearing_a_permission_closes_the_users_connections_on_that_vhost(broker
 
 # ---- the management API by tag ----
 
+@pytest.mark.warren_only
+def test_a_blank_password_never_logs_in(broker, made, name):
+    # RabbitMQ's internal backend refuses it too ("attempted to log in with a blank password,
+    # which is prohibited"): a user made with "password": "" is no open door, over AMQP or HTTP.
+    make_user(broker, made, name, "", "administrator", vhost="/")
+    code, text = refused(broker, name, "", "/", ProbableAuthenticationError)
+    assert code == 403 and "Login was refused" in text, (code, text)
+    r = get(broker, "/whoami", auth=(name, ""))
+    assert (r.status_code, r.json()["error"]) == (401, "not_authorized"), r.text
+    # The same user with a password set logs in: the refusal was the blank password's.
+    assert put(broker, f"/users/{q(name)}", {"password": "now set", "tags": "administrator"}).status_code == 204
+    connect(broker, name, "now set").close()
+
+
 def test_a_user_without_tags_gets_401_from_the_management_api(broker, made, name):
     make_user(broker, made, name, "pw", "", vhost="/")
     for path in ["/overview", "/whoami"]:

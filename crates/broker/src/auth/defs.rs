@@ -222,14 +222,21 @@ pub fn parse_tags(value: &serde_json::Value) -> Result<Vec<String>, String> {
             .collect::<Result<_, _>>()?,
         other => return Err(format!("tags must be a list or a comma-separated string, not {other}")),
     };
-    tags.retain(|t| !t.is_empty());
-    tags.dedup();
+    // Each once, in the order given ("a, b, a" is a and b).
+    let mut seen = std::collections::HashSet::new();
+    tags.retain(|t| !t.is_empty() && seen.insert(t.clone()));
     Ok(tags)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tags_are_kept_once_each_in_their_order() {
+        assert_eq!(parse_tags(&serde_json::json!("a, b, a")).unwrap(), vec!["a", "b"]);
+        assert_eq!(parse_tags(&serde_json::json!(["b", "a", "b", " "])).unwrap(), vec!["b", "a"]);
+    }
 
     #[test]
     fn empty_patterns_match_nothing_and_others_are_unanchored() {

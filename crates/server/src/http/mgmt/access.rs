@@ -201,7 +201,7 @@ pub async fn vhost_limits(State(ctx): State<Arc<HttpContext>>, scope: Scope, vho
 /// negative value lifts the limit, as RabbitMQ.
 pub async fn put_vhost_limit(State(ctx): State<Arc<HttpContext>>, Path((vhost, name)): Path<(String, String)>, body: Bytes) -> ApiResult<StatusCode> {
     let body = body_object(&body)?;
-    let value = body.get("value").and_then(Value::as_i64).ok_or_else(|| ApiError::bad_request("value must be a number"))?;
+    let value = body.get("value").and_then(Value::as_i64).ok_or_else(|| ApiError::bad_request("value must be a whole number (negative: no limit)"))?;
     set_limit(&ctx, vhost, &name, (value >= 0).then_some(value))
 }
 
