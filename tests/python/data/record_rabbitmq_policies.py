@@ -49,7 +49,15 @@ def http(method, path, body=None, raw=None):
         kw["headers"] = {"content-type": "application/json"}
     elif body is not None:
         kw["json"] = body
-    r = S.request(method, HTTP + "/api" + path, timeout=60, **kw)
+    for attempt in range(3):
+        try:
+            r = S.request(method, HTTP + "/api" + path, timeout=60, **kw)
+            break
+        except requests.exceptions.ConnectionError:
+            # the server may close a kept-alive connection after an error answer: retry on a new one
+            if attempt == 2:
+                raise
+            time.sleep(0.2)
     try:
         j = r.json() if r.content else None
     except ValueError:
@@ -582,6 +590,37 @@ def section3():
     rec["(?i)"] = res
     http("DELETE", f"/policies/{V}/pt-case")
     md("")
+    md("### 3.5 A policy with a key the queue type does not support does not match that queue", "")
+    md("Two policies on the same pattern: the higher-priority one (priority 1) has max-length 5 plus the key "
+       "under test, the other (priority 0) max-length 7 only. Declared afterwards: a classic and a quorum queue. "
+       "*in force* = ready count after publishing 20.", "")
+    unsup = []
+    for i, (extra, kind) in enumerate([
+            ({"delivery-limit": 2}, "policies"), ({"queue-leader-locator": "client-local"}, "policies"),
+            ({"dead-letter-strategy": "at-least-once"}, "policies"), ({"queue-mode": "lazy"}, "policies"),
+            ({"ha-mode": "all"}, "policies"), ({"queue-master-locator": "min-masters"}, "policies"),
+            ({"queue-version": 2}, "policies"), ({"message-ttl": 60000}, "policies"),
+            ({"max-in-memory-length": 100}, "policies"), ({"delivery-limit": 2}, "operator-policies")]):
+        d = {"max-length": 5, **extra}
+        st = pol(f"pt-u{i}-hi", f"^u{i}-", d, priority=1, kind=kind)
+        pol(f"pt-u{i}-lo", f"^u{i}-", {"max-length": 7}, priority=0, kind=kind)
+        row = {"extra": extra, "kind": kind, "put": st}
+        for t in ("classic", "quorum"):
+            qn = f"u{i}-{t}"
+            a.declare(qn, t)
+            r = show_q(qn)
+            row[t] = {"in force": r["max-length in force (AMQP)"],
+                      "field": r["operator_policy" if kind == "operator-policies" else "policy"]}
+        unsup.append(row)
+        http("DELETE", f"/{kind}/{V}/pt-u{i}-hi")
+        http("DELETE", f"/{kind}/{V}/pt-u{i}-lo")
+    rec["unsupported"] = unsup
+    md("", "| kind | extra key in the priority-1 policy | classic: applied (max-length in force) | quorum: applied (max-length in force) |",
+       "|---|---|---|---|")
+    for row in unsup:
+        md(f"| {row['kind']} | `{cell(jd(row['extra']))}` | `{row['classic']['field']}` ({row['classic']['in force']}) | "
+           f"`{row['quorum']['field']}` ({row['quorum']['in force']}) |")
+    md("")
     a.close()
     http("DELETE", f"/vhosts/{V}")
 
@@ -665,8 +704,16 @@ def winner(cands, eff):
     return "+".join(srcs) if srcs else f"none ({eff})"
 
 
+# quorum queues check expiry on the Ra tick (quorum_tick_interval, 5 s): candidates further apart
+QUORUM_EXPIRES = (2000, 12000, 25000)
+
+
+def candidates(key, qtype):
+    return QUORUM_EXPIRES if (key, qtype) == ("expires", "quorum") else NUMERIC[key]
+
+
 def numeric_cases(key, qtype):
-    sml = NUMERIC[key]
+    sml = candidates(key, qtype)
     out = []
     for i, (a, p, o) in enumerate(NUM_COMBOS):
         c = Case(key, qtype, None if a is None else sml[a], None if p is None else sml[p],
@@ -744,7 +791,7 @@ def run_expires_cases(amqp, qtype):
         if c.setup(amqp):
             t0[c.q] = c.t_declared  # the policies were set before the declare
     gone = {}
-    end = time.time() + 15
+    end = time.time() + (35 if qtype == "quorum" else 15)
     while time.time() < end and len(gone) < len(t0):
         for c in cases:
             if c.q in t0 and c.q not in gone:
@@ -762,10 +809,10 @@ def run_expires_cases(amqp, qtype):
         if c.q in gone:
             el = gone[c.q]
             c.obs = f"queue gone {el:.1f} s after its declare"
-            below = [v for v in NUMERIC["expires"] if v / 1000 <= el + 0.3]
+            below = [v for v in candidates("expires", qtype) if v / 1000 <= el + 0.3]
             c.eff = max(below) if below else None
         else:
-            c.obs = "queue still there after 15 s"
+            c.obs = "queue still there at the end of the wait"
             c.eff = None
     for c in cases:
         c.fetch_def()
@@ -835,6 +882,12 @@ def rule_of(rows):
         return "not applied at all"
     if all(r["effective"] == r["min"] for r in rs):
         return "smallest wins"
+
+    def pol_first(r):
+        ps = [v for v in (r["policy"], r["op"]) if v is not None]
+        return min(ps) if ps else r["arg"]
+    if all(r["effective"] == pol_first(r) for r in rs):
+        return "policy wins over the argument (policy vs operator policy: smallest)"
     return "see rows"
 
 
@@ -858,7 +911,10 @@ def section4(amqp):
                "above the time the messages went.", "")
         elif key == "expires":
             md("All queues set up at once, nothing consumes; poll `GET /api/queues/%2F/<q>` every 0.2 s until 404 "
-               "(max 15 s). Candidates 2000 / 5000 / 9000 ms.", "")
+               "(max 15 s classic, 35 s quorum). Candidates 2000 / 5000 / 9000 ms for classic queues; for quorum "
+               "queues 2000 / 12000 / 25000 ms, because a quorum queue checks its expiry on the Ra tick "
+               "(every 5 s), so it goes up to ~5 s late. Effective = the largest candidate not above the time "
+               "the queue went.", "")
         else:
             md("Publish 1 message; loop basic.get + basic.nack(requeue) until the queue is empty (max 10); "
                "effective limit = deliveries − 1.", "")
@@ -1099,6 +1155,19 @@ def section5(amqp):
     time.sleep(2.5)
     after = {q: amqp.count(q) for q, _ in qs}
     md(f"After the DELETE, 5 more published, 2.5 s later ready: `{jd(after)}`", "")
+    for q, _ in qs:
+        amqp.purge(q)
+    http("PUT", "/policies/%2F/pt-apply-ttl", {**body, "definition": {"message-ttl": 3000}})
+    time.sleep(0.3)
+    for q, _ in qs:
+        amqp.publish(q, 5, prefix="t")
+    time.sleep(0.3)
+    http("DELETE", "/policies/%2F/pt-apply-ttl")
+    time.sleep(4)
+    kept = {q: amqp.count(q) for q, _ in qs}
+    md("Purged; policy message-ttl 3000 set again, 5 messages published, policy deleted 0.3 s later; "
+       f"4 s later ready: `{jd(kept)}` (0 = the messages kept the TTL they were published with)", "")
+    rec["ttl-published-under-policy-then-deleted"] = kept
     rec["ttl"] = {"before": before, "series": series, "get-at-6s": got, "new-with-policy": series2,
                   "after-delete+5": after}
     for q, _ in qs:
@@ -1125,7 +1194,14 @@ def section6(amqp):
         i = text.find('"pt-def-')
         s = text.rfind("{", 0, i)
         md("", "Raw bytes around the first of them in the response: `" + cell(text[s:s + 260]) + "…`", "")
-        rec[path] = {"status": st, "keys": keys, "policies": pols, "operator_policies": j.get("operator_policies", "absent")}
+        params = [p for p in j.get("parameters", []) if p.get("name", "").startswith("pt-")]
+        md("", "Its `parameters` entries (ours; the operator policy is here, component `operator_policy`):", "")
+        md(*code_block(json.dumps(params, indent=2, ensure_ascii=False)))
+        i = text.find('"component":"operator_policy","name":"pt-def-op"')
+        s0 = text.rfind('{"value":', 0, i)
+        md("", "Raw bytes of that entry: `" + cell(text[s0:text.find("}", i) + 1]) + "`", "")
+        rec[path] = {"status": st, "keys": keys, "policies": pols, "parameters": params,
+                     "operator_policies": j.get("operator_policies", "absent")}
         if "operator_policies" in j:
             md("`operator_policies`:", "")
             md(*code_block(json.dumps(j["operator_policies"], indent=2, ensure_ascii=False)))
@@ -1142,6 +1218,21 @@ def section6(amqp):
     st, j, text = call_md("GET", "/policies/%2F/pt-imp-pol")
     st2, j2, text2 = call_md("GET", "/operator-policies/%2F/pt-imp-op")
     rec["import"] = {"policy": [st, text], "operator_policy": [st2, text2]}
+    md("An operator policy as a `parameters` entry (the export's form):", "")
+    imp2 = {"parameters": [{"value": {"pattern": "^pt-imp", "definition": {"max-length": 2}, "priority": 0,
+                                      "apply-to": "queues"},
+                            "vhost": "/", "component": "operator_policy", "name": "pt-imp-op2"}]}
+    call_md("POST", "/definitions", imp2)
+    st4, j4, text4 = call_md("GET", "/operator-policies/%2F/pt-imp-op2")
+    rec["import-as-parameter"] = [st4, text4]
+    imp3 = {"parameters": [{"value": {"pattern": "^pt-imp", "definition": {"max-length": 4}, "priority": 0,
+                                      "apply-to": "queues"},
+                            "vhost": "/", "component": "policy", "name": "pt-imp-pol3"}]}
+    call_md("POST", "/definitions", imp3, note="a policy as a `parameters` entry, component `policy`")
+    st5, j5, text5 = call_md("GET", "/policies/%2F/pt-imp-pol3")
+    rec["import-policy-as-parameter"] = [st5, text5]
+    del_pol("operator-policies", "pt-imp-op2")
+    del_pol("policies", "pt-imp-pol3")
     bad = {"policies": [{"vhost": "/", "name": "pt-imp-bad", "pattern": "^pt-imp", "apply-to": "queues",
                          "definition": {"max-length": "x"}, "priority": 0}]}
     st3, _, text3 = call_md("POST", "/definitions", bad, note="a bad policy in an import")
