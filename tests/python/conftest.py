@@ -76,13 +76,46 @@ def pytest_collection_modifyitems(config, items):
 _GIVEN_PORTS = set()
 
 
+def _port_slice():
+    """This process's ports to hand out: below the kernel's ephemeral range, where every outgoing
+    connection (a cluster node's to its peers, a client's) takes its source port, so a port handed
+    out from there could be in use before the broker binds it (a node failed to start with "Address
+    already in use" on -n 3); and one slice per pytest-xdist worker, so that two workers never hand
+    out the same port. None: the range is not the usual one (then the kernel picks)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    start, size = 10000 + (index % 8) * 2500, 2500
+    return range(start, start + size) if start + size <= low else None
+
+
+_PORTS = _port_slice()
+_NEXT_PORT = [0]
+
+
 def free_port():
     """A port free now and not handed out before in this run: the kernel may give the same free
     port twice in a row, and a broker whose AMQP and HTTP ports came out equal refused to start."""
     while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        if _PORTS is not None:
+            if len(_GIVEN_PORTS) >= len(_PORTS):
+                raise RuntimeError(f"every port of {_PORTS} was handed out in this run")
+            port = _PORTS[_NEXT_PORT[0] % len(_PORTS)]
+            _NEXT_PORT[0] += 1
+            if port in _GIVEN_PORTS:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # something else listens there
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         if port not in _GIVEN_PORTS:
             _GIVEN_PORTS.add(port)
             return port

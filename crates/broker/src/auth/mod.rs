@@ -4,6 +4,7 @@
 
 pub mod defs;
 pub mod password;
+pub mod policy;
 pub mod users;
 
 pub use password::{same_secret, Algorithm, PasswordHash};
