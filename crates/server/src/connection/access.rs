@@ -69,11 +69,22 @@ impl Default for Access {
 }
 
 /// The name permissions are matched against: the default exchange is `amq.default`.
-fn resource_name(kind: Resource, name: &str) -> &str {
+pub fn resource_name(kind: Resource, name: &str) -> &str {
     match kind {
         Resource::Exchange => warren_broker::auth::exchange_resource(name),
         Resource::Queue => name,
     }
+}
+
+/// RabbitMQ's text for a refused operation on `resource` (as `resource_name` gives it), after
+/// "ACCESS_REFUSED - " (the management API passes it on too).
+pub fn refused_text(kind: Resource, resource: &str, vhost: &str, user: &str) -> String {
+    format!("access to {} '{resource}' in vhost '{vhost}' refused for user '{user}'", kind.as_str())
+}
+
+/// RabbitMQ's text for a routing key a topic permission refuses.
+pub fn topic_refused_text(key: &str, exchange: &str, vhost: &str, user: &str) -> String {
+    format!("access to topic '{key}' in exchange '{exchange}' in vhost '{vhost}' refused for user '{user}'")
 }
 
 impl Access {
@@ -102,12 +113,7 @@ impl Access {
         if allowed {
             return Ok(());
         }
-        Err(BrokerError::access_refused(format!(
-            "access to {} '{name}' in vhost '{}' refused for user '{}'",
-            kind.as_str(),
-            conn.vhost.name,
-            conn.user.name
-        )))
+        Err(BrokerError::access_refused(refused_text(kind, name, &conn.vhost.name, &conn.user.name)))
     }
 
     /// basic.publish's checks, in RabbitMQ's order: write on the exchange; with topic permissions,
@@ -150,9 +156,6 @@ impl Access {
         if allowed {
             return Ok(());
         }
-        Err(BrokerError::access_refused(format!(
-            "access to topic '{key}' in exchange '{exchange}' in vhost '{}' refused for user '{}'",
-            conn.vhost.name, conn.user.name
-        )))
+        Err(BrokerError::access_refused(topic_refused_text(key, exchange, &conn.vhost.name, &conn.user.name)))
     }
 }

@@ -25,10 +25,12 @@ use axum::extract::{FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use warren_broker::auth::{exchange_resource, Perm, Permission, User, Users};
+use warren_broker::auth::{Perm, Permission, User, Users};
 use warren_broker::exchange::ExchangeKind;
 use warren_broker::VHost;
 
+pub use crate::connection::access::Resource;
+use crate::connection::access::{refused_text, resource_name, topic_refused_text};
 use crate::http::auth::AuthUser;
 use crate::http::error::{ApiError, ApiResult};
 use crate::http::HttpContext;
@@ -167,14 +169,11 @@ impl Scope {
     /// the aliveness test), with the channel's words for a refusal.
     pub fn check_amqp(&self, vhost: &str, perm: Perm, what: Resource, name: &str) -> Result<(), Refused> {
         let permission = self.permission(vhost).ok_or(Refused::Vhost)?;
-        let resource = match what {
-            Resource::Exchange => exchange_resource(name),
-            Resource::Queue => name,
-        };
+        let resource = resource_name(what, name);
         if permission.allows(perm, resource) {
             return Ok(());
         }
-        Err(Refused::Amqp(format!("access to {} '{resource}' in vhost '{vhost}' refused for user '{}'", what.as_str(), self.user.name)))
+        Err(Refused::Amqp(refused_text(what, resource, vhost, &self.user.name)))
     }
 
     /// A publish's topic permission (write) on routing key `key` of a topic exchange, as AMQP
@@ -189,23 +188,7 @@ impl Scope {
         if allowed {
             return Ok(());
         }
-        Err(Refused::Amqp(format!("access to topic '{key}' in exchange '{exchange}' in vhost '{vhost}' refused for user '{}'", self.user.name)))
-    }
-}
-
-/// What a permission is checked on, in refusals.
-#[derive(Debug, Clone, Copy)]
-pub enum Resource {
-    Queue,
-    Exchange,
-}
-
-impl Resource {
-    fn as_str(self) -> &'static str {
-        match self {
-            Resource::Queue => "queue",
-            Resource::Exchange => "exchange",
-        }
+        Err(Refused::Amqp(topic_refused_text(key, exchange, vhost, &self.user.name)))
     }
 }
 
